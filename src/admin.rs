@@ -1,0 +1,266 @@
+//! The admin commands' views: `status` (a table or JSON), `inspect` (one document with its
+//! history). Pure rendering over what the store read, so the output is testable without a server.
+
+use bson::{Bson, Document};
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde_json::{json, Value};
+
+use crate::decide::state_of;
+use crate::document::{field, Observed};
+use crate::ids::BotId;
+
+/// One row of `seedlock status`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StatusRow {
+    pub bot: String,
+    pub state: String,
+    pub holder: Option<String>,
+    pub epoch: Option<i64>,
+    pub lock_age_seconds: Option<i64>,
+    pub expires_in_seconds: Option<i64>,
+    pub seeds: usize,
+    pub last_refresh: Option<String>,
+    pub failed_refreshes: i64,
+    pub last_error: Option<String>,
+    pub problems: Vec<String>,
+}
+
+/// Builds rows for every document read, plus configured bots that have no document yet.
+pub fn status_rows(docs: Vec<Document>, configured: &[BotId], now: DateTime<Utc>) -> Vec<StatusRow> {
+    let mut rows = Vec::new();
+    for raw in docs {
+        let name = match raw.get(field::ID) {
+            Some(Bson::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+            None => "?".into(),
+        };
+        let observed = Observed::from_raw(Some(raw));
+        let state = state_of(&observed).as_str().to_owned();
+        let row = match observed {
+            Observed::Valid(doc) => {
+                let editing = doc.is_editing;
+                StatusRow {
+                    bot: name,
+                    state,
+                    holder: doc.editing_by.filter(|_| editing),
+                    epoch: Some(doc.lock_epoch.get()),
+                    lock_age_seconds: doc
+                        .last_update_started_at
+                        .filter(|_| editing)
+                        .map(|t| (now - t).num_seconds()),
+                    expires_in_seconds: doc.lock_expires_at.filter(|_| editing).map(|t| (t - now).num_seconds()),
+                    seeds: doc.seeds.len(),
+                    last_refresh: doc.last_seed_updated_at.map(iso),
+                    failed_refreshes: doc.failed_refreshes,
+                    last_error: doc.last_error,
+                    problems: Vec::new(),
+                }
+            }
+            Observed::Malformed { problems, .. } => StatusRow {
+                bot: name,
+                state,
+                holder: None,
+                epoch: None,
+                lock_age_seconds: None,
+                expires_in_seconds: None,
+                seeds: 0,
+                last_refresh: None,
+                failed_refreshes: 0,
+                last_error: Some(format!("malformed: {}", problems.join("; "))),
+                problems,
+            },
+            Observed::Missing => unreachable!("built from a document"),
+        };
+        rows.push(row);
+    }
+    for bot in configured {
+        if !rows.iter().any(|r| r.bot == bot.as_str()) {
+            rows.push(StatusRow {
+                bot: bot.to_string(),
+                state: "missing".into(),
+                holder: None,
+                epoch: None,
+                lock_age_seconds: None,
+                expires_in_seconds: None,
+                seeds: 0,
+                last_refresh: None,
+                failed_refreshes: 0,
+                last_error: None,
+                problems: Vec::new(),
+            });
+        }
+    }
+    rows
+}
+
+pub fn iso(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Secs, true)
+}
+
+fn seconds(s: Option<i64>) -> String {
+    match s {
+        None => "-".into(),
+        Some(s) if s < 0 => format!("{}s ago", -s),
+        Some(s) => format!("{s}s"),
+    }
+}
+
+pub fn render_table(rows: &[StatusRow]) -> String {
+    let header = ["BOT", "STATE", "HOLDER", "EPOCH", "LOCK AGE", "EXPIRES IN", "SEEDS", "LAST REFRESH", "LAST ERROR"];
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.bot.clone(),
+                r.state.clone(),
+                r.holder.clone().unwrap_or_else(|| "-".into()),
+                r.epoch.map_or("-".into(), |e| e.to_string()),
+                seconds(r.lock_age_seconds),
+                seconds(r.expires_in_seconds),
+                r.seeds.to_string(),
+                r.last_refresh.clone().unwrap_or_else(|| "-".into()),
+                r.last_error
+                    .as_deref()
+                    .map(|e| one_line(e, 80))
+                    .map(|e| if r.failed_refreshes > 0 { format!("({}x) {e}", r.failed_refreshes) } else { e })
+                    .unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect();
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in &cells {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let line = |row: &[String]| {
+        let mut out = String::new();
+        for (i, (c, w)) in row.iter().zip(&widths).enumerate() {
+            if i + 1 == row.len() {
+                out.push_str(c);
+            } else {
+                out.push_str(&format!("{c:<w$}  "));
+            }
+        }
+        out.trim_end().to_owned() + "\n"
+    };
+    let mut out = line(&header.iter().map(|h| h.to_string()).collect::<Vec<_>>());
+    for row in &cells {
+        out.push_str(&line(row));
+    }
+    out
+}
+
+pub fn render_json(rows: &[StatusRow]) -> String {
+    serde_json::to_string_pretty(rows).expect("rows serialize") + "\n"
+}
+
+fn one_line(text: &str, max: usize) -> String {
+    let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if text.chars().count() > max {
+        format!("{}…", text.chars().take(max).collect::<String>())
+    } else {
+        text
+    }
+}
+
+/// `seedlock inspect`: the document (without history) as JSON, then the history oldest first.
+pub fn render_inspect(raw: &Document) -> String {
+    let mut body = raw.clone();
+    let history = body.remove(field::HISTORY);
+    let mut out = serde_json::to_string_pretty(&to_json(&Bson::Document(body))).expect("json") + "\n";
+    let observed = Observed::from_raw(Some(raw.clone()));
+    out.push_str(&format!("state: {}\n", state_of(&observed).as_str()));
+    if let Observed::Malformed { problems, .. } = &observed {
+        for p in problems {
+            out.push_str(&format!("problem: {p}\n"));
+        }
+    }
+    out.push_str("history (oldest first):\n");
+    match history {
+        Some(Bson::Array(entries)) if !entries.is_empty() => {
+            for entry in entries {
+                let get = |k: &str| match &entry {
+                    Bson::Document(d) => d.get(k).map(|v| match v {
+                        Bson::DateTime(t) => iso(t.to_chrono()),
+                        Bson::String(s) => s.clone(),
+                        other => other.to_string(),
+                    }),
+                    _ => None,
+                };
+                out.push_str(&format!(
+                    "  {}  {:<17} epoch {:<4} by {}  {}\n",
+                    get("at").unwrap_or_else(|| "?".into()),
+                    get("event").unwrap_or_else(|| "?".into()),
+                    get("epoch").unwrap_or_else(|| "?".into()),
+                    get("by").unwrap_or_else(|| "?".into()),
+                    get("reason").unwrap_or_default(),
+                ));
+            }
+        }
+        _ => out.push_str("  (none)\n"),
+    }
+    out
+}
+
+/// BSON to plain JSON an admin can read: dates as ISO strings, numbers as numbers.
+fn to_json(value: &Bson) -> Value {
+    match value {
+        Bson::Document(d) => Value::Object(d.iter().map(|(k, v)| (k.clone(), to_json(v))).collect()),
+        Bson::Array(items) => Value::Array(items.iter().map(to_json).collect()),
+        Bson::DateTime(t) => json!(iso(t.to_chrono())),
+        Bson::String(s) => json!(s),
+        Bson::Boolean(b) => json!(b),
+        Bson::Int32(n) => json!(n),
+        Bson::Int64(n) => json!(n),
+        Bson::Double(f) => json!(f),
+        Bson::Null => Value::Null,
+        other => json!(other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bson::doc;
+    use chrono::TimeZone;
+
+    #[test]
+    fn status_shows_holders_ages_and_missing_bots() {
+        let now = Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap();
+        let started = bson::DateTime::from_chrono(now - chrono::Duration::seconds(12));
+        let expires = bson::DateTime::from_chrono(now + chrono::Duration::seconds(18));
+        let docs = vec![
+            doc! {"_id": "a", "isReady": false, "isEditing": true, "seeds": [], "lockEpoch": 7_i64,
+                  "editingBy": "host:1:x", "lastUpdateStartedAt": started, "lockExpiresAt": expires},
+            doc! {"_id": "b", "isReady": "true", "isEditing": false, "seeds": [], "lockEpoch": 1_i64},
+        ];
+        let configured = [BotId::parse("a").unwrap(), BotId::parse("c").unwrap()];
+        let rows = status_rows(docs, &configured, now);
+        assert_eq!(rows.len(), 3);
+        assert_eq!((rows[0].state.as_str(), rows[0].holder.as_deref()), ("updating", Some("host:1:x")));
+        assert_eq!((rows[0].lock_age_seconds, rows[0].expires_in_seconds), (Some(12), Some(18)));
+        assert_eq!(rows[1].state, "error");
+        assert!(rows[1].last_error.as_deref().unwrap().contains("isReady must be a boolean"));
+        assert_eq!((rows[2].bot.as_str(), rows[2].state.as_str()), ("c", "missing"));
+        let table = render_table(&rows);
+        assert!(table.lines().nth(1).unwrap().contains("host:1:x"), "{table}");
+        let json: serde_json::Value = serde_json::from_str(&render_json(&rows)).unwrap();
+        assert_eq!(json[0]["epoch"], 7);
+    }
+
+    #[test]
+    fn inspect_lists_history_oldest_first() {
+        let at = bson::DateTime::from_millis(0);
+        let raw = doc! {"_id": "a", "isReady": true, "isEditing": false, "seeds": ["http://x/"], "lockEpoch": 2_i64,
+            "history": [
+                {"at": at, "event": "acquired", "by": "i1", "epoch": 1_i64, "reason": "C"},
+                {"at": at, "event": "refreshed", "by": "i1", "epoch": 1_i64, "reason": "1 seeds"},
+            ]};
+        let text = render_inspect(&raw);
+        let acquired = text.find("acquired").unwrap();
+        assert!(acquired < text.find("refreshed").unwrap());
+        assert!(text.contains("state: ready"));
+        assert!(text.contains("\"lockEpoch\": 2"));
+    }
+}

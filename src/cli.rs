@@ -1,0 +1,235 @@
+//! The command line: parsing (clap), logging set-up, and one function per command. Errors end
+//! here as one line on stderr and an exit code: 0 done, 1 the command failed, 2 bad usage, bad
+//! config or unreachable database.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{LogFormat, Settings};
+use crate::daemon::{self, Mode, RunError};
+use crate::ids::BotId;
+use crate::store::UnlockOutcome;
+
+#[derive(Debug, Parser)]
+#[command(name = "seedlock", version, about = "Crawler bots that coordinate through MongoDB documents")]
+pub struct Cli {
+    /// The TOML config file.
+    #[arg(long, short, env = "SEEDLOCK_CONFIG", default_value = "seedlock.toml", global = true)]
+    pub config: PathBuf,
+    /// Log format, overriding `log.format`.
+    #[arg(long, value_enum, global = true)]
+    pub log_format: Option<LogFormatArg>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum LogFormatArg {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run every configured bot's state machine (the daemon).
+    Run {
+        /// Run each bot until it is Ready, print a summary line per bot, and exit 0.
+        #[arg(long)]
+        once: bool,
+        /// With --once: give up (exit 1) if not every bot is Ready by then.
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
+    /// Show every bot's state, holder, epoch, lock age, seeds, last refresh and last error.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print one bot's document and its history.
+    Inspect { bot: String },
+    /// Force-unlock a bot: clears its lock and raises its epoch so the old holder's writes fail.
+    Unlock {
+        bot: String,
+        #[arg(long, default_value = "manual unlock")]
+        reason: String,
+    },
+    /// Ask for a refresh of a bot's seeds at the next opportunity.
+    Refresh { bot: String },
+}
+
+const EXIT_FAILED: u8 = 1;
+const EXIT_USAGE: u8 = 2;
+
+fn fail(code: u8, message: impl std::fmt::Display) -> ExitCode {
+    eprintln!("seedlock: {message}");
+    ExitCode::from(code)
+}
+
+pub fn main(cli: Cli) -> ExitCode {
+    let settings = match Settings::load(&cli.config) {
+        Ok(s) => s,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    let format = match cli.log_format {
+        Some(LogFormatArg::Json) => LogFormat::Json,
+        Some(LogFormatArg::Text) => LogFormat::Text,
+        None => settings.log.format,
+    };
+    init_tracing(format, &settings.log.level);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => return fail(EXIT_FAILED, format!("cannot start the runtime: {e}")),
+    };
+    runtime.block_on(dispatch(cli.command, settings))
+}
+
+fn init_tracing(format: LogFormat, level: &str) {
+    use tracing_subscriber::EnvFilter;
+    let filter = std::env::var("SEEDLOCK_LOG")
+        .ok()
+        .and_then(|v| EnvFilter::try_new(v).ok())
+        .unwrap_or_else(|| EnvFilter::new(level));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+fn bot_arg(raw: &str) -> Result<BotId, ExitCode> {
+    BotId::parse(raw).map_err(|e| fail(EXIT_USAGE, e))
+}
+
+async fn dispatch(command: Command, settings: Settings) -> ExitCode {
+    match command {
+        Command::Run { once, timeout } => run(settings, once, timeout).await,
+        Command::Status { json } => status(settings, json).await,
+        Command::Inspect { bot } => inspect(settings, &bot).await,
+        Command::Unlock { bot, reason } => unlock(settings, &bot, &reason).await,
+        Command::Refresh { bot } => refresh(settings, &bot).await,
+    }
+}
+
+async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+    let mode = if once { Mode::Once { timeout } } else { Mode::Daemon };
+    match daemon::run(settings, mode, shutdown).await {
+        Ok(summaries) => {
+            for s in summaries {
+                println!("{} ready epoch={} seeds={} digest={}", s.bot, s.epoch, s.seeds, s.seeds_digest);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e @ RunError::Startup(_)) => fail(EXIT_USAGE, e),
+        Err(e @ RunError::Timeout { .. }) => fail(EXIT_FAILED, e),
+    }
+}
+
+/// SIGINT or SIGTERM: cancel everything; the bots stop their work, release fenced, then exit.
+async fn stop_on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        tracing::error!("cannot install signal handlers");
+        return;
+    };
+    let name = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    tracing::info!(signal = name, "shutting down: stopping work, then releasing locks");
+    shutdown.cancel();
+}
+
+async fn status(settings: Settings, json: bool) -> ExitCode {
+    let (store, clock) = match daemon::connect(&settings).await {
+        Ok(c) => c,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    let docs = match store.load_all().await {
+        Ok(d) => d,
+        Err(e) => return fail(EXIT_FAILED, e),
+    };
+    let configured: Vec<BotId> = settings.bots.iter().map(|b| b.id.clone()).collect();
+    let rows = crate::admin::status_rows(docs, &configured, clock.now());
+    if json {
+        print!("{}", crate::admin::render_json(&rows));
+    } else {
+        print!("{}", crate::admin::render_table(&rows));
+    }
+    ExitCode::SUCCESS
+}
+
+async fn inspect(settings: Settings, bot: &str) -> ExitCode {
+    let bot = match bot_arg(bot) {
+        Ok(b) => b,
+        Err(code) => return code,
+    };
+    let (store, _) = match daemon::connect(&settings).await {
+        Ok(c) => c,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    match store.load_raw(&bot).await {
+        Ok(Some(raw)) => {
+            print!("{}", crate::admin::render_inspect(&raw));
+            ExitCode::SUCCESS
+        }
+        Ok(None) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
+        Err(e) => fail(EXIT_FAILED, e),
+    }
+}
+
+fn admin_name() -> String {
+    let user = std::env::var("USER").unwrap_or_else(|_| "admin".into());
+    format!("admin:{user}@{}", gethostname::gethostname().to_string_lossy())
+}
+
+async fn unlock(settings: Settings, bot: &str, reason: &str) -> ExitCode {
+    let bot = match bot_arg(bot) {
+        Ok(b) => b,
+        Err(code) => return code,
+    };
+    let (store, clock) = match daemon::connect(&settings).await {
+        Ok(c) => c,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    match store.admin_unlock(&bot, &admin_name(), reason, clock.now()).await {
+        Ok(UnlockOutcome::Unlocked { holder, old_epoch }) => {
+            println!(
+                "unlocked {bot}: was held by {} at epoch {}; its writes now fail",
+                holder.as_deref().unwrap_or("?"),
+                old_epoch.map_or("?".into(), |e| e.to_string())
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(UnlockOutcome::NotLocked) => {
+            println!("{bot} is not locked; nothing to do");
+            ExitCode::SUCCESS
+        }
+        Ok(UnlockOutcome::NoSuchBot) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
+        Err(e) => fail(EXIT_FAILED, e),
+    }
+}
+
+async fn refresh(settings: Settings, bot: &str) -> ExitCode {
+    let bot = match bot_arg(bot) {
+        Ok(b) => b,
+        Err(code) => return code,
+    };
+    let (store, clock) = match daemon::connect(&settings).await {
+        Ok(c) => c,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    match store.request_refresh(&bot, &admin_name(), clock.now()).await {
+        Ok(true) => {
+            println!("refresh of {bot} requested; the next instance to look will refresh it");
+            ExitCode::SUCCESS
+        }
+        Ok(false) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
+        Err(e) => fail(EXIT_FAILED, e),
+    }
+}

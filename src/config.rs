@@ -1,0 +1,630 @@
+//! Configuration: the TOML file, the environment overrides, and the validated [`Settings`] the
+//! rest of the daemon runs on. Every check happens here, at start-up, so a bad value is one clear
+//! line naming its key, never a failure later in a loop.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::Duration;
+
+use figment::providers::{Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{BotId, InstanceId};
+use crate::urls::NormalizedUrl;
+
+/// Environment variables that override the file (the names are part of the user-facing contract).
+pub const ENV_URI: &str = "MONGODB_URI";
+pub const ENV_DATABASE: &str = "SEEDLOCK_DATABASE";
+pub const ENV_INSTANCE_ID: &str = "SEEDLOCK_INSTANCE_ID";
+pub const ENV_HTTP_LISTEN: &str = "SEEDLOCK_HTTP_LISTEN";
+
+#[derive(Debug, thiserror::Error)]
+#[error("config {path}: {message}")]
+pub struct ConfigError {
+    path: String,
+    message: String,
+}
+
+/// Validated settings: everything the daemon and the admin commands need.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub mongo: MongoSettings,
+    pub instance_id: InstanceId,
+    pub lock: LockSettings,
+    pub refresh: RefreshLimits,
+    pub http_listen: Option<String>,
+    pub log: LogSettings,
+    pub bots: Vec<BotSettings>,
+}
+
+#[derive(Clone, Debug)]
+pub struct MongoSettings {
+    pub uri: String,
+    pub database: String,
+    pub connect_timeout: Duration,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LockSettings {
+    pub ttl: Duration,
+    pub heartbeat: Duration,
+    pub max_refresh: Duration,
+    pub poll: Duration,
+}
+
+/// Bounds on one refresh of a seed source.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RefreshLimits {
+    pub timeout: Duration,
+    pub max_bytes: usize,
+    pub max_seeds: usize,
+    pub attempts: u32,
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+    pub sitemap_depth: u32,
+    pub user_agent: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Debug)]
+pub struct LogSettings {
+    pub format: LogFormat,
+    pub level: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct BotSettings {
+    pub id: BotId,
+    pub seeds: SeedSource,
+    pub refresh: RefreshSchedule,
+    pub on_refresh_failure: OnRefreshFailure,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum SeedSource {
+    Url { url: NormalizedUrl, format: SeedFormat },
+    Static(Vec<NormalizedUrl>),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SeedFormat {
+    Lines,
+    Json,
+    Sitemap,
+}
+
+/// When a ready bot's seeds are due for a refresh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RefreshSchedule {
+    /// When the UTC date (on the database server's clock) differs from the last refresh's.
+    Daily,
+    /// When this long has passed since the last refresh.
+    Every(Duration),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnRefreshFailure {
+    /// The bot goes back to Ready on its previous seeds (when it has any) while it retries.
+    KeepPrevious,
+    /// The bot stays not ready until a refresh succeeds.
+    Wait,
+}
+
+// ---- the file's shape -------------------------------------------------------------------------
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    mongo: RawMongo,
+    #[serde(default)]
+    instance: RawInstance,
+    #[serde(default)]
+    lock: RawLock,
+    #[serde(default)]
+    refresh: RawRefresh,
+    #[serde(default)]
+    http: RawHttp,
+    #[serde(default)]
+    log: RawLog,
+    #[serde(default)]
+    bots: Vec<RawBot>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawMongo {
+    uri: String,
+    database: String,
+    connect_timeout: String,
+}
+
+impl Default for RawMongo {
+    fn default() -> Self {
+        Self {
+            uri: "mongodb://127.0.0.1:27017".into(),
+            database: "seedlock".into(),
+            connect_timeout: "5s".into(),
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawInstance {
+    id: String,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawLock {
+    ttl: String,
+    heartbeat: Option<String>,
+    max_refresh: String,
+    poll: String,
+}
+
+impl Default for RawLock {
+    fn default() -> Self {
+        Self {
+            ttl: "30s".into(),
+            heartbeat: None,
+            max_refresh: "10m".into(),
+            poll: "1s".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawRefresh {
+    timeout: String,
+    max_bytes: u64,
+    max_seeds: u64,
+    attempts: u32,
+    backoff_base: String,
+    backoff_max: String,
+    sitemap_depth: u32,
+    user_agent: String,
+}
+
+impl Default for RawRefresh {
+    fn default() -> Self {
+        Self {
+            timeout: "30s".into(),
+            max_bytes: 10 * 1024 * 1024,
+            max_seeds: 100_000,
+            attempts: 3,
+            backoff_base: "1s".into(),
+            backoff_max: "5m".into(),
+            sitemap_depth: 2,
+            user_agent: concat!("seedlock/", env!("CARGO_PKG_VERSION")).into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawHttp {
+    listen: String,
+}
+
+impl Default for RawHttp {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:9464".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawLog {
+    format: LogFormat,
+    level: String,
+}
+
+impl Default for RawLog {
+    fn default() -> Self {
+        Self {
+            format: LogFormat::Text,
+            level: "info".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RawBot {
+    id: String,
+    seeds: RawSeeds,
+    #[serde(default = "default_refresh")]
+    refresh: String,
+    #[serde(default = "default_on_failure")]
+    on_refresh_failure: OnRefreshFailure,
+}
+
+fn default_refresh() -> String {
+    "daily".into()
+}
+
+fn default_on_failure() -> OnRefreshFailure {
+    OnRefreshFailure::KeepPrevious
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(untagged)]
+enum RawSeeds {
+    Static(Vec<String>),
+    Source(RawSeedSource),
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RawSeedSource {
+    url: String,
+    #[serde(default = "default_format")]
+    format: SeedFormat,
+}
+
+fn default_format() -> SeedFormat {
+    SeedFormat::Lines
+}
+
+// ---- loading ----------------------------------------------------------------------------------
+
+impl Settings {
+    /// Reads `path`, applies the environment overrides (`MONGODB_URI`, `SEEDLOCK_DATABASE`,
+    /// `SEEDLOCK_INSTANCE_ID`, `SEEDLOCK_HTTP_LISTEN`) and validates everything.
+    pub fn load(path: &Path) -> Result<Settings, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            path: path.display().to_string(),
+            message: format!("cannot read the file: {e}"),
+        })?;
+        let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        Self::from_toml(&text, env).map_err(|message| ConfigError {
+            path: path.display().to_string(),
+            message,
+        })
+    }
+
+    /// Parses a config from its TOML text, with `env` standing in for the process environment.
+    pub fn from_toml(
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Settings, String> {
+        let mut figment = Figment::from(Serialized::defaults(RawConfig {
+            mongo: RawMongo::default(),
+            instance: RawInstance::default(),
+            lock: RawLock::default(),
+            refresh: RawRefresh::default(),
+            http: RawHttp::default(),
+            log: RawLog::default(),
+            bots: Vec::new(),
+        }))
+        .merge(Toml::string(text));
+        for (var, key) in [
+            (ENV_URI, "mongo.uri"),
+            (ENV_DATABASE, "mongo.database"),
+            (ENV_INSTANCE_ID, "instance.id"),
+            (ENV_HTTP_LISTEN, "http.listen"),
+        ] {
+            if let Some(value) = env(var) {
+                figment = figment.merge((key, value));
+            }
+        }
+        let raw: RawConfig = figment.extract().map_err(describe_figment_error)?;
+        raw.validate()
+    }
+}
+
+fn describe_figment_error(err: figment::Error) -> String {
+    // One line: the first error, with its key path; figment lists the rest on further lines.
+    let first = err.into_iter().next();
+    match first {
+        Some(e) if !e.path.is_empty() => format!("key `{}`: {}", e.path.join("."), e.kind),
+        Some(e) => e.kind.to_string().replace('\n', " "),
+        None => "invalid configuration".into(),
+    }
+}
+
+fn duration(key: &str, raw: &str) -> Result<Duration, String> {
+    humantime::parse_duration(raw.trim())
+        .map_err(|e| format!("key `{key}`: {raw:?} is not a duration such as \"30s\" or \"10m\" ({e})"))
+}
+
+fn positive(key: &str, raw: &str) -> Result<Duration, String> {
+    let d = duration(key, raw)?;
+    if d.is_zero() {
+        return Err(format!("key `{key}`: must be greater than zero"));
+    }
+    Ok(d)
+}
+
+impl RawConfig {
+    fn validate(self) -> Result<Settings, String> {
+        let mongo = MongoSettings {
+            uri: self.mongo.uri.trim().to_owned(),
+            database: validate_database(&self.mongo.database)?,
+            connect_timeout: positive("mongo.connect_timeout", &self.mongo.connect_timeout)?,
+        };
+        if !(mongo.uri.starts_with("mongodb://") || mongo.uri.starts_with("mongodb+srv://")) {
+            return Err(format!(
+                "key `mongo.uri`: {} must start with mongodb:// or mongodb+srv://",
+                crate::redact::redact_uri(&mongo.uri)
+            ));
+        }
+        let instance_id = if self.instance.id.trim().is_empty() {
+            InstanceId::generate()
+        } else {
+            InstanceId::parse(&self.instance.id).map_err(|e| format!("key `instance.id`: {e}"))?
+        };
+        let lock = self.lock.validate()?;
+        let refresh = self.refresh.validate()?;
+        let listen = self.http.listen.trim();
+        let http_listen = if listen.is_empty() || listen == "off" {
+            None
+        } else {
+            listen.parse::<std::net::SocketAddr>().map_err(|_| {
+                format!("key `http.listen`: {listen:?} is not an address such as \"127.0.0.1:9464\" (or \"off\")")
+            })?;
+            Some(listen.to_owned())
+        };
+        let level = self.log.level.trim().to_owned();
+        tracing_subscriber::EnvFilter::try_new(&level)
+            .map_err(|e| format!("key `log.level`: {level:?} is not a log filter ({e})"))?;
+        let mut seen = HashSet::new();
+        let mut bots = Vec::with_capacity(self.bots.len());
+        for (i, bot) in self.bots.into_iter().enumerate() {
+            let bot = bot.validate(i)?;
+            if !seen.insert(bot.id.clone()) {
+                return Err(format!("key `bots[{i}].id`: bot {:?} is configured twice", bot.id.as_str()));
+            }
+            bots.push(bot);
+        }
+        Ok(Settings {
+            mongo,
+            instance_id,
+            lock,
+            refresh,
+            http_listen,
+            log: LogSettings {
+                format: self.log.format,
+                level,
+            },
+            bots,
+        })
+    }
+}
+
+fn validate_database(raw: &str) -> Result<String, String> {
+    let name = raw.trim();
+    if name.is_empty() || name.len() > 63 || name.chars().any(|c| "/\\. \"$".contains(c) || c.is_control()) {
+        return Err(format!(
+            "key `mongo.database`: {raw:?} is not a database name (1-63 characters, none of / \\ . \" $ or space)"
+        ));
+    }
+    Ok(name.to_owned())
+}
+
+impl RawLock {
+    fn validate(&self) -> Result<LockSettings, String> {
+        let ttl = positive("lock.ttl", &self.ttl)?;
+        let heartbeat = match &self.heartbeat {
+            Some(raw) => positive("lock.heartbeat", raw)?,
+            None => ttl / 3,
+        };
+        if heartbeat >= ttl {
+            return Err(format!(
+                "key `lock.heartbeat`: {} must be shorter than lock.ttl ({}), or the lock expires between heartbeats",
+                humantime::format_duration(heartbeat),
+                humantime::format_duration(ttl)
+            ));
+        }
+        let max_refresh = positive("lock.max_refresh", &self.max_refresh)?;
+        if max_refresh <= ttl {
+            return Err(format!(
+                "key `lock.max_refresh`: {} must be longer than lock.ttl ({})",
+                humantime::format_duration(max_refresh),
+                humantime::format_duration(ttl)
+            ));
+        }
+        let poll = positive("lock.poll", &self.poll)?;
+        Ok(LockSettings {
+            ttl,
+            heartbeat,
+            max_refresh,
+            poll,
+        })
+    }
+}
+
+impl RawRefresh {
+    fn validate(&self) -> Result<RefreshLimits, String> {
+        let backoff_base = positive("refresh.backoff_base", &self.backoff_base)?;
+        let backoff_max = positive("refresh.backoff_max", &self.backoff_max)?;
+        if backoff_max < backoff_base {
+            return Err("key `refresh.backoff_max`: must not be shorter than refresh.backoff_base".into());
+        }
+        if self.attempts == 0 || self.attempts > 20 {
+            return Err(format!("key `refresh.attempts`: {} must be between 1 and 20", self.attempts));
+        }
+        if self.max_bytes == 0 || self.max_seeds == 0 {
+            return Err("keys `refresh.max_bytes` and `refresh.max_seeds` must be greater than zero".into());
+        }
+        if self.sitemap_depth > 5 {
+            return Err(format!("key `refresh.sitemap_depth`: {} must be at most 5", self.sitemap_depth));
+        }
+        let user_agent = self.user_agent.trim();
+        if user_agent.is_empty() || reqwest::header::HeaderValue::from_str(user_agent).is_err() {
+            return Err(format!("key `refresh.user_agent`: {user_agent:?} is not a valid header value"));
+        }
+        Ok(RefreshLimits {
+            timeout: positive("refresh.timeout", &self.timeout)?,
+            max_bytes: usize::try_from(self.max_bytes).unwrap_or(usize::MAX),
+            max_seeds: usize::try_from(self.max_seeds).unwrap_or(usize::MAX),
+            attempts: self.attempts,
+            backoff_base,
+            backoff_max,
+            sitemap_depth: self.sitemap_depth,
+            user_agent: user_agent.to_owned(),
+        })
+    }
+}
+
+impl RawBot {
+    fn validate(self, i: usize) -> Result<BotSettings, String> {
+        let id = BotId::parse(&self.id).map_err(|e| format!("key `bots[{i}].id`: {e}"))?;
+        let seeds = match self.seeds {
+            RawSeeds::Static(list) => {
+                if list.is_empty() {
+                    return Err(format!("key `bots[{i}].seeds`: a static seed list must not be empty"));
+                }
+                let mut urls = Vec::with_capacity(list.len());
+                for raw in &list {
+                    let url = NormalizedUrl::parse(raw)
+                        .map_err(|e| format!("key `bots[{i}].seeds`: {e}"))?;
+                    if !urls.contains(&url) {
+                        urls.push(url);
+                    }
+                }
+                SeedSource::Static(urls)
+            }
+            RawSeeds::Source(source) => SeedSource::Url {
+                url: NormalizedUrl::parse(&source.url)
+                    .map_err(|e| format!("key `bots[{i}].seeds.url`: {e}"))?,
+                format: source.format,
+            },
+        };
+        let refresh = match self.refresh.trim() {
+            "daily" => RefreshSchedule::Daily,
+            other => {
+                let every = duration(&format!("bots[{i}].refresh"), other).map_err(|_| {
+                    format!("key `bots[{i}].refresh`: {other:?} is neither \"daily\" nor an interval such as \"6h\"")
+                })?;
+                if every < Duration::from_secs(1) {
+                    return Err(format!("key `bots[{i}].refresh`: an interval must be at least 1s"));
+                }
+                RefreshSchedule::Every(every)
+            }
+        };
+        Ok(BotSettings {
+            id,
+            seeds,
+            refresh,
+            on_refresh_failure: self.on_refresh_failure,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+[mongo]
+uri = "mongodb://127.0.0.1:27017"
+database = "seedlock"
+[instance]
+id = ""
+[lock]
+ttl = "30s"
+heartbeat = "10s"
+max_refresh = "10m"
+poll = "1s"
+[[bots]]
+id = "shop"
+seeds = { url = "http://127.0.0.1:8000/seeds.txt", format = "lines" }
+refresh = "daily"
+on_refresh_failure = "keep_previous"
+[[bots]]
+id = "static"
+seeds = ["https://example.com/a", "https://EXAMPLE.com/a#frag"]
+refresh = "6h"
+on_refresh_failure = "wait"
+"#;
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    #[test]
+    fn the_documented_example_parses() {
+        let s = Settings::from_toml(EXAMPLE, no_env).unwrap();
+        assert_eq!(s.mongo.database, "seedlock");
+        assert_eq!(s.lock.ttl, Duration::from_secs(30));
+        assert_eq!(s.lock.heartbeat, Duration::from_secs(10));
+        assert_eq!(s.bots.len(), 2);
+        assert_eq!(s.bots[0].refresh, RefreshSchedule::Daily);
+        assert_eq!(s.bots[1].refresh, RefreshSchedule::Every(Duration::from_secs(6 * 3600)));
+        assert_eq!(s.bots[1].on_refresh_failure, OnRefreshFailure::Wait);
+        match &s.bots[1].seeds {
+            SeedSource::Static(urls) => assert_eq!(urls.len(), 1, "normalized duplicates collapse"),
+            other => panic!("expected a static list, got {other:?}"),
+        }
+        assert!(s.instance_id.as_str().contains(':'), "an empty id is generated as host:pid:random");
+    }
+
+    #[test]
+    fn heartbeat_defaults_to_a_third_of_ttl() {
+        let s = Settings::from_toml("[lock]\nttl = \"9s\"", no_env).unwrap();
+        assert_eq!(s.lock.heartbeat, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn environment_overrides_the_file() {
+        let env = |name: &str| match name {
+            ENV_URI => Some("mongodb://db.example:27018".to_owned()),
+            ENV_DATABASE => Some("other".to_owned()),
+            ENV_INSTANCE_ID => Some("12345".to_owned()),
+            _ => None,
+        };
+        let s = Settings::from_toml(EXAMPLE, env).unwrap();
+        assert_eq!(s.mongo.uri, "mongodb://db.example:27018");
+        assert_eq!(s.mongo.database, "other");
+        assert_eq!(s.instance_id.as_str(), "12345", "a numeric id stays a string");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases = [
+            ("[lock]\nttl = \"soon\"", "lock.ttl"),
+            ("[lock]\nttl = \"10s\"\nheartbeat = \"10s\"", "lock.heartbeat"),
+            ("[lock]\nttl = \"10m\"\nmax_refresh = \"5m\"", "lock.max_refresh"),
+            ("[mongo]\nuri = \"http://x\"", "mongo.uri"),
+            ("[mongo]\ndatabase = \"a.b\"", "mongo.database"),
+            ("[mongo]\nport = 1", "port"),
+            ("[[bots]]\nid = \"a b\"\nseeds = [\"http://x/\"]", "bots[0].id"),
+            ("[[bots]]\nid = \"a\"\nseeds = []", "bots[0].seeds"),
+            ("[[bots]]\nid = \"a\"\nseeds = [\"ftp://x/\"]", "bots[0].seeds"),
+            ("[[bots]]\nid = \"a\"\nseeds = [\"http://x/\"]\nrefresh = \"weekly\"", "bots[0].refresh"),
+            ("[[bots]]\nid = \"a\"\nseeds = { url = \"http://x/\", format = \"csv\" }", "seeds"),
+            (
+                "[[bots]]\nid = \"a\"\nseeds = [\"http://x/\"]\n[[bots]]\nid = \"a\"\nseeds = [\"http://y/\"]",
+                "bots[1].id",
+            ),
+            ("[http]\nlisten = \"nowhere\"", "http.listen"),
+            ("[log]\nformat = \"xml\"", "log.format"),
+        ];
+        for (text, key) in cases {
+            let err = Settings::from_toml(text, no_env).expect_err(text);
+            assert!(err.contains(key), "error for {text:?} should name {key}: {err}");
+            assert!(!err.contains('\n'), "one line: {err}");
+        }
+    }
+
+    #[test]
+    fn a_bad_uri_is_reported_without_its_password() {
+        let err = Settings::from_toml("[mongo]\nuri = \"postgres://u:hunter2@h/db\"", no_env).unwrap_err();
+        assert!(!err.contains("hunter2"), "{err}");
+    }
+}

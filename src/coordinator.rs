@@ -1,0 +1,443 @@
+//! Drives one bot: read the document, [`decide`], carry the decision out, repeat. [`BotRunner::step`]
+//! is one turn and returns a [`StepOutcome`]; [`BotRunner::run`] loops over it with bounded,
+//! jittered waits. While this instance holds the lock, [`BotRunner::step`] refreshes the seeds
+//! under a heartbeat and stops all work before its last (fenced) write.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures_util::StreamExt;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::backoff::{full_jitter, jittered};
+use crate::clock::ServerClock;
+use crate::config::{BotSettings, LockSettings, OnRefreshFailure};
+use crate::decide::{decide, BotState, Claim, Decision, Policy};
+use crate::document::Observed;
+use crate::error::{Error, Result};
+use crate::ids::{BotId, InstanceId};
+use crate::metrics::Metrics;
+use crate::seeds::{SeedError, SeedFetcher};
+use crate::store::{Lease, Store};
+
+/// What every bot runner of one instance shares.
+pub struct Context {
+    pub store: Store,
+    pub clock: Arc<ServerClock>,
+    pub me: InstanceId,
+    pub lock: LockSettings,
+    pub fetcher: SeedFetcher,
+    pub metrics: Arc<Metrics>,
+    /// Backoff for failed refreshes (`refresh.backoff_base` / `backoff_max`).
+    pub refresh_backoff: (Duration, Duration),
+}
+
+/// The result of one [`BotRunner::step`].
+#[derive(Debug, PartialEq)]
+pub enum StepOutcome {
+    /// The bot is ready; crawl on its seeds.
+    Ready { seeds: usize, epoch: i64 },
+    /// Nothing to do before `until` or a change of the document.
+    Wait { until: Option<DateTime<Utc>>, state: BotState },
+    /// The document was created.
+    Initialized,
+    /// Another instance claimed the lock first (or the document changed since it was read).
+    LostRace,
+    /// A contradictory or malformed document was rewritten.
+    Repaired,
+    /// This instance refreshed the seeds and marked the bot ready.
+    Refreshed { seeds: usize, epoch: i64 },
+    /// The refresh failed; the failure is recorded and the lock released.
+    RefreshFailed { error: String },
+    /// A fenced write matched nothing: someone else owns the bot now. Nothing more was written.
+    LeaseLost,
+    /// Shutdown arrived mid-refresh: work stopped, then the lock was released.
+    Released,
+}
+
+/// When [`BotRunner::run`] returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Until {
+    /// At the first Ready (`run --once`).
+    Ready,
+    /// Only at shutdown (the daemon).
+    Shutdown,
+}
+
+#[derive(Debug, PartialEq)]
+pub enum RunEnd {
+    Ready { seeds: usize, epoch: i64 },
+    Shutdown,
+}
+
+pub struct BotRunner {
+    bot: BotSettings,
+    policy: Policy,
+    ctx: Arc<Context>,
+    wake: Arc<Notify>,
+}
+
+/// How a refresh under the lock ended, before its last write.
+enum End {
+    Fetched(std::result::Result<Vec<String>, SeedError>),
+    Abandoned,
+    Lost,
+    Shutdown,
+}
+
+/// The holder's last write.
+enum Finish {
+    Complete(Vec<String>),
+    Fail(String),
+    Release,
+}
+
+impl BotRunner {
+    pub fn new(bot: BotSettings, ctx: Arc<Context>) -> Self {
+        let policy = Policy { refresh: bot.refresh, max_refresh: ctx.lock.max_refresh };
+        Self { bot, policy, ctx, wake: Arc::new(Notify::new()) }
+    }
+
+    pub fn id(&self) -> &BotId {
+        &self.bot.id
+    }
+
+    /// One turn of the state machine.
+    pub async fn step(&self, shutdown: &CancellationToken) -> Result<StepOutcome> {
+        let ctx = &self.ctx;
+        let id = &self.bot.id;
+        let observed = ctx.store.load(id).await?;
+        ctx.metrics.db_ok();
+        if let Observed::Valid(doc) = &observed {
+            ctx.metrics.saw_epoch(id, doc.lock_epoch.get());
+        }
+        let now = ctx.clock.now();
+        let decision = decide(&observed, now, &ctx.me, &self.policy);
+        let state = decision.state();
+        ctx.metrics.set_state(id, state);
+        match decision {
+            Decision::UseSeeds { note, .. } => {
+                let Observed::Valid(doc) = observed else { unreachable!("UseSeeds comes from a valid document") };
+                if let Some(note) = note {
+                    debug!(bot = %id, %note, "using the previous seeds");
+                }
+                Ok(StepOutcome::Ready { seeds: doc.seeds.len(), epoch: doc.lock_epoch.get() })
+            }
+            Decision::Initialize => {
+                ctx.store.initialize(id, &ctx.me, now).await?;
+                info!(bot = %id, "created the bot document");
+                Ok(StepOutcome::Initialized)
+            }
+            Decision::Wait { until, reason, .. } => {
+                debug!(bot = %id, %reason, ?until, "waiting");
+                Ok(StepOutcome::Wait { until, state })
+            }
+            Decision::RepairContradiction { expected } => {
+                let repaired = ctx.store.repair_contradiction(id, expected, &ctx.me, now).await?;
+                if repaired {
+                    warn!(bot = %id, epoch = expected.get(), "repaired a contradictory document (ready and editing)");
+                    ctx.metrics.repaired(id, "contradictory");
+                }
+                Ok(if repaired { StepOutcome::Repaired } else { StepOutcome::LostRace })
+            }
+            Decision::RepairMalformed { problems } => {
+                let Observed::Malformed { raw, .. } = &observed else {
+                    unreachable!("RepairMalformed comes from a malformed document")
+                };
+                let repaired = ctx.store.repair_malformed(raw, &problems, &ctx.me, now).await?;
+                if repaired {
+                    warn!(bot = %id, problems = %problems.join("; "), "repaired a malformed document");
+                    ctx.metrics.repaired(id, "malformed");
+                }
+                Ok(if repaired { StepOutcome::Repaired } else { StepOutcome::LostRace })
+            }
+            Decision::Claim { expected, claim, reason, .. } => {
+                let lease = ctx.store.claim(id, &ctx.me, expected, claim, now, ctx.lock.ttl, &reason).await?;
+                let Some(lease) = lease else {
+                    debug!(bot = %id, epoch = expected.get(), "another instance claimed the lock first");
+                    return Ok(StepOutcome::LostRace);
+                };
+                let takeover = match claim {
+                    Claim::Free => None,
+                    Claim::Expired { .. } => Some("expired"),
+                    Claim::Stuck { .. } => Some("stuck"),
+                    Claim::Orphaned => Some("orphaned"),
+                };
+                ctx.metrics.acquired(id, takeover);
+                ctx.metrics.saw_epoch(id, lease.epoch.get());
+                info!(bot = %id, epoch = lease.epoch.get(), %reason, takeover = takeover.unwrap_or("no"), "won the edit lock");
+                self.refresh(lease, shutdown).await
+            }
+        }
+    }
+
+    /// Refreshes under `lease`: fetch the seeds while heartbeating; stop the work when the lease is
+    /// lost, `max_refresh` passes or shutdown arrives; then make exactly one fenced last write.
+    async fn refresh(&self, lease: Lease, shutdown: &CancellationToken) -> Result<StepOutcome> {
+        let ctx = &self.ctx;
+        let id = &self.bot.id;
+        let timer = Instant::now();
+        let max_refresh = chrono::Duration::from_std(ctx.lock.max_refresh).unwrap_or(chrono::Duration::MAX);
+        let deadline = lease.started_at + max_refresh;
+        let mut confirmed_until = ctx.clock.now() + chrono::Duration::from_std(ctx.lock.ttl).unwrap_or_default();
+        let work = CancellationToken::new();
+        let end = {
+            let fetch = ctx.fetcher.fetch(&self.bot.seeds, &work);
+            tokio::pin!(fetch);
+            let mut beat = tokio::time::interval_at(Instant::now() + ctx.lock.heartbeat, ctx.lock.heartbeat);
+            beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => break End::Shutdown,
+                    result = &mut fetch => {
+                        break End::Fetched(result.map(|s| s.urls.into_iter().map(|u| u.as_str().to_owned()).collect()))
+                    }
+                    _ = beat.tick() => {
+                        let now = ctx.clock.now();
+                        if now >= deadline {
+                            break End::Abandoned;
+                        }
+                        match ctx.store.heartbeat(&lease, now, ctx.lock.ttl).await {
+                            Ok(expires) => {
+                                ctx.metrics.db_ok();
+                                confirmed_until = expires;
+                            }
+                            Err(Error::LeaseLost { .. }) => break End::Lost,
+                            Err(e) => {
+                                ctx.metrics.db_error();
+                                warn!(bot = %id, epoch = lease.epoch.get(), error = %e, "heartbeat failed");
+                                if ctx.clock.now() >= confirmed_until {
+                                    break End::Lost;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            // `fetch` is dropped here: the HTTP request (and any retry sleep) stops before any
+            // last write is attempted.
+        };
+        work.cancel();
+        let finish = match end {
+            End::Fetched(Ok(seeds)) => Finish::Complete(seeds),
+            End::Fetched(Err(SeedError::Cancelled)) | End::Shutdown => Finish::Release,
+            End::Fetched(Err(e)) => Finish::Fail(format!("refresh failed: {e}")),
+            End::Abandoned => Finish::Fail(format!(
+                "refresh abandoned: it ran longer than max_refresh ({})",
+                humantime::format_duration(ctx.lock.max_refresh)
+            )),
+            End::Lost => {
+                return Ok(self.lost(&lease, timer, "a heartbeat matched nothing or could not be confirmed"));
+            }
+        };
+        self.finish(lease, finish, confirmed_until, timer).await
+    }
+
+    fn lost(&self, lease: &Lease, timer: Instant, why: &str) -> StepOutcome {
+        let id = &self.bot.id;
+        warn!(bot = %id, epoch = lease.epoch.get(), %why, "lease lost; stopped without writing");
+        self.ctx.metrics.lease_lost(id);
+        self.ctx.metrics.refresh_finished(id, "lost", timer.elapsed());
+        StepOutcome::LeaseLost
+    }
+
+    /// The holder's one last write, retried on transient errors while the lease is still ours.
+    async fn finish(
+        &self,
+        lease: Lease,
+        finish: Finish,
+        confirmed_until: DateTime<Utc>,
+        timer: Instant,
+    ) -> Result<StepOutcome> {
+        let ctx = &self.ctx;
+        let id = &self.bot.id;
+        let mut attempt = 0;
+        loop {
+            let now = ctx.clock.now();
+            let result = match &finish {
+                Finish::Complete(seeds) => ctx.store.complete(&lease, seeds, now).await,
+                Finish::Fail(error) => {
+                    let (base, cap) = ctx.refresh_backoff;
+                    let exponent = u32::try_from(lease.failed_refreshes.clamp(0, 20)).unwrap_or(20);
+                    let backoff = jittered(base.saturating_mul(1 << exponent).min(cap), 0.2);
+                    let retry_after = now + chrono::Duration::from_std(backoff).unwrap_or_default();
+                    let stay_ready = self.bot.on_refresh_failure == OnRefreshFailure::KeepPrevious
+                        && !lease.previous_seeds.is_empty();
+                    ctx.store.fail(&lease, now, error, retry_after, stay_ready).await
+                }
+                Finish::Release => ctx.store.release(&lease, now, "shutdown: work stopped, lock released").await,
+            };
+            match result {
+                Ok(()) => break,
+                Err(Error::LeaseLost { .. }) => return Ok(self.lost(&lease, timer, "the last write matched nothing")),
+                Err(e) if e.is_transient() && ctx.clock.now() < confirmed_until => {
+                    ctx.metrics.db_error();
+                    attempt += 1;
+                    warn!(bot = %id, epoch = lease.epoch.get(), error = %e, attempt, "last write failed; retrying");
+                    tokio::time::sleep(full_jitter(Duration::from_millis(100), ctx.lock.heartbeat, attempt)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        ctx.metrics.db_ok();
+        let epoch = lease.epoch.get();
+        Ok(match finish {
+            Finish::Complete(seeds) => {
+                info!(bot = %id, epoch, seeds = seeds.len(), "seeds refreshed; bot is ready");
+                ctx.metrics.refresh_finished(id, "ok", timer.elapsed());
+                StepOutcome::Refreshed { seeds: seeds.len(), epoch }
+            }
+            Finish::Fail(error) => {
+                warn!(bot = %id, epoch, %error, "refresh failed; recorded and released");
+                ctx.metrics.refresh_finished(id, "failed", timer.elapsed());
+                StepOutcome::RefreshFailed { error }
+            }
+            Finish::Release => {
+                info!(bot = %id, epoch, "shutdown mid-refresh: work stopped, lock released");
+                ctx.metrics.refresh_finished(id, "released", timer.elapsed());
+                StepOutcome::Released
+            }
+        })
+    }
+
+    /// Loops over [`step`](Self::step) until `until` or shutdown. Every wait is bounded by the poll
+    /// interval (±20% jitter) and ends early when the document changes (change streams, where the
+    /// server has them); database errors back off exponentially with full jitter.
+    pub async fn run(&self, until: Until, shutdown: &CancellationToken) -> RunEnd {
+        let ctx = &self.ctx;
+        let id = &self.bot.id;
+        let poll = ctx.lock.poll;
+        let watcher = self.spawn_watcher(shutdown.child_token());
+        let mut db_failures: u32 = 0;
+        let mut waiting_since: Option<Instant> = None;
+        let end = loop {
+            if shutdown.is_cancelled() {
+                break RunEnd::Shutdown;
+            }
+            let outcome = match self.step(shutdown).await {
+                Ok(outcome) => {
+                    if db_failures > 0 {
+                        info!(bot = %id, after = db_failures, "database reachable again");
+                    }
+                    db_failures = 0;
+                    outcome
+                }
+                Err(e) => {
+                    db_failures += 1;
+                    ctx.metrics.db_error();
+                    ctx.metrics.set_state(id, BotState::Error);
+                    if db_failures == 1 || db_failures % 10 == 0 {
+                        if e.is_transient() {
+                            warn!(bot = %id, error = %e, failures = db_failures, "database unavailable; retrying");
+                        } else {
+                            error!(bot = %id, error = %e, failures = db_failures, "step failed; retrying");
+                        }
+                    }
+                    let delay = full_jitter(poll / 4, poll * 8, db_failures);
+                    if self.pause(delay, shutdown).await {
+                        break RunEnd::Shutdown;
+                    }
+                    continue;
+                }
+            };
+            match outcome {
+                StepOutcome::Ready { seeds, epoch } | StepOutcome::Refreshed { seeds, epoch } => {
+                    if let Some(since) = waiting_since.take() {
+                        ctx.metrics.waited(id, since.elapsed());
+                    }
+                    if matches!(outcome, StepOutcome::Ready { .. }) && until == Until::Ready {
+                        break RunEnd::Ready { seeds, epoch };
+                    }
+                    if matches!(outcome, StepOutcome::Ready { .. }) && self.pause(jittered(poll, 0.2), shutdown).await {
+                        break RunEnd::Shutdown;
+                    }
+                }
+                StepOutcome::Wait { until: wake_at, .. } => {
+                    waiting_since.get_or_insert_with(Instant::now);
+                    let mut delay = jittered(poll, 0.2);
+                    if let Some(at) = wake_at {
+                        // Wake just after the moment the situation can change, if that is sooner.
+                        let left = (at - ctx.clock.now()).to_std().unwrap_or_default() + Duration::from_millis(20);
+                        delay = delay.min(left);
+                    }
+                    if self.pause(delay, shutdown).await {
+                        break RunEnd::Shutdown;
+                    }
+                }
+                StepOutcome::Initialized | StepOutcome::Repaired | StepOutcome::RefreshFailed { .. } => {}
+                StepOutcome::LostRace | StepOutcome::LeaseLost => {
+                    // Someone else moved first: read again soon, spread out.
+                    if self.pause(full_jitter(poll / 20, poll / 4, 1), shutdown).await {
+                        break RunEnd::Shutdown;
+                    }
+                }
+                StepOutcome::Released => break RunEnd::Shutdown,
+            }
+        };
+        watcher.cancel();
+        end
+    }
+
+    /// Sleeps up to `delay`, waking early on a change of the document. True if shutdown arrived.
+    async fn pause(&self, delay: Duration, shutdown: &CancellationToken) -> bool {
+        tokio::select! {
+            _ = shutdown.cancelled() => true,
+            _ = tokio::time::sleep(delay) => false,
+            _ = self.wake.notified() => false,
+        }
+    }
+
+    /// Watches the bot's document and wakes the loop on every change. Where the server has no
+    /// change streams, polling alone carries on.
+    fn spawn_watcher(&self, stop: CancellationToken) -> CancellationToken {
+        let store = self.ctx.store.clone();
+        let id = self.bot.id.clone();
+        let wake = self.wake.clone();
+        let poll = self.ctx.lock.poll;
+        let token = stop.clone();
+        tokio::spawn(async move {
+            let mut failures: u32 = 0;
+            loop {
+                let stream = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    s = store.watch_bot(&id) => s,
+                };
+                match stream {
+                    Ok(mut stream) => {
+                        failures = 0;
+                        loop {
+                            tokio::select! {
+                                _ = stop.cancelled() => return,
+                                event = stream.next() => match event {
+                                    Some(Ok(_)) => wake.notify_one(),
+                                    Some(Err(e)) => {
+                                        debug!(bot = %id, error = %e, "change stream ended; reopening");
+                                        break;
+                                    }
+                                    None => break,
+                                },
+                            }
+                        }
+                    }
+                    Err(e) if !e.is_transient() => {
+                        debug!(bot = %id, error = %e, "no change streams on this server; polling only");
+                        return;
+                    }
+                    Err(_) => {}
+                }
+                failures += 1;
+                let delay = full_jitter(poll, poll * 16, failures);
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+        });
+        token
+    }
+}

@@ -1,0 +1,184 @@
+//! One seedlock instance: connect, sync the server clock, run every configured bot's state
+//! machine until shutdown (`run`) or until each bot is Ready (`run --once`), serve `/healthz` and
+//! `/metrics`. Tests start instances through the same [`run`] the binary uses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::clock::{LocalClock, ServerClock};
+use crate::config::Settings;
+use crate::coordinator::{BotRunner, Context, RunEnd, Until};
+use crate::document::Observed;
+use crate::ids::BotId;
+use crate::metrics::Metrics;
+use crate::seeds::SeedFetcher;
+use crate::store::Store;
+
+#[derive(Clone, Copy, Debug)]
+pub enum Mode {
+    /// Run every bot until shutdown.
+    Daemon,
+    /// Run each bot until it is Ready, then return; give up after `timeout`.
+    Once { timeout: Duration },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Bad configuration, unreachable database, busy port: exit code 2.
+    #[error("{0}")]
+    Startup(String),
+    /// `run --once` did not see every bot Ready in time: exit code 1.
+    #[error("timed out after {}: not ready: {}", humantime::format_duration(*.timeout), .pending.join(", "))]
+    Timeout { timeout: Duration, pending: Vec<String> },
+}
+
+/// What `run --once` saw at the end, per bot.
+#[derive(Debug)]
+pub struct BotSummary {
+    pub bot: BotId,
+    pub epoch: i64,
+    pub seeds: usize,
+    /// SHA-256 of the seed list (in order), so several instances can show they agree.
+    pub seeds_digest: String,
+}
+
+/// Connects to the database and syncs the server clock: what every command needs first.
+pub async fn connect(settings: &Settings) -> Result<(Store, Arc<ServerClock>), RunError> {
+    let local = LocalClock::from_env().map_err(RunError::Startup)?;
+    let store = Store::connect(&settings.mongo).await.map_err(|e| RunError::Startup(e.to_string()))?;
+    let clock = Arc::new(ServerClock::new(local));
+    // Three samples: the one with the shortest round trip sets the offset.
+    for _ in 0..3 {
+        store
+            .sync_clock(&clock)
+            .await
+            .map_err(|e| RunError::Startup(format!("cannot read the server's time: {e}")))?;
+    }
+    Ok((store, clock))
+}
+
+pub async fn run(settings: Settings, mode: Mode, shutdown: CancellationToken) -> Result<Vec<BotSummary>, RunError> {
+    if settings.bots.is_empty() {
+        return Err(RunError::Startup("no [[bots]] configured: nothing to run".into()));
+    }
+    let (store, clock) = connect(&settings).await?;
+    let fetcher = SeedFetcher::new(settings.refresh.clone()).map_err(RunError::Startup)?;
+    let metrics = Arc::new(Metrics::new());
+    let ctx = Arc::new(Context {
+        store: store.clone(),
+        clock: clock.clone(),
+        me: settings.instance_id.clone(),
+        lock: settings.lock,
+        fetcher,
+        metrics: metrics.clone(),
+        refresh_backoff: (settings.refresh.backoff_base, settings.refresh.backoff_max),
+    });
+    info!(instance = %ctx.me, bots = settings.bots.len(), database = %settings.mongo.database, "seedlock starting");
+
+    let tracker = TaskTracker::new();
+    let stop = shutdown.child_token();
+    if let (Mode::Daemon, Some(listen)) = (mode, &settings.http_listen) {
+        let stale_after = (settings.lock.poll * 3).max(settings.lock.ttl);
+        let (addr, server) = crate::http::bind(listen, metrics.clone(), stale_after, stop.clone())
+            .await
+            .map_err(RunError::Startup)?;
+        info!(%addr, "serving /healthz and /metrics");
+        tracker.spawn(server);
+    }
+    tracker.spawn(resync_clock(store.clone(), clock.clone(), stop.clone()));
+
+    let until = match mode {
+        Mode::Daemon => Until::Shutdown,
+        Mode::Once { .. } => Until::Ready,
+    };
+    let mut runs = Vec::new();
+    for bot in &settings.bots {
+        let runner = BotRunner::new(bot.clone(), ctx.clone());
+        let stop = stop.clone();
+        runs.push((bot.id.clone(), tracker.spawn(async move { runner.run(until, &stop).await })));
+    }
+
+    let result = match mode {
+        Mode::Daemon => {
+            for (_, handle) in runs {
+                let _ = handle.await;
+            }
+            Ok(Vec::new())
+        }
+        Mode::Once { timeout } => once(runs, timeout, &store, &stop).await,
+    };
+    stop.cancel();
+    tracker.close();
+    tracker.wait().await;
+    info!(instance = %ctx.me, "seedlock stopped");
+    result
+}
+
+async fn once(
+    runs: Vec<(BotId, tokio::task::JoinHandle<RunEnd>)>,
+    timeout: Duration,
+    store: &Store,
+    stop: &CancellationToken,
+) -> Result<Vec<BotSummary>, RunError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut summaries = Vec::new();
+    let mut pending = Vec::new();
+    for (bot, mut handle) in runs {
+        let end = tokio::select! {
+            end = &mut handle => end.ok(),
+            _ = tokio::time::sleep_until(deadline) => None,
+        };
+        match end {
+            Some(RunEnd::Ready { .. }) => summaries.push(bot),
+            _ => {
+                stop.cancel();
+                let _ = handle.await;
+                pending.push(bot.to_string());
+            }
+        }
+    }
+    if !pending.is_empty() {
+        return Err(RunError::Timeout { timeout, pending });
+    }
+    let mut out = Vec::new();
+    for bot in summaries {
+        // Read back what the bot is ready on, for the summary line.
+        match store.load(&bot).await {
+            Ok(Observed::Valid(doc)) => out.push(BotSummary {
+                seeds_digest: digest(&doc.seeds),
+                seeds: doc.seeds.len(),
+                epoch: doc.lock_epoch.get(),
+                bot,
+            }),
+            Ok(_) | Err(_) => warn!(%bot, "could not read the bot back for the summary"),
+        }
+    }
+    Ok(out)
+}
+
+pub fn digest(seeds: &[String]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for seed in seeds {
+        hasher.update(seed.as_bytes());
+        hasher.update(b"\n");
+    }
+    hasher.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Re-samples the server's clock every 30 s (drift, and a better round trip now and then).
+async fn resync_clock(store: Store, clock: Arc<ServerClock>, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(30)) => {}
+        }
+        if let Err(e) = store.sync_clock(&clock).await {
+            tracing::debug!(error = %e, "clock sync failed; keeping the last offset");
+        }
+    }
+}

@@ -1,0 +1,586 @@
+//! The bot state machine as a pure function: [`decide`] maps (what was read, the server's time,
+//! who I am, the bot's policy) to a typed [`Decision`]. It does no I/O; the coordinator executes
+//! the decision and every write it makes is conditional on what was observed here.
+//!
+//! Branch names follow the first design's `waitSeedReady` (A-1 … E) so operators can map a history
+//! entry back to the rule that produced it.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::config::RefreshSchedule;
+use crate::document::{BotDoc, Observed};
+use crate::ids::{InstanceId, LockEpoch};
+
+/// The state an instance is in for one bot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BotState {
+    /// Seeds are usable: crawl.
+    Ready,
+    /// Another instance is refreshing (or a refresh is backing off): wait.
+    Waiting,
+    /// This instance holds (or is claiming) the edit lock and refreshes the seeds.
+    Updating,
+    /// The document is broken or the last refresh failed; the machine is repairing or retrying.
+    Error,
+}
+
+impl BotState {
+    pub const ALL: [BotState; 4] = [BotState::Ready, BotState::Waiting, BotState::Updating, BotState::Error];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BotState::Ready => "ready",
+            BotState::Waiting => "waiting",
+            BotState::Updating => "updating",
+            BotState::Error => "error",
+        }
+    }
+}
+
+/// Which rule of `waitSeedReady` applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Branch {
+    /// Ready but the seed list is empty.
+    A1,
+    /// Ready, and a refresh is due (date change, interval, or an admin's request).
+    A2,
+    /// Ready: use the seeds.
+    A3,
+    /// Editing, and the holder stopped heartbeating (`lockExpiresAt` passed).
+    B1,
+    /// Editing for longer than `max_refresh`, heartbeat or not.
+    B2,
+    /// Editing, and the holder is alive: wait.
+    B3,
+    /// Not ready, not editing (or no document yet): claim the lock.
+    C,
+    /// Ready and editing at once: contradictory.
+    D,
+    /// The document does not parse.
+    E,
+}
+
+impl Branch {
+    pub fn code(self) -> &'static str {
+        match self {
+            Branch::A1 => "A-1",
+            Branch::A2 => "A-2",
+            Branch::A3 => "A-3",
+            Branch::B1 => "B-1",
+            Branch::B2 => "B-2",
+            Branch::B3 => "B-3",
+            Branch::C => "C",
+            Branch::D => "D",
+            Branch::E => "E",
+        }
+    }
+}
+
+/// The condition under which a lock may be claimed; the store turns it into the update's filter,
+/// together with the observed epoch, so the claim fails if anything changed since the read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// Nobody holds the lock (`isEditing: false`).
+    Free,
+    /// The holder's `lockExpiresAt` is before `now` (server time).
+    Expired { now: DateTime<Utc> },
+    /// The refresh started before `started_before` (server time minus `max_refresh`).
+    Stuck { started_before: DateTime<Utc> },
+    /// The holder is this very instance id, but this process holds no lease: a previous run of
+    /// this instance died holding it. Safe to claim, since the epoch fences the old run.
+    Orphaned,
+}
+
+impl Claim {
+    pub fn is_takeover(self) -> bool {
+        !matches!(self, Claim::Free)
+    }
+}
+
+/// What to do next for one bot.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// Crawl on the stored seeds.
+    UseSeeds { branch: Branch, note: Option<String> },
+    /// No document yet: create the initial one (idempotent), then decide again.
+    Initialize,
+    /// Claim the edit lock, then refresh.
+    Claim { expected: LockEpoch, claim: Claim, branch: Branch, reason: String },
+    /// Nothing to do before `until` (if known), or until the document changes.
+    Wait { until: Option<DateTime<Utc>>, branch: Branch, reason: String },
+    /// Ready and editing at once: clear `isReady`, keeping the lock, fenced on the epoch.
+    RepairContradiction { expected: LockEpoch },
+    /// Rewrite a malformed document into a sane, not-ready one (fenced on its exact content).
+    RepairMalformed { problems: Vec<String> },
+}
+
+impl Decision {
+    /// The instance's state while it carries out this decision.
+    pub fn state(&self) -> BotState {
+        match self {
+            Decision::UseSeeds { .. } => BotState::Ready,
+            Decision::Claim { .. } => BotState::Updating,
+            Decision::Initialize => BotState::Waiting,
+            Decision::Wait { reason, .. } if reason.starts_with(BACKOFF) => BotState::Error,
+            Decision::Wait { .. } => BotState::Waiting,
+            Decision::RepairContradiction { .. } | Decision::RepairMalformed { .. } => BotState::Error,
+        }
+    }
+
+    pub fn branch(&self) -> Branch {
+        match self {
+            Decision::UseSeeds { branch, .. }
+            | Decision::Claim { branch, .. }
+            | Decision::Wait { branch, .. } => *branch,
+            Decision::Initialize => Branch::C,
+            Decision::RepairContradiction { .. } => Branch::D,
+            Decision::RepairMalformed { .. } => Branch::E,
+        }
+    }
+}
+
+const BACKOFF: &str = "backing off";
+
+/// What `decide` needs to know about the bot's configuration.
+#[derive(Clone, Copy, Debug)]
+pub struct Policy {
+    pub refresh: RefreshSchedule,
+    pub max_refresh: Duration,
+}
+
+/// The state machine. `now` is the database server's time (see `clock`), never the local clock.
+pub fn decide(observed: &Observed, now: DateTime<Utc>, me: &InstanceId, policy: &Policy) -> Decision {
+    let doc = match observed {
+        Observed::Missing => return Decision::Initialize,
+        Observed::Malformed { problems, .. } => {
+            return Decision::RepairMalformed { problems: problems.clone() }
+        }
+        Observed::Valid(doc) => doc,
+    };
+    match (doc.is_ready, doc.is_editing) {
+        (true, false) => decide_ready(doc, now, policy),
+        (false, true) => decide_editing(doc, now, me, policy),
+        (false, false) => decide_idle(doc, now),
+        (true, true) => Decision::RepairContradiction { expected: doc.lock_epoch },
+    }
+}
+
+fn claim_free(doc: &BotDoc, branch: Branch, reason: String) -> Decision {
+    Decision::Claim { expected: doc.lock_epoch, claim: Claim::Free, branch, reason }
+}
+
+/// A failed refresh set a shared backoff; an admin's explicit request overrides it.
+fn backing_off(doc: &BotDoc, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    doc.retry_refresh_after.filter(|until| *until > now && !refresh_requested(doc))
+}
+
+fn refresh_requested(doc: &BotDoc) -> bool {
+    match (doc.refresh_requested_at, doc.last_update_started_at) {
+        (Some(requested), Some(started)) => requested > started,
+        (Some(_), None) => true,
+        (None, _) => false,
+    }
+}
+
+/// Why a refresh is due, if it is.
+fn refresh_due(doc: &BotDoc, now: DateTime<Utc>, schedule: RefreshSchedule) -> Option<String> {
+    if refresh_requested(doc) {
+        return Some("an admin requested a refresh".into());
+    }
+    let Some(last) = doc.last_seed_updated_at else {
+        return Some("the seeds have no refresh date".into());
+    };
+    match schedule {
+        RefreshSchedule::Daily if last.date_naive() != now.date_naive() => Some(format!(
+            "daily refresh: the UTC date changed from {} to {}",
+            last.date_naive(),
+            now.date_naive()
+        )),
+        RefreshSchedule::Every(every)
+            if now.signed_duration_since(last).to_std().is_ok_and(|age| age >= every) =>
+        {
+            Some(format!("interval refresh: the seeds are older than {}", humantime::format_duration(every)))
+        }
+        _ => None,
+    }
+}
+
+fn decide_ready(doc: &BotDoc, now: DateTime<Utc>, policy: &Policy) -> Decision {
+    if doc.seeds.is_empty() {
+        if let Some(until) = backing_off(doc, now) {
+            return Decision::Wait {
+                until: Some(until),
+                branch: Branch::A1,
+                reason: format!("{BACKOFF}: ready with no seeds after a failed refresh"),
+            };
+        }
+        return claim_free(doc, Branch::A1, "A-1: ready but the seed list is empty".into());
+    }
+    match refresh_due(doc, now, policy.refresh) {
+        Some(why) => match backing_off(doc, now) {
+            // keep_previous: crawl on the old seeds until the shared backoff passes.
+            Some(until) => Decision::UseSeeds {
+                branch: Branch::A2,
+                note: Some(format!("refresh due ({why}) but {BACKOFF} until {until} after a failure")),
+            },
+            None => claim_free(doc, Branch::A2, format!("A-2: {why}")),
+        },
+        None => Decision::UseSeeds { branch: Branch::A3, note: None },
+    }
+}
+
+fn decide_editing(doc: &BotDoc, now: DateTime<Utc>, me: &InstanceId, policy: &Policy) -> Decision {
+    let expected = doc.lock_epoch;
+    let holder = doc.editing_by.as_deref().unwrap_or("?");
+    if holder == me.as_str() {
+        return Decision::Claim {
+            expected,
+            claim: Claim::Orphaned,
+            branch: Branch::B1,
+            reason: format!("B-1: epoch {expected} is held by this instance id, but not by this process"),
+        };
+    }
+    // Both are set on every editing document (`BotDoc::parse` rejects one without them).
+    let expires = doc.lock_expires_at.unwrap_or(now);
+    let started = doc.last_update_started_at.unwrap_or(now);
+    let max_refresh = chrono::Duration::from_std(policy.max_refresh).unwrap_or(chrono::Duration::MAX);
+    let stuck_at = started.checked_add_signed(max_refresh).unwrap_or(DateTime::<Utc>::MAX_UTC);
+    if expires <= now {
+        return Decision::Claim {
+            expected,
+            claim: Claim::Expired { now },
+            branch: Branch::B1,
+            reason: format!("B-1: {holder} stopped heartbeating; its lock expired at {expires}"),
+        };
+    }
+    if stuck_at <= now {
+        return Decision::Claim {
+            expected,
+            claim: Claim::Stuck { started_before: now - max_refresh },
+            branch: Branch::B2,
+            reason: format!(
+                "B-2: {holder}'s refresh started at {started}, longer ago than max_refresh ({})",
+                humantime::format_duration(policy.max_refresh)
+            ),
+        };
+    }
+    Decision::Wait {
+        until: Some(expires.min(stuck_at)),
+        branch: Branch::B3,
+        reason: format!("B-3: {holder} is refreshing (epoch {expected})"),
+    }
+}
+
+fn decide_idle(doc: &BotDoc, now: DateTime<Utc>) -> Decision {
+    if let Some(until) = backing_off(doc, now) {
+        return Decision::Wait {
+            until: Some(until),
+            branch: Branch::C,
+            reason: format!(
+                "{BACKOFF} after {} failed refresh(es): {}",
+                doc.failed_refreshes,
+                doc.last_error.as_deref().unwrap_or("unknown error")
+            ),
+        };
+    }
+    claim_free(doc, Branch::C, "C: not ready and nobody is refreshing".into())
+}
+
+/// The state an admin sees for a document (status, metrics), independent of any instance.
+pub fn state_of(observed: &Observed) -> BotState {
+    match observed {
+        Observed::Missing => BotState::Waiting,
+        Observed::Malformed { .. } => BotState::Error,
+        Observed::Valid(doc) => match (doc.is_ready, doc.is_editing) {
+            (true, false) => BotState::Ready,
+            (false, true) => BotState::Updating,
+            (true, true) => BotState::Error,
+            (false, false) if doc.last_error.is_some() => BotState::Error,
+            (false, false) => BotState::Waiting,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bson::doc;
+    use chrono::TimeZone;
+
+    fn me() -> InstanceId {
+        InstanceId::parse("me").unwrap()
+    }
+
+    fn at(h: u32, m: u32) -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 11, 30, h, m, 0).unwrap()
+    }
+
+    fn ready(seeds: &[&str], updated: DateTime<Utc>) -> BotDoc {
+        BotDoc {
+            id: crate::ids::BotId::parse("shop").unwrap(),
+            is_ready: true,
+            is_editing: false,
+            seeds: seeds.iter().map(|s| s.to_string()).collect(),
+            last_update_started_at: Some(updated),
+            last_seed_updated_at: Some(updated),
+            editing_by: None,
+            lock_epoch: LockEpoch::new(4).unwrap(),
+            heartbeat_at: None,
+            lock_expires_at: None,
+            last_error: None,
+            failed_refreshes: 0,
+            refresh_requested_at: None,
+            retry_refresh_after: None,
+        }
+    }
+
+    fn editing(by: &str, started: DateTime<Utc>, expires: DateTime<Utc>) -> BotDoc {
+        BotDoc {
+            is_ready: false,
+            is_editing: true,
+            editing_by: Some(by.into()),
+            last_update_started_at: Some(started),
+            lock_expires_at: Some(expires),
+            ..ready(&["http://a/"], at(0, 0))
+        }
+    }
+
+    fn daily() -> Policy {
+        Policy { refresh: RefreshSchedule::Daily, max_refresh: Duration::from_secs(600) }
+    }
+
+    fn hourly() -> Policy {
+        Policy { refresh: RefreshSchedule::Every(Duration::from_secs(3600)), max_refresh: Duration::from_secs(600) }
+    }
+
+    /// One row: a document, the server's time, the policy, and the expected (state, branch, claim).
+    struct Row {
+        name: &'static str,
+        observed: Observed,
+        now: DateTime<Utc>,
+        policy: Policy,
+        state: BotState,
+        branch: Branch,
+        claim: Option<Claim>,
+    }
+
+    fn rows() -> Vec<Row> {
+        let valid = Observed::Valid;
+        let yesterday = at(1, 0) - chrono::Duration::days(1);
+        vec![
+            Row {
+                name: "A-1 ready with no seeds claims the free lock",
+                observed: valid(ready(&[], at(1, 0))),
+                now: at(2, 0),
+                policy: daily(),
+                state: BotState::Updating,
+                branch: Branch::A1,
+                claim: Some(Claim::Free),
+            },
+            Row {
+                name: "A-2 the UTC date changed since the last refresh",
+                observed: valid(ready(&["http://a/"], yesterday)),
+                now: at(0, 1),
+                policy: daily(),
+                state: BotState::Updating,
+                branch: Branch::A2,
+                claim: Some(Claim::Free),
+            },
+            Row {
+                name: "A-2 the interval passed",
+                observed: valid(ready(&["http://a/"], at(1, 0))),
+                now: at(2, 0),
+                policy: hourly(),
+                state: BotState::Updating,
+                branch: Branch::A2,
+                claim: Some(Claim::Free),
+            },
+            Row {
+                name: "A-2 an admin asked for a refresh after the last one started",
+                observed: valid(BotDoc { refresh_requested_at: Some(at(1, 30)), ..ready(&["http://a/"], at(1, 0)) }),
+                now: at(1, 31),
+                policy: daily(),
+                state: BotState::Updating,
+                branch: Branch::A2,
+                claim: Some(Claim::Free),
+            },
+            Row {
+                name: "A-2 a request served by a later refresh is not due again",
+                observed: valid(BotDoc { refresh_requested_at: Some(at(0, 30)), ..ready(&["http://a/"], at(1, 0)) }),
+                now: at(1, 31),
+                policy: daily(),
+                state: BotState::Ready,
+                branch: Branch::A3,
+                claim: None,
+            },
+            Row {
+                name: "A-2 due but backing off after a failure keeps the previous seeds",
+                observed: valid(BotDoc {
+                    retry_refresh_after: Some(at(2, 5)),
+                    last_error: Some("boom".into()),
+                    ..ready(&["http://a/"], yesterday)
+                }),
+                now: at(2, 0),
+                policy: daily(),
+                state: BotState::Ready,
+                branch: Branch::A2,
+                claim: None,
+            },
+            Row {
+                name: "A-2 an admin's request overrides the backoff",
+                observed: valid(BotDoc {
+                    retry_refresh_after: Some(at(2, 5)),
+                    refresh_requested_at: Some(at(1, 59)),
+                    ..ready(&["http://a/"], at(1, 0))
+                }),
+                now: at(2, 0),
+                policy: daily(),
+                state: BotState::Updating,
+                branch: Branch::A2,
+                claim: Some(Claim::Free),
+            },
+            Row {
+                name: "A-3 ready, same day, within the interval",
+                observed: valid(ready(&["http://a/"], at(1, 0))),
+                now: at(1, 59),
+                policy: hourly(),
+                state: BotState::Ready,
+                branch: Branch::A3,
+                claim: None,
+            },
+            Row {
+                name: "B-1 the holder's lock expired",
+                observed: valid(editing("other", at(1, 0), at(1, 1))),
+                now: at(1, 2),
+                policy: daily(),
+                state: BotState::Updating,
+                branch: Branch::B1,
+                claim: Some(Claim::Expired { now: at(1, 2) }),
+            },
+            Row {
+                name: "B-1 a lock held by this instance id but not this process is reclaimed",
+                observed: valid(editing("me", at(1, 0), at(1, 5))),
+                now: at(1, 2),
+                policy: daily(),
+                state: BotState::Updating,
+                branch: Branch::B1,
+                claim: Some(Claim::Orphaned),
+            },
+            Row {
+                name: "B-2 heartbeating for longer than max_refresh",
+                observed: valid(editing("other", at(1, 0), at(1, 11))),
+                now: at(1, 10),
+                policy: daily(),
+                state: BotState::Updating,
+                branch: Branch::B2,
+                claim: Some(Claim::Stuck { started_before: at(1, 0) }),
+            },
+            Row {
+                name: "B-3 a live holder within max_refresh: wait",
+                observed: valid(editing("other", at(1, 0), at(1, 5))),
+                now: at(1, 4),
+                policy: daily(),
+                state: BotState::Waiting,
+                branch: Branch::B3,
+                claim: None,
+            },
+            Row {
+                name: "C a missing document is initialized",
+                observed: Observed::Missing,
+                now: at(1, 0),
+                policy: daily(),
+                state: BotState::Waiting,
+                branch: Branch::C,
+                claim: None,
+            },
+            Row {
+                name: "C not ready and not editing claims the lock",
+                observed: valid(BotDoc { is_ready: false, ..ready(&[], at(1, 0)) }),
+                now: at(1, 0),
+                policy: daily(),
+                state: BotState::Updating,
+                branch: Branch::C,
+                claim: Some(Claim::Free),
+            },
+            Row {
+                name: "C after a failure waits out the shared backoff",
+                observed: valid(BotDoc {
+                    is_ready: false,
+                    retry_refresh_after: Some(at(1, 1)),
+                    last_error: Some("503".into()),
+                    failed_refreshes: 2,
+                    ..ready(&[], at(0, 0))
+                }),
+                now: at(1, 0),
+                policy: daily(),
+                state: BotState::Error,
+                branch: Branch::C,
+                claim: None,
+            },
+            Row {
+                name: "D ready and editing is repaired, not force-unlocked",
+                observed: valid(BotDoc { is_ready: true, ..editing("other", at(1, 0), at(1, 5)) }),
+                now: at(1, 1),
+                policy: daily(),
+                state: BotState::Error,
+                branch: Branch::D,
+                claim: None,
+            },
+            Row {
+                name: "E a malformed document is repaired",
+                observed: Observed::Malformed {
+                    raw: doc! {"_id": "shop", "isReady": "true"},
+                    problems: vec!["isReady must be a boolean".into()],
+                },
+                now: at(1, 0),
+                policy: daily(),
+                state: BotState::Error,
+                branch: Branch::E,
+                claim: None,
+            },
+        ]
+    }
+
+    #[test]
+    fn every_branch_of_wait_seed_ready() {
+        for row in rows() {
+            let decision = decide(&row.observed, row.now, &me(), &row.policy);
+            assert_eq!(decision.state(), row.state, "{}: {decision:?}", row.name);
+            assert_eq!(decision.branch(), row.branch, "{}: {decision:?}", row.name);
+            let claim = match &decision {
+                Decision::Claim { claim, expected, .. } => {
+                    assert_eq!(expected.get(), 4, "{}: claims are fenced on the observed epoch", row.name);
+                    Some(*claim)
+                }
+                _ => None,
+            };
+            assert_eq!(claim, row.claim, "{}", row.name);
+        }
+    }
+
+    #[test]
+    fn waits_end_when_the_lock_could_change() {
+        let doc = editing("other", at(1, 0), at(1, 5));
+        match decide(&Observed::Valid(doc), at(1, 4), &me(), &daily()) {
+            Decision::Wait { until, .. } => assert_eq!(until, Some(at(1, 5))),
+            other => panic!("expected a wait, got {other:?}"),
+        }
+        // A heartbeating holder: the wait ends at max_refresh, not at the (renewed) expiry.
+        let doc = editing("other", at(1, 0), at(1, 30));
+        match decide(&Observed::Valid(doc), at(1, 4), &me(), &daily()) {
+            Decision::Wait { until, .. } => assert_eq!(until, Some(at(1, 10))),
+            other => panic!("expected a wait, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn states_seen_by_an_admin() {
+        assert_eq!(state_of(&Observed::Valid(ready(&["x"], at(1, 0)))), BotState::Ready);
+        assert_eq!(state_of(&Observed::Valid(editing("o", at(1, 0), at(1, 1)))), BotState::Updating);
+        let failed = BotDoc { is_ready: false, last_error: Some("x".into()), ..ready(&[], at(1, 0)) };
+        assert_eq!(state_of(&Observed::Valid(failed)), BotState::Error);
+        assert_eq!(state_of(&Observed::Missing), BotState::Waiting);
+    }
+}

@@ -1,0 +1,303 @@
+//! The bot document as stored in `bots`: its field names, and the strict parse from raw BSON into
+//! a typed [`BotDoc`]. A document that does not parse is [`Observed::Malformed`] with the reasons,
+//! which the state machine repairs instead of trusting.
+
+use bson::{Bson, Document};
+use chrono::{DateTime, Utc};
+
+use crate::ids::{BotId, LockEpoch};
+
+/// Field names, camelCase as an admin sees them in mongosh.
+pub mod field {
+    pub const ID: &str = "_id";
+    pub const IS_READY: &str = "isReady";
+    pub const IS_EDITING: &str = "isEditing";
+    pub const SEEDS: &str = "seeds";
+    pub const LAST_UPDATE_STARTED_AT: &str = "lastUpdateStartedAt";
+    pub const LAST_SEED_UPDATED_AT: &str = "lastSeedUpdatedAt";
+    pub const EDITING_BY: &str = "editingBy";
+    pub const LOCK_EPOCH: &str = "lockEpoch";
+    pub const HEARTBEAT_AT: &str = "heartbeatAt";
+    pub const LOCK_EXPIRES_AT: &str = "lockExpiresAt";
+    pub const LAST_ERROR: &str = "lastError";
+    pub const FAILED_REFRESHES: &str = "failedRefreshes";
+    pub const REFRESH_REQUESTED_AT: &str = "refreshRequestedAt";
+    pub const RETRY_AFTER: &str = "retryRefreshAfter";
+    pub const HISTORY: &str = "history";
+}
+
+/// How many transitions `history` keeps.
+pub const HISTORY_LEN: i32 = 50;
+
+/// A well-formed bot document.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BotDoc {
+    pub id: BotId,
+    pub is_ready: bool,
+    pub is_editing: bool,
+    pub seeds: Vec<String>,
+    pub last_update_started_at: Option<DateTime<Utc>>,
+    pub last_seed_updated_at: Option<DateTime<Utc>>,
+    pub editing_by: Option<String>,
+    pub lock_epoch: LockEpoch,
+    pub heartbeat_at: Option<DateTime<Utc>>,
+    pub lock_expires_at: Option<DateTime<Utc>>,
+    pub last_error: Option<String>,
+    pub failed_refreshes: i64,
+    pub refresh_requested_at: Option<DateTime<Utc>>,
+    /// After a failed refresh, no instance starts another before this (backoff shared by all).
+    pub retry_refresh_after: Option<DateTime<Utc>>,
+}
+
+/// What one read of a bot's document found.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Observed {
+    Missing,
+    Malformed { raw: Document, problems: Vec<String> },
+    Valid(BotDoc),
+}
+
+impl Observed {
+    pub fn from_raw(raw: Option<Document>) -> Observed {
+        match raw {
+            None => Observed::Missing,
+            Some(raw) => match BotDoc::parse(&raw) {
+                Ok(doc) => Observed::Valid(doc),
+                Err(problems) => Observed::Malformed { raw, problems },
+            },
+        }
+    }
+}
+
+impl BotDoc {
+    /// Parses strictly: wrong types and missing required fields are listed, not guessed at.
+    pub fn parse(raw: &Document) -> Result<BotDoc, Vec<String>> {
+        let mut problems = Vec::new();
+        let id = match raw.get(field::ID) {
+            Some(Bson::String(s)) => BotId::parse(s).map_err(|e| problems.push(e)).ok(),
+            other => {
+                problems.push(format!("_id must be a string, found {}", describe(other)));
+                None
+            }
+        };
+        let is_ready = required_bool(raw, field::IS_READY, &mut problems);
+        let is_editing = required_bool(raw, field::IS_EDITING, &mut problems);
+        let seeds = match raw.get(field::SEEDS) {
+            Some(Bson::Array(items)) => {
+                let mut seeds = Vec::with_capacity(items.len());
+                for item in items {
+                    match item {
+                        Bson::String(s) => seeds.push(s.clone()),
+                        other => {
+                            problems.push(format!("seeds must hold strings, found {}", describe(Some(other))));
+                            break;
+                        }
+                    }
+                }
+                seeds
+            }
+            other => {
+                problems.push(format!("seeds must be an array, found {}", describe(other)));
+                Vec::new()
+            }
+        };
+        let lock_epoch = match raw.get(field::LOCK_EPOCH).and_then(integer) {
+            Some(n) => LockEpoch::new(n).map_err(|e| problems.push(e)).ok(),
+            None => {
+                problems.push(format!(
+                    "lockEpoch must be an integer, found {}",
+                    describe(raw.get(field::LOCK_EPOCH))
+                ));
+                None
+            }
+        };
+        let failed_refreshes = match raw.get(field::FAILED_REFRESHES) {
+            None | Some(Bson::Null) => 0,
+            Some(v) => integer(v).unwrap_or_else(|| {
+                problems.push(format!("failedRefreshes must be an integer, found {}", describe(Some(v))));
+                0
+            }),
+        };
+        let last_error = match raw.get(field::LAST_ERROR) {
+            None | Some(Bson::Null) => None,
+            Some(Bson::String(s)) => Some(s.clone()),
+            other => {
+                problems.push(format!("lastError must be a string or null, found {}", describe(other)));
+                None
+            }
+        };
+        let editing_by = match raw.get(field::EDITING_BY) {
+            None | Some(Bson::Null) => None,
+            Some(Bson::String(s)) => Some(s.clone()),
+            other => {
+                problems.push(format!("editingBy must be a string or null, found {}", describe(other)));
+                None
+            }
+        };
+        let mut date = |name: &str| optional_date(raw, name, &mut problems);
+        let last_update_started_at = date(field::LAST_UPDATE_STARTED_AT);
+        let last_seed_updated_at = date(field::LAST_SEED_UPDATED_AT);
+        let heartbeat_at = date(field::HEARTBEAT_AT);
+        let lock_expires_at = date(field::LOCK_EXPIRES_AT);
+        let refresh_requested_at = date(field::REFRESH_REQUESTED_AT);
+        let retry_refresh_after = date(field::RETRY_AFTER);
+
+        if is_editing == Some(true) {
+            if editing_by.is_none() {
+                problems.push("isEditing is true but editingBy names no holder".into());
+            }
+            if lock_expires_at.is_none() {
+                problems.push("isEditing is true but lockExpiresAt is not set".into());
+            }
+            if last_update_started_at.is_none() {
+                problems.push("isEditing is true but lastUpdateStartedAt is not set".into());
+            }
+        }
+
+        match (id, is_ready, is_editing, lock_epoch) {
+            (Some(id), Some(is_ready), Some(is_editing), Some(lock_epoch)) if problems.is_empty() => {
+                Ok(BotDoc {
+                    id,
+                    is_ready,
+                    is_editing,
+                    seeds,
+                    last_update_started_at,
+                    last_seed_updated_at,
+                    editing_by,
+                    lock_epoch,
+                    heartbeat_at,
+                    lock_expires_at,
+                    last_error,
+                    failed_refreshes,
+                    refresh_requested_at,
+                    retry_refresh_after,
+                })
+            }
+            _ => Err(problems),
+        }
+    }
+}
+
+fn required_bool(raw: &Document, name: &str, problems: &mut Vec<String>) -> Option<bool> {
+    match raw.get(name) {
+        Some(Bson::Boolean(b)) => Some(*b),
+        other => {
+            problems.push(format!("{name} must be a boolean, found {}", describe(other)));
+            None
+        }
+    }
+}
+
+fn optional_date(raw: &Document, name: &str, problems: &mut Vec<String>) -> Option<DateTime<Utc>> {
+    match raw.get(name) {
+        None | Some(Bson::Null) => None,
+        Some(Bson::DateTime(d)) => Some(d.to_chrono()),
+        other => {
+            problems.push(format!("{name} must be a date or null, found {}", describe(other)));
+            None
+        }
+    }
+}
+
+/// Integers as an admin may write them in mongosh: Int32, Int64, or a whole Double.
+pub fn integer(value: &Bson) -> Option<i64> {
+    match value {
+        Bson::Int32(n) => Some(i64::from(*n)),
+        Bson::Int64(n) => Some(*n),
+        Bson::Double(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Some(*f as i64),
+        _ => None,
+    }
+}
+
+fn describe(value: Option<&Bson>) -> String {
+    match value {
+        None => "nothing (the field is missing)".into(),
+        Some(Bson::String(s)) => format!("the string {:?}", truncate(s, 40)),
+        Some(Bson::Null) => "null".into(),
+        Some(other) => format!("{:?} ({other})", other.element_type()).chars().take(80).collect(),
+    }
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        s.to_owned()
+    } else {
+        format!("{}…", s.chars().take(max).collect::<String>())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bson::doc;
+
+    fn good() -> Document {
+        doc! {
+            "_id": "shop", "isReady": true, "isEditing": false, "seeds": ["http://a/"],
+            "lockEpoch": 3_i64, "failedRefreshes": 0, "lastError": Bson::Null,
+            "lastSeedUpdatedAt": bson::DateTime::from_millis(1_700_000_000_000),
+        }
+    }
+
+    #[test]
+    fn a_well_formed_document_parses() {
+        let doc = BotDoc::parse(&good()).unwrap();
+        assert!(doc.is_ready && !doc.is_editing);
+        assert_eq!(doc.lock_epoch.get(), 3);
+        assert_eq!(doc.seeds, vec!["http://a/"]);
+        assert!(doc.last_seed_updated_at.is_some());
+    }
+
+    #[test]
+    fn admin_written_numbers_are_accepted() {
+        let mut raw = good();
+        raw.insert("lockEpoch", 7.0_f64);
+        raw.insert("failedRefreshes", 2_i32);
+        let doc = BotDoc::parse(&raw).unwrap();
+        assert_eq!((doc.lock_epoch.get(), doc.failed_refreshes), (7, 2));
+    }
+
+    #[test]
+    fn each_malformation_is_named() {
+        let cases: Vec<(&str, Bson, &str)> = vec![
+            ("isReady", Bson::String("true".into()), "isReady must be a boolean"),
+            ("isEditing", Bson::Int32(1), "isEditing must be a boolean"),
+            ("seeds", Bson::String("http://a/".into()), "seeds must be an array"),
+            ("seeds", Bson::Array(vec![Bson::Int32(1)]), "seeds must hold strings"),
+            ("lockEpoch", Bson::String("1".into()), "lockEpoch must be an integer"),
+            ("lockEpoch", Bson::Int64(-1), "negative"),
+            ("lastSeedUpdatedAt", Bson::String("2024-01-01".into()), "lastSeedUpdatedAt must be a date"),
+            ("lastError", Bson::Int32(5), "lastError must be a string"),
+        ];
+        for (name, value, expected) in cases {
+            let mut raw = good();
+            raw.insert(name, value);
+            let problems = BotDoc::parse(&raw).expect_err(name);
+            assert!(problems.iter().any(|p| p.contains(expected)), "{name}: {problems:?}");
+        }
+        let mut raw = good();
+        raw.remove("isReady");
+        let problems = BotDoc::parse(&raw).unwrap_err();
+        assert!(problems[0].contains("missing"), "{problems:?}");
+    }
+
+    #[test]
+    fn editing_without_a_holder_or_expiry_is_malformed() {
+        let mut raw = good();
+        raw.insert("isEditing", true);
+        raw.insert("isReady", false);
+        let problems = BotDoc::parse(&raw).unwrap_err();
+        assert!(problems.iter().any(|p| p.contains("editingBy")), "{problems:?}");
+        assert!(problems.iter().any(|p| p.contains("lockExpiresAt")), "{problems:?}");
+    }
+
+    #[test]
+    fn observed_distinguishes_missing_malformed_and_valid() {
+        assert_eq!(Observed::from_raw(None), Observed::Missing);
+        assert!(matches!(Observed::from_raw(Some(good())), Observed::Valid(_)));
+        assert!(matches!(
+            Observed::from_raw(Some(doc! {"_id": "x"})),
+            Observed::Malformed { .. }
+        ));
+    }
+}

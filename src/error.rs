@@ -1,0 +1,74 @@
+//! The library's error type. `anyhow` is used only by the CLI; everything below it returns
+//! [`Error`], whose variants say what the caller can do about them.
+
+use mongodb::error::{ErrorKind, WriteFailure};
+
+use crate::ids::{BotId, LockEpoch};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A fenced write matched nothing: another instance (or an admin) now owns the bot. The holder
+    /// must stop and write nothing more.
+    #[error("lease lost: bot {bot} is no longer held at epoch {epoch} by this instance")]
+    LeaseLost { bot: BotId, epoch: LockEpoch },
+    #[error("database: {0}")]
+    Db(#[from] mongodb::error::Error),
+    #[error("the server's answer to {what} was not understood: {detail}")]
+    Protocol { what: &'static str, detail: String },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Server error codes that mean "try again": the node is stepping down, restarting or unreachable.
+const TRANSIENT_CODES: &[i32] = &[
+    6,     // HostUnreachable
+    7,     // HostNotFound
+    89,    // NetworkTimeout
+    91,    // ShutdownInProgress
+    189,   // PrimarySteppedDown
+    262,   // ExceededTimeLimit
+    9001,  // SocketException
+    10107, // NotWritablePrimary
+    11600, // InterruptedAtShutdown
+    11602, // InterruptedDueToReplStateChange
+    13435, // NotPrimaryNoSecondaryOk
+    13436, // NotPrimaryOrSecondary
+];
+
+impl Error {
+    /// True when the same operation may succeed later (network trouble, a restarting server):
+    /// callers back off and retry instead of giving up.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Db(e) => is_transient_db(e),
+            Error::LeaseLost { .. } | Error::Protocol { .. } => false,
+        }
+    }
+}
+
+pub fn is_transient_db(e: &mongodb::error::Error) -> bool {
+    if e.contains_label("RetryableWriteError")
+        || e.contains_label("TransientTransactionError")
+        || e.contains_label("ResumableChangeStreamError")
+    {
+        return true;
+    }
+    match e.kind.as_ref() {
+        ErrorKind::Io(_)
+        | ErrorKind::ConnectionPoolCleared { .. }
+        | ErrorKind::ServerSelection { .. }
+        | ErrorKind::DnsResolve { .. } => true,
+        ErrorKind::Command(c) => TRANSIENT_CODES.contains(&c.code),
+        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => TRANSIENT_CODES.contains(&w.code),
+        _ => false,
+    }
+}
+
+/// E11000: two instances upserted the same `_id` at once; the loser's write is a no-op by design.
+pub fn is_duplicate_key(e: &mongodb::error::Error) -> bool {
+    match e.kind.as_ref() {
+        ErrorKind::Write(WriteFailure::WriteError(w)) => w.code == 11000,
+        ErrorKind::Command(c) => c.code == 11000,
+        _ => false,
+    }
+}

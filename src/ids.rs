@@ -1,0 +1,135 @@
+//! Identifier newtypes: a value of these types has already been validated, so the rest of the
+//! code never re-checks a bot id, an instance id or a fencing epoch.
+
+use std::fmt;
+
+/// A bot's id: the `_id` of its document in `bots`. 1–64 characters of `[A-Za-z0-9_.-]`, so it is
+/// safe in a metric label, a log field and a mongosh query without quoting surprises.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BotId(String);
+
+impl BotId {
+    pub fn parse(raw: &str) -> Result<Self, String> {
+        if raw.is_empty() || raw.len() > 64 {
+            return Err(format!("bot id {raw:?} must be 1 to 64 characters long"));
+        }
+        if let Some(bad) = raw
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')))
+        {
+            return Err(format!(
+                "bot id {raw:?} has the character {bad:?}; use letters, digits, '_', '-' and '.'"
+            ));
+        }
+        Ok(Self(raw.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for BotId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Who holds a lock: written to `editingBy` and to every history entry.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct InstanceId(String);
+
+impl InstanceId {
+    pub fn parse(raw: &str) -> Result<Self, String> {
+        let trimmed = raw.trim();
+        if trimmed.is_empty() || trimmed.len() > 200 {
+            return Err(format!("instance id {raw:?} must be 1 to 200 characters long"));
+        }
+        if trimmed.chars().any(char::is_control) {
+            return Err(format!("instance id {raw:?} has a control character"));
+        }
+        Ok(Self(trimmed.to_owned()))
+    }
+
+    /// `hostname:pid:random`, unique enough that two processes never share one by accident.
+    pub fn generate() -> Self {
+        let host = gethostname::gethostname().to_string_lossy().into_owned();
+        let host = if host.is_empty() { "host".to_owned() } else { host };
+        let suffix: u32 = rand::random();
+        Self(format!("{host}:{}:{suffix:08x}", std::process::id()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for InstanceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The fencing token: `lockEpoch` in the bot document. Every acquisition, takeover, repair and
+/// admin unlock increments it, and every holder write filters on the epoch it acquired, so a
+/// stale holder's late writes match nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LockEpoch(i64);
+
+impl LockEpoch {
+    pub const ZERO: LockEpoch = LockEpoch(0);
+
+    pub fn new(value: i64) -> Result<Self, String> {
+        if value < 0 {
+            return Err(format!("lockEpoch {value} is negative"));
+        }
+        Ok(Self(value))
+    }
+
+    pub fn get(self) -> i64 {
+        self.0
+    }
+
+    pub fn next(self) -> Self {
+        Self(self.0.saturating_add(1))
+    }
+}
+
+impl fmt::Display for LockEpoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bot_ids_accept_the_safe_alphabet_only() {
+        assert!(BotId::parse("shop-1.eu_west").is_ok());
+        for bad in ["", "a b", "shop$", "x/y", &"a".repeat(65)] {
+            assert!(BotId::parse(bad).is_err(), "{bad:?} should be rejected");
+        }
+    }
+
+    #[test]
+    fn instance_ids_are_trimmed_and_generated_ones_parse() {
+        assert_eq!(InstanceId::parse("  a:1 ").unwrap().as_str(), "a:1");
+        assert!(InstanceId::parse("   ").is_err());
+        assert!(InstanceId::parse("a\nb").is_err());
+        let generated = InstanceId::generate();
+        assert_eq!(
+            InstanceId::parse(generated.as_str()).unwrap(),
+            generated,
+            "a generated id must be a valid id"
+        );
+        assert_ne!(InstanceId::generate(), InstanceId::generate());
+    }
+
+    #[test]
+    fn epochs_are_non_negative_and_increase() {
+        assert!(LockEpoch::new(-1).is_err());
+        assert_eq!(LockEpoch::new(4).unwrap().next().get(), 5);
+    }
+}

@@ -1,0 +1,192 @@
+//! Prometheus metrics: per-bot state, acquisitions, takeovers, leases lost, refresh outcomes and
+//! durations, waiting time, repairs. Served at `/metrics` by `http`.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::decide::BotState;
+use crate::ids::BotId;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BotLabel {
+    pub bot: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabels {
+    pub bot: String,
+    pub state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub bot: String,
+    pub kind: String,
+}
+
+type Seconds = Family<BotLabel, Histogram, fn() -> Histogram>;
+
+fn seconds_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 18))
+}
+
+pub struct Metrics {
+    registry: Registry,
+    bot_state: Family<StateLabels, Gauge>,
+    lock_epoch: Family<BotLabel, Gauge>,
+    acquisitions: Family<BotLabel, Counter>,
+    takeovers: Family<KindLabels, Counter>,
+    leases_lost: Family<BotLabel, Counter>,
+    refreshes: Family<KindLabels, Counter>,
+    repairs: Family<KindLabels, Counter>,
+    refresh_duration: Seconds,
+    wait_duration: Seconds,
+    db_errors: Counter,
+    /// Unix millis of the last successful database round trip (for `/healthz`).
+    last_db_ok: AtomicI64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("seedlock");
+        let bot_state = Family::<StateLabels, Gauge>::default();
+        registry.register("bot_state", "1 for the state this instance is in for a bot, 0 otherwise", bot_state.clone());
+        let lock_epoch = Family::<BotLabel, Gauge>::default();
+        registry.register("lock_epoch", "The last lock epoch this instance saw for a bot", lock_epoch.clone());
+        let acquisitions = Family::<BotLabel, Counter>::default();
+        registry.register("lock_acquisitions", "Edit locks this instance won (including takeovers)", acquisitions.clone());
+        let takeovers = Family::<KindLabels, Counter>::default();
+        registry.register("lock_takeovers", "Stuck locks this instance took over, by kind (expired, stuck, orphaned)", takeovers.clone());
+        let leases_lost = Family::<BotLabel, Counter>::default();
+        registry.register("leases_lost", "Refreshes this instance abandoned because a fenced write matched nothing", leases_lost.clone());
+        let refreshes = Family::<KindLabels, Counter>::default();
+        registry.register("refreshes", "Refreshes finished by this instance, by result (ok, failed, released, lost)", refreshes.clone());
+        let repairs = Family::<KindLabels, Counter>::default();
+        registry.register("repairs", "Broken documents this instance repaired, by kind (contradictory, malformed)", repairs.clone());
+        let refresh_duration = Seconds::new_with_constructor(seconds_histogram as fn() -> Histogram);
+        registry.register("refresh_duration_seconds", "Time from winning the lock to the refresh's last write", refresh_duration.clone());
+        let wait_duration = Seconds::new_with_constructor(seconds_histogram as fn() -> Histogram);
+        registry.register("wait_duration_seconds", "Time spent waiting for another instance's refresh", wait_duration.clone());
+        let db_errors = Counter::default();
+        registry.register("db_errors", "Database operations that failed (transient ones are retried)", db_errors.clone());
+        Self {
+            registry,
+            bot_state,
+            lock_epoch,
+            acquisitions,
+            takeovers,
+            leases_lost,
+            refreshes,
+            repairs,
+            refresh_duration,
+            wait_duration,
+            db_errors,
+            last_db_ok: AtomicI64::new(0),
+        }
+    }
+
+    fn bot(bot: &BotId) -> BotLabel {
+        BotLabel { bot: bot.to_string() }
+    }
+
+    fn kind(bot: &BotId, kind: &str) -> KindLabels {
+        KindLabels { bot: bot.to_string(), kind: kind.to_owned() }
+    }
+
+    pub fn set_state(&self, bot: &BotId, state: BotState) {
+        for s in BotState::ALL {
+            let labels = StateLabels { bot: bot.to_string(), state: s.as_str().to_owned() };
+            self.bot_state.get_or_create(&labels).set(i64::from(s == state));
+        }
+    }
+
+    pub fn saw_epoch(&self, bot: &BotId, epoch: i64) {
+        self.lock_epoch.get_or_create(&Self::bot(bot)).set(epoch);
+    }
+
+    pub fn acquired(&self, bot: &BotId, takeover: Option<&str>) {
+        self.acquisitions.get_or_create(&Self::bot(bot)).inc();
+        if let Some(kind) = takeover {
+            self.takeovers.get_or_create(&Self::kind(bot, kind)).inc();
+        }
+    }
+
+    pub fn lease_lost(&self, bot: &BotId) {
+        self.leases_lost.get_or_create(&Self::bot(bot)).inc();
+    }
+
+    pub fn refresh_finished(&self, bot: &BotId, result: &str, took: Duration) {
+        self.refreshes.get_or_create(&Self::kind(bot, result)).inc();
+        self.refresh_duration.get_or_create(&Self::bot(bot)).observe(took.as_secs_f64());
+    }
+
+    pub fn repaired(&self, bot: &BotId, kind: &str) {
+        self.repairs.get_or_create(&Self::kind(bot, kind)).inc();
+    }
+
+    pub fn waited(&self, bot: &BotId, took: Duration) {
+        self.wait_duration.get_or_create(&Self::bot(bot)).observe(took.as_secs_f64());
+    }
+
+    pub fn db_error(&self) {
+        self.db_errors.inc();
+    }
+
+    pub fn db_ok(&self) {
+        self.last_db_ok.store(chrono::Utc::now().timestamp_millis(), Ordering::Relaxed);
+    }
+
+    /// How long ago the database last answered, if it ever did.
+    pub fn since_db_ok(&self) -> Option<Duration> {
+        let at = self.last_db_ok.load(Ordering::Relaxed);
+        (at > 0).then(|| Duration::from_millis((chrono::Utc::now().timestamp_millis() - at).max(0) as u64))
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_names_the_documented_series() {
+        let m = Metrics::new();
+        let bot = BotId::parse("shop").unwrap();
+        m.set_state(&bot, BotState::Updating);
+        m.acquired(&bot, Some("expired"));
+        m.lease_lost(&bot);
+        m.refresh_finished(&bot, "ok", Duration::from_millis(20));
+        m.waited(&bot, Duration::from_millis(5));
+        let text = m.encode();
+        for needle in [
+            r#"seedlock_bot_state{bot="shop",state="updating"} 1"#,
+            r#"seedlock_bot_state{bot="shop",state="ready"} 0"#,
+            r#"seedlock_lock_acquisitions_total{bot="shop"} 1"#,
+            r#"seedlock_lock_takeovers_total{bot="shop",kind="expired"} 1"#,
+            r#"seedlock_leases_lost_total{bot="shop"} 1"#,
+            r#"seedlock_refreshes_total{bot="shop",kind="ok"} 1"#,
+            "seedlock_refresh_duration_seconds_count",
+            "seedlock_wait_duration_seconds_count",
+        ] {
+            assert!(text.contains(needle), "missing {needle} in\n{text}");
+        }
+    }
+}

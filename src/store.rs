@@ -1,0 +1,523 @@
+//! The only module that talks to MongoDB. Every write that depends on a lock is conditional:
+//! claims filter on the observed `lockEpoch` (and the expiry condition), holder writes filter on
+//! the [`Lease`]'s fence `{_id, isEditing: true, editingBy: me, lockEpoch: mine}`, and repairs
+//! filter on exactly what was read. No write here is unconditional except the admin's `unlock`,
+//! which bumps the epoch so the old holder's writes fail.
+
+use std::time::Duration;
+
+use bson::{doc, Bson, Document};
+use chrono::{DateTime, Utc};
+use mongodb::options::{ClientOptions, ReturnDocument};
+use mongodb::{Client, Collection, Database};
+
+use crate::clock::ServerClock;
+use crate::config::MongoSettings;
+use crate::decide::Claim;
+use crate::document::{field, integer, BotDoc, Observed, HISTORY_LEN};
+use crate::error::{is_duplicate_key, Error, Result};
+use crate::ids::{BotId, InstanceId, LockEpoch};
+
+pub const BOTS: &str = "bots";
+
+/// A lock this process holds: the fence for every write it makes while refreshing.
+#[derive(Clone, Debug)]
+pub struct Lease {
+    pub bot: BotId,
+    pub me: InstanceId,
+    pub epoch: LockEpoch,
+    /// `lastUpdateStartedAt` as the server set it: `max_refresh` counts from here.
+    pub started_at: DateTime<Utc>,
+    /// The seeds before this refresh (kept on failure with `keep_previous`).
+    pub previous_seeds: Vec<String>,
+    /// Consecutive failed refreshes before this one (sizes the shared backoff on failure).
+    pub failed_refreshes: i64,
+}
+
+impl Lease {
+    fn fence(&self) -> Document {
+        doc! {
+            field::ID: self.bot.as_str(),
+            field::IS_EDITING: true,
+            field::EDITING_BY: self.me.as_str(),
+            field::LOCK_EPOCH: self.epoch.get(),
+        }
+    }
+}
+
+/// What `seedlock unlock` found.
+#[derive(Debug, PartialEq)]
+pub enum UnlockOutcome {
+    Unlocked { holder: Option<String>, old_epoch: Option<i64> },
+    NotLocked,
+    NoSuchBot,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot reach MongoDB at {uri}: {reason}")]
+pub struct ConnectError {
+    pub uri: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct Store {
+    db: Database,
+    bots: Collection<Document>,
+}
+
+fn history_entry(now: DateTime<Utc>, event: &str, by: &str, epoch: LockEpoch, reason: &str) -> Document {
+    doc! {
+        "at": bson::DateTime::from_chrono(now),
+        "event": event,
+        "by": by,
+        "epoch": epoch.get(),
+        "reason": reason,
+    }
+}
+
+fn push_history(entry: Document) -> Document {
+    doc! { field::HISTORY: { "$each": [entry], "$slice": -HISTORY_LEN } }
+}
+
+fn date(at: DateTime<Utc>) -> Bson {
+    Bson::DateTime(bson::DateTime::from_chrono(at))
+}
+
+fn plus(at: DateTime<Utc>, d: Duration) -> DateTime<Utc> {
+    at + chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX)
+}
+
+impl Store {
+    /// Connects and checks the server answers within `connect_timeout`. The error never carries
+    /// the URI's password.
+    pub async fn connect(settings: &MongoSettings) -> std::result::Result<Store, ConnectError> {
+        let shown = crate::redact::redact_uri(&settings.uri);
+        let fail = |reason: String| ConnectError {
+            uri: shown.clone(),
+            reason: one_line(&crate::redact::scrub(&reason, &settings.uri)),
+        };
+        let mut options = ClientOptions::parse(&settings.uri)
+            .await
+            .map_err(|e| fail(format!("invalid URI: {e}")))?;
+        options.app_name = Some("seedlock".into());
+        options.server_selection_timeout = Some(settings.connect_timeout);
+        options.connect_timeout = Some(settings.connect_timeout);
+        let client = Client::with_options(options).map_err(|e| fail(e.to_string()))?;
+        let db = client.database(&settings.database);
+        db.run_command(doc! { "ping": 1 }).await.map_err(|e| match e.kind.as_ref() {
+            mongodb::error::ErrorKind::ServerSelection { .. } => fail(format!(
+                "no server answered within {} ({})",
+                humantime::format_duration(settings.connect_timeout),
+                e
+            )),
+            _ => fail(e.to_string()),
+        })?;
+        Ok(Store::new(db))
+    }
+
+    pub fn new(db: Database) -> Store {
+        let bots = db.collection::<Document>(BOTS);
+        Store { db, bots }
+    }
+
+    pub fn database(&self) -> &Database {
+        &self.db
+    }
+
+    /// One `hello` round trip, recorded into `clock` (server time with round-trip correction).
+    pub async fn sync_clock(&self, clock: &ServerClock) -> Result<()> {
+        let sent = clock.local().now();
+        let reply = self.db.run_command(doc! { "hello": 1 }).await?;
+        let received = clock.local().now();
+        let server = match reply.get("localTime") {
+            Some(Bson::DateTime(d)) => d.to_chrono(),
+            other => {
+                return Err(Error::Protocol {
+                    what: "hello",
+                    detail: format!("localTime is {other:?}, expected a date"),
+                })
+            }
+        };
+        clock.record(sent, server, received);
+        Ok(())
+    }
+
+    pub async fn load(&self, bot: &BotId) -> Result<Observed> {
+        let raw = self.bots.find_one(doc! { field::ID: bot.as_str() }).await?;
+        Ok(Observed::from_raw(raw))
+    }
+
+    pub async fn load_raw(&self, bot: &BotId) -> Result<Option<Document>> {
+        Ok(self.bots.find_one(doc! { field::ID: bot.as_str() }).await?)
+    }
+
+    /// Every bot document, sorted by id (for `status`).
+    pub async fn load_all(&self) -> Result<Vec<Document>> {
+        use futures_util::TryStreamExt;
+        let cursor = self.bots.find(doc! {}).sort(doc! { field::ID: 1 }).await?;
+        Ok(cursor.try_collect().await?)
+    }
+
+    /// Creates the initial document if there is none. Idempotent: concurrent callers all succeed
+    /// and exactly one document exists afterwards.
+    pub async fn initialize(&self, bot: &BotId, me: &InstanceId, now: DateTime<Utc>) -> Result<()> {
+        let initial = doc! {
+            field::IS_READY: false,
+            field::IS_EDITING: false,
+            field::SEEDS: [],
+            field::LAST_UPDATE_STARTED_AT: Bson::Null,
+            field::LAST_SEED_UPDATED_AT: Bson::Null,
+            field::EDITING_BY: Bson::Null,
+            field::LOCK_EPOCH: 0_i64,
+            field::HEARTBEAT_AT: Bson::Null,
+            field::LOCK_EXPIRES_AT: Bson::Null,
+            field::LAST_ERROR: Bson::Null,
+            field::FAILED_REFRESHES: 0_i32,
+            field::REFRESH_REQUESTED_AT: Bson::Null,
+            field::RETRY_AFTER: Bson::Null,
+            field::HISTORY: [history_entry(now, "created", me.as_str(), LockEpoch::ZERO, "C: no document yet")],
+        };
+        let result = self
+            .bots
+            .update_one(doc! { field::ID: bot.as_str() }, doc! { "$setOnInsert": initial })
+            .upsert(true)
+            .await;
+        match result {
+            Ok(_) => Ok(()),
+            // Another instance inserted it between our filter and our insert: the goal is met.
+            Err(e) if is_duplicate_key(&e) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Claims the edit lock in ONE `find_one_and_update`: `isEditing=true` and `isReady=false`
+    /// together, the epoch incremented, start and heartbeat stamped by the server. The filter holds
+    /// the observed epoch and the claim's condition, so at most one claimant per epoch wins.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn claim(
+        &self,
+        bot: &BotId,
+        me: &InstanceId,
+        expected: LockEpoch,
+        claim: Claim,
+        now: DateTime<Utc>,
+        ttl: Duration,
+        reason: &str,
+    ) -> Result<Option<Lease>> {
+        let mut filter = doc! { field::ID: bot.as_str(), field::LOCK_EPOCH: expected.get() };
+        match claim {
+            Claim::Free => {
+                filter.insert(field::IS_EDITING, false);
+            }
+            Claim::Expired { now: cutoff } => {
+                filter.insert(field::IS_EDITING, true);
+                filter.insert(field::LOCK_EXPIRES_AT, doc! { "$lte": date(cutoff) });
+            }
+            Claim::Stuck { started_before } => {
+                filter.insert(field::IS_EDITING, true);
+                filter.insert(field::LAST_UPDATE_STARTED_AT, doc! { "$lte": date(started_before) });
+            }
+            Claim::Orphaned => {
+                filter.insert(field::IS_EDITING, true);
+                filter.insert(field::EDITING_BY, me.as_str());
+            }
+        }
+        let epoch = expected.next();
+        let event = if claim.is_takeover() { "took_over" } else { "acquired" };
+        let update = doc! {
+            "$set": {
+                field::IS_EDITING: true,
+                field::IS_READY: false,
+                field::EDITING_BY: me.as_str(),
+                field::LOCK_EXPIRES_AT: date(plus(now, ttl)),
+            },
+            "$inc": { field::LOCK_EPOCH: 1_i64 },
+            "$currentDate": { field::LAST_UPDATE_STARTED_AT: true, field::HEARTBEAT_AT: true },
+            "$push": push_history(history_entry(now, event, me.as_str(), epoch, reason)),
+        };
+        let after = self
+            .bots
+            .find_one_and_update(filter, update)
+            .return_document(ReturnDocument::After)
+            .await?;
+        let Some(raw) = after else { return Ok(None) };
+        let doc = BotDoc::parse(&raw).map_err(|problems| Error::Protocol {
+            what: "claim",
+            detail: problems.join("; "),
+        })?;
+        if doc.lock_epoch != epoch || doc.editing_by.as_deref() != Some(me.as_str()) {
+            return Err(Error::Protocol {
+                what: "claim",
+                detail: format!("expected epoch {epoch} held by {me}, read {} by {:?}", doc.lock_epoch, doc.editing_by),
+            });
+        }
+        Ok(Some(Lease {
+            bot: bot.clone(),
+            me: me.clone(),
+            epoch,
+            started_at: doc.last_update_started_at.unwrap_or(now),
+            previous_seeds: doc.seeds,
+            failed_refreshes: doc.failed_refreshes,
+        }))
+    }
+
+    async fn fenced(&self, lease: &Lease, update: Document) -> Result<()> {
+        let result = self.bots.update_one(lease.fence(), update).await?;
+        if result.matched_count == 1 {
+            Ok(())
+        } else {
+            Err(Error::LeaseLost { bot: lease.bot.clone(), epoch: lease.epoch })
+        }
+    }
+
+    /// Renews the lease until `now + ttl`. `LeaseLost` if it is no longer ours.
+    pub async fn heartbeat(&self, lease: &Lease, now: DateTime<Utc>, ttl: Duration) -> Result<DateTime<Utc>> {
+        let expires = plus(now, ttl);
+        self.fenced(
+            lease,
+            doc! {
+                "$set": { field::LOCK_EXPIRES_AT: date(expires) },
+                "$currentDate": { field::HEARTBEAT_AT: true },
+            },
+        )
+        .await?;
+        Ok(expires)
+    }
+
+    /// Replaces the seeds and marks the bot ready, releasing the lock — fenced.
+    pub async fn complete(&self, lease: &Lease, seeds: &[String], now: DateTime<Utc>) -> Result<()> {
+        let reason = format!("{} seeds", seeds.len());
+        self.fenced(
+            lease,
+            doc! {
+                "$set": {
+                    field::SEEDS: seeds,
+                    field::IS_READY: true,
+                    field::IS_EDITING: false,
+                    field::EDITING_BY: Bson::Null,
+                    field::LOCK_EXPIRES_AT: Bson::Null,
+                    field::LAST_ERROR: Bson::Null,
+                    field::FAILED_REFRESHES: 0_i32,
+                    field::RETRY_AFTER: Bson::Null,
+                },
+                "$currentDate": { field::LAST_SEED_UPDATED_AT: true, field::HEARTBEAT_AT: true },
+                "$push": push_history(history_entry(now, "refreshed", lease.me.as_str(), lease.epoch, &reason)),
+            },
+        )
+        .await
+    }
+
+    /// Records a failed refresh and releases the lock — fenced. `stay_ready` returns the bot to
+    /// Ready on its previous seeds (`keep_previous`); nobody retries before `retry_after`.
+    pub async fn fail(
+        &self,
+        lease: &Lease,
+        now: DateTime<Utc>,
+        error: &str,
+        retry_after: DateTime<Utc>,
+        stay_ready: bool,
+    ) -> Result<()> {
+        self.fenced(
+            lease,
+            doc! {
+                "$set": {
+                    field::IS_READY: stay_ready,
+                    field::IS_EDITING: false,
+                    field::EDITING_BY: Bson::Null,
+                    field::LOCK_EXPIRES_AT: Bson::Null,
+                    field::LAST_ERROR: error,
+                    field::RETRY_AFTER: date(retry_after),
+                },
+                "$inc": { field::FAILED_REFRESHES: 1_i32 },
+                "$push": push_history(history_entry(now, "refresh_failed", lease.me.as_str(), lease.epoch, error)),
+            },
+        )
+        .await
+    }
+
+    /// Gives the lock back without a result (shutdown) — fenced. The bot is left not ready, so the
+    /// next instance claims it at once (rule C).
+    pub async fn release(&self, lease: &Lease, now: DateTime<Utc>, reason: &str) -> Result<()> {
+        self.fenced(
+            lease,
+            doc! {
+                "$set": {
+                    field::IS_READY: false,
+                    field::IS_EDITING: false,
+                    field::EDITING_BY: Bson::Null,
+                    field::LOCK_EXPIRES_AT: Bson::Null,
+                },
+                "$push": push_history(history_entry(now, "released", lease.me.as_str(), lease.epoch, reason)),
+            },
+        )
+        .await
+    }
+
+    /// Rule D: ready and editing at once. Clears `isReady` only, keeping the lock and its epoch, so a
+    /// live holder is not disturbed and an expired one is then taken over by rule B.
+    pub async fn repair_contradiction(
+        &self,
+        bot: &BotId,
+        expected: LockEpoch,
+        me: &InstanceId,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let filter = doc! {
+            field::ID: bot.as_str(),
+            field::IS_READY: true,
+            field::IS_EDITING: true,
+            field::LOCK_EPOCH: expected.get(),
+        };
+        let reason = "D: ready and editing at once; cleared isReady, kept the lock";
+        let update = doc! {
+            "$set": { field::IS_READY: false },
+            "$push": push_history(history_entry(now, "repaired", me.as_str(), expected, reason)),
+        };
+        Ok(self.bots.update_one(filter, update).await?.modified_count == 1)
+    }
+
+    /// Rule E: rewrites a malformed document into a not-ready one, keeping whatever can be
+    /// salvaged (valid seeds, dates, history) and raising the epoch above any it held. The filter is
+    /// the exact document that was read, so a concurrent change makes this a no-op.
+    pub async fn repair_malformed(
+        &self,
+        raw: &Document,
+        problems: &[String],
+        me: &InstanceId,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let Some(id) = raw.get(field::ID).cloned() else { return Ok(false) };
+        let mut filter = Document::new();
+        for (key, value) in raw {
+            filter.insert(key.clone(), value.clone());
+        }
+        for name in [field::IS_READY, field::IS_EDITING, field::SEEDS, field::LOCK_EPOCH] {
+            if !raw.contains_key(name) {
+                filter.insert(name, doc! { "$exists": false });
+            }
+        }
+        let seeds: Vec<Bson> = match raw.get(field::SEEDS) {
+            Some(Bson::Array(items)) if items.iter().all(|s| matches!(s, Bson::String(_))) => items.clone(),
+            _ => Vec::new(),
+        };
+        let old_epoch = raw
+            .get(field::LOCK_EPOCH)
+            .and_then(integer)
+            .unwrap_or(0)
+            .max(0);
+        let epoch = LockEpoch::new(old_epoch).unwrap_or(LockEpoch::ZERO).next();
+        let salvage_date = |name: &str| match raw.get(name) {
+            Some(Bson::DateTime(d)) => Bson::DateTime(*d),
+            _ => Bson::Null,
+        };
+        let reason = format!("E: malformed document repaired: {}", problems.join("; "));
+        let mut history: Vec<Bson> = match raw.get(field::HISTORY) {
+            Some(Bson::Array(items)) => items.iter().filter(|h| matches!(h, Bson::Document(_))).cloned().collect(),
+            _ => Vec::new(),
+        };
+        history.push(Bson::Document(history_entry(now, "repaired", me.as_str(), epoch, &reason)));
+        let keep = history.len().saturating_sub(HISTORY_LEN as usize);
+        let history: Vec<Bson> = history.into_iter().skip(keep).collect();
+        let replacement = doc! {
+            field::ID: id,
+            field::IS_READY: false,
+            field::IS_EDITING: false,
+            field::SEEDS: seeds,
+            field::LAST_UPDATE_STARTED_AT: salvage_date(field::LAST_UPDATE_STARTED_AT),
+            field::LAST_SEED_UPDATED_AT: salvage_date(field::LAST_SEED_UPDATED_AT),
+            field::EDITING_BY: Bson::Null,
+            field::LOCK_EPOCH: epoch.get(),
+            field::HEARTBEAT_AT: Bson::Null,
+            field::LOCK_EXPIRES_AT: Bson::Null,
+            field::LAST_ERROR: reason,
+            field::FAILED_REFRESHES: 0_i32,
+            field::REFRESH_REQUESTED_AT: Bson::Null,
+            field::RETRY_AFTER: Bson::Null,
+            field::HISTORY: history,
+        };
+        Ok(self.bots.replace_one(filter, replacement).await?.modified_count == 1)
+    }
+
+    /// `seedlock unlock`: the admin's override. Clears the lock of an editing bot and raises its
+    /// epoch, so the old holder's fenced writes fail from now on. Conditional on the epoch it read
+    /// (retried if the document changed in between), so the history names the right epoch.
+    pub async fn admin_unlock(
+        &self,
+        bot: &BotId,
+        by: &str,
+        reason: &str,
+        now: DateTime<Utc>,
+    ) -> Result<UnlockOutcome> {
+        let note = format!("unlocked by admin: {reason}");
+        for _ in 0..10 {
+            let Some(raw) = self.load_raw(bot).await? else { return Ok(UnlockOutcome::NoSuchBot) };
+            if raw.get(field::IS_EDITING) != Some(&Bson::Boolean(true)) {
+                return Ok(UnlockOutcome::NotLocked);
+            }
+            let observed_epoch = raw.get(field::LOCK_EPOCH).cloned().unwrap_or(Bson::Null);
+            let old_epoch = integer(&observed_epoch);
+            let epoch = LockEpoch::new(old_epoch.unwrap_or(0).max(0)).unwrap_or(LockEpoch::ZERO).next();
+            let filter = doc! { field::ID: bot.as_str(), field::IS_EDITING: true, field::LOCK_EPOCH: observed_epoch };
+            let update = doc! {
+                "$set": {
+                    field::IS_EDITING: false,
+                    field::IS_READY: false,
+                    field::EDITING_BY: Bson::Null,
+                    field::LOCK_EXPIRES_AT: Bson::Null,
+                    field::RETRY_AFTER: Bson::Null,
+                    field::LAST_ERROR: note.as_str(),
+                    field::LOCK_EPOCH: epoch.get(),
+                },
+                "$push": push_history(history_entry(now, "unlocked", by, epoch, &note)),
+            };
+            if self.bots.update_one(filter, update).await?.matched_count == 1 {
+                return Ok(UnlockOutcome::Unlocked {
+                    holder: raw.get_str(field::EDITING_BY).ok().map(str::to_owned),
+                    old_epoch,
+                });
+            }
+        }
+        Err(Error::Protocol { what: "unlock", detail: "the document kept changing; try again".into() })
+    }
+
+    /// `seedlock refresh`: asks for a refresh at the next opportunity. False if there is no such bot.
+    pub async fn request_refresh(&self, bot: &BotId, by: &str, now: DateTime<Utc>) -> Result<bool> {
+        let epoch = match self.load(bot).await? {
+            Observed::Valid(doc) => doc.lock_epoch,
+            _ => LockEpoch::ZERO,
+        };
+        let result = self
+            .bots
+            .update_one(
+                doc! { field::ID: bot.as_str() },
+                doc! {
+                    "$currentDate": { field::REFRESH_REQUESTED_AT: true },
+                    "$push": push_history(history_entry(now, "refresh_requested", by, epoch, "requested by admin")),
+                },
+            )
+            .await?;
+        Ok(result.matched_count == 1)
+    }
+
+    /// A change stream on one bot's document, where the server supports change streams.
+    pub async fn watch_bot(
+        &self,
+        bot: &BotId,
+    ) -> Result<mongodb::change_stream::ChangeStream<mongodb::change_stream::event::ChangeStreamEvent<Document>>> {
+        Ok(self
+            .bots
+            .watch()
+            .pipeline([doc! { "$match": { "documentKey._id": bot.as_str() } }])
+            .await?)
+    }
+}
+
+fn one_line(text: &str) -> String {
+    let line = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if line.chars().count() > 400 {
+        format!("{}…", line.chars().take(400).collect::<String>())
+    } else {
+        line
+    }
+}
