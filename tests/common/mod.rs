@@ -1,0 +1,384 @@
+//! Test harness: a fresh database per test on the real server named by `MONGODB_URI` (started by
+//! `scripts/test`), a seed source whose behaviour a test controls, real `seedlock` processes, and
+//! `eventually` for awaiting a condition with a deadline.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bson::{doc, Document};
+use mongodb::{Client, Collection, Database};
+use tokio::process::{Child, Command};
+use tokio::sync::watch;
+
+use seedlock::clock::{LocalClock, ServerClock};
+use seedlock::config::{BotSettings, LockSettings, OnRefreshFailure, RefreshLimits, RefreshSchedule, SeedFormat, SeedSource};
+use seedlock::coordinator::{BotRunner, Context};
+use seedlock::ids::{BotId, InstanceId};
+use seedlock::metrics::Metrics;
+use seedlock::seeds::SeedFetcher;
+use seedlock::store::Store;
+use seedlock::urls::NormalizedUrl;
+
+pub fn mongodb_uri() -> String {
+    std::env::var("MONGODB_URI").expect("MONGODB_URI is not set: run the suite with scripts/test")
+}
+
+pub struct TestDb {
+    pub uri: String,
+    pub name: String,
+    pub db: Database,
+}
+
+/// A database of its own for one test, on the server named by `MONGODB_URI` (or `uri`).
+pub async fn test_db(hint: &str) -> TestDb {
+    test_db_at(&mongodb_uri(), hint).await
+}
+
+pub async fn test_db_at(uri: &str, hint: &str) -> TestDb {
+    let suffix: u32 = rand::random();
+    let mut name = format!("sl_{hint}_{suffix:08x}");
+    name.truncate(60);
+    let client = Client::with_uri_str(uri).await.expect("a client for the test server");
+    let db = client.database(&name);
+    TestDb { uri: uri.to_owned(), name, db }
+}
+
+impl TestDb {
+    pub fn bots(&self) -> Collection<Document> {
+        self.db.collection("bots")
+    }
+
+    pub async fn doc(&self, bot: &str) -> Option<Document> {
+        self.bots().find_one(doc! {"_id": bot}).await.expect("read the bot document")
+    }
+
+    pub async fn epoch(&self, bot: &str) -> i64 {
+        let doc = self.doc(bot).await.expect("bot document exists");
+        seedlock::document::integer(doc.get("lockEpoch").expect("lockEpoch")).expect("integer epoch")
+    }
+
+    pub async fn history(&self, bot: &str) -> Vec<Document> {
+        let doc = self.doc(bot).await.expect("bot document exists");
+        doc.get_array("history")
+            .map(|a| a.iter().filter_map(|h| h.as_document().cloned()).collect())
+            .unwrap_or_default()
+    }
+
+    pub fn store(&self) -> Store {
+        Store::new(self.db.clone())
+    }
+}
+
+/// Polls `check` every 25 ms until it returns true; panics naming `what` after `timeout`.
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if check().await {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+// ---- a seed source the test controls --------------------------------------------------------
+
+#[derive(Default)]
+pub struct SeedState {
+    pub hits: AtomicUsize,
+    /// Requests numbered 1..=stall wait until `release` is called.
+    stall: AtomicUsize,
+    failing: AtomicBool,
+    gate: Option<watch::Sender<bool>>,
+}
+
+/// Serves `/seeds.txt`: request n answers `http://site.test/gen{n}/a` and `/b`, so every
+/// refresh's seeds are distinguishable; it can stall the first requests or fail with 500.
+#[derive(Clone)]
+pub struct SeedSourceServer {
+    pub addr: std::net::SocketAddr,
+    state: Arc<SeedState>,
+    gate: watch::Sender<bool>,
+}
+
+impl SeedSourceServer {
+    pub async fn start() -> Self {
+        use axum::routing::get;
+        let (gate, _) = watch::channel(false);
+        let state = Arc::new(SeedState { gate: Some(gate.clone()), ..Default::default() });
+        let app = axum::Router::new()
+            .route("/seeds.txt", get(serve_seeds))
+            .with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        Self { addr, state, gate }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/seeds.txt", self.addr)
+    }
+
+    pub fn hits(&self) -> usize {
+        self.state.hits.load(Ordering::SeqCst)
+    }
+
+    /// The first `n` requests hang until [`release`](Self::release).
+    pub fn stall_first(&self, n: usize) {
+        self.state.stall.store(n, Ordering::SeqCst);
+    }
+
+    pub fn release(&self) {
+        self.gate.send_replace(true);
+    }
+
+    pub fn set_failing(&self, failing: bool) {
+        self.state.failing.store(failing, Ordering::SeqCst);
+    }
+
+    pub fn seeds_of_hit(n: usize) -> Vec<String> {
+        vec![format!("http://site.test/gen{n}/a"), format!("http://site.test/gen{n}/b")]
+    }
+}
+
+async fn serve_seeds(
+    axum::extract::State(state): axum::extract::State<Arc<SeedState>>,
+) -> (axum::http::StatusCode, String) {
+    let n = state.hits.fetch_add(1, Ordering::SeqCst) + 1;
+    if n <= state.stall.load(Ordering::SeqCst) {
+        let mut open = state.gate.as_ref().expect("gate").subscribe();
+        let _ = open.wait_for(|open| *open).await;
+    }
+    if state.failing.load(Ordering::SeqCst) {
+        return (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "down\n".into());
+    }
+    (axum::http::StatusCode::OK, SeedSourceServer::seeds_of_hit(n).join("\n") + "\n")
+}
+
+// ---- in-process runners ----------------------------------------------------------------------
+
+pub fn lock(ttl_ms: u64, max_refresh_ms: u64, poll_ms: u64) -> LockSettings {
+    LockSettings {
+        ttl: Duration::from_millis(ttl_ms),
+        heartbeat: Duration::from_millis(ttl_ms / 3),
+        max_refresh: Duration::from_millis(max_refresh_ms),
+        poll: Duration::from_millis(poll_ms),
+    }
+}
+
+pub fn limits() -> RefreshLimits {
+    RefreshLimits {
+        timeout: Duration::from_secs(30),
+        max_bytes: 1 << 20,
+        max_seeds: 1000,
+        attempts: 1,
+        backoff_base: Duration::from_millis(200),
+        backoff_max: Duration::from_secs(2),
+        sitemap_depth: 2,
+        user_agent: "seedlock-test".into(),
+    }
+}
+
+pub fn bot(id: &str, source_url: &str, refresh: RefreshSchedule, on_failure: OnRefreshFailure) -> BotSettings {
+    BotSettings {
+        id: BotId::parse(id).unwrap(),
+        seeds: SeedSource::Url { url: NormalizedUrl::parse(source_url).unwrap(), format: SeedFormat::Lines },
+        refresh,
+        on_refresh_failure: on_failure,
+    }
+}
+
+/// An instance's context in this process, with its clock synced to the server.
+pub async fn context(db: &TestDb, me: &str, lock: LockSettings, local: LocalClock) -> Arc<Context> {
+    let store = db.store();
+    let clock = Arc::new(ServerClock::new(local));
+    for _ in 0..3 {
+        store.sync_clock(&clock).await.expect("hello answers with localTime");
+    }
+    Arc::new(Context {
+        store,
+        clock,
+        me: InstanceId::parse(me).unwrap(),
+        lock,
+        fetcher: SeedFetcher::new(limits()).unwrap(),
+        metrics: Arc::new(Metrics::new()),
+        refresh_backoff: (limits().backoff_base, limits().backoff_max),
+    })
+}
+
+pub fn runner(bot: BotSettings, ctx: Arc<Context>) -> BotRunner {
+    BotRunner::new(bot, ctx)
+}
+
+// ---- real processes --------------------------------------------------------------------------
+
+/// A config file for processes; `bots` is raw TOML for the `[[bots]]` entries.
+pub struct ProcConfig<'a> {
+    pub uri: &'a str,
+    pub database: &'a str,
+    pub ttl: &'a str,
+    pub max_refresh: &'a str,
+    pub poll: &'a str,
+    pub bots: String,
+    pub extra: &'a str,
+}
+
+impl ProcConfig<'_> {
+    pub fn write(&self, dir: &Path) -> PathBuf {
+        let path = dir.join(format!("seedlock-{}.toml", rand::random::<u32>()));
+        let text = format!(
+            "[mongo]\nuri = \"{}\"\ndatabase = \"{}\"\nconnect_timeout = \"2s\"\n[lock]\nttl = \"{}\"\nmax_refresh = \"{}\"\npoll = \"{}\"\n[refresh]\nattempts = 1\nbackoff_base = \"200ms\"\nbackoff_max = \"1s\"\n[http]\nlisten = \"off\"\n{}\n{}\n",
+            self.uri, self.database, self.ttl, self.max_refresh, self.poll, self.extra, self.bots
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+}
+
+pub fn url_bot(id: &str, url: &str) -> String {
+    format!("[[bots]]\nid = \"{id}\"\nseeds = {{ url = \"{url}\", format = \"lines\" }}\n")
+}
+
+pub struct Proc {
+    pub name: String,
+    child: Child,
+    pub stdout: PathBuf,
+    pub stderr: PathBuf,
+}
+
+impl Proc {
+    /// Starts `seedlock -c CONFIG ARGS…` as instance `name`. The test's own `MONGODB_URI` is not
+    /// passed down: the config file says which server to use.
+    pub fn spawn(dir: &Path, config: &Path, name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
+        let stdout = dir.join(format!("{name}.out"));
+        let stderr = dir.join(format!("{name}.err"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_seedlock"));
+        cmd.arg("-c")
+            .arg(config)
+            .args(args)
+            .env_remove("MONGODB_URI")
+            .env_remove("SEEDLOCK_DATABASE")
+            .env_remove("SEEDLOCK_HTTP_LISTEN")
+            .env("SEEDLOCK_INSTANCE_ID", name)
+            .env("SEEDLOCK_LOG", "info,seedlock=debug")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::fs::File::create(&stdout).unwrap())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .kill_on_drop(true);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("spawn seedlock");
+        Proc { name: name.to_owned(), child, stdout, stderr }
+    }
+
+    pub fn pid(&self) -> nix::unistd::Pid {
+        nix::unistd::Pid::from_raw(self.child.id().expect("process is running") as i32)
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(self.pid(), sig).expect("send signal");
+    }
+
+    pub async fn kill9(&mut self) {
+        self.child.kill().await.expect("SIGKILL");
+    }
+
+    pub async fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        match tokio::time::timeout(timeout, self.child.wait()).await {
+            Ok(status) => status.expect("wait for seedlock"),
+            Err(_) => panic!("{} did not exit within {timeout:?}; stderr:\n{}", self.name, self.log()),
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    pub fn out(&self) -> String {
+        std::fs::read_to_string(&self.stdout).unwrap_or_default()
+    }
+
+    /// Asserts what every process must satisfy: no panic, no unhandled error.
+    pub fn assert_clean(&self) {
+        let log = self.log();
+        assert!(!log.contains("panicked"), "{} panicked:\n{log}", self.name);
+    }
+}
+
+/// Starts a SecantusDB server of this test's own on `storage` (for restarts). None when the
+/// suite runs against an outside `MONGODB_URI` without the binary.
+pub struct OwnServer {
+    pub uri: String,
+    port: u16,
+    storage: PathBuf,
+    child: Option<std::process::Child>,
+    bin: PathBuf,
+}
+
+impl OwnServer {
+    pub fn available() -> Option<PathBuf> {
+        std::env::var_os("SEEDLOCK_TEST_SERVER_BIN").map(PathBuf::from).filter(|p| p.exists())
+    }
+
+    pub async fn start(bin: PathBuf, storage: &Path) -> OwnServer {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let mut server = OwnServer {
+            uri: format!("mongodb://127.0.0.1:{port}/?directConnection=true"),
+            port,
+            storage: storage.to_owned(),
+            child: None,
+            bin,
+        };
+        server.restart().await;
+        server
+    }
+
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop the server first");
+        let child = std::process::Command::new(&self.bin)
+            .args(["--host", "127.0.0.1", "--port", &self.port.to_string(), "--log-level", "WARNING"])
+            .args(["--log-file-max", "16MB", "--cache-size", "256M", "--storage-path"])
+            .arg(&self.storage)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start secantusd-rs");
+        self.child = Some(child);
+        let addr = format!("127.0.0.1:{}", self.port);
+        eventually("the restarted server accepts connections", Duration::from_secs(30), || {
+            let addr = addr.clone();
+            async move { tokio::net::TcpStream::connect(addr).await.is_ok() }
+        })
+        .await;
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
