@@ -26,7 +26,11 @@ pub struct StatusRow {
 }
 
 /// Builds rows for every document read, plus configured bots that have no document yet.
-pub fn status_rows(docs: Vec<Document>, configured: &[BotId], now: DateTime<Utc>) -> Vec<StatusRow> {
+pub fn status_rows(
+    docs: Vec<Document>,
+    configured: &[BotId],
+    now: DateTime<Utc>,
+) -> Vec<StatusRow> {
     let mut rows = Vec::new();
     for raw in docs {
         let name = match raw.get(field::ID) {
@@ -48,7 +52,10 @@ pub fn status_rows(docs: Vec<Document>, configured: &[BotId], now: DateTime<Utc>
                         .last_update_started_at
                         .filter(|_| editing)
                         .map(|t| (now - t).num_seconds()),
-                    expires_in_seconds: doc.lock_expires_at.filter(|_| editing).map(|t| (t - now).num_seconds()),
+                    expires_in_seconds: doc
+                        .lock_expires_at
+                        .filter(|_| editing)
+                        .map(|t| (t - now).num_seconds()),
                     seeds: doc.seeds.len(),
                     last_refresh: doc.last_seed_updated_at.map(iso),
                     failed_refreshes: doc.failed_refreshes,
@@ -106,7 +113,17 @@ fn seconds(s: Option<i64>) -> String {
 }
 
 pub fn render_table(rows: &[StatusRow]) -> String {
-    let header = ["BOT", "STATE", "HOLDER", "EPOCH", "LOCK AGE", "EXPIRES IN", "SEEDS", "LAST REFRESH", "LAST ERROR"];
+    let header = [
+        "BOT",
+        "STATE",
+        "HOLDER",
+        "EPOCH",
+        "LOCK AGE",
+        "EXPIRES IN",
+        "SEEDS",
+        "LAST REFRESH",
+        "LAST ERROR",
+    ];
     let cells: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
@@ -122,7 +139,13 @@ pub fn render_table(rows: &[StatusRow]) -> String {
                 r.last_error
                     .as_deref()
                     .map(|e| one_line(e, 80))
-                    .map(|e| if r.failed_refreshes > 0 { format!("({}x) {e}", r.failed_refreshes) } else { e })
+                    .map(|e| {
+                        if r.failed_refreshes > 0 {
+                            format!("({}x) {e}", r.failed_refreshes)
+                        } else {
+                            e
+                        }
+                    })
                     .unwrap_or_else(|| "-".into()),
             ]
         })
@@ -168,7 +191,8 @@ fn one_line(text: &str, max: usize) -> String {
 pub fn render_inspect(raw: &Document) -> String {
     let mut body = raw.clone();
     let history = body.remove(field::HISTORY);
-    let mut out = serde_json::to_string_pretty(&to_json(&Bson::Document(body))).expect("json") + "\n";
+    let mut out =
+        serde_json::to_string_pretty(&to_json(&Bson::Document(body))).expect("json") + "\n";
     let observed = Observed::from_raw(Some(raw.clone()));
     out.push_str(&format!("state: {}\n", state_of(&observed).as_str()));
     if let Observed::Malformed { problems, .. } = &observed {
@@ -206,7 +230,9 @@ pub fn render_inspect(raw: &Document) -> String {
 /// BSON to plain JSON an admin can read: dates as ISO strings, numbers as numbers.
 fn to_json(value: &Bson) -> Value {
     match value {
-        Bson::Document(d) => Value::Object(d.iter().map(|(k, v)| (k.clone(), to_json(v))).collect()),
+        Bson::Document(d) => {
+            Value::Object(d.iter().map(|(k, v)| (k.clone(), to_json(v))).collect())
+        }
         Bson::Array(items) => Value::Array(items.iter().map(to_json).collect()),
         Bson::DateTime(t) => json!(iso(t.to_chrono())),
         Bson::String(s) => json!(s),
@@ -232,19 +258,35 @@ mod tests {
         let expires = bson::DateTime::from_chrono(now + chrono::Duration::seconds(18));
         let docs = vec![
             doc! {"_id": "a", "isReady": false, "isEditing": true, "seeds": [], "lockEpoch": 7_i64,
-                  "editingBy": "host:1:x", "lastUpdateStartedAt": started, "lockExpiresAt": expires},
+            "editingBy": "host:1:x", "lastUpdateStartedAt": started, "lockExpiresAt": expires},
             doc! {"_id": "b", "isReady": "true", "isEditing": false, "seeds": [], "lockEpoch": 1_i64},
         ];
         let configured = [BotId::parse("a").unwrap(), BotId::parse("c").unwrap()];
         let rows = status_rows(docs, &configured, now);
         assert_eq!(rows.len(), 3);
-        assert_eq!((rows[0].state.as_str(), rows[0].holder.as_deref()), ("updating", Some("host:1:x")));
-        assert_eq!((rows[0].lock_age_seconds, rows[0].expires_in_seconds), (Some(12), Some(18)));
+        assert_eq!(
+            (rows[0].state.as_str(), rows[0].holder.as_deref()),
+            ("updating", Some("host:1:x"))
+        );
+        assert_eq!(
+            (rows[0].lock_age_seconds, rows[0].expires_in_seconds),
+            (Some(12), Some(18))
+        );
         assert_eq!(rows[1].state, "error");
-        assert!(rows[1].last_error.as_deref().unwrap().contains("isReady must be a boolean"));
-        assert_eq!((rows[2].bot.as_str(), rows[2].state.as_str()), ("c", "missing"));
+        assert!(rows[1]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("isReady must be a boolean"));
+        assert_eq!(
+            (rows[2].bot.as_str(), rows[2].state.as_str()),
+            ("c", "missing")
+        );
         let table = render_table(&rows);
-        assert!(table.lines().nth(1).unwrap().contains("host:1:x"), "{table}");
+        assert!(
+            table.lines().nth(1).unwrap().contains("host:1:x"),
+            "{table}"
+        );
         let json: serde_json::Value = serde_json::from_str(&render_json(&rows)).unwrap();
         assert_eq!(json[0]["epoch"], 7);
     }
@@ -253,10 +295,10 @@ mod tests {
     fn inspect_lists_history_oldest_first() {
         let at = bson::DateTime::from_millis(0);
         let raw = doc! {"_id": "a", "isReady": true, "isEditing": false, "seeds": ["http://x/"], "lockEpoch": 2_i64,
-            "history": [
-                {"at": at, "event": "acquired", "by": "i1", "epoch": 1_i64, "reason": "C"},
-                {"at": at, "event": "refreshed", "by": "i1", "epoch": 1_i64, "reason": "1 seeds"},
-            ]};
+        "history": [
+            {"at": at, "event": "acquired", "by": "i1", "epoch": 1_i64, "reason": "C"},
+            {"at": at, "event": "refreshed", "by": "i1", "epoch": 1_i64, "reason": "1 seeds"},
+        ]};
         let text = render_inspect(&raw);
         let acquired = text.find("acquired").unwrap();
         assert!(acquired < text.find("refreshed").unwrap());

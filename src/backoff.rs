@@ -36,7 +36,9 @@ mod tests {
     fn jitter_spreads_around_the_interval() {
         let d = Duration::from_secs(1);
         let samples: Vec<_> = (0..200).map(|_| jittered(d, 0.2)).collect();
-        assert!(samples.iter().all(|s| *s >= Duration::from_millis(800) && *s <= Duration::from_millis(1200)));
+        assert!(samples
+            .iter()
+            .all(|s| *s >= Duration::from_millis(800) && *s <= Duration::from_millis(1200)));
         assert!(samples.iter().any(|s| *s != samples[0]), "jitter must vary");
     }
 }

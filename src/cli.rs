@@ -15,10 +15,20 @@ use crate::ids::BotId;
 use crate::store::UnlockOutcome;
 
 #[derive(Debug, Parser)]
-#[command(name = "seedlock", version, about = "Crawler bots that coordinate through MongoDB documents")]
+#[command(
+    name = "seedlock",
+    version,
+    about = "Crawler bots that coordinate through MongoDB documents"
+)]
 pub struct Cli {
     /// The TOML config file.
-    #[arg(long, short, env = "SEEDLOCK_CONFIG", default_value = "seedlock.toml", global = true)]
+    #[arg(
+        long,
+        short,
+        env = "SEEDLOCK_CONFIG",
+        default_value = "seedlock.toml",
+        global = true
+    )]
     pub config: PathBuf,
     /// Log format, overriding `log.format`.
     #[arg(long, value_enum, global = true)]
@@ -80,7 +90,10 @@ pub fn main(cli: Cli) -> ExitCode {
         None => settings.log.format,
     };
     init_tracing(format, &settings.log.level);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => return fail(EXIT_FAILED, format!("cannot start the runtime: {e}")),
     };
@@ -121,11 +134,18 @@ async fn dispatch(command: Command, settings: Settings) -> ExitCode {
 async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
-    let mode = if once { Mode::Once { timeout } } else { Mode::Daemon };
+    let mode = if once {
+        Mode::Once { timeout }
+    } else {
+        Mode::Daemon
+    };
     match daemon::run(settings, mode, shutdown).await {
         Ok(summaries) => {
             for s in summaries {
-                println!("{} ready epoch={} seeds={} digest={}", s.bot, s.epoch, s.seeds, s.seeds_digest);
+                println!(
+                    "{} ready epoch={} seeds={} digest={}",
+                    s.bot, s.epoch, s.seeds, s.seeds_digest
+                );
             }
             ExitCode::SUCCESS
         }
@@ -137,7 +157,10 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
 /// SIGINT or SIGTERM: cancel everything; the bots stop their work, release fenced, then exit.
 async fn stop_on_signal(shutdown: CancellationToken) {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         tracing::error!("cannot install signal handlers");
         return;
     };
@@ -145,7 +168,10 @@ async fn stop_on_signal(shutdown: CancellationToken) {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
     };
-    tracing::info!(signal = name, "shutting down: stopping work, then releasing locks");
+    tracing::info!(
+        signal = name,
+        "shutting down: stopping work, then releasing locks"
+    );
     shutdown.cancel();
 }
 
@@ -189,7 +215,10 @@ async fn inspect(settings: Settings, bot: &str) -> ExitCode {
 
 fn admin_name() -> String {
     let user = std::env::var("USER").unwrap_or_else(|_| "admin".into());
-    format!("admin:{user}@{}", gethostname::gethostname().to_string_lossy())
+    format!(
+        "admin:{user}@{}",
+        gethostname::gethostname().to_string_lossy()
+    )
 }
 
 async fn unlock(settings: Settings, bot: &str, reason: &str) -> ExitCode {
@@ -201,7 +230,10 @@ async fn unlock(settings: Settings, bot: &str, reason: &str) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    match store.admin_unlock(&bot, &admin_name(), reason, clock.now()).await {
+    match store
+        .admin_unlock(&bot, &admin_name(), reason, clock.now())
+        .await
+    {
         Ok(UnlockOutcome::Unlocked { holder, old_epoch }) => {
             println!(
                 "unlocked {bot}: was held by {} at epoch {}; its writes now fail",
@@ -228,7 +260,10 @@ async fn refresh(settings: Settings, bot: &str) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    match store.request_refresh(&bot, &admin_name(), clock.now()).await {
+    match store
+        .request_refresh(&bot, &admin_name(), clock.now())
+        .await
+    {
         Ok(true) => {
             println!("refresh of {bot} requested; the next instance to look will refresh it");
             ExitCode::SUCCESS

@@ -39,9 +39,11 @@ fn parse_skew(raw: &str) -> Result<chrono::Duration, String> {
         Some(rest) => (-1, rest),
         None => (1, raw.strip_prefix('+').unwrap_or(raw)),
     };
-    let d = humantime::parse_duration(magnitude)
-        .map_err(|e| format!("SEEDLOCK_FAKE_CLOCK_SKEW={raw:?} is not a duration such as +2h ({e})"))?;
-    let d = chrono::Duration::from_std(d).map_err(|e| format!("SEEDLOCK_FAKE_CLOCK_SKEW={raw:?}: {e}"))?;
+    let d = humantime::parse_duration(magnitude).map_err(|e| {
+        format!("SEEDLOCK_FAKE_CLOCK_SKEW={raw:?} is not a duration such as +2h ({e})")
+    })?;
+    let d = chrono::Duration::from_std(d)
+        .map_err(|e| format!("SEEDLOCK_FAKE_CLOCK_SKEW={raw:?}: {e}"))?;
     Ok(d * sign)
 }
 
@@ -65,7 +67,10 @@ const SAMPLE_MAX_AGE: Duration = Duration::from_secs(300);
 
 impl ServerClock {
     pub fn new(local: LocalClock) -> Self {
-        Self { local, best: Mutex::new(None) }
+        Self {
+            local,
+            best: Mutex::new(None),
+        }
     }
 
     pub fn local(&self) -> LocalClock {
@@ -74,16 +79,30 @@ impl ServerClock {
 
     /// Records one exchange: the local time before sending, the server's reported time, and the
     /// local time after the answer. Returns the offset now in use.
-    pub fn record(&self, sent: DateTime<Utc>, server: DateTime<Utc>, received: DateTime<Utc>) -> chrono::Duration {
+    pub fn record(
+        &self,
+        sent: DateTime<Utc>,
+        server: DateTime<Utc>,
+        received: DateTime<Utc>,
+    ) -> chrono::Duration {
         let rtt = (received - sent).max(chrono::Duration::zero());
         // The server read its clock, on average, half a round trip before we received the answer.
         let offset = server + rtt / 2 - received;
-        let sample = Sample { offset, rtt, taken_at: received };
-        let mut best = self.best.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let sample = Sample {
+            offset,
+            rtt,
+            taken_at: received,
+        };
+        let mut best = self
+            .best
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let replace = match *best {
             None => true,
             Some(old) => {
-                let stale = (received - old.taken_at).to_std().is_ok_and(|age| age > SAMPLE_MAX_AGE);
+                let stale = (received - old.taken_at)
+                    .to_std()
+                    .is_ok_and(|age| age > SAMPLE_MAX_AGE);
                 stale || rtt <= old.rtt
             }
         };
@@ -121,7 +140,10 @@ mod tests {
         let received = sent + chrono::Duration::milliseconds(100);
         // The server's clock is exactly 2 hours ahead; it answered mid-way.
         let server = sent + chrono::Duration::hours(2) + chrono::Duration::milliseconds(50);
-        assert_eq!(clock.record(sent, server, received), chrono::Duration::hours(2));
+        assert_eq!(
+            clock.record(sent, server, received),
+            chrono::Duration::hours(2)
+        );
     }
 
     #[test]
@@ -130,7 +152,7 @@ mod tests {
         let t = Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap();
         let ms = chrono::Duration::milliseconds;
         clock.record(t, t + ms(5), t + ms(10)); // offset 0, rtt 10
-        // A slow exchange (rtt 400) with an asymmetric delay would suggest +150ms: ignored.
+                                                // A slow exchange (rtt 400) with an asymmetric delay would suggest +150ms: ignored.
         let later = t + ms(1000);
         let offset = clock.record(later, later + ms(350), later + ms(400));
         assert_eq!(offset, chrono::Duration::zero());
@@ -145,7 +167,10 @@ mod tests {
         let received = clock.local().now();
         clock.record(sent, server_now, received);
         let error = (clock.now() - Utc::now()).num_milliseconds().abs();
-        assert!(error < 1000, "estimate is {error} ms off despite a 2h local skew");
+        assert!(
+            error < 1000,
+            "estimate is {error} ms off despite a 2h local skew"
+        );
     }
 
     #[test]

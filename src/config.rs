@@ -89,7 +89,10 @@ pub struct BotSettings {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum SeedSource {
-    Url { url: NormalizedUrl, format: SeedFormat },
+    Url {
+        url: NormalizedUrl,
+        format: SeedFormat,
+    },
     Static(Vec<NormalizedUrl>),
 }
 
@@ -298,10 +301,7 @@ impl Settings {
     }
 
     /// Parses a config from its TOML text, with `env` standing in for the process environment.
-    pub fn from_toml(
-        text: &str,
-        env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Settings, String> {
+    pub fn from_toml(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<Settings, String> {
         let mut figment = Figment::from(Serialized::defaults(RawConfig {
             mongo: RawMongo::default(),
             instance: RawInstance::default(),
@@ -338,8 +338,9 @@ fn describe_figment_error(err: figment::Error) -> String {
 }
 
 fn duration(key: &str, raw: &str) -> Result<Duration, String> {
-    humantime::parse_duration(raw.trim())
-        .map_err(|e| format!("key `{key}`: {raw:?} is not a duration such as \"30s\" or \"10m\" ({e})"))
+    humantime::parse_duration(raw.trim()).map_err(|e| {
+        format!("key `{key}`: {raw:?} is not a duration such as \"30s\" or \"10m\" ({e})")
+    })
 }
 
 fn positive(key: &str, raw: &str) -> Result<Duration, String> {
@@ -387,7 +388,10 @@ impl RawConfig {
         for (i, bot) in self.bots.into_iter().enumerate() {
             let bot = bot.validate(i)?;
             if !seen.insert(bot.id.clone()) {
-                return Err(format!("key `bots[{i}].id`: bot {:?} is configured twice", bot.id.as_str()));
+                return Err(format!(
+                    "key `bots[{i}].id`: bot {:?} is configured twice",
+                    bot.id.as_str()
+                ));
             }
             bots.push(bot);
         }
@@ -408,7 +412,12 @@ impl RawConfig {
 
 fn validate_database(raw: &str) -> Result<String, String> {
     let name = raw.trim();
-    if name.is_empty() || name.len() > 63 || name.chars().any(|c| "/\\. \"$".contains(c) || c.is_control()) {
+    if name.is_empty()
+        || name.len() > 63
+        || name
+            .chars()
+            .any(|c| "/\\. \"$".contains(c) || c.is_control())
+    {
         return Err(format!(
             "key `mongo.database`: {raw:?} is not a database name (1-63 characters, none of / \\ . \" $ or space)"
         ));
@@ -453,20 +462,32 @@ impl RawRefresh {
         let backoff_base = positive("refresh.backoff_base", &self.backoff_base)?;
         let backoff_max = positive("refresh.backoff_max", &self.backoff_max)?;
         if backoff_max < backoff_base {
-            return Err("key `refresh.backoff_max`: must not be shorter than refresh.backoff_base".into());
+            return Err(
+                "key `refresh.backoff_max`: must not be shorter than refresh.backoff_base".into(),
+            );
         }
         if self.attempts == 0 || self.attempts > 20 {
-            return Err(format!("key `refresh.attempts`: {} must be between 1 and 20", self.attempts));
+            return Err(format!(
+                "key `refresh.attempts`: {} must be between 1 and 20",
+                self.attempts
+            ));
         }
         if self.max_bytes == 0 || self.max_seeds == 0 {
-            return Err("keys `refresh.max_bytes` and `refresh.max_seeds` must be greater than zero".into());
+            return Err(
+                "keys `refresh.max_bytes` and `refresh.max_seeds` must be greater than zero".into(),
+            );
         }
         if self.sitemap_depth > 5 {
-            return Err(format!("key `refresh.sitemap_depth`: {} must be at most 5", self.sitemap_depth));
+            return Err(format!(
+                "key `refresh.sitemap_depth`: {} must be at most 5",
+                self.sitemap_depth
+            ));
         }
         let user_agent = self.user_agent.trim();
         if user_agent.is_empty() || reqwest::header::HeaderValue::from_str(user_agent).is_err() {
-            return Err(format!("key `refresh.user_agent`: {user_agent:?} is not a valid header value"));
+            return Err(format!(
+                "key `refresh.user_agent`: {user_agent:?} is not a valid header value"
+            ));
         }
         Ok(RefreshLimits {
             timeout: positive("refresh.timeout", &self.timeout)?,
@@ -487,7 +508,9 @@ impl RawBot {
         let seeds = match self.seeds {
             RawSeeds::Static(list) => {
                 if list.is_empty() {
-                    return Err(format!("key `bots[{i}].seeds`: a static seed list must not be empty"));
+                    return Err(format!(
+                        "key `bots[{i}].seeds`: a static seed list must not be empty"
+                    ));
                 }
                 let mut urls = Vec::with_capacity(list.len());
                 for raw in &list {
@@ -512,7 +535,9 @@ impl RawBot {
                     format!("key `bots[{i}].refresh`: {other:?} is neither \"daily\" nor an interval such as \"6h\"")
                 })?;
                 if every < Duration::from_secs(1) {
-                    return Err(format!("key `bots[{i}].refresh`: an interval must be at least 1s"));
+                    return Err(format!(
+                        "key `bots[{i}].refresh`: an interval must be at least 1s"
+                    ));
                 }
                 RefreshSchedule::Every(every)
             }
@@ -565,13 +590,19 @@ on_refresh_failure = "wait"
         assert_eq!(s.lock.heartbeat, Duration::from_secs(10));
         assert_eq!(s.bots.len(), 2);
         assert_eq!(s.bots[0].refresh, RefreshSchedule::Daily);
-        assert_eq!(s.bots[1].refresh, RefreshSchedule::Every(Duration::from_secs(6 * 3600)));
+        assert_eq!(
+            s.bots[1].refresh,
+            RefreshSchedule::Every(Duration::from_secs(6 * 3600))
+        );
         assert_eq!(s.bots[1].on_refresh_failure, OnRefreshFailure::Wait);
         match &s.bots[1].seeds {
             SeedSource::Static(urls) => assert_eq!(urls.len(), 1, "normalized duplicates collapse"),
             other => panic!("expected a static list, got {other:?}"),
         }
-        assert!(s.instance_id.as_str().contains(':'), "an empty id is generated as host:pid:random");
+        assert!(
+            s.instance_id.as_str().contains(':'),
+            "an empty id is generated as host:pid:random"
+        );
     }
 
     #[test]
@@ -591,7 +622,11 @@ on_refresh_failure = "wait"
         let s = Settings::from_toml(EXAMPLE, env).unwrap();
         assert_eq!(s.mongo.uri, "mongodb://db.example:27018");
         assert_eq!(s.mongo.database, "other");
-        assert_eq!(s.instance_id.as_str(), "12345", "a numeric id stays a string");
+        assert_eq!(
+            s.instance_id.as_str(),
+            "12345",
+            "a numeric id stays a string"
+        );
     }
 
     #[test]
@@ -617,14 +652,18 @@ on_refresh_failure = "wait"
         ];
         for (text, key) in cases {
             let err = Settings::from_toml(text, no_env).expect_err(text);
-            assert!(err.contains(key), "error for {text:?} should name {key}: {err}");
+            assert!(
+                err.contains(key),
+                "error for {text:?} should name {key}: {err}"
+            );
             assert!(!err.contains('\n'), "one line: {err}");
         }
     }
 
     #[test]
     fn a_bad_uri_is_reported_without_its_password() {
-        let err = Settings::from_toml("[mongo]\nuri = \"postgres://u:hunter2@h/db\"", no_env).unwrap_err();
+        let err = Settings::from_toml("[mongo]\nuri = \"postgres://u:hunter2@h/db\"", no_env)
+            .unwrap_err();
         assert!(!err.contains("hunter2"), "{err}");
     }
 }

@@ -42,7 +42,10 @@ pub enum StepOutcome {
     /// The bot is ready; crawl on its seeds.
     Ready { seeds: usize, epoch: i64 },
     /// Nothing to do before `until` or a change of the document.
-    Wait { until: Option<DateTime<Utc>>, state: BotState },
+    Wait {
+        until: Option<DateTime<Utc>>,
+        state: BotState,
+    },
     /// The document was created.
     Initialized,
     /// Another instance claimed the lock first (or the document changed since it was read).
@@ -98,8 +101,16 @@ enum Finish {
 
 impl BotRunner {
     pub fn new(bot: BotSettings, ctx: Arc<Context>) -> Self {
-        let policy = Policy { refresh: bot.refresh, max_refresh: ctx.lock.max_refresh };
-        Self { bot, policy, ctx, wake: Arc::new(Notify::new()) }
+        let policy = Policy {
+            refresh: bot.refresh,
+            max_refresh: ctx.lock.max_refresh,
+        };
+        Self {
+            bot,
+            policy,
+            ctx,
+            wake: Arc::new(Notify::new()),
+        }
     }
 
     pub fn id(&self) -> &BotId {
@@ -121,11 +132,16 @@ impl BotRunner {
         ctx.metrics.set_state(id, state);
         match decision {
             Decision::UseSeeds { note, .. } => {
-                let Observed::Valid(doc) = observed else { unreachable!("UseSeeds comes from a valid document") };
+                let Observed::Valid(doc) = observed else {
+                    unreachable!("UseSeeds comes from a valid document")
+                };
                 if let Some(note) = note {
                     debug!(bot = %id, %note, "using the previous seeds");
                 }
-                Ok(StepOutcome::Ready { seeds: doc.seeds.len(), epoch: doc.lock_epoch.get() })
+                Ok(StepOutcome::Ready {
+                    seeds: doc.seeds.len(),
+                    epoch: doc.lock_epoch.get(),
+                })
             }
             Decision::Initialize => {
                 ctx.store.initialize(id, &ctx.me, now).await?;
@@ -137,26 +153,48 @@ impl BotRunner {
                 Ok(StepOutcome::Wait { until, state })
             }
             Decision::RepairContradiction { expected } => {
-                let repaired = ctx.store.repair_contradiction(id, expected, &ctx.me, now).await?;
+                let repaired = ctx
+                    .store
+                    .repair_contradiction(id, expected, &ctx.me, now)
+                    .await?;
                 if repaired {
                     warn!(bot = %id, epoch = expected.get(), "repaired a contradictory document (ready and editing)");
                     ctx.metrics.repaired(id, "contradictory");
                 }
-                Ok(if repaired { StepOutcome::Repaired } else { StepOutcome::LostRace })
+                Ok(if repaired {
+                    StepOutcome::Repaired
+                } else {
+                    StepOutcome::LostRace
+                })
             }
             Decision::RepairMalformed { problems } => {
                 let Observed::Malformed { raw, .. } = &observed else {
                     unreachable!("RepairMalformed comes from a malformed document")
                 };
-                let repaired = ctx.store.repair_malformed(raw, &problems, &ctx.me, now).await?;
+                let repaired = ctx
+                    .store
+                    .repair_malformed(raw, &problems, &ctx.me, now)
+                    .await?;
                 if repaired {
                     warn!(bot = %id, problems = %problems.join("; "), "repaired a malformed document");
                     ctx.metrics.repaired(id, "malformed");
                 }
-                Ok(if repaired { StepOutcome::Repaired } else { StepOutcome::LostRace })
+                Ok(if repaired {
+                    StepOutcome::Repaired
+                } else {
+                    StepOutcome::LostRace
+                })
             }
-            Decision::Claim { expected, claim, reason, .. } => {
-                let lease = ctx.store.claim(id, &ctx.me, expected, claim, now, ctx.lock.ttl, &reason).await?;
+            Decision::Claim {
+                expected,
+                claim,
+                reason,
+                ..
+            } => {
+                let lease = ctx
+                    .store
+                    .claim(id, &ctx.me, expected, claim, now, ctx.lock.ttl, &reason)
+                    .await?;
                 let Some(lease) = lease else {
                     debug!(bot = %id, epoch = expected.get(), "another instance claimed the lock first");
                     return Ok(StepOutcome::LostRace);
@@ -181,14 +219,17 @@ impl BotRunner {
         let ctx = &self.ctx;
         let id = &self.bot.id;
         let timer = Instant::now();
-        let max_refresh = chrono::Duration::from_std(ctx.lock.max_refresh).unwrap_or(chrono::Duration::MAX);
+        let max_refresh =
+            chrono::Duration::from_std(ctx.lock.max_refresh).unwrap_or(chrono::Duration::MAX);
         let deadline = lease.started_at + max_refresh;
-        let mut confirmed_until = ctx.clock.now() + chrono::Duration::from_std(ctx.lock.ttl).unwrap_or_default();
+        let mut confirmed_until =
+            ctx.clock.now() + chrono::Duration::from_std(ctx.lock.ttl).unwrap_or_default();
         let work = CancellationToken::new();
         let end = {
             let fetch = ctx.fetcher.fetch(&self.bot.seeds, &work);
             tokio::pin!(fetch);
-            let mut beat = tokio::time::interval_at(Instant::now() + ctx.lock.heartbeat, ctx.lock.heartbeat);
+            let mut beat =
+                tokio::time::interval_at(Instant::now() + ctx.lock.heartbeat, ctx.lock.heartbeat);
             beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
@@ -232,7 +273,11 @@ impl BotRunner {
                 humantime::format_duration(ctx.lock.max_refresh)
             )),
             End::Lost => {
-                return Ok(self.lost(&lease, timer, "a heartbeat matched nothing or could not be confirmed"));
+                return Ok(self.lost(
+                    &lease,
+                    timer,
+                    "a heartbeat matched nothing or could not be confirmed",
+                ));
             }
         };
         self.finish(lease, finish, confirmed_until, timer).await
@@ -242,7 +287,9 @@ impl BotRunner {
         let id = &self.bot.id;
         warn!(bot = %id, epoch = lease.epoch.get(), %why, "lease lost; stopped without writing");
         self.ctx.metrics.lease_lost(id);
-        self.ctx.metrics.refresh_finished(id, "lost", timer.elapsed());
+        self.ctx
+            .metrics
+            .refresh_finished(id, "lost", timer.elapsed());
         StepOutcome::LeaseLost
     }
 
@@ -268,18 +315,31 @@ impl BotRunner {
                     let retry_after = now + chrono::Duration::from_std(backoff).unwrap_or_default();
                     let stay_ready = self.bot.on_refresh_failure == OnRefreshFailure::KeepPrevious
                         && !lease.previous_seeds.is_empty();
-                    ctx.store.fail(&lease, now, error, retry_after, stay_ready).await
+                    ctx.store
+                        .fail(&lease, now, error, retry_after, stay_ready)
+                        .await
                 }
-                Finish::Release => ctx.store.release(&lease, now, "shutdown: work stopped, lock released").await,
+                Finish::Release => {
+                    ctx.store
+                        .release(&lease, now, "shutdown: work stopped, lock released")
+                        .await
+                }
             };
             match result {
                 Ok(()) => break,
-                Err(Error::LeaseLost { .. }) => return Ok(self.lost(&lease, timer, "the last write matched nothing")),
+                Err(Error::LeaseLost { .. }) => {
+                    return Ok(self.lost(&lease, timer, "the last write matched nothing"))
+                }
                 Err(e) if e.is_transient() && ctx.clock.now() < confirmed_until => {
                     ctx.metrics.db_error();
                     attempt += 1;
                     warn!(bot = %id, epoch = lease.epoch.get(), error = %e, attempt, "last write failed; retrying");
-                    tokio::time::sleep(full_jitter(Duration::from_millis(100), ctx.lock.heartbeat, attempt)).await;
+                    tokio::time::sleep(full_jitter(
+                        Duration::from_millis(100),
+                        ctx.lock.heartbeat,
+                        attempt,
+                    ))
+                    .await;
                 }
                 Err(e) => return Err(e),
             }
@@ -290,7 +350,10 @@ impl BotRunner {
             Finish::Complete(seeds) => {
                 info!(bot = %id, epoch, seeds = seeds.len(), "seeds refreshed; bot is ready");
                 ctx.metrics.refresh_finished(id, "ok", timer.elapsed());
-                StepOutcome::Refreshed { seeds: seeds.len(), epoch }
+                StepOutcome::Refreshed {
+                    seeds: seeds.len(),
+                    epoch,
+                }
             }
             Finish::Fail(error) => {
                 warn!(bot = %id, epoch, %error, "refresh failed; recorded and released");
@@ -299,7 +362,8 @@ impl BotRunner {
             }
             Finish::Release => {
                 info!(bot = %id, epoch, "shutdown mid-refresh: work stopped, lock released");
-                ctx.metrics.refresh_finished(id, "released", timer.elapsed());
+                ctx.metrics
+                    .refresh_finished(id, "released", timer.elapsed());
                 StepOutcome::Released
             }
         })
@@ -353,7 +417,9 @@ impl BotRunner {
                     if matches!(outcome, StepOutcome::Ready { .. }) && until == Until::Ready {
                         break RunEnd::Ready { seeds, epoch };
                     }
-                    if matches!(outcome, StepOutcome::Ready { .. }) && self.pause(jittered(poll, 0.2), shutdown).await {
+                    if matches!(outcome, StepOutcome::Ready { .. })
+                        && self.pause(jittered(poll, 0.2), shutdown).await
+                    {
                         break RunEnd::Shutdown;
                     }
                 }
@@ -362,17 +428,23 @@ impl BotRunner {
                     let mut delay = jittered(poll, 0.2);
                     if let Some(at) = wake_at {
                         // Wake just after the moment the situation can change, if that is sooner.
-                        let left = (at - ctx.clock.now()).to_std().unwrap_or_default() + Duration::from_millis(20);
+                        let left = (at - ctx.clock.now()).to_std().unwrap_or_default()
+                            + Duration::from_millis(20);
                         delay = delay.min(left);
                     }
                     if self.pause(delay, shutdown).await {
                         break RunEnd::Shutdown;
                     }
                 }
-                StepOutcome::Initialized | StepOutcome::Repaired | StepOutcome::RefreshFailed { .. } => {}
+                StepOutcome::Initialized
+                | StepOutcome::Repaired
+                | StepOutcome::RefreshFailed { .. } => {}
                 StepOutcome::LostRace | StepOutcome::LeaseLost => {
                     // Someone else moved first: read again soon, spread out.
-                    if self.pause(full_jitter(poll / 20, poll / 4, 1), shutdown).await {
+                    if self
+                        .pause(full_jitter(poll / 20, poll / 4, 1), shutdown)
+                        .await
+                    {
                         break RunEnd::Shutdown;
                     }
                 }

@@ -33,7 +33,10 @@ pub enum RunError {
     Startup(String),
     /// `run --once` did not see every bot Ready in time: exit code 1.
     #[error("timed out after {}: not ready: {}", humantime::format_duration(*.timeout), .pending.join(", "))]
-    Timeout { timeout: Duration, pending: Vec<String> },
+    Timeout {
+        timeout: Duration,
+        pending: Vec<String>,
+    },
 }
 
 /// What `run --once` saw at the end, per bot.
@@ -49,7 +52,9 @@ pub struct BotSummary {
 /// Connects to the database and syncs the server clock: what every command needs first.
 pub async fn connect(settings: &Settings) -> Result<(Store, Arc<ServerClock>), RunError> {
     let local = LocalClock::from_env().map_err(RunError::Startup)?;
-    let store = Store::connect(&settings.mongo).await.map_err(|e| RunError::Startup(e.to_string()))?;
+    let store = Store::connect(&settings.mongo)
+        .await
+        .map_err(|e| RunError::Startup(e.to_string()))?;
     let clock = Arc::new(ServerClock::new(local));
     // Three samples: the one with the shortest round trip sets the offset.
     for _ in 0..3 {
@@ -61,9 +66,15 @@ pub async fn connect(settings: &Settings) -> Result<(Store, Arc<ServerClock>), R
     Ok((store, clock))
 }
 
-pub async fn run(settings: Settings, mode: Mode, shutdown: CancellationToken) -> Result<Vec<BotSummary>, RunError> {
+pub async fn run(
+    settings: Settings,
+    mode: Mode,
+    shutdown: CancellationToken,
+) -> Result<Vec<BotSummary>, RunError> {
     if settings.bots.is_empty() {
-        return Err(RunError::Startup("no [[bots]] configured: nothing to run".into()));
+        return Err(RunError::Startup(
+            "no [[bots]] configured: nothing to run".into(),
+        ));
     }
     let (store, clock) = connect(&settings).await?;
     let fetcher = SeedFetcher::new(settings.refresh.clone()).map_err(RunError::Startup)?;
@@ -99,7 +110,10 @@ pub async fn run(settings: Settings, mode: Mode, shutdown: CancellationToken) ->
     for bot in &settings.bots {
         let runner = BotRunner::new(bot.clone(), ctx.clone());
         let stop = stop.clone();
-        runs.push((bot.id.clone(), tracker.spawn(async move { runner.run(until, &stop).await })));
+        runs.push((
+            bot.id.clone(),
+            tracker.spawn(async move { runner.run(until, &stop).await }),
+        ));
     }
 
     let result = match mode {
@@ -167,7 +181,12 @@ pub fn digest(seeds: &[String]) -> String {
         hasher.update(seed.as_bytes());
         hasher.update(b"\n");
     }
-    hasher.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+    hasher
+        .finalize()
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Re-samples the server's clock every 30 s (drift, and a better round trip now and then).

@@ -27,7 +27,12 @@ pub enum BotState {
 }
 
 impl BotState {
-    pub const ALL: [BotState; 4] = [BotState::Ready, BotState::Waiting, BotState::Updating, BotState::Error];
+    pub const ALL: [BotState; 4] = [
+        BotState::Ready,
+        BotState::Waiting,
+        BotState::Updating,
+        BotState::Error,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -103,13 +108,25 @@ impl Claim {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Decision {
     /// Crawl on the stored seeds.
-    UseSeeds { branch: Branch, note: Option<String> },
+    UseSeeds {
+        branch: Branch,
+        note: Option<String>,
+    },
     /// No document yet: create the initial one (idempotent), then decide again.
     Initialize,
     /// Claim the edit lock, then refresh.
-    Claim { expected: LockEpoch, claim: Claim, branch: Branch, reason: String },
+    Claim {
+        expected: LockEpoch,
+        claim: Claim,
+        branch: Branch,
+        reason: String,
+    },
     /// Nothing to do before `until` (if known), or until the document changes.
-    Wait { until: Option<DateTime<Utc>>, branch: Branch, reason: String },
+    Wait {
+        until: Option<DateTime<Utc>>,
+        branch: Branch,
+        reason: String,
+    },
     /// Ready and editing at once: clear `isReady`, keeping the lock, fenced on the epoch.
     RepairContradiction { expected: LockEpoch },
     /// Rewrite a malformed document into a sane, not-ready one (fenced on its exact content).
@@ -125,7 +142,9 @@ impl Decision {
             Decision::Initialize => BotState::Waiting,
             Decision::Wait { reason, .. } if reason.starts_with(BACKOFF) => BotState::Error,
             Decision::Wait { .. } => BotState::Waiting,
-            Decision::RepairContradiction { .. } | Decision::RepairMalformed { .. } => BotState::Error,
+            Decision::RepairContradiction { .. } | Decision::RepairMalformed { .. } => {
+                BotState::Error
+            }
         }
     }
 
@@ -151,11 +170,18 @@ pub struct Policy {
 }
 
 /// The state machine. `now` is the database server's time (see `clock`), never the local clock.
-pub fn decide(observed: &Observed, now: DateTime<Utc>, me: &InstanceId, policy: &Policy) -> Decision {
+pub fn decide(
+    observed: &Observed,
+    now: DateTime<Utc>,
+    me: &InstanceId,
+    policy: &Policy,
+) -> Decision {
     let doc = match observed {
         Observed::Missing => return Decision::Initialize,
         Observed::Malformed { problems, .. } => {
-            return Decision::RepairMalformed { problems: problems.clone() }
+            return Decision::RepairMalformed {
+                problems: problems.clone(),
+            }
         }
         Observed::Valid(doc) => doc,
     };
@@ -163,17 +189,25 @@ pub fn decide(observed: &Observed, now: DateTime<Utc>, me: &InstanceId, policy: 
         (true, false) => decide_ready(doc, now, policy),
         (false, true) => decide_editing(doc, now, me, policy),
         (false, false) => decide_idle(doc, now),
-        (true, true) => Decision::RepairContradiction { expected: doc.lock_epoch },
+        (true, true) => Decision::RepairContradiction {
+            expected: doc.lock_epoch,
+        },
     }
 }
 
 fn claim_free(doc: &BotDoc, branch: Branch, reason: String) -> Decision {
-    Decision::Claim { expected: doc.lock_epoch, claim: Claim::Free, branch, reason }
+    Decision::Claim {
+        expected: doc.lock_epoch,
+        claim: Claim::Free,
+        branch,
+        reason,
+    }
 }
 
 /// A failed refresh set a shared backoff; an admin's explicit request overrides it.
 fn backing_off(doc: &BotDoc, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
-    doc.retry_refresh_after.filter(|until| *until > now && !refresh_requested(doc))
+    doc.retry_refresh_after
+        .filter(|until| *until > now && !refresh_requested(doc))
 }
 
 fn refresh_requested(doc: &BotDoc) -> bool {
@@ -199,9 +233,15 @@ fn refresh_due(doc: &BotDoc, now: DateTime<Utc>, schedule: RefreshSchedule) -> O
             now.date_naive()
         )),
         RefreshSchedule::Every(every)
-            if now.signed_duration_since(last).to_std().is_ok_and(|age| age >= every) =>
+            if now
+                .signed_duration_since(last)
+                .to_std()
+                .is_ok_and(|age| age >= every) =>
         {
-            Some(format!("interval refresh: the seeds are older than {}", humantime::format_duration(every)))
+            Some(format!(
+                "interval refresh: the seeds are older than {}",
+                humantime::format_duration(every)
+            ))
         }
         _ => None,
     }
@@ -216,18 +256,27 @@ fn decide_ready(doc: &BotDoc, now: DateTime<Utc>, policy: &Policy) -> Decision {
                 reason: format!("{BACKOFF}: ready with no seeds after a failed refresh"),
             };
         }
-        return claim_free(doc, Branch::A1, "A-1: ready but the seed list is empty".into());
+        return claim_free(
+            doc,
+            Branch::A1,
+            "A-1: ready but the seed list is empty".into(),
+        );
     }
     match refresh_due(doc, now, policy.refresh) {
         Some(why) => match backing_off(doc, now) {
             // keep_previous: crawl on the old seeds until the shared backoff passes.
             Some(until) => Decision::UseSeeds {
                 branch: Branch::A2,
-                note: Some(format!("refresh due ({why}) but {BACKOFF} until {until} after a failure")),
+                note: Some(format!(
+                    "refresh due ({why}) but {BACKOFF} until {until} after a failure"
+                )),
             },
             None => claim_free(doc, Branch::A2, format!("A-2: {why}")),
         },
-        None => Decision::UseSeeds { branch: Branch::A3, note: None },
+        None => Decision::UseSeeds {
+            branch: Branch::A3,
+            note: None,
+        },
     }
 }
 
@@ -239,14 +288,19 @@ fn decide_editing(doc: &BotDoc, now: DateTime<Utc>, me: &InstanceId, policy: &Po
             expected,
             claim: Claim::Orphaned,
             branch: Branch::B1,
-            reason: format!("B-1: epoch {expected} is held by this instance id, but not by this process"),
+            reason: format!(
+                "B-1: epoch {expected} is held by this instance id, but not by this process"
+            ),
         };
     }
     // Both are set on every editing document (`BotDoc::parse` rejects one without them).
     let expires = doc.lock_expires_at.unwrap_or(now);
     let started = doc.last_update_started_at.unwrap_or(now);
-    let max_refresh = chrono::Duration::from_std(policy.max_refresh).unwrap_or(chrono::Duration::MAX);
-    let stuck_at = started.checked_add_signed(max_refresh).unwrap_or(DateTime::<Utc>::MAX_UTC);
+    let max_refresh =
+        chrono::Duration::from_std(policy.max_refresh).unwrap_or(chrono::Duration::MAX);
+    let stuck_at = started
+        .checked_add_signed(max_refresh)
+        .unwrap_or(DateTime::<Utc>::MAX_UTC);
     if expires <= now {
         return Decision::Claim {
             expected,
@@ -258,7 +312,9 @@ fn decide_editing(doc: &BotDoc, now: DateTime<Utc>, me: &InstanceId, policy: &Po
     if stuck_at <= now {
         return Decision::Claim {
             expected,
-            claim: Claim::Stuck { started_before: now - max_refresh },
+            claim: Claim::Stuck {
+                started_before: now - max_refresh,
+            },
             branch: Branch::B2,
             reason: format!(
                 "B-2: {holder}'s refresh started at {started}, longer ago than max_refresh ({})",
@@ -285,7 +341,11 @@ fn decide_idle(doc: &BotDoc, now: DateTime<Utc>) -> Decision {
             ),
         };
     }
-    claim_free(doc, Branch::C, "C: not ready and nobody is refreshing".into())
+    claim_free(
+        doc,
+        Branch::C,
+        "C: not ready and nobody is refreshing".into(),
+    )
 }
 
 /// The state an admin sees for a document (status, metrics), independent of any instance.
@@ -348,11 +408,17 @@ mod tests {
     }
 
     fn daily() -> Policy {
-        Policy { refresh: RefreshSchedule::Daily, max_refresh: Duration::from_secs(600) }
+        Policy {
+            refresh: RefreshSchedule::Daily,
+            max_refresh: Duration::from_secs(600),
+        }
     }
 
     fn hourly() -> Policy {
-        Policy { refresh: RefreshSchedule::Every(Duration::from_secs(3600)), max_refresh: Duration::from_secs(600) }
+        Policy {
+            refresh: RefreshSchedule::Every(Duration::from_secs(3600)),
+            max_refresh: Duration::from_secs(600),
+        }
     }
 
     /// One row: a document, the server's time, the policy, and the expected (state, branch, claim).
@@ -399,7 +465,10 @@ mod tests {
             },
             Row {
                 name: "A-2 an admin asked for a refresh after the last one started",
-                observed: valid(BotDoc { refresh_requested_at: Some(at(1, 30)), ..ready(&["http://a/"], at(1, 0)) }),
+                observed: valid(BotDoc {
+                    refresh_requested_at: Some(at(1, 30)),
+                    ..ready(&["http://a/"], at(1, 0))
+                }),
                 now: at(1, 31),
                 policy: daily(),
                 state: BotState::Updating,
@@ -408,7 +477,10 @@ mod tests {
             },
             Row {
                 name: "A-2 a request served by a later refresh is not due again",
-                observed: valid(BotDoc { refresh_requested_at: Some(at(0, 30)), ..ready(&["http://a/"], at(1, 0)) }),
+                observed: valid(BotDoc {
+                    refresh_requested_at: Some(at(0, 30)),
+                    ..ready(&["http://a/"], at(1, 0))
+                }),
                 now: at(1, 31),
                 policy: daily(),
                 state: BotState::Ready,
@@ -475,7 +547,9 @@ mod tests {
                 policy: daily(),
                 state: BotState::Updating,
                 branch: Branch::B2,
-                claim: Some(Claim::Stuck { started_before: at(1, 0) }),
+                claim: Some(Claim::Stuck {
+                    started_before: at(1, 0),
+                }),
             },
             Row {
                 name: "B-3 a live holder within max_refresh: wait",
@@ -497,7 +571,10 @@ mod tests {
             },
             Row {
                 name: "C not ready and not editing claims the lock",
-                observed: valid(BotDoc { is_ready: false, ..ready(&[], at(1, 0)) }),
+                observed: valid(BotDoc {
+                    is_ready: false,
+                    ..ready(&[], at(1, 0))
+                }),
                 now: at(1, 0),
                 policy: daily(),
                 state: BotState::Updating,
@@ -521,7 +598,10 @@ mod tests {
             },
             Row {
                 name: "D ready and editing is repaired, not force-unlocked",
-                observed: valid(BotDoc { is_ready: true, ..editing("other", at(1, 0), at(1, 5)) }),
+                observed: valid(BotDoc {
+                    is_ready: true,
+                    ..editing("other", at(1, 0), at(1, 5))
+                }),
                 now: at(1, 1),
                 policy: daily(),
                 state: BotState::Error,
@@ -550,8 +630,15 @@ mod tests {
             assert_eq!(decision.state(), row.state, "{}: {decision:?}", row.name);
             assert_eq!(decision.branch(), row.branch, "{}: {decision:?}", row.name);
             let claim = match &decision {
-                Decision::Claim { claim, expected, .. } => {
-                    assert_eq!(expected.get(), 4, "{}: claims are fenced on the observed epoch", row.name);
+                Decision::Claim {
+                    claim, expected, ..
+                } => {
+                    assert_eq!(
+                        expected.get(),
+                        4,
+                        "{}: claims are fenced on the observed epoch",
+                        row.name
+                    );
                     Some(*claim)
                 }
                 _ => None,
@@ -577,9 +664,19 @@ mod tests {
 
     #[test]
     fn states_seen_by_an_admin() {
-        assert_eq!(state_of(&Observed::Valid(ready(&["x"], at(1, 0)))), BotState::Ready);
-        assert_eq!(state_of(&Observed::Valid(editing("o", at(1, 0), at(1, 1)))), BotState::Updating);
-        let failed = BotDoc { is_ready: false, last_error: Some("x".into()), ..ready(&[], at(1, 0)) };
+        assert_eq!(
+            state_of(&Observed::Valid(ready(&["x"], at(1, 0)))),
+            BotState::Ready
+        );
+        assert_eq!(
+            state_of(&Observed::Valid(editing("o", at(1, 0), at(1, 1)))),
+            BotState::Updating
+        );
+        let failed = BotDoc {
+            is_ready: false,
+            last_error: Some("x".into()),
+            ..ready(&[], at(1, 0))
+        };
         assert_eq!(state_of(&Observed::Valid(failed)), BotState::Error);
         assert_eq!(state_of(&Observed::Missing), BotState::Waiting);
     }

@@ -53,7 +53,10 @@ pub struct BotDoc {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Observed {
     Missing,
-    Malformed { raw: Document, problems: Vec<String> },
+    Malformed {
+        raw: Document,
+        problems: Vec<String>,
+    },
     Valid(BotDoc),
 }
 
@@ -89,7 +92,10 @@ impl BotDoc {
                     match item {
                         Bson::String(s) => seeds.push(s.clone()),
                         other => {
-                            problems.push(format!("seeds must hold strings, found {}", describe(Some(other))));
+                            problems.push(format!(
+                                "seeds must hold strings, found {}",
+                                describe(Some(other))
+                            ));
                             break;
                         }
                     }
@@ -114,7 +120,10 @@ impl BotDoc {
         let failed_refreshes = match raw.get(field::FAILED_REFRESHES) {
             None | Some(Bson::Null) => 0,
             Some(v) => integer(v).unwrap_or_else(|| {
-                problems.push(format!("failedRefreshes must be an integer, found {}", describe(Some(v))));
+                problems.push(format!(
+                    "failedRefreshes must be an integer, found {}",
+                    describe(Some(v))
+                ));
                 0
             }),
         };
@@ -122,7 +131,10 @@ impl BotDoc {
             None | Some(Bson::Null) => None,
             Some(Bson::String(s)) => Some(s.clone()),
             other => {
-                problems.push(format!("lastError must be a string or null, found {}", describe(other)));
+                problems.push(format!(
+                    "lastError must be a string or null, found {}",
+                    describe(other)
+                ));
                 None
             }
         };
@@ -130,7 +142,10 @@ impl BotDoc {
             None | Some(Bson::Null) => None,
             Some(Bson::String(s)) => Some(s.clone()),
             other => {
-                problems.push(format!("editingBy must be a string or null, found {}", describe(other)));
+                problems.push(format!(
+                    "editingBy must be a string or null, found {}",
+                    describe(other)
+                ));
                 None
             }
         };
@@ -155,7 +170,9 @@ impl BotDoc {
         }
 
         match (id, is_ready, is_editing, lock_epoch) {
-            (Some(id), Some(is_ready), Some(is_editing), Some(lock_epoch)) if problems.is_empty() => {
+            (Some(id), Some(is_ready), Some(is_editing), Some(lock_epoch))
+                if problems.is_empty() =>
+            {
                 Ok(BotDoc {
                     id,
                     is_ready,
@@ -182,7 +199,10 @@ fn required_bool(raw: &Document, name: &str, problems: &mut Vec<String>) -> Opti
     match raw.get(name) {
         Some(Bson::Boolean(b)) => Some(*b),
         other => {
-            problems.push(format!("{name} must be a boolean, found {}", describe(other)));
+            problems.push(format!(
+                "{name} must be a boolean, found {}",
+                describe(other)
+            ));
             None
         }
     }
@@ -193,7 +213,10 @@ fn optional_date(raw: &Document, name: &str, problems: &mut Vec<String>) -> Opti
         None | Some(Bson::Null) => None,
         Some(Bson::DateTime(d)) => Some(d.to_chrono()),
         other => {
-            problems.push(format!("{name} must be a date or null, found {}", describe(other)));
+            problems.push(format!(
+                "{name} must be a date or null, found {}",
+                describe(other)
+            ));
             None
         }
     }
@@ -214,7 +237,10 @@ fn describe(value: Option<&Bson>) -> String {
         None => "nothing (the field is missing)".into(),
         Some(Bson::String(s)) => format!("the string {:?}", truncate(s, 40)),
         Some(Bson::Null) => "null".into(),
-        Some(other) => format!("{:?} ({other})", other.element_type()).chars().take(80).collect(),
+        Some(other) => format!("{:?} ({other})", other.element_type())
+            .chars()
+            .take(80)
+            .collect(),
     }
 }
 
@@ -260,20 +286,43 @@ mod tests {
     #[test]
     fn each_malformation_is_named() {
         let cases: Vec<(&str, Bson, &str)> = vec![
-            ("isReady", Bson::String("true".into()), "isReady must be a boolean"),
+            (
+                "isReady",
+                Bson::String("true".into()),
+                "isReady must be a boolean",
+            ),
             ("isEditing", Bson::Int32(1), "isEditing must be a boolean"),
-            ("seeds", Bson::String("http://a/".into()), "seeds must be an array"),
-            ("seeds", Bson::Array(vec![Bson::Int32(1)]), "seeds must hold strings"),
-            ("lockEpoch", Bson::String("1".into()), "lockEpoch must be an integer"),
+            (
+                "seeds",
+                Bson::String("http://a/".into()),
+                "seeds must be an array",
+            ),
+            (
+                "seeds",
+                Bson::Array(vec![Bson::Int32(1)]),
+                "seeds must hold strings",
+            ),
+            (
+                "lockEpoch",
+                Bson::String("1".into()),
+                "lockEpoch must be an integer",
+            ),
             ("lockEpoch", Bson::Int64(-1), "negative"),
-            ("lastSeedUpdatedAt", Bson::String("2024-01-01".into()), "lastSeedUpdatedAt must be a date"),
+            (
+                "lastSeedUpdatedAt",
+                Bson::String("2024-01-01".into()),
+                "lastSeedUpdatedAt must be a date",
+            ),
             ("lastError", Bson::Int32(5), "lastError must be a string"),
         ];
         for (name, value, expected) in cases {
             let mut raw = good();
             raw.insert(name, value);
             let problems = BotDoc::parse(&raw).expect_err(name);
-            assert!(problems.iter().any(|p| p.contains(expected)), "{name}: {problems:?}");
+            assert!(
+                problems.iter().any(|p| p.contains(expected)),
+                "{name}: {problems:?}"
+            );
         }
         let mut raw = good();
         raw.remove("isReady");
@@ -287,14 +336,23 @@ mod tests {
         raw.insert("isEditing", true);
         raw.insert("isReady", false);
         let problems = BotDoc::parse(&raw).unwrap_err();
-        assert!(problems.iter().any(|p| p.contains("editingBy")), "{problems:?}");
-        assert!(problems.iter().any(|p| p.contains("lockExpiresAt")), "{problems:?}");
+        assert!(
+            problems.iter().any(|p| p.contains("editingBy")),
+            "{problems:?}"
+        );
+        assert!(
+            problems.iter().any(|p| p.contains("lockExpiresAt")),
+            "{problems:?}"
+        );
     }
 
     #[test]
     fn observed_distinguishes_missing_malformed_and_valid() {
         assert_eq!(Observed::from_raw(None), Observed::Missing);
-        assert!(matches!(Observed::from_raw(Some(good())), Observed::Valid(_)));
+        assert!(matches!(
+            Observed::from_raw(Some(good())),
+            Observed::Valid(_)
+        ));
         assert!(matches!(
             Observed::from_raw(Some(doc! {"_id": "x"})),
             Observed::Malformed { .. }

@@ -35,7 +35,10 @@ pub async fn bind(
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics_text))
-        .with_state(AppState { metrics, stale_after });
+        .with_state(AppState {
+            metrics,
+            stale_after,
+        });
     let server = async move {
         let result = axum::serve(listener, app)
             .with_graceful_shutdown(async move { shutdown.cancelled().await })
@@ -54,13 +57,19 @@ async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
             StatusCode::SERVICE_UNAVAILABLE,
             format!("database last answered {}s ago\n", age.as_secs()),
         ),
-        None => (StatusCode::SERVICE_UNAVAILABLE, "database not reached yet\n".to_owned()),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database not reached yet\n".to_owned(),
+        ),
     }
 }
 
 async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         state.metrics.encode(),
     )
 }

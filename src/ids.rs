@@ -43,7 +43,9 @@ impl InstanceId {
     pub fn parse(raw: &str) -> Result<Self, String> {
         let trimmed = raw.trim();
         if trimmed.is_empty() || trimmed.len() > 200 {
-            return Err(format!("instance id {raw:?} must be 1 to 200 characters long"));
+            return Err(format!(
+                "instance id {raw:?} must be 1 to 200 characters long"
+            ));
         }
         if trimmed.chars().any(char::is_control) {
             return Err(format!("instance id {raw:?} has a control character"));
@@ -54,7 +56,11 @@ impl InstanceId {
     /// `hostname:pid:random`, unique enough that two processes never share one by accident.
     pub fn generate() -> Self {
         let host = gethostname::gethostname().to_string_lossy().into_owned();
-        let host = if host.is_empty() { "host".to_owned() } else { host };
+        let host = if host.is_empty() {
+            "host".to_owned()
+        } else {
+            host
+        };
         let suffix: u32 = rand::random();
         Self(format!("{host}:{}:{suffix:08x}", std::process::id()))
     }

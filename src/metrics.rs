@@ -63,25 +63,66 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("seedlock");
         let bot_state = Family::<StateLabels, Gauge>::default();
-        registry.register("bot_state", "1 for the state this instance is in for a bot, 0 otherwise", bot_state.clone());
+        registry.register(
+            "bot_state",
+            "1 for the state this instance is in for a bot, 0 otherwise",
+            bot_state.clone(),
+        );
         let lock_epoch = Family::<BotLabel, Gauge>::default();
-        registry.register("lock_epoch", "The last lock epoch this instance saw for a bot", lock_epoch.clone());
+        registry.register(
+            "lock_epoch",
+            "The last lock epoch this instance saw for a bot",
+            lock_epoch.clone(),
+        );
         let acquisitions = Family::<BotLabel, Counter>::default();
-        registry.register("lock_acquisitions", "Edit locks this instance won (including takeovers)", acquisitions.clone());
+        registry.register(
+            "lock_acquisitions",
+            "Edit locks this instance won (including takeovers)",
+            acquisitions.clone(),
+        );
         let takeovers = Family::<KindLabels, Counter>::default();
-        registry.register("lock_takeovers", "Stuck locks this instance took over, by kind (expired, stuck, orphaned)", takeovers.clone());
+        registry.register(
+            "lock_takeovers",
+            "Stuck locks this instance took over, by kind (expired, stuck, orphaned)",
+            takeovers.clone(),
+        );
         let leases_lost = Family::<BotLabel, Counter>::default();
-        registry.register("leases_lost", "Refreshes this instance abandoned because a fenced write matched nothing", leases_lost.clone());
+        registry.register(
+            "leases_lost",
+            "Refreshes this instance abandoned because a fenced write matched nothing",
+            leases_lost.clone(),
+        );
         let refreshes = Family::<KindLabels, Counter>::default();
-        registry.register("refreshes", "Refreshes finished by this instance, by result (ok, failed, released, lost)", refreshes.clone());
+        registry.register(
+            "refreshes",
+            "Refreshes finished by this instance, by result (ok, failed, released, lost)",
+            refreshes.clone(),
+        );
         let repairs = Family::<KindLabels, Counter>::default();
-        registry.register("repairs", "Broken documents this instance repaired, by kind (contradictory, malformed)", repairs.clone());
-        let refresh_duration = Seconds::new_with_constructor(seconds_histogram as fn() -> Histogram);
-        registry.register("refresh_duration_seconds", "Time from winning the lock to the refresh's last write", refresh_duration.clone());
+        registry.register(
+            "repairs",
+            "Broken documents this instance repaired, by kind (contradictory, malformed)",
+            repairs.clone(),
+        );
+        let refresh_duration =
+            Seconds::new_with_constructor(seconds_histogram as fn() -> Histogram);
+        registry.register(
+            "refresh_duration_seconds",
+            "Time from winning the lock to the refresh's last write",
+            refresh_duration.clone(),
+        );
         let wait_duration = Seconds::new_with_constructor(seconds_histogram as fn() -> Histogram);
-        registry.register("wait_duration_seconds", "Time spent waiting for another instance's refresh", wait_duration.clone());
+        registry.register(
+            "wait_duration_seconds",
+            "Time spent waiting for another instance's refresh",
+            wait_duration.clone(),
+        );
         let db_errors = Counter::default();
-        registry.register("db_errors", "Database operations that failed (transient ones are retried)", db_errors.clone());
+        registry.register(
+            "db_errors",
+            "Database operations that failed (transient ones are retried)",
+            db_errors.clone(),
+        );
         Self {
             registry,
             bot_state,
@@ -99,17 +140,27 @@ impl Metrics {
     }
 
     fn bot(bot: &BotId) -> BotLabel {
-        BotLabel { bot: bot.to_string() }
+        BotLabel {
+            bot: bot.to_string(),
+        }
     }
 
     fn kind(bot: &BotId, kind: &str) -> KindLabels {
-        KindLabels { bot: bot.to_string(), kind: kind.to_owned() }
+        KindLabels {
+            bot: bot.to_string(),
+            kind: kind.to_owned(),
+        }
     }
 
     pub fn set_state(&self, bot: &BotId, state: BotState) {
         for s in BotState::ALL {
-            let labels = StateLabels { bot: bot.to_string(), state: s.as_str().to_owned() };
-            self.bot_state.get_or_create(&labels).set(i64::from(s == state));
+            let labels = StateLabels {
+                bot: bot.to_string(),
+                state: s.as_str().to_owned(),
+            };
+            self.bot_state
+                .get_or_create(&labels)
+                .set(i64::from(s == state));
         }
     }
 
@@ -130,7 +181,9 @@ impl Metrics {
 
     pub fn refresh_finished(&self, bot: &BotId, result: &str, took: Duration) {
         self.refreshes.get_or_create(&Self::kind(bot, result)).inc();
-        self.refresh_duration.get_or_create(&Self::bot(bot)).observe(took.as_secs_f64());
+        self.refresh_duration
+            .get_or_create(&Self::bot(bot))
+            .observe(took.as_secs_f64());
     }
 
     pub fn repaired(&self, bot: &BotId, kind: &str) {
@@ -138,7 +191,9 @@ impl Metrics {
     }
 
     pub fn waited(&self, bot: &BotId, took: Duration) {
-        self.wait_duration.get_or_create(&Self::bot(bot)).observe(took.as_secs_f64());
+        self.wait_duration
+            .get_or_create(&Self::bot(bot))
+            .observe(took.as_secs_f64());
     }
 
     pub fn db_error(&self) {
@@ -146,18 +201,22 @@ impl Metrics {
     }
 
     pub fn db_ok(&self) {
-        self.last_db_ok.store(chrono::Utc::now().timestamp_millis(), Ordering::Relaxed);
+        self.last_db_ok
+            .store(chrono::Utc::now().timestamp_millis(), Ordering::Relaxed);
     }
 
     /// How long ago the database last answered, if it ever did.
     pub fn since_db_ok(&self) -> Option<Duration> {
         let at = self.last_db_ok.load(Ordering::Relaxed);
-        (at > 0).then(|| Duration::from_millis((chrono::Utc::now().timestamp_millis() - at).max(0) as u64))
+        (at > 0).then(|| {
+            Duration::from_millis((chrono::Utc::now().timestamp_millis() - at).max(0) as u64)
+        })
     }
 
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
         out
     }
 }

@@ -15,9 +15,17 @@ use crate::urls::NormalizedUrl;
 #[derive(Debug, thiserror::Error)]
 pub enum SeedError {
     #[error("{url}: HTTP {status}")]
-    Status { url: String, status: u16, transient: bool },
+    Status {
+        url: String,
+        status: u16,
+        transient: bool,
+    },
     #[error("{url}: {detail}")]
-    Transport { url: String, detail: String, transient: bool },
+    Transport {
+        url: String,
+        detail: String,
+        transient: bool,
+    },
     #[error("{url}: body larger than {max} bytes")]
     TooLarge { url: String, max: usize },
     #[error("{url}: {detail}")]
@@ -39,7 +47,9 @@ fn rejected_note(rejected: usize) -> String {
 impl SeedError {
     fn is_transient(&self) -> bool {
         match self {
-            SeedError::Status { transient, .. } | SeedError::Transport { transient, .. } => *transient,
+            SeedError::Status { transient, .. } | SeedError::Transport { transient, .. } => {
+                *transient
+            }
             _ => false,
         }
     }
@@ -72,7 +82,11 @@ impl SeedFetcher {
     }
 
     /// Fetches and parses the whole source. Returns `Cancelled` promptly when `cancel` fires.
-    pub async fn fetch(&self, source: &SeedSource, cancel: &CancellationToken) -> Result<Seeds, SeedError> {
+    pub async fn fetch(
+        &self,
+        source: &SeedSource,
+        cancel: &CancellationToken,
+    ) -> Result<Seeds, SeedError> {
         let mut collector = Collector::new(self.limits.max_seeds);
         match source {
             SeedSource::Static(urls) => {
@@ -85,7 +99,10 @@ impl SeedFetcher {
                 match format {
                     SeedFormat::Lines => parse_lines(&body, &mut collector),
                     SeedFormat::Json => parse_json(url.as_str(), &body, &mut collector)?,
-                    SeedFormat::Sitemap => self.walk_sitemap(url.to_url(), body, &mut collector, cancel).await?,
+                    SeedFormat::Sitemap => {
+                        self.walk_sitemap(url.to_url(), body, &mut collector, cancel)
+                            .await?
+                    }
                 }
             }
         }
@@ -117,12 +134,20 @@ impl SeedFetcher {
                         if depth == self.limits.sitemap_depth {
                             return Err(SeedError::Parse {
                                 url: url.to_string(),
-                                detail: format!("sitemap indexes nest deeper than {}", self.limits.sitemap_depth),
+                                detail: format!(
+                                    "sitemap indexes nest deeper than {}",
+                                    self.limits.sitemap_depth
+                                ),
                             });
                         }
                         for child in children {
-                            let child = NormalizedUrl::parse_relative(&url, &child)
-                                .map_err(|detail| SeedError::Parse { url: url.to_string(), detail })?;
+                            let child =
+                                NormalizedUrl::parse_relative(&url, &child).map_err(|detail| {
+                                    SeedError::Parse {
+                                        url: url.to_string(),
+                                        detail,
+                                    }
+                                })?;
                             if visited.len() >= MAX_FILES {
                                 return Err(SeedError::Parse {
                                     url: url.to_string(),
@@ -145,7 +170,11 @@ impl SeedFetcher {
         Ok(())
     }
 
-    async fn get_with_retries(&self, url: &str, cancel: &CancellationToken) -> Result<String, SeedError> {
+    async fn get_with_retries(
+        &self,
+        url: &str,
+        cancel: &CancellationToken,
+    ) -> Result<String, SeedError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -155,7 +184,11 @@ impl SeedFetcher {
             };
             match result {
                 Err(e) if e.is_transient() && attempt < self.limits.attempts => {
-                    let delay = full_jitter(self.limits.backoff_base, self.limits.backoff_max, attempt - 1);
+                    let delay = full_jitter(
+                        self.limits.backoff_base,
+                        self.limits.backoff_max,
+                        attempt - 1,
+                    );
                     tracing::debug!(%url, attempt, error = %e, ?delay, "seed source failed; retrying");
                     tokio::select! {
                         _ = cancel.cancelled() => return Err(SeedError::Cancelled),
@@ -179,17 +212,28 @@ impl SeedFetcher {
             return Err(SeedError::Status {
                 url: url.to_owned(),
                 status: status.as_u16(),
-                transient: status.is_server_error() || status.as_u16() == 429 || status.as_u16() == 408,
+                transient: status.is_server_error()
+                    || status.as_u16() == 429
+                    || status.as_u16() == 408,
             });
         }
         let max = self.limits.max_bytes;
-        if response.content_length().is_some_and(|len| len > max as u64) {
-            return Err(SeedError::TooLarge { url: url.to_owned(), max });
+        if response
+            .content_length()
+            .is_some_and(|len| len > max as u64)
+        {
+            return Err(SeedError::TooLarge {
+                url: url.to_owned(),
+                max,
+            });
         }
         let mut body = Vec::new();
         while let Some(chunk) = response.chunk().await.map_err(transport)? {
             if body.len() + chunk.len() > max {
-                return Err(SeedError::TooLarge { url: url.to_owned(), max });
+                return Err(SeedError::TooLarge {
+                    url: url.to_owned(),
+                    max,
+                });
             }
             body.extend_from_slice(&chunk);
         }
@@ -220,7 +264,13 @@ struct Collector {
 
 impl Collector {
     fn new(max: usize) -> Self {
-        Self { seen: HashSet::new(), urls: Vec::new(), rejected: 0, truncated: false, max }
+        Self {
+            seen: HashSet::new(),
+            urls: Vec::new(),
+            rejected: 0,
+            truncated: false,
+            max,
+        }
     }
 
     fn add(&mut self, url: Result<NormalizedUrl, String>) {
@@ -242,9 +292,15 @@ impl Collector {
 
     fn finish(self) -> Result<Seeds, SeedError> {
         if self.urls.is_empty() {
-            return Err(SeedError::Empty { rejected: self.rejected });
+            return Err(SeedError::Empty {
+                rejected: self.rejected,
+            });
         }
-        Ok(Seeds { urls: self.urls, rejected: self.rejected, truncated: self.truncated })
+        Ok(Seeds {
+            urls: self.urls,
+            rejected: self.rejected,
+            truncated: self.truncated,
+        })
     }
 }
 
@@ -264,7 +320,10 @@ fn parse_json(url: &str, body: &str, collector: &mut Collector) -> Result<(), Se
         detail: format!("not JSON: {e}"),
     })?;
     let serde_json::Value::Array(items) = value else {
-        return Err(SeedError::Parse { url: url.to_owned(), detail: "expected a JSON array of URLs".into() });
+        return Err(SeedError::Parse {
+            url: url.to_owned(),
+            detail: "expected a JSON array of URLs".into(),
+        });
     };
     for item in items {
         match item {
@@ -283,15 +342,25 @@ enum Sitemap {
 
 /// `<urlset><url><loc>` or `<sitemapindex><sitemap><loc>` (sitemaps.org), namespace-agnostic.
 fn parse_sitemap(url: &str, body: &str) -> Result<Sitemap, SeedError> {
-    let parse_error = |detail: String| SeedError::Parse { url: url.to_owned(), detail };
-    let options = roxmltree::ParsingOptions { allow_dtd: false, nodes_limit: 5_000_000 };
+    let parse_error = |detail: String| SeedError::Parse {
+        url: url.to_owned(),
+        detail,
+    };
+    let options = roxmltree::ParsingOptions {
+        allow_dtd: false,
+        nodes_limit: 5_000_000,
+    };
     let xml = roxmltree::Document::parse_with_options(body, options)
         .map_err(|e| parse_error(format!("not a sitemap: {e}")))?;
     let root = xml.root_element();
     let (entry, index) = match root.tag_name().name() {
         "urlset" => ("url", false),
         "sitemapindex" => ("sitemap", true),
-        other => return Err(parse_error(format!("root element <{other}> is neither <urlset> nor <sitemapindex>"))),
+        other => {
+            return Err(parse_error(format!(
+                "root element <{other}> is neither <urlset> nor <sitemapindex>"
+            )))
+        }
     };
     let locs = root
         .children()
@@ -300,7 +369,11 @@ fn parse_sitemap(url: &str, body: &str) -> Result<Sitemap, SeedError> {
         .filter_map(|loc| loc.text().map(|t| t.trim().to_owned()))
         .filter(|t| !t.is_empty())
         .collect();
-    Ok(if index { Sitemap::Index(locs) } else { Sitemap::Urls(locs) })
+    Ok(if index {
+        Sitemap::Index(locs)
+    } else {
+        Sitemap::Urls(locs)
+    })
 }
 
 #[cfg(test)]
@@ -332,29 +405,48 @@ mod tests {
 
     #[test]
     fn json_must_be_an_array_of_strings() {
-        let seeds = collect(|c| parse_json("u", r#"["http://h/1", 5, "http://h/1"]"#, c).unwrap()).unwrap();
+        let seeds =
+            collect(|c| parse_json("u", r#"["http://h/1", 5, "http://h/1"]"#, c).unwrap()).unwrap();
         assert_eq!((seeds.urls.len(), seeds.rejected), (1, 1));
         let mut c = Collector::new(3);
-        assert!(matches!(parse_json("u", r#"{"a":1}"#, &mut c), Err(SeedError::Parse { .. })));
-        assert!(matches!(parse_json("u", "[", &mut c), Err(SeedError::Parse { .. })));
+        assert!(matches!(
+            parse_json("u", r#"{"a":1}"#, &mut c),
+            Err(SeedError::Parse { .. })
+        ));
+        assert!(matches!(
+            parse_json("u", "[", &mut c),
+            Err(SeedError::Parse { .. })
+        ));
     }
 
     #[test]
     fn nothing_usable_is_an_error_not_an_empty_list() {
-        assert!(matches!(collect(|c| parse_lines("# only comments\nftp://x/", c)), Err(SeedError::Empty { rejected: 1 })));
+        assert!(matches!(
+            collect(|c| parse_lines("# only comments\nftp://x/", c)),
+            Err(SeedError::Empty { rejected: 1 })
+        ));
     }
 
     #[test]
     fn sitemaps_and_indexes_are_told_apart() {
         let urlset = r#"<?xml version="1.0"?><urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">
             <url><loc> http://h/a </loc></url><url><loc>http://h/b</loc></url></urlset>"#;
-        assert_eq!(parse_sitemap("u", urlset).unwrap(), Sitemap::Urls(vec!["http://h/a".into(), "http://h/b".into()]));
+        assert_eq!(
+            parse_sitemap("u", urlset).unwrap(),
+            Sitemap::Urls(vec!["http://h/a".into(), "http://h/b".into()])
+        );
         let index = r#"<sitemapindex xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">
             <sitemap><loc>http://h/s1.xml</loc></sitemap></sitemapindex>"#;
-        assert_eq!(parse_sitemap("u", index).unwrap(), Sitemap::Index(vec!["http://h/s1.xml".into()]));
+        assert_eq!(
+            parse_sitemap("u", index).unwrap(),
+            Sitemap::Index(vec!["http://h/s1.xml".into()])
+        );
         assert!(parse_sitemap("u", "<html></html>").is_err());
         assert!(parse_sitemap("u", "<urlset>").is_err());
         let dtd = r#"<!DOCTYPE x [<!ENTITY a "aaaa">]><urlset><url><loc>&a;</loc></url></urlset>"#;
-        assert!(parse_sitemap("u", dtd).is_err(), "DTDs (entity expansion) are refused");
+        assert!(
+            parse_sitemap("u", dtd).is_err(),
+            "DTDs (entity expansion) are refused"
+        );
     }
 }

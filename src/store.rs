@@ -48,7 +48,10 @@ impl Lease {
 /// What `seedlock unlock` found.
 #[derive(Debug, PartialEq)]
 pub enum UnlockOutcome {
-    Unlocked { holder: Option<String>, old_epoch: Option<i64> },
+    Unlocked {
+        holder: Option<String>,
+        old_epoch: Option<i64>,
+    },
     NotLocked,
     NoSuchBot,
 }
@@ -66,7 +69,13 @@ pub struct Store {
     bots: Collection<Document>,
 }
 
-fn history_entry(now: DateTime<Utc>, event: &str, by: &str, epoch: LockEpoch, reason: &str) -> Document {
+fn history_entry(
+    now: DateTime<Utc>,
+    event: &str,
+    by: &str,
+    epoch: LockEpoch,
+    reason: &str,
+) -> Document {
     doc! {
         "at": bson::DateTime::from_chrono(now),
         "event": event,
@@ -105,14 +114,16 @@ impl Store {
         options.connect_timeout = Some(settings.connect_timeout);
         let client = Client::with_options(options).map_err(|e| fail(e.to_string()))?;
         let db = client.database(&settings.database);
-        db.run_command(doc! { "ping": 1 }).await.map_err(|e| match e.kind.as_ref() {
-            mongodb::error::ErrorKind::ServerSelection { .. } => fail(format!(
-                "no server answered within {} ({})",
-                humantime::format_duration(settings.connect_timeout),
-                e
-            )),
-            _ => fail(e.to_string()),
-        })?;
+        db.run_command(doc! { "ping": 1 })
+            .await
+            .map_err(|e| match e.kind.as_ref() {
+                mongodb::error::ErrorKind::ServerSelection { .. } => fail(format!(
+                    "no server answered within {} ({})",
+                    humantime::format_duration(settings.connect_timeout),
+                    e
+                )),
+                _ => fail(e.to_string()),
+            })?;
         Ok(Store::new(db))
     }
 
@@ -180,7 +191,10 @@ impl Store {
         };
         let result = self
             .bots
-            .update_one(doc! { field::ID: bot.as_str() }, doc! { "$setOnInsert": initial })
+            .update_one(
+                doc! { field::ID: bot.as_str() },
+                doc! { "$setOnInsert": initial },
+            )
             .upsert(true)
             .await;
         match result {
@@ -216,7 +230,10 @@ impl Store {
             }
             Claim::Stuck { started_before } => {
                 filter.insert(field::IS_EDITING, true);
-                filter.insert(field::LAST_UPDATE_STARTED_AT, doc! { "$lte": date(started_before) });
+                filter.insert(
+                    field::LAST_UPDATE_STARTED_AT,
+                    doc! { "$lte": date(started_before) },
+                );
             }
             Claim::Orphaned => {
                 filter.insert(field::IS_EDITING, true);
@@ -224,7 +241,11 @@ impl Store {
             }
         }
         let epoch = expected.next();
-        let event = if claim.is_takeover() { "took_over" } else { "acquired" };
+        let event = if claim.is_takeover() {
+            "took_over"
+        } else {
+            "acquired"
+        };
         let update = doc! {
             "$set": {
                 field::IS_EDITING: true,
@@ -249,7 +270,10 @@ impl Store {
         if doc.lock_epoch != epoch || doc.editing_by.as_deref() != Some(me.as_str()) {
             return Err(Error::Protocol {
                 what: "claim",
-                detail: format!("expected epoch {epoch} held by {me}, read {} by {:?}", doc.lock_epoch, doc.editing_by),
+                detail: format!(
+                    "expected epoch {epoch} held by {me}, read {} by {:?}",
+                    doc.lock_epoch, doc.editing_by
+                ),
             });
         }
         Ok(Some(Lease {
@@ -267,12 +291,20 @@ impl Store {
         if result.matched_count == 1 {
             Ok(())
         } else {
-            Err(Error::LeaseLost { bot: lease.bot.clone(), epoch: lease.epoch })
+            Err(Error::LeaseLost {
+                bot: lease.bot.clone(),
+                epoch: lease.epoch,
+            })
         }
     }
 
     /// Renews the lease until `now + ttl`. `LeaseLost` if it is no longer ours.
-    pub async fn heartbeat(&self, lease: &Lease, now: DateTime<Utc>, ttl: Duration) -> Result<DateTime<Utc>> {
+    pub async fn heartbeat(
+        &self,
+        lease: &Lease,
+        now: DateTime<Utc>,
+        ttl: Duration,
+    ) -> Result<DateTime<Utc>> {
         let expires = plus(now, ttl);
         self.fenced(
             lease,
@@ -286,7 +318,12 @@ impl Store {
     }
 
     /// Replaces the seeds and marks the bot ready, releasing the lock — fenced.
-    pub async fn complete(&self, lease: &Lease, seeds: &[String], now: DateTime<Utc>) -> Result<()> {
+    pub async fn complete(
+        &self,
+        lease: &Lease,
+        seeds: &[String],
+        now: DateTime<Utc>,
+    ) -> Result<()> {
         let reason = format!("{} seeds", seeds.len());
         self.fenced(
             lease,
@@ -387,18 +424,27 @@ impl Store {
         me: &InstanceId,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let Some(id) = raw.get(field::ID).cloned() else { return Ok(false) };
+        let Some(id) = raw.get(field::ID).cloned() else {
+            return Ok(false);
+        };
         let mut filter = Document::new();
         for (key, value) in raw {
             filter.insert(key.clone(), value.clone());
         }
-        for name in [field::IS_READY, field::IS_EDITING, field::SEEDS, field::LOCK_EPOCH] {
+        for name in [
+            field::IS_READY,
+            field::IS_EDITING,
+            field::SEEDS,
+            field::LOCK_EPOCH,
+        ] {
             if !raw.contains_key(name) {
                 filter.insert(name, doc! { "$exists": false });
             }
         }
         let seeds: Vec<Bson> = match raw.get(field::SEEDS) {
-            Some(Bson::Array(items)) if items.iter().all(|s| matches!(s, Bson::String(_))) => items.clone(),
+            Some(Bson::Array(items)) if items.iter().all(|s| matches!(s, Bson::String(_))) => {
+                items.clone()
+            }
             _ => Vec::new(),
         };
         let old_epoch = raw
@@ -413,10 +459,20 @@ impl Store {
         };
         let reason = format!("E: malformed document repaired: {}", problems.join("; "));
         let mut history: Vec<Bson> = match raw.get(field::HISTORY) {
-            Some(Bson::Array(items)) => items.iter().filter(|h| matches!(h, Bson::Document(_))).cloned().collect(),
+            Some(Bson::Array(items)) => items
+                .iter()
+                .filter(|h| matches!(h, Bson::Document(_)))
+                .cloned()
+                .collect(),
             _ => Vec::new(),
         };
-        history.push(Bson::Document(history_entry(now, "repaired", me.as_str(), epoch, &reason)));
+        history.push(Bson::Document(history_entry(
+            now,
+            "repaired",
+            me.as_str(),
+            epoch,
+            &reason,
+        )));
         let keep = history.len().saturating_sub(HISTORY_LEN as usize);
         let history: Vec<Bson> = history.into_iter().skip(keep).collect();
         let replacement = doc! {
@@ -436,7 +492,12 @@ impl Store {
             field::RETRY_AFTER: Bson::Null,
             field::HISTORY: history,
         };
-        Ok(self.bots.replace_one(filter, replacement).await?.modified_count == 1)
+        Ok(self
+            .bots
+            .replace_one(filter, replacement)
+            .await?
+            .modified_count
+            == 1)
     }
 
     /// `seedlock unlock`: the admin's override. Clears the lock of an editing bot and raises its
@@ -451,13 +512,17 @@ impl Store {
     ) -> Result<UnlockOutcome> {
         let note = format!("unlocked by admin: {reason}");
         for _ in 0..10 {
-            let Some(raw) = self.load_raw(bot).await? else { return Ok(UnlockOutcome::NoSuchBot) };
+            let Some(raw) = self.load_raw(bot).await? else {
+                return Ok(UnlockOutcome::NoSuchBot);
+            };
             if raw.get(field::IS_EDITING) != Some(&Bson::Boolean(true)) {
                 return Ok(UnlockOutcome::NotLocked);
             }
             let observed_epoch = raw.get(field::LOCK_EPOCH).cloned().unwrap_or(Bson::Null);
             let old_epoch = integer(&observed_epoch);
-            let epoch = LockEpoch::new(old_epoch.unwrap_or(0).max(0)).unwrap_or(LockEpoch::ZERO).next();
+            let epoch = LockEpoch::new(old_epoch.unwrap_or(0).max(0))
+                .unwrap_or(LockEpoch::ZERO)
+                .next();
             let filter = doc! { field::ID: bot.as_str(), field::IS_EDITING: true, field::LOCK_EPOCH: observed_epoch };
             let update = doc! {
                 "$set": {
@@ -478,7 +543,10 @@ impl Store {
                 });
             }
         }
-        Err(Error::Protocol { what: "unlock", detail: "the document kept changing; try again".into() })
+        Err(Error::Protocol {
+            what: "unlock",
+            detail: "the document kept changing; try again".into(),
+        })
     }
 
     /// `seedlock refresh`: asks for a refresh at the next opportunity. False if there is no such bot.
@@ -504,7 +572,11 @@ impl Store {
     pub async fn watch_bot(
         &self,
         bot: &BotId,
-    ) -> Result<mongodb::change_stream::ChangeStream<mongodb::change_stream::event::ChangeStreamEvent<Document>>> {
+    ) -> Result<
+        mongodb::change_stream::ChangeStream<
+            mongodb::change_stream::event::ChangeStreamEvent<Document>,
+        >,
+    > {
         Ok(self
             .bots
             .watch()

@@ -67,12 +67,21 @@ mod tests {
         let b = NormalizedUrl::parse(" http://example.com/a?x=1 ").unwrap();
         assert_eq!(a, b);
         assert_eq!(a.as_str(), "http://example.com/a?x=1");
-        assert_eq!(NormalizedUrl::parse("https://h/?").unwrap().as_str(), "https://h/");
+        assert_eq!(
+            NormalizedUrl::parse("https://h/?").unwrap().as_str(),
+            "https://h/"
+        );
     }
 
     #[test]
     fn non_web_and_credentialed_urls_are_rejected() {
-        for bad in ["ftp://h/x", "mailto:a@b", "javascript:alert(1)", "/relative", "http://u:p@h/"] {
+        for bad in [
+            "ftp://h/x",
+            "mailto:a@b",
+            "javascript:alert(1)",
+            "/relative",
+            "http://u:p@h/",
+        ] {
             assert!(NormalizedUrl::parse(bad).is_err(), "{bad}");
         }
     }
@@ -81,7 +90,9 @@ mod tests {
     fn relative_links_resolve_against_their_base() {
         let base = Url::parse("http://h:8000/maps/index.xml").unwrap();
         assert_eq!(
-            NormalizedUrl::parse_relative(&base, "part1.xml").unwrap().as_str(),
+            NormalizedUrl::parse_relative(&base, "part1.xml")
+                .unwrap()
+                .as_str(),
             "http://h:8000/maps/part1.xml"
         );
     }

@@ -1,5 +1,8 @@
 //! Every branch of the state machine, executed by `BotRunner::step` against the real server.
 
+// Document fields read best as `field == value`.
+#![allow(clippy::bool_assert_comparison)]
+
 mod common;
 
 use std::time::Duration;
@@ -50,16 +53,29 @@ async fn fixture(hint: &str, refresh: RefreshSchedule, on_failure: OnRefreshFail
     let source = SeedSourceServer::start().await;
     let ctx = context(&db, "me", lock(3_000, 10_000, 100), LocalClock::default()).await;
     let runner = runner(bot("shop", &source.url(), refresh, on_failure), ctx.clone());
-    Fixture { db, source, runner, ctx }
+    Fixture {
+        db,
+        source,
+        runner,
+        ctx,
+    }
 }
 
 impl Fixture {
     async fn put(&self, d: Document) {
-        self.db.bots().replace_one(doc! {"_id": "shop"}, d).upsert(true).await.unwrap();
+        self.db
+            .bots()
+            .replace_one(doc! {"_id": "shop"}, d)
+            .upsert(true)
+            .await
+            .unwrap();
     }
 
     async fn step(&self) -> StepOutcome {
-        self.runner.step(&CancellationToken::new()).await.expect("step")
+        self.runner
+            .step(&CancellationToken::new())
+            .await
+            .expect("step")
     }
 
     fn now(&self) -> chrono::DateTime<Utc> {
@@ -67,13 +83,25 @@ impl Fixture {
     }
 
     async fn last_event(&self) -> (String, String) {
-        let h = self.db.history("shop").await.pop().expect("a history entry");
-        (h.get_str("event").unwrap().to_owned(), h.get_str("reason").unwrap_or("").to_owned())
+        let h = self
+            .db
+            .history("shop")
+            .await
+            .pop()
+            .expect("a history entry");
+        (
+            h.get_str("event").unwrap().to_owned(),
+            h.get_str("reason").unwrap_or("").to_owned(),
+        )
     }
 
     async fn seeds(&self) -> Vec<String> {
         let d = self.db.doc("shop").await.unwrap();
-        d.get_array("seeds").unwrap().iter().map(|s| s.as_str().unwrap().to_owned()).collect()
+        d.get_array("seeds")
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap().to_owned())
+            .collect()
     }
 }
 
@@ -85,7 +113,10 @@ fn daily() -> RefreshSchedule {
 async fn c_missing_document_is_created_then_refreshed() {
     let f = fixture("c_missing", daily(), OnRefreshFailure::KeepPrevious).await;
     assert_eq!(f.step().await, StepOutcome::Initialized);
-    assert_eq!(f.step().await, StepOutcome::Refreshed { seeds: 2, epoch: 1 });
+    assert_eq!(
+        f.step().await,
+        StepOutcome::Refreshed { seeds: 2, epoch: 1 }
+    );
     assert_eq!(f.seeds().await, SeedSourceServer::seeds_of_hit(1));
     assert_eq!(f.step().await, StepOutcome::Ready { seeds: 2, epoch: 1 });
     assert_eq!(f.source.hits(), 1);
@@ -95,8 +126,16 @@ async fn c_missing_document_is_created_then_refreshed() {
 async fn a1_ready_with_empty_seeds_refreshes() {
     let f = fixture("a1", daily(), OnRefreshFailure::KeepPrevious).await;
     f.put(ready_doc(&[], f.now())).await;
-    assert_eq!(f.step().await, StepOutcome::Refreshed { seeds: 2, epoch: 6 });
-    let acquired = f.db.history("shop").await.into_iter().find(|h| h.get_str("event") == Ok("acquired")).unwrap();
+    assert_eq!(
+        f.step().await,
+        StepOutcome::Refreshed { seeds: 2, epoch: 6 }
+    );
+    let acquired =
+        f.db.history("shop")
+            .await
+            .into_iter()
+            .find(|h| h.get_str("event") == Ok("acquired"))
+            .unwrap();
     assert!(acquired.get_str("reason").unwrap().starts_with("A-1"));
 }
 
@@ -104,9 +143,16 @@ async fn a1_ready_with_empty_seeds_refreshes() {
 async fn a2_daily_refresh_on_utc_date_change() {
     let f = fixture("a2_daily", daily(), OnRefreshFailure::KeepPrevious).await;
     // Refreshed late yesterday (server time): due today.
-    let yesterday = (f.now() - chrono::Duration::days(1)).date_naive().and_hms_opt(23, 59, 0).unwrap().and_utc();
+    let yesterday = (f.now() - chrono::Duration::days(1))
+        .date_naive()
+        .and_hms_opt(23, 59, 0)
+        .unwrap()
+        .and_utc();
     f.put(ready_doc(&["http://old/"], yesterday)).await;
-    assert!(matches!(f.step().await, StepOutcome::Refreshed { epoch: 6, .. }));
+    assert!(matches!(
+        f.step().await,
+        StepOutcome::Refreshed { epoch: 6, .. }
+    ));
     assert_eq!(f.seeds().await, SeedSourceServer::seeds_of_hit(1));
     // Refreshed earlier today: not due, no fetch.
     assert!(matches!(f.step().await, StepOutcome::Ready { .. }));
@@ -115,14 +161,41 @@ async fn a2_daily_refresh_on_utc_date_change() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a2_interval_refresh_when_the_interval_passed() {
-    let f = fixture("a2_interval", RefreshSchedule::Every(Duration::from_secs(60)), OnRefreshFailure::KeepPrevious).await;
-    f.put(ready_doc(&["http://old/"], f.now() - chrono::Duration::seconds(30))).await;
-    assert!(matches!(f.step().await, StepOutcome::Ready { .. }), "30s < 60s: not due");
+    let f = fixture(
+        "a2_interval",
+        RefreshSchedule::Every(Duration::from_secs(60)),
+        OnRefreshFailure::KeepPrevious,
+    )
+    .await;
+    f.put(ready_doc(
+        &["http://old/"],
+        f.now() - chrono::Duration::seconds(30),
+    ))
+    .await;
+    assert!(
+        matches!(f.step().await, StepOutcome::Ready { .. }),
+        "30s < 60s: not due"
+    );
     assert_eq!(f.source.hits(), 0);
-    f.put(ready_doc(&["http://old/"], f.now() - chrono::Duration::seconds(61))).await;
-    assert!(matches!(f.step().await, StepOutcome::Refreshed { .. }), "61s > 60s: due");
-    let acquired = f.db.history("shop").await.into_iter().find(|h| h.get_str("event") == Ok("acquired")).unwrap();
-    assert!(acquired.get_str("reason").unwrap().contains("interval"), "{acquired}");
+    f.put(ready_doc(
+        &["http://old/"],
+        f.now() - chrono::Duration::seconds(61),
+    ))
+    .await;
+    assert!(
+        matches!(f.step().await, StepOutcome::Refreshed { .. }),
+        "61s > 60s: due"
+    );
+    let acquired =
+        f.db.history("shop")
+            .await
+            .into_iter()
+            .find(|h| h.get_str("event") == Ok("acquired"))
+            .unwrap();
+    assert!(
+        acquired.get_str("reason").unwrap().contains("interval"),
+        "{acquired}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -131,9 +204,19 @@ async fn a2_admin_request_is_served_once() {
     f.put(ready_doc(&["http://old/"], f.now())).await;
     assert!(matches!(f.step().await, StepOutcome::Ready { .. }));
     let store = f.db.store();
-    assert!(store.request_refresh(&seedlock::ids::BotId::parse("shop").unwrap(), "admin", f.now()).await.unwrap());
+    assert!(store
+        .request_refresh(
+            &seedlock::ids::BotId::parse("shop").unwrap(),
+            "admin",
+            f.now()
+        )
+        .await
+        .unwrap());
     assert!(matches!(f.step().await, StepOutcome::Refreshed { .. }));
-    assert!(matches!(f.step().await, StepOutcome::Ready { .. }), "the request was served");
+    assert!(
+        matches!(f.step().await, StepOutcome::Ready { .. }),
+        "the request was served"
+    );
     assert_eq!(f.source.hits(), 1);
 }
 
@@ -141,9 +224,21 @@ async fn a2_admin_request_is_served_once() {
 async fn b1_expired_lock_is_taken_over() {
     let f = fixture("b1", daily(), OnRefreshFailure::KeepPrevious).await;
     let now = f.now();
-    f.put(locked_doc(now - chrono::Duration::seconds(5), now - chrono::Duration::seconds(1))).await;
-    assert!(matches!(f.step().await, StepOutcome::Refreshed { epoch: 6, .. }));
-    let took = f.db.history("shop").await.into_iter().find(|h| h.get_str("event") == Ok("took_over")).unwrap();
+    f.put(locked_doc(
+        now - chrono::Duration::seconds(5),
+        now - chrono::Duration::seconds(1),
+    ))
+    .await;
+    assert!(matches!(
+        f.step().await,
+        StepOutcome::Refreshed { epoch: 6, .. }
+    ));
+    let took =
+        f.db.history("shop")
+            .await
+            .into_iter()
+            .find(|h| h.get_str("event") == Ok("took_over"))
+            .unwrap();
     assert!(took.get_str("reason").unwrap().starts_with("B-1"), "{took}");
 }
 
@@ -152,9 +247,21 @@ async fn b2_heartbeating_refresh_past_max_refresh_is_taken_over() {
     let f = fixture("b2", daily(), OnRefreshFailure::KeepPrevious).await;
     let now = f.now();
     // Started 11 s ago (max_refresh is 10 s) and still heartbeating: expires in the future.
-    f.put(locked_doc(now - chrono::Duration::seconds(11), now + chrono::Duration::seconds(20))).await;
-    assert!(matches!(f.step().await, StepOutcome::Refreshed { epoch: 6, .. }));
-    let took = f.db.history("shop").await.into_iter().find(|h| h.get_str("event") == Ok("took_over")).unwrap();
+    f.put(locked_doc(
+        now - chrono::Duration::seconds(11),
+        now + chrono::Duration::seconds(20),
+    ))
+    .await;
+    assert!(matches!(
+        f.step().await,
+        StepOutcome::Refreshed { epoch: 6, .. }
+    ));
+    let took =
+        f.db.history("shop")
+            .await
+            .into_iter()
+            .find(|h| h.get_str("event") == Ok("took_over"))
+            .unwrap();
     assert!(took.get_str("reason").unwrap().starts_with("B-2"), "{took}");
 }
 
@@ -164,17 +271,25 @@ async fn b3_live_holder_is_waited_for_and_left_alone() {
     let now = f.now();
     // Expires in 5 s, well before max_refresh (10 s) runs out: the wait ends at the expiry.
     let expires = now + chrono::Duration::seconds(5);
-    f.put(locked_doc(now - chrono::Duration::seconds(1), expires)).await;
+    f.put(locked_doc(now - chrono::Duration::seconds(1), expires))
+        .await;
     let before = f.db.doc("shop").await.unwrap();
     match f.step().await {
         StepOutcome::Wait { until, state } => {
             assert_eq!(state, BotState::Waiting);
             let until = until.expect("a wait names when it can end");
-            assert!((until - expires).num_milliseconds().abs() < 5, "wait until the expiry: {until} vs {expires}");
+            assert!(
+                (until - expires).num_milliseconds().abs() < 5,
+                "wait until the expiry: {until} vs {expires}"
+            );
         }
         other => panic!("expected a wait, got {other:?}"),
     }
-    assert_eq!(f.db.doc("shop").await.unwrap(), before, "waiting writes nothing");
+    assert_eq!(
+        f.db.doc("shop").await.unwrap(),
+        before,
+        "waiting writes nothing"
+    );
     assert_eq!(f.source.hits(), 0);
 }
 
@@ -188,48 +303,96 @@ async fn d_contradictory_document_keeps_a_live_lock() {
     assert_eq!(f.step().await, StepOutcome::Repaired);
     let doc = f.db.doc("shop").await.unwrap();
     assert_eq!(doc.get_bool("isReady").unwrap(), false, "isReady cleared");
-    assert_eq!(doc.get_bool("isEditing").unwrap(), true, "the live holder keeps its lock (no force-unlock)");
+    assert_eq!(
+        doc.get_bool("isEditing").unwrap(),
+        true,
+        "the live holder keeps its lock (no force-unlock)"
+    );
     assert_eq!(doc.get_str("editingBy").unwrap(), "ghost");
     assert_eq!(f.db.epoch("shop").await, 5);
-    assert!(matches!(f.step().await, StepOutcome::Wait { .. }), "then rule B-3 applies");
+    assert!(
+        matches!(f.step().await, StepOutcome::Wait { .. }),
+        "then rule B-3 applies"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d_contradictory_document_with_an_expired_lock_ends_ready() {
     let f = fixture("d_expired", daily(), OnRefreshFailure::KeepPrevious).await;
     let now = f.now();
-    let mut d = locked_doc(now - chrono::Duration::seconds(5), now - chrono::Duration::seconds(1));
+    let mut d = locked_doc(
+        now - chrono::Duration::seconds(5),
+        now - chrono::Duration::seconds(1),
+    );
     d.insert("isReady", true);
     f.put(d).await;
     assert_eq!(f.step().await, StepOutcome::Repaired);
-    assert!(matches!(f.step().await, StepOutcome::Refreshed { epoch: 6, .. }));
+    assert!(matches!(
+        f.step().await,
+        StepOutcome::Refreshed { epoch: 6, .. }
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e_malformed_documents_are_repaired_and_refreshed() {
     let cases: Vec<(&str, Document)> = vec![
-        ("string flag", doc! {"_id": "shop", "isReady": "true", "isEditing": false, "seeds": ["http://keep/"], "lockEpoch": 3_i64}),
-        ("seeds not an array", doc! {"_id": "shop", "isReady": true, "isEditing": false, "seeds": "http://x/", "lockEpoch": 3_i64}),
-        ("missing flags", doc! {"_id": "shop", "seeds": ["http://keep/"]}),
-        ("editing without holder", doc! {"_id": "shop", "isReady": false, "isEditing": true, "seeds": [], "lockEpoch": 9_i64}),
-        ("epoch as string", doc! {"_id": "shop", "isReady": true, "isEditing": false, "seeds": [], "lockEpoch": "7"}),
+        (
+            "string flag",
+            doc! {"_id": "shop", "isReady": "true", "isEditing": false, "seeds": ["http://keep/"], "lockEpoch": 3_i64},
+        ),
+        (
+            "seeds not an array",
+            doc! {"_id": "shop", "isReady": true, "isEditing": false, "seeds": "http://x/", "lockEpoch": 3_i64},
+        ),
+        (
+            "missing flags",
+            doc! {"_id": "shop", "seeds": ["http://keep/"]},
+        ),
+        (
+            "editing without holder",
+            doc! {"_id": "shop", "isReady": false, "isEditing": true, "seeds": [], "lockEpoch": 9_i64},
+        ),
+        (
+            "epoch as string",
+            doc! {"_id": "shop", "isReady": true, "isEditing": false, "seeds": [], "lockEpoch": "7"},
+        ),
     ];
     for (name, bad) in cases {
         let f = fixture("e", daily(), OnRefreshFailure::KeepPrevious).await;
-        let old_epoch = bad.get("lockEpoch").and_then(seedlock::document::integer).unwrap_or(0);
+        let old_epoch = bad
+            .get("lockEpoch")
+            .and_then(seedlock::document::integer)
+            .unwrap_or(0);
         f.put(bad.clone()).await;
         assert_eq!(f.step().await, StepOutcome::Repaired, "{name}");
         let (event, reason) = f.last_event().await;
         assert_eq!(event, "repaired", "{name}");
         assert!(reason.starts_with("E: malformed"), "{name}: {reason}");
         let repaired = f.db.doc("shop").await.unwrap();
-        assert!(seedlock::document::BotDoc::parse(&repaired).is_ok(), "{name}: repaired document parses");
-        assert_eq!(f.db.epoch("shop").await, old_epoch + 1, "{name}: the epoch rises past any holder's");
+        assert!(
+            seedlock::document::BotDoc::parse(&repaired).is_ok(),
+            "{name}: repaired document parses"
+        );
+        assert_eq!(
+            f.db.epoch("shop").await,
+            old_epoch + 1,
+            "{name}: the epoch rises past any holder's"
+        );
         if bad.get_array("seeds").is_ok() && name != "editing without holder" {
-            assert_eq!(repaired.get_array("seeds").unwrap(), bad.get_array("seeds").unwrap(), "{name}: seeds kept");
+            assert_eq!(
+                repaired.get_array("seeds").unwrap(),
+                bad.get_array("seeds").unwrap(),
+                "{name}: seeds kept"
+            );
         }
-        assert!(matches!(f.step().await, StepOutcome::Refreshed { .. }), "{name}");
-        assert!(matches!(f.step().await, StepOutcome::Ready { .. }), "{name}");
+        assert!(
+            matches!(f.step().await, StepOutcome::Refreshed { .. }),
+            "{name}"
+        );
+        assert!(
+            matches!(f.step().await, StepOutcome::Ready { .. }),
+            "{name}"
+        );
     }
 }
 
@@ -240,7 +403,16 @@ async fn repair_is_conditional_on_the_document_read() {
     f.put(bad.clone()).await;
     // Someone fixes the document between our read and our repair: the repair must not apply.
     f.put(ready_doc(&["http://fixed/"], f.now())).await;
-    let applied = f.db.store().repair_malformed(&bad, &["x".into()], &seedlock::ids::InstanceId::parse("me").unwrap(), f.now()).await.unwrap();
+    let applied =
+        f.db.store()
+            .repair_malformed(
+                &bad,
+                &["x".into()],
+                &seedlock::ids::InstanceId::parse("me").unwrap(),
+                f.now(),
+            )
+            .await
+            .unwrap();
     assert!(!applied);
     assert_eq!(f.seeds().await, vec!["http://fixed/"]);
 }
@@ -256,7 +428,11 @@ async fn failed_refresh_keeps_previous_seeds_and_backs_off() {
         other => panic!("expected a failure, got {other:?}"),
     }
     let doc = f.db.doc("shop").await.unwrap();
-    assert_eq!(doc.get_bool("isReady").unwrap(), true, "keep_previous: ready on the old seeds");
+    assert_eq!(
+        doc.get_bool("isReady").unwrap(),
+        true,
+        "keep_previous: ready on the old seeds"
+    );
     assert_eq!(f.seeds().await, vec!["http://old/"]);
     assert_eq!(doc.get_i32("failedRefreshes").unwrap(), 1);
     assert!(doc.get_str("lastError").unwrap().contains("500"));
@@ -273,7 +449,11 @@ async fn failed_refresh_with_wait_policy_is_not_ready_and_never_empty() {
     assert_eq!(f.step().await, StepOutcome::Initialized);
     assert!(matches!(f.step().await, StepOutcome::RefreshFailed { .. }));
     let doc = f.db.doc("shop").await.unwrap();
-    assert_eq!(doc.get_bool("isReady").unwrap(), false, "never ready with an empty list");
+    assert_eq!(
+        doc.get_bool("isReady").unwrap(),
+        false,
+        "never ready with an empty list"
+    );
     match f.step().await {
         StepOutcome::Wait { state, until } => {
             assert_eq!(state, BotState::Error);
@@ -282,11 +462,25 @@ async fn failed_refresh_with_wait_policy_is_not_ready_and_never_empty() {
         other => panic!("expected a backoff wait, got {other:?}"),
     }
     f.source.set_failing(false);
-    eventually("the backoff passes and the retry succeeds", Duration::from_secs(10), || async {
-        matches!(f.step().await, StepOutcome::Refreshed { .. } | StepOutcome::Ready { .. })
-    })
+    eventually(
+        "the backoff passes and the retry succeeds",
+        Duration::from_secs(10),
+        || async {
+            matches!(
+                f.step().await,
+                StepOutcome::Refreshed { .. } | StepOutcome::Ready { .. }
+            )
+        },
+    )
     .await;
-    assert_eq!(f.db.doc("shop").await.unwrap().get_i32("failedRefreshes").unwrap(), 0);
+    assert_eq!(
+        f.db.doc("shop")
+            .await
+            .unwrap()
+            .get_i32("failedRefreshes")
+            .unwrap(),
+        0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -296,14 +490,24 @@ async fn a_refresh_past_max_refresh_is_abandoned_by_its_holder() {
     source.stall_first(1);
     // ttl 600 ms (heartbeat 200 ms), max_refresh 1.5 s.
     let ctx = context(&db, "me", lock(600, 1_500, 100), LocalClock::default()).await;
-    let r = runner(bot("shop", &source.url(), daily(), OnRefreshFailure::Wait), ctx);
-    assert_eq!(r.step(&CancellationToken::new()).await.unwrap(), StepOutcome::Initialized);
+    let r = runner(
+        bot("shop", &source.url(), daily(), OnRefreshFailure::Wait),
+        ctx,
+    );
+    assert_eq!(
+        r.step(&CancellationToken::new()).await.unwrap(),
+        StepOutcome::Initialized
+    );
     match r.step(&CancellationToken::new()).await.unwrap() {
         StepOutcome::RefreshFailed { error } => assert!(error.contains("max_refresh"), "{error}"),
         other => panic!("expected the refresh to be abandoned, got {other:?}"),
     }
     let doc = db.doc("shop").await.unwrap();
-    assert_eq!(doc.get_bool("isEditing").unwrap(), false, "the lock was released");
+    assert_eq!(
+        doc.get_bool("isEditing").unwrap(),
+        false,
+        "the lock was released"
+    );
     source.release();
 }
 
@@ -313,23 +517,42 @@ async fn a_heartbeating_refresh_longer_than_ttl_is_not_taken_over() {
     let source = SeedSourceServer::start().await;
     source.stall_first(1);
     let holder_ctx = context(&db, "holder", lock(600, 20_000, 100), LocalClock::default()).await;
-    let holder = runner(bot("shop", &source.url(), daily(), OnRefreshFailure::Wait), holder_ctx);
+    let holder = runner(
+        bot("shop", &source.url(), daily(), OnRefreshFailure::Wait),
+        holder_ctx,
+    );
     let waiter_ctx = context(&db, "waiter", lock(600, 20_000, 100), LocalClock::default()).await;
-    let waiter = runner(bot("shop", &source.url(), daily(), OnRefreshFailure::Wait), waiter_ctx);
+    let waiter = runner(
+        bot("shop", &source.url(), daily(), OnRefreshFailure::Wait),
+        waiter_ctx,
+    );
     let stop = CancellationToken::new();
     assert_eq!(holder.step(&stop).await.unwrap(), StepOutcome::Initialized);
-    let holding = tokio::spawn(async move { holder.step(&CancellationToken::new()).await.unwrap() });
-    eventually("the holder took the lock", Duration::from_secs(5), || async {
-        db.doc("shop").await.is_some_and(|d| d.get_str("editingBy") == Ok("holder"))
-    })
+    let holding =
+        tokio::spawn(async move { holder.step(&CancellationToken::new()).await.unwrap() });
+    eventually(
+        "the holder took the lock",
+        Duration::from_secs(5),
+        || async {
+            db.doc("shop")
+                .await
+                .is_some_and(|d| d.get_str("editingBy") == Ok("holder"))
+        },
+    )
     .await;
     // Five ttls pass while the holder heartbeats; the waiter steps throughout and must only wait.
     let until = tokio::time::Instant::now() + Duration::from_millis(3_000);
     while tokio::time::Instant::now() < until {
-        assert!(matches!(waiter.step(&stop).await.unwrap(), StepOutcome::Wait { .. }));
+        assert!(matches!(
+            waiter.step(&stop).await.unwrap(),
+            StepOutcome::Wait { .. }
+        ));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     source.release();
-    assert_eq!(holding.await.unwrap(), StepOutcome::Refreshed { seeds: 2, epoch: 1 });
+    assert_eq!(
+        holding.await.unwrap(),
+        StepOutcome::Refreshed { seeds: 2, epoch: 1 }
+    );
     assert_eq!(source.hits(), 1);
 }

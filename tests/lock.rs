@@ -1,5 +1,8 @@
 //! The lock's writes against the real server: one winner per epoch, fencing, conditional takeover.
 
+// Document fields read best as `field == value`.
+#![allow(clippy::bool_assert_comparison)]
+
 mod common;
 
 use std::time::Duration;
@@ -26,13 +29,24 @@ const TTL: Duration = Duration::from_secs(30);
 async fn concurrent_claims_on_one_epoch_have_exactly_one_winner() {
     let db = test_db("race").await;
     let store = db.store();
-    store.initialize(&id("shop"), &me("setup"), Utc::now()).await.unwrap();
+    store
+        .initialize(&id("shop"), &me("setup"), Utc::now())
+        .await
+        .unwrap();
     let mut tasks = Vec::new();
     for i in 0..50 {
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
             store
-                .claim(&id("shop"), &me(&format!("i{i}")), LockEpoch::ZERO, Claim::Free, Utc::now(), TTL, "race")
+                .claim(
+                    &id("shop"),
+                    &me(&format!("i{i}")),
+                    LockEpoch::ZERO,
+                    Claim::Free,
+                    Utc::now(),
+                    TTL,
+                    "race",
+                )
                 .await
                 .unwrap()
         }));
@@ -46,7 +60,11 @@ async fn concurrent_claims_on_one_epoch_have_exactly_one_winner() {
     assert_eq!(winners.len(), 1, "exactly one claimant wins epoch 1");
     let doc = db.doc("shop").await.unwrap();
     assert_eq!(doc.get_bool("isEditing").unwrap(), true);
-    assert_eq!(doc.get_bool("isReady").unwrap(), false, "acquire clears isReady in the same write");
+    assert_eq!(
+        doc.get_bool("isReady").unwrap(),
+        false,
+        "acquire clears isReady in the same write"
+    );
     assert_eq!(doc.get_str("editingBy").unwrap(), winners[0].me.as_str());
     assert_eq!(db.epoch("shop").await, 1);
 }
@@ -56,40 +74,87 @@ async fn a_stale_holder_cannot_write_after_a_takeover() {
     let db = test_db("fence").await;
     let store = db.store();
     let bot = id("shop");
-    store.initialize(&bot, &me("setup"), Utc::now()).await.unwrap();
+    store
+        .initialize(&bot, &me("setup"), Utc::now())
+        .await
+        .unwrap();
     let t0 = Utc::now();
     let old = store
-        .claim(&bot, &me("old"), LockEpoch::ZERO, Claim::Free, t0, Duration::from_secs(1), "first")
+        .claim(
+            &bot,
+            &me("old"),
+            LockEpoch::ZERO,
+            Claim::Free,
+            t0,
+            Duration::from_secs(1),
+            "first",
+        )
         .await
         .unwrap()
         .expect("old wins epoch 1");
     // Taking over before the lock expired must fail: the filter carries the expiry condition.
     let early = store
-        .claim(&bot, &me("new"), old.epoch, Claim::Expired { now: t0 }, t0, TTL, "too early")
+        .claim(
+            &bot,
+            &me("new"),
+            old.epoch,
+            Claim::Expired { now: t0 },
+            t0,
+            TTL,
+            "too early",
+        )
         .await
         .unwrap();
     assert!(early.is_none(), "a live lock is not taken over");
     let later = t0 + chrono::Duration::seconds(2);
     let new = store
-        .claim(&bot, &me("new"), old.epoch, Claim::Expired { now: later }, later, TTL, "expired")
+        .claim(
+            &bot,
+            &me("new"),
+            old.epoch,
+            Claim::Expired { now: later },
+            later,
+            TTL,
+            "expired",
+        )
         .await
         .unwrap()
         .expect("an expired lock is taken over");
     assert_eq!(new.epoch.get(), 2);
 
     for (what, result) in [
-        ("heartbeat", store.heartbeat(&old, later, TTL).await.map(|_| ())),
-        ("complete", store.complete(&old, &["http://stale/".into()], later).await),
+        (
+            "heartbeat",
+            store.heartbeat(&old, later, TTL).await.map(|_| ()),
+        ),
+        (
+            "complete",
+            store.complete(&old, &["http://stale/".into()], later).await,
+        ),
         ("fail", store.fail(&old, later, "x", later, true).await),
         ("release", store.release(&old, later, "x").await),
     ] {
-        assert!(matches!(result, Err(Error::LeaseLost { .. })), "{what} by the stale holder: {result:?}");
+        assert!(
+            matches!(result, Err(Error::LeaseLost { .. })),
+            "{what} by the stale holder: {result:?}"
+        );
     }
-    store.complete(&new, &["http://fresh/".into()], later).await.expect("the new holder's write lands");
+    store
+        .complete(&new, &["http://fresh/".into()], later)
+        .await
+        .expect("the new holder's write lands");
     let doc = db.doc("shop").await.unwrap();
-    assert_eq!(doc.get_array("seeds").unwrap(), &vec![bson::Bson::String("http://fresh/".into())]);
+    assert_eq!(
+        doc.get_array("seeds").unwrap(),
+        &vec![bson::Bson::String("http://fresh/".into())]
+    );
     assert_eq!(doc.get_bool("isReady").unwrap(), true);
-    let events: Vec<_> = db.history("shop").await.iter().map(|h| h.get_str("event").unwrap().to_owned()).collect();
+    let events: Vec<_> = db
+        .history("shop")
+        .await
+        .iter()
+        .map(|h| h.get_str("event").unwrap().to_owned())
+        .collect();
     assert_eq!(events, ["created", "acquired", "took_over", "refreshed"]);
 }
 
@@ -98,13 +163,42 @@ async fn a_claim_fails_if_the_epoch_moved_since_the_read() {
     let db = test_db("epoch").await;
     let store = db.store();
     let bot = id("shop");
-    store.initialize(&bot, &me("setup"), Utc::now()).await.unwrap();
-    let a = store.claim(&bot, &me("a"), LockEpoch::ZERO, Claim::Free, Utc::now(), TTL, "a").await.unwrap().unwrap();
+    store
+        .initialize(&bot, &me("setup"), Utc::now())
+        .await
+        .unwrap();
+    let a = store
+        .claim(
+            &bot,
+            &me("a"),
+            LockEpoch::ZERO,
+            Claim::Free,
+            Utc::now(),
+            TTL,
+            "a",
+        )
+        .await
+        .unwrap()
+        .unwrap();
     store.release(&a, Utc::now(), "done").await.unwrap();
     // The lock is free again, but at epoch 1: a claim based on the epoch-0 read must fail.
-    let stale = store.claim(&bot, &me("b"), LockEpoch::ZERO, Claim::Free, Utc::now(), TTL, "b").await.unwrap();
+    let stale = store
+        .claim(
+            &bot,
+            &me("b"),
+            LockEpoch::ZERO,
+            Claim::Free,
+            Utc::now(),
+            TTL,
+            "b",
+        )
+        .await
+        .unwrap();
     assert!(stale.is_none());
-    let fresh = store.claim(&bot, &me("b"), a.epoch, Claim::Free, Utc::now(), TTL, "b").await.unwrap();
+    let fresh = store
+        .claim(&bot, &me("b"), a.epoch, Claim::Free, Utc::now(), TTL, "b")
+        .await
+        .unwrap();
     assert_eq!(fresh.map(|l| l.epoch.get()), Some(2));
 }
 
@@ -113,17 +207,61 @@ async fn admin_unlock_bumps_the_epoch_and_fences_the_holder() {
     let db = test_db("unlock").await;
     let store = db.store();
     let bot = id("shop");
-    assert_eq!(store.admin_unlock(&bot, "admin", "x", Utc::now()).await.unwrap(), UnlockOutcome::NoSuchBot);
-    store.initialize(&bot, &me("setup"), Utc::now()).await.unwrap();
-    assert_eq!(store.admin_unlock(&bot, "admin", "x", Utc::now()).await.unwrap(), UnlockOutcome::NotLocked);
-    let holder = store.claim(&bot, &me("h"), LockEpoch::ZERO, Claim::Free, Utc::now(), TTL, "h").await.unwrap().unwrap();
-    let outcome = store.admin_unlock(&bot, "admin", "stuck", Utc::now()).await.unwrap();
-    assert_eq!(outcome, UnlockOutcome::Unlocked { holder: Some("h".into()), old_epoch: Some(1) });
+    assert_eq!(
+        store
+            .admin_unlock(&bot, "admin", "x", Utc::now())
+            .await
+            .unwrap(),
+        UnlockOutcome::NoSuchBot
+    );
+    store
+        .initialize(&bot, &me("setup"), Utc::now())
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .admin_unlock(&bot, "admin", "x", Utc::now())
+            .await
+            .unwrap(),
+        UnlockOutcome::NotLocked
+    );
+    let holder = store
+        .claim(
+            &bot,
+            &me("h"),
+            LockEpoch::ZERO,
+            Claim::Free,
+            Utc::now(),
+            TTL,
+            "h",
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let outcome = store
+        .admin_unlock(&bot, "admin", "stuck", Utc::now())
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        UnlockOutcome::Unlocked {
+            holder: Some("h".into()),
+            old_epoch: Some(1)
+        }
+    );
     assert_eq!(db.epoch("shop").await, 2);
-    let late = store.complete(&holder, &["http://late/".into()], Utc::now()).await;
+    let late = store
+        .complete(&holder, &["http://late/".into()], Utc::now())
+        .await;
     assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
     let last = db.history("shop").await.pop().unwrap();
-    assert_eq!((last.get_str("event").unwrap(), last.get_i64("epoch").unwrap()), ("unlocked", 2));
+    assert_eq!(
+        (
+            last.get_str("event").unwrap(),
+            last.get_i64("epoch").unwrap()
+        ),
+        ("unlocked", 2)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -133,13 +271,21 @@ async fn concurrent_initialization_creates_one_document() {
     let mut tasks = Vec::new();
     for i in 0..20 {
         let store = store.clone();
-        tasks.push(tokio::spawn(async move { store.initialize(&id("shop"), &me(&format!("i{i}")), Utc::now()).await }));
+        tasks.push(tokio::spawn(async move {
+            store
+                .initialize(&id("shop"), &me(&format!("i{i}")), Utc::now())
+                .await
+        }));
     }
     for t in tasks {
         t.await.unwrap().expect("every initializer succeeds");
     }
     assert_eq!(db.bots().count_documents(doc! {}).await.unwrap(), 1);
-    assert_eq!(db.history("shop").await.len(), 1, "only the inserting call wrote");
+    assert_eq!(
+        db.history("shop").await.len(),
+        1,
+        "only the inserting call wrote"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -147,14 +293,25 @@ async fn history_keeps_the_last_fifty_transitions() {
     let db = test_db("history").await;
     let store = db.store();
     let bot = id("shop");
-    store.initialize(&bot, &me("setup"), Utc::now()).await.unwrap();
+    store
+        .initialize(&bot, &me("setup"), Utc::now())
+        .await
+        .unwrap();
     let mut epoch = LockEpoch::ZERO;
     for _ in 0..30 {
-        let lease = store.claim(&bot, &me("h"), epoch, Claim::Free, Utc::now(), TTL, "loop").await.unwrap().unwrap();
+        let lease = store
+            .claim(&bot, &me("h"), epoch, Claim::Free, Utc::now(), TTL, "loop")
+            .await
+            .unwrap()
+            .unwrap();
         store.release(&lease, Utc::now(), "loop").await.unwrap();
         epoch = lease.epoch;
     }
     let history = db.history("shop").await;
     assert_eq!(history.len(), 50);
-    assert_eq!(history.last().unwrap().get_i64("epoch").unwrap(), 30, "newest entry last");
+    assert_eq!(
+        history.last().unwrap().get_i64("epoch").unwrap(),
+        30,
+        "newest entry last"
+    );
 }

@@ -15,7 +15,10 @@ use tokio::process::{Child, Command};
 use tokio::sync::watch;
 
 use seedlock::clock::{LocalClock, ServerClock};
-use seedlock::config::{BotSettings, LockSettings, OnRefreshFailure, RefreshLimits, RefreshSchedule, SeedFormat, SeedSource};
+use seedlock::config::{
+    BotSettings, LockSettings, OnRefreshFailure, RefreshLimits, RefreshSchedule, SeedFormat,
+    SeedSource,
+};
 use seedlock::coordinator::{BotRunner, Context};
 use seedlock::ids::{BotId, InstanceId};
 use seedlock::metrics::Metrics;
@@ -42,9 +45,15 @@ pub async fn test_db_at(uri: &str, hint: &str) -> TestDb {
     let suffix: u32 = rand::random();
     let mut name = format!("sl_{hint}_{suffix:08x}");
     name.truncate(60);
-    let client = Client::with_uri_str(uri).await.expect("a client for the test server");
+    let client = Client::with_uri_str(uri)
+        .await
+        .expect("a client for the test server");
     let db = client.database(&name);
-    TestDb { uri: uri.to_owned(), name, db }
+    TestDb {
+        uri: uri.to_owned(),
+        name,
+        db,
+    }
 }
 
 impl TestDb {
@@ -53,12 +62,16 @@ impl TestDb {
     }
 
     pub async fn doc(&self, bot: &str) -> Option<Document> {
-        self.bots().find_one(doc! {"_id": bot}).await.expect("read the bot document")
+        self.bots()
+            .find_one(doc! {"_id": bot})
+            .await
+            .expect("read the bot document")
     }
 
     pub async fn epoch(&self, bot: &str) -> i64 {
         let doc = self.doc(bot).await.expect("bot document exists");
-        seedlock::document::integer(doc.get("lockEpoch").expect("lockEpoch")).expect("integer epoch")
+        seedlock::document::integer(doc.get("lockEpoch").expect("lockEpoch"))
+            .expect("integer epoch")
     }
 
     pub async fn history(&self, bot: &str) -> Vec<Document> {
@@ -115,7 +128,10 @@ impl SeedSourceServer {
     pub async fn start() -> Self {
         use axum::routing::get;
         let (gate, _) = watch::channel(false);
-        let state = Arc::new(SeedState { gate: Some(gate.clone()), ..Default::default() });
+        let state = Arc::new(SeedState {
+            gate: Some(gate.clone()),
+            ..Default::default()
+        });
         let app = axum::Router::new()
             .route("/seeds.txt", get(serve_seeds))
             .with_state(state.clone());
@@ -133,8 +149,10 @@ impl SeedSourceServer {
         self.state.hits.load(Ordering::SeqCst)
     }
 
-    /// The first `n` requests hang until [`release`](Self::release).
+    /// Requests numbered up to `n` (counting from the first ever) hang until
+    /// [`release`](Self::release); calling it again re-arms the gate.
     pub fn stall_first(&self, n: usize) {
+        self.gate.send_replace(false);
         self.state.stall.store(n, Ordering::SeqCst);
     }
 
@@ -147,7 +165,10 @@ impl SeedSourceServer {
     }
 
     pub fn seeds_of_hit(n: usize) -> Vec<String> {
-        vec![format!("http://site.test/gen{n}/a"), format!("http://site.test/gen{n}/b")]
+        vec![
+            format!("http://site.test/gen{n}/a"),
+            format!("http://site.test/gen{n}/b"),
+        ]
     }
 }
 
@@ -160,9 +181,15 @@ async fn serve_seeds(
         let _ = open.wait_for(|open| *open).await;
     }
     if state.failing.load(Ordering::SeqCst) {
-        return (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "down\n".into());
+        return (
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            "down\n".into(),
+        );
     }
-    (axum::http::StatusCode::OK, SeedSourceServer::seeds_of_hit(n).join("\n") + "\n")
+    (
+        axum::http::StatusCode::OK,
+        SeedSourceServer::seeds_of_hit(n).join("\n") + "\n",
+    )
 }
 
 // ---- in-process runners ----------------------------------------------------------------------
@@ -189,10 +216,18 @@ pub fn limits() -> RefreshLimits {
     }
 }
 
-pub fn bot(id: &str, source_url: &str, refresh: RefreshSchedule, on_failure: OnRefreshFailure) -> BotSettings {
+pub fn bot(
+    id: &str,
+    source_url: &str,
+    refresh: RefreshSchedule,
+    on_failure: OnRefreshFailure,
+) -> BotSettings {
     BotSettings {
         id: BotId::parse(id).unwrap(),
-        seeds: SeedSource::Url { url: NormalizedUrl::parse(source_url).unwrap(), format: SeedFormat::Lines },
+        seeds: SeedSource::Url {
+            url: NormalizedUrl::parse(source_url).unwrap(),
+            format: SeedFormat::Lines,
+        },
         refresh,
         on_refresh_failure: on_failure,
     }
@@ -203,7 +238,10 @@ pub async fn context(db: &TestDb, me: &str, lock: LockSettings, local: LocalCloc
     let store = db.store();
     let clock = Arc::new(ServerClock::new(local));
     for _ in 0..3 {
-        store.sync_clock(&clock).await.expect("hello answers with localTime");
+        store
+            .sync_clock(&clock)
+            .await
+            .expect("hello answers with localTime");
     }
     Arc::new(Context {
         store,
@@ -259,7 +297,13 @@ pub struct Proc {
 impl Proc {
     /// Starts `seedlock -c CONFIG ARGS…` as instance `name`. The test's own `MONGODB_URI` is not
     /// passed down: the config file says which server to use.
-    pub fn spawn(dir: &Path, config: &Path, name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
+    pub fn spawn(
+        dir: &Path,
+        config: &Path,
+        name: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Proc {
         let stdout = dir.join(format!("{name}.out"));
         let stderr = dir.join(format!("{name}.err"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_seedlock"));
@@ -279,7 +323,12 @@ impl Proc {
             cmd.env(k, v);
         }
         let child = cmd.spawn().expect("spawn seedlock");
-        Proc { name: name.to_owned(), child, stdout, stderr }
+        Proc {
+            name: name.to_owned(),
+            child,
+            stdout,
+            stderr,
+        }
     }
 
     pub fn pid(&self) -> nix::unistd::Pid {
@@ -297,7 +346,11 @@ impl Proc {
     pub async fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
         match tokio::time::timeout(timeout, self.child.wait()).await {
             Ok(status) => status.expect("wait for seedlock"),
-            Err(_) => panic!("{} did not exit within {timeout:?}; stderr:\n{}", self.name, self.log()),
+            Err(_) => panic!(
+                "{} did not exit within {timeout:?}; stderr:\n{}",
+                self.name,
+                self.log()
+            ),
         }
     }
 
@@ -328,7 +381,9 @@ pub struct OwnServer {
 
 impl OwnServer {
     pub fn available() -> Option<PathBuf> {
-        std::env::var_os("SEEDLOCK_TEST_SERVER_BIN").map(PathBuf::from).filter(|p| p.exists())
+        std::env::var_os("SEEDLOCK_TEST_SERVER_BIN")
+            .map(PathBuf::from)
+            .filter(|p| p.exists())
     }
 
     pub async fn start(bin: PathBuf, storage: &Path) -> OwnServer {
@@ -350,8 +405,21 @@ impl OwnServer {
     pub async fn restart(&mut self) {
         assert!(self.child.is_none(), "stop the server first");
         let child = std::process::Command::new(&self.bin)
-            .args(["--host", "127.0.0.1", "--port", &self.port.to_string(), "--log-level", "WARNING"])
-            .args(["--log-file-max", "16MB", "--cache-size", "256M", "--storage-path"])
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &self.port.to_string(),
+                "--log-level",
+                "WARNING",
+            ])
+            .args([
+                "--log-file-max",
+                "16MB",
+                "--cache-size",
+                "256M",
+                "--storage-path",
+            ])
             .arg(&self.storage)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -359,10 +427,14 @@ impl OwnServer {
             .expect("start secantusd-rs");
         self.child = Some(child);
         let addr = format!("127.0.0.1:{}", self.port);
-        eventually("the restarted server accepts connections", Duration::from_secs(30), || {
-            let addr = addr.clone();
-            async move { tokio::net::TcpStream::connect(addr).await.is_ok() }
-        })
+        eventually(
+            "the restarted server accepts connections",
+            Duration::from_secs(30),
+            || {
+                let addr = addr.clone();
+                async move { tokio::net::TcpStream::connect(addr).await.is_ok() }
+            },
+        )
         .await;
     }
 

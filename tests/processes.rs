@@ -1,0 +1,572 @@
+//! Races and crashes with real `seedlock` processes and real signals.
+
+// Document fields read best as `field == value`.
+#![allow(clippy::bool_assert_comparison)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use nix::sys::signal::Signal;
+
+struct Setup {
+    db: TestDb,
+    source: SeedSourceServer,
+    dir: tempfile::TempDir,
+}
+
+async fn setup(hint: &str) -> Setup {
+    Setup {
+        db: test_db(hint).await,
+        source: SeedSourceServer::start().await,
+        dir: tempfile::tempdir().unwrap(),
+    }
+}
+
+impl Setup {
+    fn config(&self, ttl: &str, poll: &str) -> std::path::PathBuf {
+        ProcConfig {
+            uri: &self.db.uri,
+            database: &self.db.name,
+            ttl,
+            max_refresh: "60s",
+            poll,
+            bots: url_bot("shop", &self.source.url()),
+            extra: "",
+        }
+        .write(self.dir.path())
+    }
+
+    async fn holder(&self) -> Option<String> {
+        let doc = self.db.doc("shop").await?;
+        if doc.get_bool("isEditing").ok()? {
+            doc.get_str("editingBy").ok().map(str::to_owned)
+        } else {
+            None
+        }
+    }
+
+    async fn is_ready(&self) -> bool {
+        self.db
+            .doc("shop")
+            .await
+            .is_some_and(|d| d.get_bool("isReady") == Ok(true))
+    }
+
+    async fn seeds(&self) -> Vec<String> {
+        let d = self.db.doc("shop").await.unwrap();
+        d.get_array("seeds")
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    /// Waits until instance "a" holds the lock and its seed request (number `hit`) has reached the
+    /// source, so a signal sent next finds it mid-refresh.
+    async fn a_holds_the_lock_with_its_fetch_stalled(&self, hit: usize) {
+        eventually(
+            "a holds the lock, its fetch stalled at the source",
+            Duration::from_secs(20),
+            || async { self.holder().await.as_deref() == Some("a") && self.source.hits() == hit },
+        )
+        .await;
+    }
+
+    /// (event, by, epoch) of every history entry.
+    async fn events(&self) -> Vec<(String, String, i64)> {
+        self.db
+            .history("shop")
+            .await
+            .iter()
+            .map(|h| {
+                (
+                    h.get_str("event").unwrap().to_owned(),
+                    h.get_str("by").unwrap().to_owned(),
+                    h.get_i64("epoch").unwrap(),
+                )
+            })
+            .collect()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_processes_on_a_fresh_bot_make_exactly_one_refresh() {
+    let s = setup("ten").await;
+    let config = s.config("5s", "200ms");
+    let mut procs: Vec<Proc> = (0..10)
+        .map(|i| {
+            Proc::spawn(
+                s.dir.path(),
+                &config,
+                &format!("p{i}"),
+                &["run", "--once", "--timeout", "60s"],
+                &[],
+            )
+        })
+        .collect();
+    let mut lines = Vec::new();
+    for p in &mut procs {
+        let status = p.wait(Duration::from_secs(90)).await;
+        assert!(status.success(), "{} exited {status}:\n{}", p.name, p.log());
+        p.assert_clean();
+        let out = p.out();
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("shop ready"))
+            .unwrap_or_else(|| panic!("{}: no summary in {out:?}", p.name));
+        lines.push(line.to_owned());
+    }
+    assert_eq!(
+        s.source.hits(),
+        1,
+        "exactly one refresh reached the seed source"
+    );
+    assert!(
+        lines.iter().all(|l| l == &lines[0]),
+        "all ten saw the same epoch and seeds: {lines:#?}"
+    );
+    assert_eq!(s.seeds().await, SeedSourceServer::seeds_of_hit(1));
+    assert_eq!(s.db.epoch("shop").await, 1, "one acquisition, no takeover");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_holder_is_taken_over_within_ttl_and_poll() {
+    let s = setup("sigkill").await;
+    s.source.stall_first(1);
+    let (ttl, poll) = (Duration::from_secs(2), Duration::from_millis(200));
+    let config = s.config("2s", "200ms");
+    let mut a = Proc::spawn(s.dir.path(), &config, "a", &["run"], &[]);
+    s.a_holds_the_lock_with_its_fetch_stalled(1).await;
+    let mut b = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "b",
+        &["run", "--once", "--timeout", "60s"],
+        &[],
+    );
+    eventually(
+        "b is running and waiting",
+        Duration::from_secs(20),
+        || async { b.log().contains("waiting") },
+    )
+    .await;
+    a.kill9().await;
+    let killed = Instant::now();
+    // The history, not the live lock: b may finish its refresh between two looks.
+    eventually("b takes over", Duration::from_secs(20), || async {
+        s.events()
+            .await
+            .iter()
+            .any(|(e, by, _)| e == "took_over" && by == "b")
+    })
+    .await;
+    let took = killed.elapsed();
+    // The last heartbeat was at most ttl/3 before the kill, so expiry is at most ttl after it.
+    // The allowance above ttl + poll covers poll jitter (+20%) and process scheduling.
+    assert!(
+        took <= ttl + poll + poll / 5 + Duration::from_millis(700),
+        "takeover took {took:?}"
+    );
+    let status = b.wait(Duration::from_secs(30)).await;
+    assert!(status.success(), "b: {}", b.log());
+    b.assert_clean();
+    assert!(s.is_ready().await);
+    assert_eq!(s.db.epoch("shop").await, 2, "the takeover raised the epoch");
+    assert_eq!(
+        s.seeds().await,
+        SeedSourceServer::seeds_of_hit(2),
+        "b's refresh"
+    );
+    assert!(s
+        .events()
+        .await
+        .iter()
+        .any(|(e, by, epoch)| e == "took_over" && by == "b" && *epoch == 2));
+    s.source.release();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigstopped_holder_resumes_and_its_writes_are_rejected() {
+    let s = setup("sigstop").await;
+    s.source.stall_first(1);
+    let config = s.config("1500ms", "200ms");
+    let mut a = Proc::spawn(s.dir.path(), &config, "a", &["run"], &[]);
+    s.a_holds_the_lock_with_its_fetch_stalled(1).await;
+    a.signal(Signal::SIGSTOP);
+    let mut b = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "b",
+        &["run", "--once", "--timeout", "60s"],
+        &[],
+    );
+    let status = b.wait(Duration::from_secs(30)).await;
+    assert!(
+        status.success(),
+        "b completes while a is stopped: {}",
+        b.log()
+    );
+    assert_eq!(s.seeds().await, SeedSourceServer::seeds_of_hit(2));
+    // Let a's stalled fetch answer (with generation-1 seeds) and wake a up.
+    s.source.release();
+    a.signal(Signal::SIGCONT);
+    eventually(
+        "a notices it lost the lease",
+        Duration::from_secs(20),
+        || async { a.log().contains("lease lost") },
+    )
+    .await;
+    a.signal(Signal::SIGTERM);
+    let status = a.wait(Duration::from_secs(20)).await;
+    assert!(status.success(), "a exits cleanly: {}", a.log());
+    a.assert_clean();
+    assert_eq!(
+        s.seeds().await,
+        SeedSourceServer::seeds_of_hit(2),
+        "the seeds are the new holder's"
+    );
+    let events = s.events().await;
+    assert!(
+        !events
+            .iter()
+            .any(|(e, by, _)| by == "a" && e != "acquired" && e != "created"),
+        "no write of a's was accepted after it was stopped: {events:?}"
+    );
+    let epochs: Vec<i64> = events
+        .iter()
+        .filter(|(e, _, _)| e == "acquired" || e == "took_over")
+        .map(|x| x.2)
+        .collect();
+    assert!(
+        epochs.windows(2).all(|w| w[0] < w[1]),
+        "epochs strictly increase: {epochs:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_refresh_stops_the_work_then_releases() {
+    let s = setup("sigterm").await;
+    s.source.stall_first(1);
+    let config = s.config("5s", "200ms");
+    let mut a = Proc::spawn(s.dir.path(), &config, "a", &["run"], &[]);
+    s.a_holds_the_lock_with_its_fetch_stalled(1).await;
+    a.signal(Signal::SIGTERM);
+    let status = a.wait(Duration::from_secs(20)).await;
+    assert!(status.success(), "{}", a.log());
+    a.assert_clean();
+    let doc = s.db.doc("shop").await.unwrap();
+    assert_eq!(
+        doc.get_bool("isEditing").unwrap(),
+        false,
+        "the lock was released"
+    );
+    let last = s.events().await.pop().unwrap();
+    assert_eq!(
+        (last.0.as_str(), last.1.as_str(), last.2),
+        ("released", "a", 1)
+    );
+    // The next instance claims at once instead of waiting out the ttl.
+    let mut b = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "b",
+        &["run", "--once", "--timeout", "4s"],
+        &[],
+    );
+    assert!(
+        b.wait(Duration::from_secs(20)).await.success(),
+        "{}",
+        b.log()
+    );
+    s.source.release();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_with_a_two_hour_clock_skew_behaves_like_the_others() {
+    let s = setup("skew").await;
+    s.source.stall_first(1);
+    let config = s.config("1500ms", "200ms");
+    let mut a = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "a",
+        &["run"],
+        &[("SEEDLOCK_FAKE_CLOCK_SKEW", "-2h")],
+    );
+    s.a_holds_the_lock_with_its_fetch_stalled(1).await;
+    // An instance two hours ahead would see a's lock as long expired if it trusted its own clock.
+    let mut ahead = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "ahead",
+        &["run", "--once", "--timeout", "60s"],
+        &[("SEEDLOCK_FAKE_CLOCK_SKEW", "+2h")],
+    );
+    eventually(
+        "the skewed instance is waiting",
+        Duration::from_secs(20),
+        || async { ahead.log().contains("waiting") },
+    )
+    .await;
+    // While a heartbeats for several ttls, nobody may take over.
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        assert_eq!(
+            s.holder().await.as_deref(),
+            Some("a"),
+            "the live holder keeps its lock"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    s.source.release();
+    assert!(
+        ahead.wait(Duration::from_secs(30)).await.success(),
+        "{}",
+        ahead.log()
+    );
+    assert_eq!(s.db.epoch("shop").await, 1, "no takeover happened");
+    assert_eq!(s.source.hits(), 1);
+    // And the skewed instance does take over a dead holder, on time.
+    s.source.stall_first(2);
+    let mut c = Proc::spawn(s.dir.path(), &config, "c", &["refresh", "shop"], &[]);
+    assert!(c.wait(Duration::from_secs(20)).await.success());
+    s.a_holds_the_lock_with_its_fetch_stalled(2).await;
+    let mut ahead = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "ahead2",
+        &["run", "--once", "--timeout", "60s"],
+        &[("SEEDLOCK_FAKE_CLOCK_SKEW", "+2h")],
+    );
+    a.kill9().await;
+    let killed = Instant::now();
+    assert!(
+        ahead.wait(Duration::from_secs(30)).await.success(),
+        "{}",
+        ahead.log()
+    );
+    assert!(
+        killed.elapsed() < Duration::from_secs(4),
+        "took over after {:?}",
+        killed.elapsed()
+    );
+    assert!(s
+        .events()
+        .await
+        .iter()
+        .any(|(e, by, _)| e == "took_over" && by == "ahead2"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_unlock_fences_the_running_holder() {
+    let s = setup("unlock").await;
+    s.source.stall_first(1);
+    let config = s.config("5s", "200ms");
+    let mut a = Proc::spawn(s.dir.path(), &config, "a", &["run"], &[]);
+    s.a_holds_the_lock_with_its_fetch_stalled(1).await;
+    let mut admin = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "admin",
+        &["unlock", "shop", "--reason", "test"],
+        &[],
+    );
+    assert!(
+        admin.wait(Duration::from_secs(20)).await.success(),
+        "{}",
+        admin.log()
+    );
+    assert!(
+        admin.out().contains("was held by a at epoch 1"),
+        "{}",
+        admin.out()
+    );
+    eventually(
+        "a notices at its next heartbeat",
+        Duration::from_secs(20),
+        || async { a.log().contains("lease lost") },
+    )
+    .await;
+    s.source.release();
+    eventually("the bot ends ready", Duration::from_secs(20), || async {
+        s.is_ready().await
+    })
+    .await;
+    a.signal(Signal::SIGTERM);
+    assert!(a.wait(Duration::from_secs(20)).await.success());
+    a.assert_clean();
+    let events = s.events().await;
+    assert!(
+        events
+            .iter()
+            .any(|(e, _, epoch)| e == "unlocked" && *epoch == 2),
+        "{events:?}"
+    );
+    assert!(
+        !events
+            .iter()
+            .any(|(e, by, epoch)| by == "a" && *epoch == 1 && e == "refreshed"),
+        "{events:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_database_restarting_while_instances_wait_is_survived() {
+    let Some(bin) = OwnServer::available() else {
+        eprintln!("skipped: needs SEEDLOCK_TEST_SERVER_BIN (scripts/test sets it) to restart a server of its own");
+        return;
+    };
+    let storage = tempfile::tempdir().unwrap();
+    let mut server = OwnServer::start(bin, storage.path()).await;
+    let db = test_db_at(&server.uri, "restart").await;
+    let source = SeedSourceServer::start().await;
+    source.stall_first(1);
+    let dir = tempfile::tempdir().unwrap();
+    let config = ProcConfig {
+        uri: &server.uri,
+        database: &db.name,
+        ttl: "2s",
+        max_refresh: "60s",
+        poll: "200ms",
+        bots: url_bot("shop", &source.url()),
+        extra: "",
+    }
+    .write(dir.path());
+    let mut a = Proc::spawn(dir.path(), &config, "a", &["run"], &[]);
+    eventually(
+        "a holds the lock, its fetch stalled at the source",
+        Duration::from_secs(20),
+        || async {
+            db.doc("shop")
+                .await
+                .is_some_and(|d| d.get_str("editingBy") == Ok("a"))
+                && source.hits() == 1
+        },
+    )
+    .await;
+    let mut waiters: Vec<Proc> = (0..2)
+        .map(|i| {
+            Proc::spawn(
+                dir.path(),
+                &config,
+                &format!("w{i}"),
+                &["run", "--once", "--timeout", "90s"],
+                &[],
+            )
+        })
+        .collect();
+    for w in &waiters {
+        eventually("the waiter is waiting", Duration::from_secs(20), || async {
+            w.log().contains("waiting")
+        })
+        .await;
+    }
+    server.stop();
+    eventually(
+        "an instance notices the database is gone",
+        Duration::from_secs(20),
+        || async {
+            waiters
+                .iter()
+                .any(|w| w.log().contains("database unavailable"))
+        },
+    )
+    .await;
+    server.restart().await;
+    source.release();
+    for w in &mut waiters {
+        let status = w.wait(Duration::from_secs(90)).await;
+        assert!(
+            status.success(),
+            "{} finishes after the restart:\n{}",
+            w.name,
+            w.log()
+        );
+        w.assert_clean();
+        assert!(w.log().contains("database reachable again"), "{}", w.log());
+    }
+    let doc = db.doc("shop").await.unwrap();
+    assert_eq!(doc.get_bool("isReady").unwrap(), true);
+    a.signal(Signal::SIGTERM);
+    assert!(
+        a.wait(Duration::from_secs(30)).await.success(),
+        "{}",
+        a.log()
+    );
+    a.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_serves_health_and_metrics() {
+    let s = setup("metrics").await;
+    let config = ProcConfig {
+        uri: &s.db.uri,
+        database: &s.db.name,
+        ttl: "5s",
+        max_refresh: "60s",
+        poll: "200ms",
+        bots: url_bot("shop", &s.source.url()),
+        extra: "",
+    }
+    .write(s.dir.path());
+    let mut a = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "a",
+        &["run"],
+        &[("SEEDLOCK_HTTP_LISTEN", "127.0.0.1:0")],
+    );
+    eventually("the endpoint is up", Duration::from_secs(20), || async {
+        a.log().contains("serving /healthz")
+    })
+    .await;
+    let log = a.log();
+    let addr = log
+        .split("addr=")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+    eventually("the bot is ready", Duration::from_secs(20), || async {
+        s.is_ready().await
+    })
+    .await;
+    let health = reqwest::get(format!("http://{addr}/healthz"))
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200);
+    let metrics = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for needle in [
+        r#"seedlock_lock_acquisitions_total{bot="shop"} 1"#,
+        r#"seedlock_refreshes_total{bot="shop",kind="ok"} 1"#,
+        "seedlock_refresh_duration_seconds_count",
+    ] {
+        assert!(metrics.contains(needle), "missing {needle}:\n{metrics}");
+    }
+    eventually(
+        "the state gauge shows ready",
+        Duration::from_secs(5),
+        || async {
+            let m = reqwest::get(format!("http://{addr}/metrics"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            m.contains(r#"seedlock_bot_state{bot="shop",state="ready"} 1"#)
+        },
+    )
+    .await;
+    a.signal(Signal::SIGTERM);
+    assert!(a.wait(Duration::from_secs(20)).await.success());
+    a.assert_clean();
+}
