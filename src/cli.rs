@@ -69,6 +69,15 @@ pub enum Command {
     },
     /// Ask for a refresh of a bot's seeds at the next opportunity.
     Refresh { bot: String },
+    /// Serve the demo site (a seed source: /seeds.txt, /seeds.json, /sitemap.xml). Needs no config.
+    DemoSite {
+        /// Address to listen on (port 0 picks a free port; the bound address is printed).
+        #[arg(long, default_value = "127.0.0.1:8000")]
+        addr: String,
+        /// Number of listing pages the seeds name.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        lists: u32,
+    },
 }
 
 const EXIT_FAILED: u8 = 1;
@@ -80,6 +89,10 @@ fn fail(code: u8, message: impl std::fmt::Display) -> ExitCode {
 }
 
 pub fn main(cli: Cli) -> ExitCode {
+    if let Command::DemoSite { addr, lists } = &cli.command {
+        init_tracing(LogFormat::Text, "info");
+        return demo_site(addr, *lists);
+    }
     let settings = match Settings::load(&cli.config) {
         Ok(s) => s,
         Err(e) => return fail(EXIT_USAGE, e),
@@ -128,6 +141,7 @@ async fn dispatch(command: Command, settings: Settings) -> ExitCode {
         Command::Inspect { bot } => inspect(settings, &bot).await,
         Command::Unlock { bot, reason } => unlock(settings, &bot, &reason).await,
         Command::Refresh { bot } => refresh(settings, &bot).await,
+        Command::DemoSite { .. } => unreachable!("handled before the config is read"),
     }
 }
 
@@ -150,7 +164,7 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e @ RunError::Startup(_)) => fail(EXIT_USAGE, e),
-        Err(e @ RunError::Timeout { .. }) => fail(EXIT_FAILED, e),
+        Err(e @ (RunError::Timeout { .. } | RunError::Crashed(_))) => fail(EXIT_FAILED, e),
     }
 }
 
@@ -271,4 +285,32 @@ async fn refresh(settings: Settings, bot: &str) -> ExitCode {
         Ok(false) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
         Err(e) => fail(EXIT_FAILED, e),
     }
+}
+
+fn demo_site(addr: &str, lists: u32) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(EXIT_FAILED, format!("cannot start the runtime: {e}")),
+    };
+    runtime.block_on(async {
+        let listener = match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => l,
+            Err(e) => return fail(EXIT_USAGE, format!("cannot listen on {addr}: {e}")),
+        };
+        match listener.local_addr() {
+            Ok(local) => println!("demo site listening on http://{local}"),
+            Err(e) => return fail(EXIT_FAILED, e),
+        }
+        let shutdown = CancellationToken::new();
+        tokio::spawn(stop_on_signal(shutdown.clone()));
+        match crate::demo_site::serve(listener, crate::demo_site::SiteOptions { lists }, shutdown)
+            .await
+        {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(EXIT_FAILED, format!("demo site failed: {e}")),
+        }
+    })
 }

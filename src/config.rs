@@ -606,6 +606,26 @@ on_refresh_failure = "wait"
     }
 
     #[test]
+    fn the_shipped_configs_parse() {
+        let compose = Settings::from_toml(include_str!("../deploy/seedlock.toml"), no_env).unwrap();
+        assert_eq!(compose.bots.len(), 2);
+        // The README's configuration reference is a complete, valid config.
+        let readme = include_str!("../README.md");
+        let start = readme
+            .find("## Configuration reference")
+            .expect("README has the reference");
+        let block = &readme[start..];
+        let body = &block[block.find("```toml").unwrap() + 7..];
+        let body = &body[..body.find("```").unwrap()];
+        let s = Settings::from_toml(body, no_env).unwrap_or_else(|e| panic!("README config: {e}"));
+        assert_eq!(s.lock.heartbeat, Duration::from_secs(10));
+        assert_eq!(
+            s.refresh.user_agent,
+            concat!("seedlock/", env!("CARGO_PKG_VERSION"))
+        );
+    }
+
+    #[test]
     fn heartbeat_defaults_to_a_third_of_ttl() {
         let s = Settings::from_toml("[lock]\nttl = \"9s\"", no_env).unwrap();
         assert_eq!(s.lock.heartbeat, Duration::from_secs(3));

@@ -16,7 +16,7 @@ use tracing::{debug, error, info, warn};
 use crate::backoff::{full_jitter, jittered};
 use crate::clock::ServerClock;
 use crate::config::{BotSettings, LockSettings, OnRefreshFailure};
-use crate::decide::{decide, BotState, Claim, Decision, Policy};
+use crate::decide::{decide, BotState, Claim, Decision, Me, Policy};
 use crate::document::Observed;
 use crate::error::{Error, Result};
 use crate::ids::{BotId, InstanceId};
@@ -29,6 +29,8 @@ pub struct Context {
     pub store: Store,
     pub clock: Arc<ServerClock>,
     pub me: InstanceId,
+    /// When this process started, on the server's clock (see `decide::Me`).
+    pub started_at: DateTime<Utc>,
     pub lock: LockSettings,
     pub fetcher: SeedFetcher,
     pub metrics: Arc<Metrics>,
@@ -127,7 +129,11 @@ impl BotRunner {
             ctx.metrics.saw_epoch(id, doc.lock_epoch.get());
         }
         let now = ctx.clock.now();
-        let decision = decide(&observed, now, &ctx.me, &self.policy);
+        let me = Me {
+            id: &ctx.me,
+            since: ctx.started_at,
+        };
+        let decision = decide(&observed, now, me, &self.policy);
         let state = decision.state();
         ctx.metrics.set_state(id, state);
         match decision {

@@ -37,6 +37,9 @@ pub enum RunError {
         timeout: Duration,
         pending: Vec<String>,
     },
+    /// A bot's task died (a bug): the instance stops so its supervisor restarts it. Exit code 1.
+    #[error("the task of bot {0} crashed; stopping this instance")]
+    Crashed(String),
 }
 
 /// What `run --once` saw at the end, per bot.
@@ -83,6 +86,7 @@ pub async fn run(
         store: store.clone(),
         clock: clock.clone(),
         me: settings.instance_id.clone(),
+        started_at: clock.now(),
         lock: settings.lock,
         fetcher,
         metrics: metrics.clone(),
@@ -118,10 +122,21 @@ pub async fn run(
 
     let result = match mode {
         Mode::Daemon => {
-            for (_, handle) in runs {
-                let _ = handle.await;
+            // Every runner ends at shutdown; one that ends otherwise crashed, and a half-running
+            // instance is worse than a restarted one.
+            let mut crashed = None;
+            let mut pending: futures_util::stream::FuturesUnordered<_> = runs
+                .into_iter()
+                .map(|(bot, handle)| async move { (bot, handle.await) })
+                .collect();
+            while let Some((bot, end)) = futures_util::StreamExt::next(&mut pending).await {
+                if let Err(e) = end {
+                    tracing::error!(%bot, error = %e, "bot task crashed");
+                    crashed.get_or_insert(bot.to_string());
+                    stop.cancel();
+                }
             }
-            Ok(Vec::new())
+            crashed.map_or(Ok(Vec::new()), |bot| Err(RunError::Crashed(bot)))
         }
         Mode::Once { timeout } => once(runs, timeout, &store, &stop).await,
     };

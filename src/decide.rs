@@ -169,13 +169,18 @@ pub struct Policy {
     pub max_refresh: Duration,
 }
 
+/// Who is deciding: this instance's id, and when this process started (server time). A lock held
+/// under this id but claimed before `since` was left by a previous run of this instance; one
+/// claimed after it belongs to another live process that (wrongly) shares the id, and is treated
+/// like any other holder.
+#[derive(Clone, Copy, Debug)]
+pub struct Me<'a> {
+    pub id: &'a InstanceId,
+    pub since: DateTime<Utc>,
+}
+
 /// The state machine. `now` is the database server's time (see `clock`), never the local clock.
-pub fn decide(
-    observed: &Observed,
-    now: DateTime<Utc>,
-    me: &InstanceId,
-    policy: &Policy,
-) -> Decision {
+pub fn decide(observed: &Observed, now: DateTime<Utc>, me: Me<'_>, policy: &Policy) -> Decision {
     let doc = match observed {
         Observed::Missing => return Decision::Initialize,
         Observed::Malformed { problems, .. } => {
@@ -280,22 +285,20 @@ fn decide_ready(doc: &BotDoc, now: DateTime<Utc>, policy: &Policy) -> Decision {
     }
 }
 
-fn decide_editing(doc: &BotDoc, now: DateTime<Utc>, me: &InstanceId, policy: &Policy) -> Decision {
+fn decide_editing(doc: &BotDoc, now: DateTime<Utc>, me: Me<'_>, policy: &Policy) -> Decision {
     let expected = doc.lock_epoch;
     let holder = doc.editing_by.as_deref().unwrap_or("?");
-    if holder == me.as_str() {
+    // Both are set on every editing document (`BotDoc::parse` rejects one without them).
+    let expires = doc.lock_expires_at.unwrap_or(now);
+    let started = doc.last_update_started_at.unwrap_or(now);
+    if holder == me.id.as_str() && started < me.since {
         return Decision::Claim {
             expected,
             claim: Claim::Orphaned,
             branch: Branch::B1,
-            reason: format!(
-                "B-1: epoch {expected} is held by this instance id, but not by this process"
-            ),
+            reason: format!("B-1: epoch {expected} was claimed by a previous run of this instance"),
         };
     }
-    // Both are set on every editing document (`BotDoc::parse` rejects one without them).
-    let expires = doc.lock_expires_at.unwrap_or(now);
-    let started = doc.last_update_started_at.unwrap_or(now);
     let max_refresh =
         chrono::Duration::from_std(policy.max_refresh).unwrap_or(chrono::Duration::MAX);
     let stuck_at = started
@@ -369,8 +372,16 @@ mod tests {
     use bson::doc;
     use chrono::TimeZone;
 
-    fn me() -> InstanceId {
+    fn me_id() -> InstanceId {
         InstanceId::parse("me").unwrap()
+    }
+
+    /// This process started at 00:30.
+    fn me(id: &InstanceId) -> Me<'_> {
+        Me {
+            id,
+            since: at(0, 30),
+        }
     }
 
     fn at(h: u32, m: u32) -> DateTime<Utc> {
@@ -532,13 +543,22 @@ mod tests {
                 claim: Some(Claim::Expired { now: at(1, 2) }),
             },
             Row {
-                name: "B-1 a lock held by this instance id but not this process is reclaimed",
-                observed: valid(editing("me", at(1, 0), at(1, 5))),
+                name: "B-1 a lock left by a previous run of this instance id is reclaimed",
+                observed: valid(editing("me", at(0, 10), at(1, 5))),
                 now: at(1, 2),
                 policy: daily(),
                 state: BotState::Updating,
                 branch: Branch::B1,
                 claim: Some(Claim::Orphaned),
+            },
+            Row {
+                name: "B-3 a lock under this id claimed after this process started is another process's",
+                observed: valid(editing("me", at(1, 0), at(1, 5))),
+                now: at(1, 2),
+                policy: daily(),
+                state: BotState::Waiting,
+                branch: Branch::B3,
+                claim: None,
             },
             Row {
                 name: "B-2 heartbeating for longer than max_refresh",
@@ -626,7 +646,7 @@ mod tests {
     #[test]
     fn every_branch_of_wait_seed_ready() {
         for row in rows() {
-            let decision = decide(&row.observed, row.now, &me(), &row.policy);
+            let decision = decide(&row.observed, row.now, me(&me_id()), &row.policy);
             assert_eq!(decision.state(), row.state, "{}: {decision:?}", row.name);
             assert_eq!(decision.branch(), row.branch, "{}: {decision:?}", row.name);
             let claim = match &decision {
@@ -650,13 +670,13 @@ mod tests {
     #[test]
     fn waits_end_when_the_lock_could_change() {
         let doc = editing("other", at(1, 0), at(1, 5));
-        match decide(&Observed::Valid(doc), at(1, 4), &me(), &daily()) {
+        match decide(&Observed::Valid(doc), at(1, 4), me(&me_id()), &daily()) {
             Decision::Wait { until, .. } => assert_eq!(until, Some(at(1, 5))),
             other => panic!("expected a wait, got {other:?}"),
         }
         // A heartbeating holder: the wait ends at max_refresh, not at the (renewed) expiry.
         let doc = editing("other", at(1, 0), at(1, 30));
-        match decide(&Observed::Valid(doc), at(1, 4), &me(), &daily()) {
+        match decide(&Observed::Valid(doc), at(1, 4), me(&me_id()), &daily()) {
             Decision::Wait { until, .. } => assert_eq!(until, Some(at(1, 10))),
             other => panic!("expected a wait, got {other:?}"),
         }

@@ -11,6 +11,7 @@ pub mod config;
 pub mod coordinator;
 pub mod daemon;
 pub mod decide;
+pub mod demo_site;
 pub mod document;
 pub mod error;
 pub mod http;

@@ -570,3 +570,116 @@ async fn the_daemon_serves_health_and_metrics() {
     assert!(a.wait(Duration::from_secs(20)).await.success());
     a.assert_clean();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_wake_on_the_change_stream_not_only_the_poll() {
+    let s = setup("wake").await;
+    s.source.stall_first(1);
+    // A long ttl and a 10 s poll: only a change-stream event can wake the waiter quickly.
+    let config = s.config("30s", "10s");
+    let mut a = Proc::spawn(s.dir.path(), &config, "a", &["run"], &[]);
+    s.a_holds_the_lock_with_its_fetch_stalled(1).await;
+    let mut b = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "b",
+        &["run", "--once", "--timeout", "60s"],
+        &[],
+    );
+    eventually("b is waiting", Duration::from_secs(20), || async {
+        b.log().contains("waiting")
+    })
+    .await;
+    s.source.release();
+    eventually("a completes", Duration::from_secs(20), || async {
+        s.is_ready().await
+    })
+    .await;
+    let ready = Instant::now();
+    assert!(
+        b.wait(Duration::from_secs(30)).await.success(),
+        "{}",
+        b.log()
+    );
+    let woke = ready.elapsed();
+    assert!(
+        woke < Duration::from_secs(3),
+        "b saw the change after {woke:?}; its poll is 10 s"
+    );
+    a.signal(Signal::SIGTERM);
+    assert!(a.wait(Duration::from_secs(20)).await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_are_one_object_per_line_with_bot_and_epoch() {
+    let s = setup("jsonlog").await;
+    let config = s.config("5s", "200ms");
+    let mut a = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "a",
+        &["--log-format", "json", "run", "--once"],
+        &[],
+    );
+    assert!(
+        a.wait(Duration::from_secs(30)).await.success(),
+        "{}",
+        a.log()
+    );
+    let log = a.log();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let won = lines
+        .iter()
+        .find(|l| l["fields"]["message"] == "won the edit lock")
+        .unwrap_or_else(|| panic!("no lock line in {log}"));
+    assert_eq!(won["fields"]["bot"], "shop");
+    assert_eq!(won["fields"]["epoch"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_instance_reclaims_its_own_orphaned_lock_at_once() {
+    let s = setup("orphan").await;
+    s.source.stall_first(1);
+    // A 30 s ttl: waiting for expiry would take 30 s; the restarted instance must not need to.
+    let config = s.config("30s", "200ms");
+    let mut a = Proc::spawn(s.dir.path(), &config, "a", &["run"], &[]);
+    s.a_holds_the_lock_with_its_fetch_stalled(1).await;
+    a.kill9().await;
+    let restarted = Instant::now();
+    let mut again = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "a",
+        &["run", "--once", "--timeout", "20s"],
+        &[],
+    );
+    assert!(
+        again.wait(Duration::from_secs(30)).await.success(),
+        "{}",
+        again.log()
+    );
+    assert!(
+        restarted.elapsed() < Duration::from_secs(10),
+        "reclaimed after {:?}",
+        restarted.elapsed()
+    );
+    assert_eq!(
+        s.db.epoch("shop").await,
+        2,
+        "the reclaim raised the epoch, fencing the dead run"
+    );
+    let took =
+        s.db.history("shop")
+            .await
+            .into_iter()
+            .find(|h| h.get_str("event") == Ok("took_over"))
+            .unwrap();
+    assert!(
+        took.get_str("reason").unwrap().contains("previous run"),
+        "{took}"
+    );
+    s.source.release();
+}

@@ -245,8 +245,9 @@ pub async fn context(db: &TestDb, me: &str, lock: LockSettings, local: LocalCloc
     }
     Arc::new(Context {
         store,
-        clock,
+        clock: clock.clone(),
         me: InstanceId::parse(me).unwrap(),
+        started_at: clock.now(),
         lock,
         fetcher: SeedFetcher::new(limits()).unwrap(),
         metrics: Arc::new(Metrics::new()),
