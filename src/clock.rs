@@ -1,10 +1,10 @@
 //! Server time. Lock expiry is judged on the database server's clock, never the instance's: the
-//! store samples `hello`'s `localTime`, and [`ServerClock`] turns the samples into an offset with
-//! round-trip correction (the sample with the smallest round trip wins, as in NTP). An instance
-//! whose own clock is hours off computes the same cutoffs as every other instance.
+//! store samples `hello`'s `localTime`, and [`ServerClock`] anchors the best sample (smallest round
+//! trip, as in NTP, corrected by half of it) to the monotonic clock. An instance whose own wall
+//! clock is hours off, or jumps, computes the same cutoffs as every other instance.
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 
@@ -49,20 +49,23 @@ fn parse_skew(raw: &str) -> Result<chrono::Duration, String> {
 
 #[derive(Clone, Copy, Debug)]
 struct Sample {
-    /// server time − local time.
-    offset: chrono::Duration,
-    rtt: chrono::Duration,
-    taken_at: DateTime<Utc>,
+    /// The server's time at the monotonic instant `at` (its reported time plus half the round trip).
+    server_at: DateTime<Utc>,
+    at: Instant,
+    rtt: Duration,
 }
 
-/// An estimate of the database server's current time.
+/// An estimate of the database server's current time: the best sample's server time plus the
+/// monotonic time elapsed since. The local wall clock is not read at all once a sample exists, so
+/// neither a wrong nor a jumping local clock moves the estimate.
 #[derive(Debug)]
 pub struct ServerClock {
     local: LocalClock,
     best: Mutex<Option<Sample>>,
 }
 
-/// A sample older than this no longer beats a fresh one with a longer round trip (drift).
+/// A sample older than this no longer beats a fresh one with a longer round trip (drift between
+/// the two clocks' rates stays far below a millisecond over it).
 const SAMPLE_MAX_AGE: Duration = Duration::from_secs(300);
 
 impl ServerClock {
@@ -73,25 +76,16 @@ impl ServerClock {
         }
     }
 
-    pub fn local(&self) -> LocalClock {
-        self.local
-    }
-
-    /// Records one exchange: the local time before sending, the server's reported time, and the
-    /// local time after the answer. Returns the offset now in use.
-    pub fn record(
-        &self,
-        sent: DateTime<Utc>,
-        server: DateTime<Utc>,
-        received: DateTime<Utc>,
-    ) -> chrono::Duration {
-        let rtt = (received - sent).max(chrono::Duration::zero());
-        // The server read its clock, on average, half a round trip before we received the answer.
-        let offset = server + rtt / 2 - received;
+    /// Records one exchange: the monotonic instant before sending, the server's reported time, and
+    /// the instant the answer arrived. Returns the estimate of the server's time now.
+    pub fn record(&self, sent: Instant, server: DateTime<Utc>, received: Instant) -> DateTime<Utc> {
+        let rtt = received.saturating_duration_since(sent);
+        // The server read its clock, on average, half a round trip before the answer arrived.
+        let half = chrono::Duration::from_std(rtt / 2).unwrap_or_default();
         let sample = Sample {
-            offset,
+            server_at: server + half,
+            at: received,
             rtt,
-            taken_at: received,
         };
         let mut best = self
             .best
@@ -100,31 +94,30 @@ impl ServerClock {
         let replace = match *best {
             None => true,
             Some(old) => {
-                let stale = (received - old.taken_at)
-                    .to_std()
-                    .is_ok_and(|age| age > SAMPLE_MAX_AGE);
-                stale || rtt <= old.rtt
+                received.saturating_duration_since(old.at) > SAMPLE_MAX_AGE || rtt <= old.rtt
             }
         };
         if replace {
             *best = Some(sample);
         }
-        best.map(|s| s.offset).unwrap_or(offset)
+        drop(best);
+        self.now()
     }
 
     pub fn is_synced(&self) -> bool {
         self.best.lock().map(|b| b.is_some()).unwrap_or(false)
     }
 
-    /// Server time now. Before the first sample, the local clock (callers sync first).
+    /// Server time now. Before the first sample, the local clock (every command syncs first).
     pub fn now(&self) -> DateTime<Utc> {
-        let offset = self
+        let best = *self
             .best
             .lock()
-            .ok()
-            .and_then(|b| b.map(|s| s.offset))
-            .unwrap_or_else(chrono::Duration::zero);
-        self.local.now() + offset
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        match best {
+            Some(s) => s.server_at + chrono::Duration::from_std(s.at.elapsed()).unwrap_or_default(),
+            None => self.local.now(),
+        }
     }
 }
 
@@ -133,43 +126,56 @@ mod tests {
     use super::*;
     use chrono::TimeZone;
 
+    fn close(a: DateTime<Utc>, b: DateTime<Utc>, ms: i64) -> bool {
+        (a - b).num_milliseconds().abs() <= ms
+    }
+
     #[test]
-    fn offset_is_corrected_by_half_the_round_trip() {
+    fn the_estimate_is_corrected_by_half_the_round_trip() {
         let clock = ServerClock::new(LocalClock::default());
-        let sent = Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap();
-        let received = sent + chrono::Duration::milliseconds(100);
-        // The server's clock is exactly 2 hours ahead; it answered mid-way.
-        let server = sent + chrono::Duration::hours(2) + chrono::Duration::milliseconds(50);
-        assert_eq!(
-            clock.record(sent, server, received),
-            chrono::Duration::hours(2)
+        let received = Instant::now();
+        let sent = received - Duration::from_millis(100);
+        let server = Utc.with_ymd_and_hms(2030, 1, 1, 0, 0, 0).unwrap();
+        let estimate = clock.record(sent, server, received);
+        assert!(
+            close(estimate, server + chrono::Duration::milliseconds(50), 20),
+            "{estimate}"
         );
     }
 
     #[test]
     fn the_sample_with_the_shortest_round_trip_wins() {
         let clock = ServerClock::new(LocalClock::default());
-        let t = Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap();
-        let ms = chrono::Duration::milliseconds;
-        clock.record(t, t + ms(5), t + ms(10)); // offset 0, rtt 10
-                                                // A slow exchange (rtt 400) with an asymmetric delay would suggest +150ms: ignored.
-        let later = t + ms(1000);
-        let offset = clock.record(later, later + ms(350), later + ms(400));
-        assert_eq!(offset, chrono::Duration::zero());
+        let t = Utc.with_ymd_and_hms(2030, 1, 1, 0, 0, 0).unwrap();
+        let now = Instant::now();
+        clock.record(now - Duration::from_millis(10), t, now); // rtt 10 ms
+                                                               // A slow exchange (rtt 400 ms) whose answer says +300 ms: not trusted over the fast one.
+        let later = Instant::now();
+        clock.record(
+            later - Duration::from_millis(400),
+            t + chrono::Duration::milliseconds(300),
+            later,
+        );
+        assert!(
+            close(clock.now(), t + chrono::Duration::milliseconds(5), 30),
+            "{}",
+            clock.now()
+        );
     }
 
     #[test]
-    fn a_skewed_local_clock_still_yields_server_time() {
-        let skew = chrono::Duration::hours(2);
-        let clock = ServerClock::new(LocalClock::skewed(skew));
-        let sent = clock.local().now();
-        let server_now = Utc::now();
-        let received = clock.local().now();
-        clock.record(sent, server_now, received);
-        let error = (clock.now() - Utc::now()).num_milliseconds().abs();
+    fn a_skewed_local_clock_does_not_move_the_estimate() {
+        let clock = ServerClock::new(LocalClock::skewed(chrono::Duration::hours(2)));
         assert!(
-            error < 1000,
-            "estimate is {error} ms off despite a 2h local skew"
+            !close(clock.now(), Utc::now(), 1000),
+            "before a sample, the (skewed) local clock"
+        );
+        let sent = Instant::now();
+        let server_now = Utc::now();
+        clock.record(sent, server_now, Instant::now());
+        assert!(
+            close(clock.now(), Utc::now(), 200),
+            "after a sample, server time despite a 2h skew"
         );
     }
 

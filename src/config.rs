@@ -43,6 +43,8 @@ pub struct MongoSettings {
     pub uri: String,
     pub database: String,
     pub connect_timeout: Duration,
+    /// Longest any one database operation may take before it counts as failed (transient).
+    pub op_timeout: Duration,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -149,6 +151,7 @@ struct RawMongo {
     uri: String,
     database: String,
     connect_timeout: String,
+    op_timeout: String,
 }
 
 impl Default for RawMongo {
@@ -157,6 +160,7 @@ impl Default for RawMongo {
             uri: "mongodb://127.0.0.1:27017".into(),
             database: "seedlock".into(),
             connect_timeout: "5s".into(),
+            op_timeout: "10s".into(),
         }
     }
 }
@@ -343,10 +347,19 @@ fn duration(key: &str, raw: &str) -> Result<Duration, String> {
     })
 }
 
+/// Longest duration any setting accepts: a week. Longer values are typos, and bounding them
+/// keeps every timestamp computation far from overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
+
 fn positive(key: &str, raw: &str) -> Result<Duration, String> {
     let d = duration(key, raw)?;
     if d.is_zero() {
         return Err(format!("key `{key}`: must be greater than zero"));
+    }
+    if d > MAX_DURATION {
+        return Err(format!(
+            "key `{key}`: {raw:?} is longer than the 7-day maximum"
+        ));
     }
     Ok(d)
 }
@@ -357,6 +370,7 @@ impl RawConfig {
             uri: self.mongo.uri.trim().to_owned(),
             database: validate_database(&self.mongo.database)?,
             connect_timeout: positive("mongo.connect_timeout", &self.mongo.connect_timeout)?,
+            op_timeout: positive("mongo.op_timeout", &self.mongo.op_timeout)?,
         };
         if !(mongo.uri.starts_with("mongodb://") || mongo.uri.starts_with("mongodb+srv://")) {
             return Err(format!(
@@ -531,8 +545,8 @@ impl RawBot {
         let refresh = match self.refresh.trim() {
             "daily" => RefreshSchedule::Daily,
             other => {
-                let every = duration(&format!("bots[{i}].refresh"), other).map_err(|_| {
-                    format!("key `bots[{i}].refresh`: {other:?} is neither \"daily\" nor an interval such as \"6h\"")
+                let every = positive(&format!("bots[{i}].refresh"), other).map_err(|_| {
+                    format!("key `bots[{i}].refresh`: {other:?} is neither \"daily\" nor an interval such as \"6h\" (at most 7 days)")
                 })?;
                 if every < Duration::from_secs(1) {
                     return Err(format!(
@@ -653,6 +667,9 @@ on_refresh_failure = "wait"
     fn bad_values_name_their_key() {
         let cases = [
             ("[lock]\nttl = \"soon\"", "lock.ttl"),
+            ("[lock]\nttl = \"300000y\"\nmax_refresh = \"400000y\"", "lock.ttl"),
+            ("[lock]\npoll = \"1000y\"", "lock.poll"),
+            ("[mongo]\nop_timeout = \"0s\"", "mongo.op_timeout"),
             ("[lock]\nttl = \"10s\"\nheartbeat = \"10s\"", "lock.heartbeat"),
             ("[lock]\nttl = \"10m\"\nmax_refresh = \"5m\"", "lock.max_refresh"),
             ("[mongo]\nuri = \"http://x\"", "mongo.uri"),

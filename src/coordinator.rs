@@ -21,7 +21,7 @@ use crate::document::Observed;
 use crate::error::{Error, Result};
 use crate::ids::{BotId, InstanceId};
 use crate::metrics::Metrics;
-use crate::seeds::{SeedError, SeedFetcher};
+use crate::seeds::{SeedError, SeedFetcher, Seeds};
 use crate::store::{Lease, Store};
 
 /// What every bot runner of one instance shares.
@@ -88,11 +88,14 @@ pub struct BotRunner {
 
 /// How a refresh under the lock ended, before its last write.
 enum End {
-    Fetched(std::result::Result<Vec<String>, SeedError>),
+    Fetched(std::result::Result<Seeds, SeedError>),
     Abandoned,
     Lost,
     Shutdown,
 }
+
+/// Seeds may take at most this much of the 16 MiB document (the rest is history and fields).
+pub const MAX_SEED_BYTES: usize = 8 * 1024 * 1024;
 
 /// The holder's last write.
 enum Finish {
@@ -242,7 +245,7 @@ impl BotRunner {
                     biased;
                     _ = shutdown.cancelled() => break End::Shutdown,
                     result = &mut fetch => {
-                        break End::Fetched(result.map(|s| s.urls.into_iter().map(|u| u.as_str().to_owned()).collect()))
+                        break End::Fetched(result)
                     }
                     _ = beat.tick() => {
                         let now = ctx.clock.now();
@@ -271,7 +274,7 @@ impl BotRunner {
         };
         work.cancel();
         let finish = match end {
-            End::Fetched(Ok(seeds)) => Finish::Complete(seeds),
+            End::Fetched(Ok(seeds)) => self.checked_seeds(seeds),
             End::Fetched(Err(SeedError::Cancelled)) | End::Shutdown => Finish::Release,
             End::Fetched(Err(e)) => Finish::Fail(format!("refresh failed: {e}")),
             End::Abandoned => Finish::Fail(format!(
@@ -289,6 +292,32 @@ impl BotRunner {
         self.finish(lease, finish, confirmed_until, timer).await
     }
 
+    /// Turns fetched seeds into the last write: the new list, or a failure when it cannot fit in
+    /// one document.
+    fn checked_seeds(&self, seeds: Seeds) -> Finish {
+        let id = &self.bot.id;
+        if seeds.truncated {
+            warn!(bot = %id, kept = seeds.urls.len(), "the seed source has more URLs than refresh.max_seeds; the rest were dropped");
+        }
+        if seeds.rejected > 0 {
+            info!(bot = %id, rejected = seeds.rejected, "seed entries rejected (not http(s) URLs)");
+        }
+        let list: Vec<String> = seeds
+            .urls
+            .into_iter()
+            .map(|u| u.as_str().to_owned())
+            .collect();
+        // Each array element costs its bytes plus about 16 bytes of BSON framing.
+        let bytes: usize = list.iter().map(|s| s.len() + 16).sum();
+        if bytes > MAX_SEED_BYTES {
+            return Finish::Fail(format!(
+                "refresh failed: {} seeds take {bytes} bytes, over the {MAX_SEED_BYTES}-byte share of one document; lower refresh.max_seeds",
+                list.len()
+            ));
+        }
+        Finish::Complete(list)
+    }
+
     fn lost(&self, lease: &Lease, timer: Instant, why: &str) -> StepOutcome {
         let id = &self.bot.id;
         warn!(bot = %id, epoch = lease.epoch.get(), %why, "lease lost; stopped without writing");
@@ -303,7 +332,7 @@ impl BotRunner {
     async fn finish(
         &self,
         lease: Lease,
-        finish: Finish,
+        mut finish: Finish,
         confirmed_until: DateTime<Utc>,
         timer: Instant,
     ) -> Result<StepOutcome> {
@@ -335,6 +364,13 @@ impl BotRunner {
                 Ok(()) => break,
                 Err(Error::LeaseLost { .. }) => {
                     return Ok(self.lost(&lease, timer, "the last write matched nothing"))
+                }
+                // The server refused the new seeds for good (a document too large, say): record
+                // that as the refresh's failure rather than leave the lock to expire.
+                Err(e) if !e.is_transient() && matches!(finish, Finish::Complete(_)) => {
+                    finish = Finish::Fail(format!(
+                        "refresh failed: the seeds could not be stored: {e}"
+                    ));
                 }
                 Err(e) if e.is_transient() && ctx.clock.now() < confirmed_until => {
                     ctx.metrics.db_error();

@@ -15,6 +15,12 @@ pub enum Error {
     Db(#[from] mongodb::error::Error),
     #[error("the server's answer to {what} was not understood: {detail}")]
     Protocol { what: &'static str, detail: String },
+    /// The operation did not finish within `mongo.op_timeout`.
+    #[error("database: {what} did not finish within {}", humantime::format_duration(*.after))]
+    Timeout {
+        what: &'static str,
+        after: std::time::Duration,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -41,6 +47,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Db(e) => is_transient_db(e),
+            Error::Timeout { .. } => true,
             Error::LeaseLost { .. } | Error::Protocol { .. } => false,
         }
     }

@@ -49,8 +49,10 @@ pub struct Metrics {
     refresh_duration: Seconds,
     wait_duration: Seconds,
     db_errors: Counter,
-    /// Unix millis of the last successful database round trip (for `/healthz`).
+    /// Milliseconds after `started` of the last successful database round trip (for `/healthz`);
+    /// monotonic, so a jumping wall clock cannot fake health.
     last_db_ok: AtomicI64,
+    started: std::time::Instant,
 }
 
 impl Default for Metrics {
@@ -135,7 +137,8 @@ impl Metrics {
             refresh_duration,
             wait_duration,
             db_errors,
-            last_db_ok: AtomicI64::new(0),
+            last_db_ok: AtomicI64::new(-1),
+            started: std::time::Instant::now(),
         }
     }
 
@@ -201,16 +204,18 @@ impl Metrics {
     }
 
     pub fn db_ok(&self) {
-        self.last_db_ok
-            .store(chrono::Utc::now().timestamp_millis(), Ordering::Relaxed);
+        let at = i64::try_from(self.started.elapsed().as_millis()).unwrap_or(i64::MAX);
+        self.last_db_ok.store(at, Ordering::Relaxed);
     }
 
     /// How long ago the database last answered, if it ever did.
     pub fn since_db_ok(&self) -> Option<Duration> {
-        let at = self.last_db_ok.load(Ordering::Relaxed);
-        (at > 0).then(|| {
-            Duration::from_millis((chrono::Utc::now().timestamp_millis() - at).max(0) as u64)
-        })
+        let at = u64::try_from(self.last_db_ok.load(Ordering::Relaxed)).ok()?;
+        Some(
+            self.started
+                .elapsed()
+                .saturating_sub(Duration::from_millis(at)),
+        )
     }
 
     pub fn encode(&self) -> String {

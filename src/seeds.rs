@@ -117,55 +117,52 @@ impl SeedFetcher {
         cancel: &CancellationToken,
     ) -> Result<(), SeedError> {
         // Breadth-first over sitemap indexes, at most `sitemap_depth` levels below the root and at
-        // most 1,000 sitemap files in all; each file is fetched once.
+        // most 1,000 sitemap files in all; each file is fetched once, and only one body is held in
+        // memory at a time (the queue holds URLs).
         const MAX_FILES: usize = 1000;
         let mut visited = HashSet::from([root.to_string()]);
-        let mut level = vec![(root, body)];
-        for depth in 0..=self.limits.sitemap_depth {
-            let mut next = Vec::new();
-            for (url, body) in level {
-                match parse_sitemap(url.as_str(), &body)? {
-                    Sitemap::Urls(locs) => {
-                        for loc in locs {
-                            collector.add(NormalizedUrl::parse_relative(&url, &loc));
-                        }
+        let mut queue = std::collections::VecDeque::from([(root, 0_u32, Some(body))]);
+        while let Some((url, depth, body)) = queue.pop_front() {
+            let body = match body {
+                Some(body) => body,
+                None => self.get_with_retries(url.as_str(), cancel).await?,
+            };
+            match parse_sitemap(url.as_str(), &body)? {
+                Sitemap::Urls(locs) => {
+                    for loc in locs {
+                        collector.add(NormalizedUrl::parse_relative(&url, &loc));
                     }
-                    Sitemap::Index(children) => {
-                        if depth == self.limits.sitemap_depth {
+                }
+                Sitemap::Index(children) => {
+                    if depth == self.limits.sitemap_depth {
+                        return Err(SeedError::Parse {
+                            url: url.to_string(),
+                            detail: format!(
+                                "sitemap indexes nest deeper than {}",
+                                self.limits.sitemap_depth
+                            ),
+                        });
+                    }
+                    for child in children {
+                        let child =
+                            NormalizedUrl::parse_relative(&url, &child).map_err(|detail| {
+                                SeedError::Parse {
+                                    url: url.to_string(),
+                                    detail,
+                                }
+                            })?;
+                        if visited.len() >= MAX_FILES {
                             return Err(SeedError::Parse {
                                 url: url.to_string(),
-                                detail: format!(
-                                    "sitemap indexes nest deeper than {}",
-                                    self.limits.sitemap_depth
-                                ),
+                                detail: format!("more than {MAX_FILES} sitemap files"),
                             });
                         }
-                        for child in children {
-                            let child =
-                                NormalizedUrl::parse_relative(&url, &child).map_err(|detail| {
-                                    SeedError::Parse {
-                                        url: url.to_string(),
-                                        detail,
-                                    }
-                                })?;
-                            if visited.len() >= MAX_FILES {
-                                return Err(SeedError::Parse {
-                                    url: url.to_string(),
-                                    detail: format!("more than {MAX_FILES} sitemap files"),
-                                });
-                            }
-                            if visited.insert(child.as_str().to_owned()) {
-                                let body = self.get_with_retries(child.as_str(), cancel).await?;
-                                next.push((child.to_url(), body));
-                            }
+                        if visited.insert(child.as_str().to_owned()) {
+                            queue.push_back((child.to_url(), depth + 1, None));
                         }
                     }
                 }
             }
-            if next.is_empty() {
-                break;
-            }
-            level = next;
         }
         Ok(())
     }

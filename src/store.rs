@@ -67,7 +67,13 @@ pub struct ConnectError {
 pub struct Store {
     db: Database,
     bots: Collection<Document>,
+    /// Every operation is abandoned (as a transient failure) after this: a hung server must not
+    /// hang a heartbeat or a shutdown.
+    op_timeout: Duration,
 }
+
+/// The default for `mongo.op_timeout`.
+pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn history_entry(
     now: DateTime<Utc>,
@@ -124,12 +130,35 @@ impl Store {
                 )),
                 _ => fail(e.to_string()),
             })?;
-        Ok(Store::new(db))
+        Ok(Store::new(db).with_op_timeout(settings.op_timeout))
     }
 
     pub fn new(db: Database) -> Store {
         let bots = db.collection::<Document>(BOTS);
-        Store { db, bots }
+        Store {
+            db,
+            bots,
+            op_timeout: DEFAULT_OP_TIMEOUT,
+        }
+    }
+
+    pub fn with_op_timeout(mut self, op_timeout: Duration) -> Store {
+        self.op_timeout = op_timeout;
+        self
+    }
+
+    /// Runs one driver operation under the store's operation timeout.
+    async fn bounded<T, F>(&self, what: &'static str, op: F) -> Result<T>
+    where
+        F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
+    {
+        match tokio::time::timeout(self.op_timeout, op.into_future()).await {
+            Ok(result) => Ok(result?),
+            Err(_) => Err(Error::Timeout {
+                what,
+                after: self.op_timeout,
+            }),
+        }
     }
 
     pub fn database(&self) -> &Database {
@@ -138,9 +167,11 @@ impl Store {
 
     /// One `hello` round trip, recorded into `clock` (server time with round-trip correction).
     pub async fn sync_clock(&self, clock: &ServerClock) -> Result<()> {
-        let sent = clock.local().now();
-        let reply = self.db.run_command(doc! { "hello": 1 }).await?;
-        let received = clock.local().now();
+        let sent = std::time::Instant::now();
+        let reply = self
+            .bounded("hello", self.db.run_command(doc! { "hello": 1 }))
+            .await?;
+        let received = std::time::Instant::now();
         let server = match reply.get("localTime") {
             Some(Bson::DateTime(d)) => d.to_chrono(),
             other => {
@@ -155,19 +186,25 @@ impl Store {
     }
 
     pub async fn load(&self, bot: &BotId) -> Result<Observed> {
-        let raw = self.bots.find_one(doc! { field::ID: bot.as_str() }).await?;
-        Ok(Observed::from_raw(raw))
+        Ok(Observed::from_raw(self.load_raw(bot).await?))
     }
 
     pub async fn load_raw(&self, bot: &BotId) -> Result<Option<Document>> {
-        Ok(self.bots.find_one(doc! { field::ID: bot.as_str() }).await?)
+        self.bounded(
+            "find bot",
+            self.bots.find_one(doc! { field::ID: bot.as_str() }),
+        )
+        .await
     }
 
     /// Every bot document, sorted by id (for `status`).
     pub async fn load_all(&self) -> Result<Vec<Document>> {
         use futures_util::TryStreamExt;
-        let cursor = self.bots.find(doc! {}).sort(doc! { field::ID: 1 }).await?;
-        Ok(cursor.try_collect().await?)
+        let all = async {
+            let cursor = self.bots.find(doc! {}).sort(doc! { field::ID: 1 }).await?;
+            cursor.try_collect().await
+        };
+        self.bounded("list bots", all).await
     }
 
     /// Creates the initial document if there is none. Idempotent: concurrent callers all succeed
@@ -189,19 +226,18 @@ impl Store {
             field::RETRY_AFTER: Bson::Null,
             field::HISTORY: [history_entry(now, "created", me.as_str(), LockEpoch::ZERO, "C: no document yet")],
         };
-        let result = self
+        let upsert = self
             .bots
             .update_one(
                 doc! { field::ID: bot.as_str() },
                 doc! { "$setOnInsert": initial },
             )
-            .upsert(true)
-            .await;
-        match result {
+            .upsert(true);
+        match self.bounded("initialize", upsert).await {
             Ok(_) => Ok(()),
             // Another instance inserted it between our filter and our insert: the goal is met.
-            Err(e) if is_duplicate_key(&e) => Ok(()),
-            Err(e) => Err(e.into()),
+            Err(Error::Db(e)) if is_duplicate_key(&e) => Ok(()),
+            Err(e) => Err(e),
         }
     }
 
@@ -258,9 +294,12 @@ impl Store {
             "$push": push_history(history_entry(now, event, me.as_str(), epoch, reason)),
         };
         let after = self
-            .bots
-            .find_one_and_update(filter, update)
-            .return_document(ReturnDocument::After)
+            .bounded(
+                "claim",
+                self.bots
+                    .find_one_and_update(filter, update)
+                    .return_document(ReturnDocument::After),
+            )
             .await?;
         let Some(raw) = after else { return Ok(None) };
         let doc = BotDoc::parse(&raw).map_err(|problems| Error::Protocol {
@@ -287,7 +326,9 @@ impl Store {
     }
 
     async fn fenced(&self, lease: &Lease, update: Document) -> Result<()> {
-        let result = self.bots.update_one(lease.fence(), update).await?;
+        let result = self
+            .bounded("fenced write", self.bots.update_one(lease.fence(), update))
+            .await?;
         if result.matched_count == 1 {
             Ok(())
         } else {
@@ -411,7 +452,11 @@ impl Store {
             "$set": { field::IS_READY: false },
             "$push": push_history(history_entry(now, "repaired", me.as_str(), expected, reason)),
         };
-        Ok(self.bots.update_one(filter, update).await?.modified_count == 1)
+        Ok(self
+            .bounded("repair", self.bots.update_one(filter, update))
+            .await?
+            .modified_count
+            == 1)
     }
 
     /// Rule E: rewrites a malformed document into a not-ready one, keeping whatever can be
@@ -427,9 +472,13 @@ impl Store {
         let Some(id) = raw.get(field::ID).cloned() else {
             return Ok(false);
         };
+        // Equality on every field that can be queried by equality: a key with a '.' or a leading
+        // '$' cannot be, so it is left out (the rest still pins the document down).
         let mut filter = Document::new();
         for (key, value) in raw {
-            filter.insert(key.clone(), value.clone());
+            if !key.contains('.') && !key.starts_with('$') {
+                filter.insert(key.clone(), value.clone());
+            }
         }
         for name in [
             field::IS_READY,
@@ -447,12 +496,7 @@ impl Store {
             }
             _ => Vec::new(),
         };
-        let old_epoch = raw
-            .get(field::LOCK_EPOCH)
-            .and_then(integer)
-            .unwrap_or(0)
-            .max(0);
-        let epoch = LockEpoch::new(old_epoch).unwrap_or(LockEpoch::ZERO).next();
+        let epoch = highest_epoch(raw).next();
         let salvage_date = |name: &str| match raw.get(name) {
             Some(Bson::DateTime(d)) => Bson::DateTime(*d),
             _ => Bson::Null,
@@ -493,8 +537,7 @@ impl Store {
             field::HISTORY: history,
         };
         Ok(self
-            .bots
-            .replace_one(filter, replacement)
+            .bounded("repair", self.bots.replace_one(filter, replacement))
             .await?
             .modified_count
             == 1)
@@ -520,9 +563,7 @@ impl Store {
             }
             let observed_epoch = raw.get(field::LOCK_EPOCH).cloned().unwrap_or(Bson::Null);
             let old_epoch = integer(&observed_epoch);
-            let epoch = LockEpoch::new(old_epoch.unwrap_or(0).max(0))
-                .unwrap_or(LockEpoch::ZERO)
-                .next();
+            let epoch = highest_epoch(&raw).next();
             let filter = doc! { field::ID: bot.as_str(), field::IS_EDITING: true, field::LOCK_EPOCH: observed_epoch };
             let update = doc! {
                 "$set": {
@@ -536,7 +577,12 @@ impl Store {
                 },
                 "$push": push_history(history_entry(now, "unlocked", by, epoch, &note)),
             };
-            if self.bots.update_one(filter, update).await?.matched_count == 1 {
+            if self
+                .bounded("unlock", self.bots.update_one(filter, update))
+                .await?
+                .matched_count
+                == 1
+            {
                 return Ok(UnlockOutcome::Unlocked {
                     holder: raw.get_str(field::EDITING_BY).ok().map(str::to_owned),
                     old_epoch,
@@ -551,20 +597,18 @@ impl Store {
 
     /// `seedlock refresh`: asks for a refresh at the next opportunity. False if there is no such bot.
     pub async fn request_refresh(&self, bot: &BotId, by: &str, now: DateTime<Utc>) -> Result<bool> {
-        let epoch = match self.load(bot).await? {
-            Observed::Valid(doc) => doc.lock_epoch,
-            _ => LockEpoch::ZERO,
+        let Some(raw) = self.load_raw(bot).await? else {
+            return Ok(false);
         };
-        let result = self
-            .bots
-            .update_one(
-                doc! { field::ID: bot.as_str() },
-                doc! {
-                    "$currentDate": { field::REFRESH_REQUESTED_AT: true },
-                    "$push": push_history(history_entry(now, "refresh_requested", by, epoch, "requested by admin")),
-                },
-            )
-            .await?;
+        let epoch = highest_epoch(&raw);
+        let update = self.bots.update_one(
+            doc! { field::ID: bot.as_str() },
+            doc! {
+                "$currentDate": { field::REFRESH_REQUESTED_AT: true },
+                "$push": push_history(history_entry(now, "refresh_requested", by, epoch, "requested by admin")),
+            },
+        );
+        let result = self.bounded("request refresh", update).await?;
         Ok(result.matched_count == 1)
     }
 
@@ -577,12 +621,31 @@ impl Store {
             mongodb::change_stream::event::ChangeStreamEvent<Document>,
         >,
     > {
-        Ok(self
+        let watch = self
             .bots
             .watch()
-            .pipeline([doc! { "$match": { "documentKey._id": bot.as_str() } }])
-            .await?)
+            .pipeline([doc! { "$match": { "documentKey._id": bot.as_str() } }]);
+        self.bounded("watch", watch).await
     }
+}
+
+/// The highest epoch a (possibly malformed) document shows, in `lockEpoch` or in its history: a
+/// repair or an unlock moves past it, so no epoch is ever handed out twice.
+fn highest_epoch(raw: &Document) -> LockEpoch {
+    let in_field = raw.get(field::LOCK_EPOCH).and_then(integer);
+    let in_history = match raw.get(field::HISTORY) {
+        Some(Bson::Array(entries)) => entries
+            .iter()
+            .filter_map(|e| {
+                e.as_document()
+                    .and_then(|d| d.get("epoch"))
+                    .and_then(integer)
+            })
+            .max(),
+        _ => None,
+    };
+    let highest = in_field.into_iter().chain(in_history).max().unwrap_or(0);
+    LockEpoch::new(highest.max(0)).unwrap_or(LockEpoch::ZERO)
 }
 
 fn one_line(text: &str) -> String {

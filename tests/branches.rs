@@ -354,15 +354,20 @@ async fn e_malformed_documents_are_repaired_and_refreshed() {
         ),
         (
             "epoch as string",
-            doc! {"_id": "shop", "isReady": true, "isEditing": false, "seeds": [], "lockEpoch": "7"},
+            // The history shows epoch 7 was handed out: the repair must move past it.
+            doc! {"_id": "shop", "isReady": true, "isEditing": false, "seeds": [], "lockEpoch": "7",
+            "history": [{"event": "acquired", "by": "x", "epoch": 7_i64}]},
         ),
     ];
     for (name, bad) in cases {
         let f = fixture("e", daily(), OnRefreshFailure::KeepPrevious).await;
-        let old_epoch = bad
-            .get("lockEpoch")
-            .and_then(seedlock::document::integer)
-            .unwrap_or(0);
+        let old_epoch = match name {
+            "epoch as string" => 7,
+            _ => bad
+                .get("lockEpoch")
+                .and_then(seedlock::document::integer)
+                .unwrap_or(0),
+        };
         f.put(bad.clone()).await;
         assert_eq!(f.step().await, StepOutcome::Repaired, "{name}");
         let (event, reason) = f.last_event().await;

@@ -683,3 +683,41 @@ async fn a_restarted_instance_reclaims_its_own_orphaned_lock_at_once() {
     );
     s.source.release();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_documents_are_repaired_by_real_processes_without_a_panic() {
+    use bson::doc;
+    let broken = [
+        doc! {"_id": "shop", "isReady": "true", "isEditing": false, "seeds": ["http://keep/"], "lockEpoch": 3_i64},
+        doc! {"_id": "shop", "isReady": true, "isEditing": false, "seeds": {"not": "an array"}},
+        doc! {"_id": "shop", "isReady": true, "isEditing": true, "seeds": [], "lockEpoch": 2_i64, "editingBy": "ghost",
+        "lastUpdateStartedAt": bson::DateTime::from_millis(0), "lockExpiresAt": bson::DateTime::from_millis(0)},
+        doc! {"_id": "shop", "weird.key": 1, "isReady": 1},
+    ];
+    for (i, bad) in broken.into_iter().enumerate() {
+        let s = setup("broken").await;
+        s.db.bots().insert_one(bad.clone()).await.unwrap();
+        let config = s.config("5s", "200ms");
+        let mut p = Proc::spawn(
+            s.dir.path(),
+            &config,
+            &format!("p{i}"),
+            &["run", "--once", "--timeout", "30s"],
+            &[],
+        );
+        let status = p.wait(Duration::from_secs(60)).await;
+        assert!(status.success(), "case {i} {bad}: {}", p.log());
+        p.assert_clean();
+        assert!(s.is_ready().await, "case {i}: ready after the repair");
+        assert_eq!(
+            s.seeds().await,
+            SeedSourceServer::seeds_of_hit(1),
+            "case {i}"
+        );
+        let events = s.events().await;
+        assert!(
+            events.iter().any(|(e, _, _)| e == "repaired"),
+            "case {i}: {events:?}"
+        );
+    }
+}

@@ -209,8 +209,9 @@ pub fn limits() -> RefreshLimits {
         max_bytes: 1 << 20,
         max_seeds: 1000,
         attempts: 1,
-        backoff_base: Duration::from_millis(200),
-        backoff_max: Duration::from_secs(2),
+        // Long enough that a test's next step always lands inside the backoff after a failure.
+        backoff_base: Duration::from_secs(2),
+        backoff_max: Duration::from_secs(5),
         sitemap_depth: 2,
         user_agent: "seedlock-test".into(),
     }
