@@ -69,14 +69,21 @@ pub enum Command {
     },
     /// Ask for a refresh of a bot's seeds at the next opportunity.
     Refresh { bot: String },
-    /// Serve the demo site (a seed source: /seeds.txt, /seeds.json, /sitemap.xml). Needs no config.
+    /// Serve the demo shop: listing and product pages, a seed source (/seeds.txt, /seeds.json,
+    /// /sitemap.xml) and control endpoints (/__mutate, /__faults, /__stats, /__truth). Needs no config.
     DemoSite {
         /// Address to listen on (port 0 picks a free port; the bound address is printed).
         #[arg(long, default_value = "127.0.0.1:8000")]
         addr: String,
-        /// Number of listing pages the seeds name.
-        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        /// Listing pages at the start.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
         lists: u32,
+        /// Products per listing page.
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        per_list: u32,
+        /// Seed of the catalogue and of every mutation (same seed, same site).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
 }
 
@@ -89,9 +96,20 @@ fn fail(code: u8, message: impl std::fmt::Display) -> ExitCode {
 }
 
 pub fn main(cli: Cli) -> ExitCode {
-    if let Command::DemoSite { addr, lists } = &cli.command {
+    if let Command::DemoSite {
+        addr,
+        lists,
+        per_list,
+        seed,
+    } = &cli.command
+    {
         init_tracing(LogFormat::Text, "info");
-        return demo_site(addr, *lists);
+        let options = crate::demo_site::SiteOptions {
+            lists: *lists,
+            per_list: *per_list,
+            seed: *seed,
+        };
+        return demo_site(addr, options);
     }
     let settings = match Settings::load(&cli.config) {
         Ok(s) => s,
@@ -287,7 +305,7 @@ async fn refresh(settings: Settings, bot: &str) -> ExitCode {
     }
 }
 
-fn demo_site(addr: &str, lists: u32) -> ExitCode {
+fn demo_site(addr: &str, options: crate::demo_site::SiteOptions) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -306,9 +324,7 @@ fn demo_site(addr: &str, lists: u32) -> ExitCode {
         }
         let shutdown = CancellationToken::new();
         tokio::spawn(stop_on_signal(shutdown.clone()));
-        match crate::demo_site::serve(listener, crate::demo_site::SiteOptions { lists }, shutdown)
-            .await
-        {
+        match crate::demo_site::serve(listener, options, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => fail(EXIT_FAILED, format!("demo site failed: {e}")),
         }

@@ -1,33 +1,208 @@
-//! `seedlock demo-site`: a small deterministic site to point bots at in the demo, the tests and
-//! docker-compose. It serves the seed source — `/seeds.txt` (lines), `/seeds.json` (array) and
-//! `/sitemap.xml` — naming its listing pages, and `/__stats` with request counts per path.
+//! `seedlock demo-site`: a deterministic shop to crawl in the demo, the tests and the benchmarks.
+//!
+//! - Listing pages `/list/1…` (newest products first), `per_list` items each, linked by
+//!   pagination (`a.next`, `a.prev`). Each item is `.item[data-id]` with `.title`, `.price`,
+//!   `.status` and a link to `/product/<sku>`.
+//! - Product pages `/product/<sku>` with `.sku`, `h1`, `.price`, `.status`; they carry an `ETag`
+//!   and `Last-Modified` and answer conditional GETs with `304`.
+//! - The seed source: `/seeds.txt` and `/seeds.json` (the first listing page), `/sitemap.xml`
+//!   (every listing page).
+//! - Control: `POST /__mutate` `{"change": K, "add": K, "delete": K}` answers which products it
+//!   touched; `POST /__faults` installs fault rules (latency, a status such as 429 with
+//!   `Retry-After`, huge bodies, redirect loops) on path patterns, `DELETE /__faults` clears them;
+//!   `GET /__stats` counts requests per path; `GET /__truth` lists every current product.
+//!
+//! The same `--seed` gives the same catalogue and the same sequence of mutations.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode, Uri};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::Router;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use chrono::{DateTime, Utc};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Debug)]
 pub struct SiteOptions {
-    /// Number of listing pages the seeds name.
+    /// Listing pages at the start (the catalogue holds `lists × per_list` products).
     pub lists: u32,
+    /// Products per listing page.
+    pub per_list: u32,
+    /// Seed of the catalogue and of every mutation.
+    pub seed: u64,
 }
 
-#[derive(Default)]
-struct Stats {
-    per_path: BTreeMap<String, u64>,
+impl Default for SiteOptions {
+    fn default() -> Self {
+        Self {
+            lists: 5,
+            per_list: 20,
+            seed: 1,
+        }
+    }
 }
 
-#[derive(Clone)]
-struct Site {
-    options: SiteOptions,
-    stats: Arc<Mutex<Stats>>,
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Product {
+    pub sku: String,
+    pub title: String,
+    pub price: String,
+    pub status: String,
+    #[serde(skip)]
+    changed_at: DateTime<Utc>,
 }
+
+struct Catalog {
+    /// Newest first: the order of the listing pages.
+    products: Vec<Product>,
+    per_list: usize,
+    rng: StdRng,
+    next_sku: u64,
+    stats: BTreeMap<String, u64>,
+    faults: Vec<FaultRule>,
+}
+
+const ADJECTIVES: &[&str] = &[
+    "Blue", "Quiet", "Sturdy", "Tiny", "Golden", "Rustic", "Swift", "Bright", "Soft", "Classic",
+];
+const NOUNS: &[&str] = &[
+    "Lamp", "Chair", "Kettle", "Backpack", "Clock", "Mug", "Desk", "Blanket", "Speaker", "Vase",
+];
+
+impl Catalog {
+    fn new(options: &SiteOptions) -> Self {
+        let mut catalog = Catalog {
+            products: Vec::new(),
+            per_list: options.per_list.max(1) as usize,
+            rng: StdRng::seed_from_u64(options.seed),
+            next_sku: 1,
+            stats: BTreeMap::new(),
+            faults: Vec::new(),
+        };
+        let total = u64::from(options.lists) * u64::from(options.per_list);
+        let now = Utc::now();
+        let mut initial: Vec<Product> = (0..total).map(|_| catalog.new_product(now)).collect();
+        initial.reverse(); // the highest SKU is the newest
+        catalog.products = initial;
+        catalog
+    }
+
+    fn new_product(&mut self, now: DateTime<Utc>) -> Product {
+        let n = self.next_sku;
+        self.next_sku += 1;
+        let title = format!(
+            "{} {} {n}",
+            ADJECTIVES[self.rng.random_range(0..ADJECTIVES.len())],
+            NOUNS[self.rng.random_range(0..NOUNS.len())]
+        );
+        Product {
+            sku: format!("SKU-{n:07}"),
+            title,
+            price: self.random_price(),
+            status: if self.rng.random_bool(0.85) {
+                "in stock"
+            } else {
+                "sold out"
+            }
+            .to_owned(),
+            changed_at: now,
+        }
+    }
+
+    fn random_price(&mut self) -> String {
+        let cents: u32 = self.rng.random_range(100..100_000);
+        format!("${}.{:02}", cents / 100, cents % 100)
+    }
+
+    fn pages(&self) -> usize {
+        self.products.len().div_ceil(self.per_list).max(1)
+    }
+
+    fn find(&self, sku: &str) -> Option<&Product> {
+        self.products.iter().find(|p| p.sku == sku)
+    }
+
+    /// Picks `k` distinct random positions (deterministic for the seed).
+    fn pick(&mut self, k: usize) -> Vec<usize> {
+        let k = k.min(self.products.len());
+        rand::seq::index::sample(&mut self.rng, self.products.len(), k).into_vec()
+    }
+
+    fn mutate(&mut self, request: &Mutation) -> MutationReport {
+        let now = Utc::now();
+        let mut report = MutationReport::default();
+        for i in self.pick(request.change) {
+            let mut price = self.random_price();
+            while price == self.products[i].price {
+                price = self.random_price();
+            }
+            self.products[i].price = price;
+            self.products[i].changed_at = now;
+            report.changed.push(self.products[i].sku.clone());
+        }
+        let mut delete = self.pick(request.delete);
+        delete.sort_unstable_by(|a, b| b.cmp(a));
+        for i in delete {
+            report.deleted.push(self.products.remove(i).sku);
+        }
+        for _ in 0..request.add {
+            let product = self.new_product(now);
+            report.added.push(product.sku.clone());
+            self.products.insert(0, product);
+        }
+        report
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Mutation {
+    pub change: usize,
+    pub add: usize,
+    pub delete: usize,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MutationReport {
+    pub changed: Vec<String>,
+    pub added: Vec<String>,
+    pub deleted: Vec<String>,
+}
+
+/// One fault rule: applies to requests whose path contains `path`, to every `every`-th of them.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultRule {
+    pub path: String,
+    #[serde(default)]
+    pub latency_ms: u64,
+    /// Answer with this status instead of the page (e.g. 429, 503).
+    pub status: Option<u16>,
+    /// `Retry-After` value sent with `status`.
+    pub retry_after: Option<String>,
+    /// Answer with a body of this many bytes instead of the page.
+    pub huge_body_bytes: Option<usize>,
+    /// Redirect to the same path again (a loop).
+    #[serde(default)]
+    pub redirect_loop: bool,
+    #[serde(default = "one")]
+    pub every: u64,
+    #[serde(skip)]
+    seen: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+type Shared = Arc<Mutex<Catalog>>;
 
 /// Serves the site on `listener` until `shutdown` fires.
 pub async fn serve(
@@ -35,71 +210,267 @@ pub async fn serve(
     options: SiteOptions,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    let site = Site {
-        options,
-        stats: Arc::default(),
-    };
+    let catalog: Shared = Arc::new(Mutex::new(Catalog::new(&options)));
     let app = Router::new()
         .route("/seeds.txt", get(seeds_txt))
         .route("/seeds.json", get(seeds_json))
         .route("/sitemap.xml", get(sitemap))
+        .route("/list/{page}", get(list_page))
+        .route("/product/{sku}", get(product_page))
+        .route("/__mutate", post(mutate))
+        .route("/__faults", post(set_faults).delete(clear_faults))
         .route("/__stats", get(stats))
+        .route("/__truth", get(truth))
         .fallback(not_found)
-        .with_state(site);
+        .with_state(catalog);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await
 }
 
-impl Site {
-    fn count(&self, uri: &Uri) {
-        let mut stats = self.stats.lock().unwrap_or_else(|p| p.into_inner());
-        *stats.per_path.entry(uri.path().to_owned()).or_default() += 1;
-    }
+fn lock(catalog: &Shared) -> std::sync::MutexGuard<'_, Catalog> {
+    catalog.lock().unwrap_or_else(|p| p.into_inner())
+}
 
-    /// Absolute listing-page URLs, on the host the client used (so it works behind docker names).
-    fn lists(&self, headers: &HeaderMap) -> Vec<String> {
-        let host = headers
-            .get(header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .filter(|h| {
-                h.chars()
+/// What a fault rule decided for one request.
+enum Fault {
+    None,
+    Respond(Response),
+}
+
+/// Counts the request and applies the first matching fault rule (after its latency).
+async fn visit(catalog: &Shared, uri: &Uri) -> Fault {
+    let path = uri.path().to_owned();
+    let rule = {
+        let mut c = lock(catalog);
+        *c.stats.entry(path.clone()).or_default() += 1;
+        let mut chosen = None;
+        for rule in c.faults.iter_mut().filter(|r| path.contains(&r.path)) {
+            rule.seen += 1;
+            if rule.seen % rule.every.max(1) == 0 {
+                chosen = Some(rule.clone());
+                break;
+            }
+        }
+        chosen
+    };
+    let Some(rule) = rule else { return Fault::None };
+    if rule.latency_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(rule.latency_ms)).await;
+    }
+    if rule.redirect_loop {
+        return Fault::Respond((StatusCode::FOUND, [(header::LOCATION, path)]).into_response());
+    }
+    if let Some(status) = rule.status {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut response = (status, "fault injected\n").into_response();
+        if let Some(value) = rule
+            .retry_after
+            .as_deref()
+            .and_then(|v| HeaderValue::from_str(v).ok())
+        {
+            response.headers_mut().insert(header::RETRY_AFTER, value);
+        }
+        return Fault::Respond(response);
+    }
+    if let Some(bytes) = rule.huge_body_bytes {
+        let body = "x".repeat(bytes);
+        return Fault::Respond(([(header::CONTENT_TYPE, "text/html")], body).into_response());
+    }
+    Fault::None
+}
+
+macro_rules! fault_first {
+    ($catalog:expr, $uri:expr) => {
+        if let Fault::Respond(response) = visit(&$catalog, &$uri).await {
+            return response;
+        }
+    };
+}
+
+fn host(headers: &HeaderMap) -> String {
+    headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .filter(|h| {
+            !h.is_empty()
+                && h.chars()
                     .all(|c| c.is_ascii_alphanumeric() || ".-:[]".contains(c))
-            })
-            .unwrap_or("127.0.0.1");
-        (1..=self.options.lists)
-            .map(|i| format!("http://{host}/list/{i}"))
-            .collect()
-    }
+        })
+        .unwrap_or("127.0.0.1")
+        .to_owned()
 }
 
-async fn seeds_txt(State(site): State<Site>, uri: Uri, headers: HeaderMap) -> Response {
-    site.count(&uri);
-    let body = site.lists(&headers).join("\n") + "\n";
-    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
+fn html_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
-async fn seeds_json(State(site): State<Site>, uri: Uri, headers: HeaderMap) -> Response {
-    site.count(&uri);
-    axum::Json(site.lists(&headers)).into_response()
+async fn seeds_txt(State(c): State<Shared>, uri: Uri, headers: HeaderMap) -> Response {
+    fault_first!(c, uri);
+    (
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        format!("http://{}/list/1\n", host(&headers)),
+    )
+        .into_response()
 }
 
-async fn sitemap(State(site): State<Site>, uri: Uri, headers: HeaderMap) -> Response {
-    site.count(&uri);
+async fn seeds_json(State(c): State<Shared>, uri: Uri, headers: HeaderMap) -> Response {
+    fault_first!(c, uri);
+    Json(vec![format!("http://{}/list/1", host(&headers))]).into_response()
+}
+
+async fn sitemap(State(c): State<Shared>, uri: Uri, headers: HeaderMap) -> Response {
+    fault_first!(c, uri);
+    let pages = lock(&c).pages();
+    let host = host(&headers);
     let mut body = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<urlset xmlns=\"http://www.sitemaps.org/schemas/sitemap/0.9\">\n");
-    for url in site.lists(&headers) {
-        body.push_str(&format!("  <url><loc>{url}</loc></url>\n"));
+    for page in 1..=pages {
+        body.push_str(&format!(
+            "  <url><loc>http://{host}/list/{page}</loc></url>\n"
+        ));
     }
     body.push_str("</urlset>\n");
     ([(header::CONTENT_TYPE, "application/xml")], body).into_response()
 }
 
-async fn stats(State(site): State<Site>) -> Response {
-    let stats = site.stats.lock().unwrap_or_else(|p| p.into_inner());
-    axum::Json(&stats.per_path).into_response()
+async fn list_page(State(c): State<Shared>, uri: Uri, Path(page): Path<String>) -> Response {
+    fault_first!(c, uri);
+    let catalog = lock(&c);
+    let pages = catalog.pages();
+    let Some(page) = page
+        .parse::<usize>()
+        .ok()
+        .filter(|p| (1..=pages).contains(p))
+    else {
+        return (StatusCode::NOT_FOUND, "no such page\n").into_response();
+    };
+    let mut body = format!("<!doctype html>\n<html><head><title>Shop, page {page}</title></head><body>\n<h1>Products, page {page} of {pages}</h1>\n<div class=\"items\">\n");
+    let start = (page - 1) * catalog.per_list;
+    for p in catalog.products.iter().skip(start).take(catalog.per_list) {
+        body.push_str(&format!(
+            "<div class=\"item\" data-id=\"{sku}\"><a href=\"/product/{sku}\"><span class=\"title\">{title}</span></a> <span class=\"price\">{price}</span> <span class=\"status\">{status}</span></div>\n",
+            sku = p.sku,
+            title = html_escape(&p.title),
+            price = html_escape(&p.price),
+            status = html_escape(&p.status),
+        ));
+    }
+    body.push_str("</div>\n<nav>");
+    if page > 1 {
+        body.push_str(&format!(
+            "<a class=\"prev\" href=\"/list/{}\">previous</a> ",
+            page - 1
+        ));
+    }
+    if page < pages {
+        body.push_str(&format!(
+            "<a class=\"next\" href=\"/list/{}\">next</a>",
+            page + 1
+        ));
+    }
+    body.push_str("</nav>\n</body></html>\n");
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], body).into_response()
 }
 
-async fn not_found(State(site): State<Site>, uri: Uri) -> Response {
-    site.count(&uri);
+fn http_date(t: DateTime<Utc>) -> String {
+    t.format("%a, %d %b %Y %H:%M:%S GMT").to_string()
+}
+
+async fn product_page(
+    State(c): State<Shared>,
+    uri: Uri,
+    headers: HeaderMap,
+    Path(sku): Path<String>,
+) -> Response {
+    fault_first!(c, uri);
+    let product = lock(&c).find(&sku).cloned();
+    let Some(p) = product else {
+        return (StatusCode::NOT_FOUND, "no such product\n").into_response();
+    };
+    let body = format!(
+        "<!doctype html>\n<html><head><title>{title}</title></head><body>\n<h1>{title}</h1>\n<div class=\"sku\">{sku}</div>\n<div class=\"price\">{price}</div>\n<div class=\"status\">{status}</div>\n<a href=\"/list/1\">all products</a>\n</body></html>\n",
+        title = html_escape(&p.title),
+        sku = p.sku,
+        price = html_escape(&p.price),
+        status = html_escape(&p.status),
+    );
+    let etag = {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(body.as_bytes());
+        format!(
+            "\"{}\"",
+            digest
+                .iter()
+                .take(8)
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        )
+    };
+    let last_modified = http_date(p.changed_at);
+    let not_modified = match headers
+        .get(header::IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+    {
+        Some(tags) => tags.split(',').any(|t| t.trim() == etag || t.trim() == "*"),
+        None => headers
+            .get(header::IF_MODIFIED_SINCE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| DateTime::parse_from_rfc2822(&v.replace("GMT", "+0000")).ok())
+            .is_some_and(|since| p.changed_at.timestamp() <= since.timestamp()),
+    };
+    let validators = [(header::ETAG, etag), (header::LAST_MODIFIED, last_modified)];
+    if not_modified {
+        return (StatusCode::NOT_MODIFIED, validators).into_response();
+    }
+    (
+        validators,
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8".to_owned())],
+        body,
+    )
+        .into_response()
+}
+
+async fn mutate(State(c): State<Shared>, Json(request): Json<Mutation>) -> Response {
+    Json(lock(&c).mutate(&request)).into_response()
+}
+
+async fn set_faults(State(c): State<Shared>, Json(rules): Json<Vec<FaultRule>>) -> Response {
+    let n = rules.len();
+    lock(&c).faults = rules;
+    Json(serde_json::json!({ "faults": n })).into_response()
+}
+
+async fn clear_faults(State(c): State<Shared>) -> Response {
+    lock(&c).faults.clear();
+    Json(serde_json::json!({ "faults": 0 })).into_response()
+}
+
+#[derive(Deserialize)]
+struct StatsQuery {
+    #[serde(default)]
+    reset: bool,
+}
+
+async fn stats(State(c): State<Shared>, Query(q): Query<StatsQuery>) -> Response {
+    let mut catalog = lock(&c);
+    let total: u64 = catalog.stats.values().sum();
+    let body = serde_json::json!({ "total": total, "paths": catalog.stats });
+    if q.reset {
+        catalog.stats.clear();
+    }
+    Json(body).into_response()
+}
+
+async fn truth(State(c): State<Shared>) -> Response {
+    let catalog = lock(&c);
+    Json(serde_json::json!({ "count": catalog.products.len(), "products": catalog.products }))
+        .into_response()
+}
+
+async fn not_found(State(c): State<Shared>, uri: Uri) -> Response {
+    fault_first!(c, uri);
     (StatusCode::NOT_FOUND, "not found\n").into_response()
 }
