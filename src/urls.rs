@@ -1,5 +1,6 @@
 //! URL normalization: a [`NormalizedUrl`] is an absolute http(s) URL with a lower-case scheme and
-//! host, no default port, no fragment and no credentials, so two spellings of one page compare equal.
+//! host, no default port, no fragment, no credentials, its query parameters sorted and tracking
+//! parameters ([`StripQuery`]) removed, so two spellings of one page compare equal.
 
 use std::fmt;
 
@@ -8,23 +9,68 @@ use url::Url;
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NormalizedUrl(String);
 
+/// Query parameters that normalization removes: exact names, or prefixes written `utm_*`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StripQuery {
+    exact: Vec<String>,
+    prefixes: Vec<String>,
+}
+
+impl StripQuery {
+    pub fn parse(patterns: &[String]) -> Result<Self, String> {
+        let mut strip = StripQuery::default();
+        for pattern in patterns {
+            let pattern = pattern.trim();
+            match pattern.strip_suffix('*') {
+                Some(prefix) if !prefix.is_empty() && !prefix.contains('*') => {
+                    strip.prefixes.push(prefix.to_owned())
+                }
+                None if !pattern.is_empty() && !pattern.contains('*') => {
+                    strip.exact.push(pattern.to_owned())
+                }
+                _ => {
+                    return Err(format!(
+                        "{pattern:?} is not a parameter name or a prefix such as \"utm_*\""
+                    ))
+                }
+            }
+        }
+        Ok(strip)
+    }
+
+    pub fn matches(&self, name: &str) -> bool {
+        self.exact.iter().any(|e| e == name)
+            || self.prefixes.iter().any(|p| name.starts_with(p.as_str()))
+    }
+}
+
 impl NormalizedUrl {
     pub fn parse(raw: &str) -> Result<Self, String> {
+        Self::parse_with(raw, &StripQuery::default())
+    }
+
+    /// Parses and normalizes, removing the query parameters `strip` names.
+    pub fn parse_with(raw: &str, strip: &StripQuery) -> Result<Self, String> {
         let trimmed = raw.trim();
         let mut url = Url::parse(trimmed).map_err(|e| format!("{trimmed:?} is not a URL ({e})"))?;
-        Self::from_url(&mut url).map_err(|why| format!("{trimmed:?} {why}"))
+        Self::from_url(&mut url, strip).map_err(|why| format!("{trimmed:?} {why}"))
     }
 
     /// Resolves `raw` against `base` (for relative links in a sitemap), then normalizes it.
     pub fn parse_relative(base: &Url, raw: &str) -> Result<Self, String> {
+        Self::join_with(base, raw, &StripQuery::default())
+    }
+
+    /// Resolves `raw` against `base` (a link on a page), then normalizes it with `strip`.
+    pub fn join_with(base: &Url, raw: &str, strip: &StripQuery) -> Result<Self, String> {
         let trimmed = raw.trim();
         let mut url = base
             .join(trimmed)
             .map_err(|e| format!("{trimmed:?} is not a URL ({e})"))?;
-        Self::from_url(&mut url).map_err(|why| format!("{trimmed:?} {why}"))
+        Self::from_url(&mut url, strip).map_err(|why| format!("{trimmed:?} {why}"))
     }
 
-    fn from_url(url: &mut Url) -> Result<Self, &'static str> {
+    fn from_url(url: &mut Url, strip: &StripQuery) -> Result<Self, &'static str> {
         if !matches!(url.scheme(), "http" | "https") {
             return Err("is not an http(s) URL");
         }
@@ -36,8 +82,18 @@ impl NormalizedUrl {
         }
         // `url` already lower-cases the scheme and host and drops a default port.
         url.set_fragment(None);
-        if url.query() == Some("") {
-            url.set_query(None);
+        if url.query().is_some() {
+            let mut pairs: Vec<(String, String)> = url
+                .query_pairs()
+                .filter(|(name, _)| !strip.matches(name))
+                .map(|(k, v)| (k.into_owned(), v.into_owned()))
+                .collect();
+            pairs.sort();
+            if pairs.is_empty() {
+                url.set_query(None);
+            } else {
+                url.query_pairs_mut().clear().extend_pairs(pairs);
+            }
         }
         Ok(Self(url.as_str().to_owned()))
     }
@@ -71,6 +127,26 @@ mod tests {
             NormalizedUrl::parse("https://h/?").unwrap().as_str(),
             "https://h/"
         );
+    }
+
+    #[test]
+    fn queries_are_sorted_and_tracking_parameters_stripped() {
+        let strip = StripQuery::parse(&["utm_*".into(), "ref".into()]).unwrap();
+        let a = NormalizedUrl::parse_with(
+            "http://h/p?b=2&utm_source=x&a=1&ref=home&referrer=k",
+            &strip,
+        )
+        .unwrap();
+        assert_eq!(a.as_str(), "http://h/p?a=1&b=2&referrer=k");
+        let b = NormalizedUrl::parse_with("http://h/p?utm_medium=y&ref=z", &strip).unwrap();
+        assert_eq!(b.as_str(), "http://h/p", "a query left empty is dropped");
+        assert_eq!(
+            NormalizedUrl::parse("http://h/p?b=2&a=1").unwrap(),
+            NormalizedUrl::parse("http://h/p?a=1&b=2").unwrap()
+        );
+        for bad in ["", "*", "a*b*", "*x"] {
+            assert!(StripQuery::parse(&[bad.into()]).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
