@@ -107,27 +107,13 @@ async fn status_inspect_refresh_and_unlock_against_the_server() {
     let db = test_db("cli").await;
     let source = SeedSourceServer::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let config = ProcConfig {
-        uri: &db.uri,
-        database: &db.name,
-        ttl: "5s",
-        max_refresh: "60s",
-        poll: "200ms",
-        bots: url_bot("shop", &source.url()) + &url_bot("later", &source.url()),
-        extra: "",
-    }
+    let config = ProcConfig::new(
+        &db,
+        url_bot("shop", &source.url()) + &url_bot("later", &source.url()),
+    )
     .write(dir.path());
     // Only "shop" runs; "later" is configured but has no document yet.
-    let only_shop = ProcConfig {
-        uri: &db.uri,
-        database: &db.name,
-        ttl: "5s",
-        max_refresh: "60s",
-        poll: "200ms",
-        bots: url_bot("shop", &source.url()),
-        extra: "",
-    }
-    .write(dir.path());
+    let only_shop = ProcConfig::new(&db, url_bot("shop", &source.url())).write(dir.path());
     let mut run = Proc::spawn(dir.path(), &only_shop, "i1", &["run", "--once"], &[]);
     assert!(
         run.wait(Duration::from_secs(30)).await.success(),
@@ -193,16 +179,7 @@ async fn run_once_gives_up_with_exit_1_after_its_timeout() {
     let source = SeedSourceServer::start().await;
     source.stall_first(1);
     let dir = tempfile::tempdir().unwrap();
-    let config = ProcConfig {
-        uri: &db.uri,
-        database: &db.name,
-        ttl: "5s",
-        max_refresh: "60s",
-        poll: "200ms",
-        bots: url_bot("shop", &source.url()),
-        extra: "",
-    }
-    .write(dir.path());
+    let config = ProcConfig::new(&db, url_bot("shop", &source.url())).write(dir.path());
     let mut run = Proc::spawn(
         dir.path(),
         &config,

@@ -27,13 +27,9 @@ async fn setup(hint: &str) -> Setup {
 impl Setup {
     fn config(&self, ttl: &str, poll: &str) -> std::path::PathBuf {
         ProcConfig {
-            uri: &self.db.uri,
-            database: &self.db.name,
             ttl,
-            max_refresh: "60s",
             poll,
-            bots: url_bot("shop", &self.source.url()),
-            extra: "",
+            ..ProcConfig::new(&self.db, url_bot("shop", &self.source.url()))
         }
         .write(self.dir.path())
     }
@@ -424,14 +420,10 @@ async fn the_database_restarting_while_instances_wait_is_survived() {
     let source = SeedSourceServer::start().await;
     source.stall_first(1);
     let dir = tempfile::tempdir().unwrap();
+    // test_db_at gave `db` the restartable server's URI.
     let config = ProcConfig {
-        uri: &server.uri,
-        database: &db.name,
         ttl: "2s",
-        max_refresh: "60s",
-        poll: "200ms",
-        bots: url_bot("shop", &source.url()),
-        extra: "",
+        ..ProcConfig::new(&db, url_bot("shop", &source.url()))
     }
     .write(dir.path());
     let mut a = Proc::spawn(dir.path(), &config, "a", &["run"], &[]);
@@ -501,16 +493,7 @@ async fn the_database_restarting_while_instances_wait_is_survived() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_daemon_serves_health_and_metrics() {
     let s = setup("metrics").await;
-    let config = ProcConfig {
-        uri: &s.db.uri,
-        database: &s.db.name,
-        ttl: "5s",
-        max_refresh: "60s",
-        poll: "200ms",
-        bots: url_bot("shop", &s.source.url()),
-        extra: "",
-    }
-    .write(s.dir.path());
+    let config = s.config("5s", "200ms");
     let mut a = Proc::spawn(
         s.dir.path(),
         &config,

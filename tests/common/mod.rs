@@ -273,7 +273,20 @@ pub struct ProcConfig<'a> {
     pub extra: &'a str,
 }
 
-impl ProcConfig<'_> {
+impl<'a> ProcConfig<'a> {
+    /// The defaults most tests use: ttl 5 s, max_refresh 60 s, poll 200 ms.
+    pub fn new(db: &'a TestDb, bots: String) -> Self {
+        ProcConfig {
+            uri: &db.uri,
+            database: &db.name,
+            ttl: "5s",
+            max_refresh: "60s",
+            poll: "200ms",
+            bots,
+            extra: "",
+        }
+    }
+
     pub fn write(&self, dir: &Path) -> PathBuf {
         let path = dir.join(format!("seedlock-{}.toml", rand::random::<u32>()));
         let text = format!(
