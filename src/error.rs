@@ -11,6 +11,10 @@ pub enum Error {
     /// must stop and write nothing more.
     #[error("lease lost: bot {bot} is no longer held at epoch {epoch} by this instance")]
     LeaseLost { bot: BotId, epoch: LockEpoch },
+    /// A fenced frontier write matched nothing: the URL's lease expired and went to another
+    /// worker, whose result wins.
+    #[error("url lease lost: {url} is no longer leased by this worker")]
+    UrlLeaseLost { url: String },
     #[error("database: {0}")]
     Db(#[from] mongodb::error::Error),
     #[error("the server's answer to {what} was not understood: {detail}")]
@@ -48,7 +52,7 @@ impl Error {
         match self {
             Error::Db(e) => is_transient_db(e),
             Error::Timeout { .. } => true,
-            Error::LeaseLost { .. } | Error::Protocol { .. } => false,
+            Error::LeaseLost { .. } | Error::UrlLeaseLost { .. } | Error::Protocol { .. } => false,
         }
     }
 }

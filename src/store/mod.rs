@@ -18,6 +18,8 @@ use crate::document::{field, integer, BotDoc, Observed, HISTORY_LEN};
 use crate::error::{is_duplicate_key, Error, Result};
 use crate::ids::{BotId, InstanceId, LockEpoch};
 
+pub mod frontier;
+
 pub const BOTS: &str = "bots";
 
 /// A lock this process holds: the fence for every write it makes while refreshing.

@@ -1,0 +1,328 @@
+//! The crawl frontier (collection `frontier`): one document per (bot, normalized URL), shared by
+//! every instance. Workers pull work with leases: one `find_one_and_update` hands a URL to one
+//! worker with a fresh lease token and an expiry on the server's clock; completion is fenced on
+//! that token, so a worker whose lease expired (and was re-leased) cannot mark the URL done.
+//!
+//! Passes: each crawl pass has a number. Enqueuing a URL for pass `p` is a no-op when the URL is
+//! already in pass `p` (rediscovered links are harmless) and resets it to pending when it was last
+//! crawled in an earlier pass.
+
+use std::time::Duration;
+
+use bson::{doc, Bson, Document};
+use chrono::{DateTime, Utc};
+use mongodb::options::{IndexOptions, ReturnDocument};
+use mongodb::{Collection, IndexModel};
+
+use super::Store;
+use crate::error::{Error, Result};
+use crate::ids::{BotId, InstanceId};
+use crate::urls::NormalizedUrl;
+
+pub const FRONTIER: &str = "frontier";
+
+/// The query shape every lease and progress count uses; `ensure_indexes` creates it.
+pub const LEASE_INDEX: &str = "bot_pass_status_expiry";
+
+/// What a page is to the crawl.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageKind {
+    Seed,
+    List,
+    Detail,
+}
+
+impl PageKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PageKind::Seed => "seed",
+            PageKind::List => "list",
+            PageKind::Detail => "detail",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "seed" => Some(PageKind::Seed),
+            "list" => Some(PageKind::List),
+            "detail" => Some(PageKind::Detail),
+            _ => None,
+        }
+    }
+}
+
+/// A URL leased to this worker until `expires_at` (server time). Every write about it carries
+/// `token`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UrlLease {
+    pub id: String,
+    pub url: NormalizedUrl,
+    pub kind: PageKind,
+    pub pass: i64,
+    pub token: String,
+    pub expires_at: DateTime<Utc>,
+    /// How many times this URL has been leased in this pass, this lease included.
+    pub attempt: i64,
+}
+
+/// Counts of a pass's URLs by status.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PassProgress {
+    pub pending: u64,
+    pub leased: u64,
+    pub done: u64,
+    pub failed: u64,
+}
+
+impl PassProgress {
+    /// The pass is over only when nothing is pending and nothing is leased by anyone.
+    pub fn is_finished(&self) -> bool {
+        self.pending == 0 && self.leased == 0
+    }
+}
+
+/// The frontier `_id`: a hash of (bot, normalized URL), the same on every instance and every run.
+pub fn url_id(bot: &BotId, url: &NormalizedUrl) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    hasher.update(bot.as_str().as_bytes());
+    hasher.update([0]);
+    hasher.update(url.as_str().as_bytes());
+    hasher
+        .finalize()
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn date(at: DateTime<Utc>) -> Bson {
+    Bson::DateTime(bson::DateTime::from_chrono(at))
+}
+
+fn new_token() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+impl Store {
+    fn frontier(&self) -> Collection<Document> {
+        self.database().collection(FRONTIER)
+    }
+
+    /// Creates the frontier's indexes (idempotent).
+    pub async fn ensure_frontier_indexes(&self) -> Result<()> {
+        let index = IndexModel::builder()
+            .keys(doc! { "botId": 1, "pass": 1, "status": 1, "leaseExpiresAt": 1 })
+            .options(IndexOptions::builder().name(LEASE_INDEX.to_owned()).build())
+            .build();
+        self.bounded("create frontier index", self.frontier().create_index(index))
+            .await?;
+        Ok(())
+    }
+
+    /// Adds `urls` to pass `pass` in one round trip: new URLs are inserted pending; URLs last
+    /// crawled in an earlier pass become pending again; URLs already in this pass are left alone.
+    /// Returns how many were added or reset.
+    pub async fn enqueue(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        kind: PageKind,
+        urls: &[NormalizedUrl],
+        now: DateTime<Utc>,
+    ) -> Result<u64> {
+        if urls.is_empty() {
+            return Ok(0);
+        }
+        let updates: Vec<Document> = urls
+            .iter()
+            .map(|url| {
+                doc! {
+                    "q": { "_id": url_id(bot, url), "pass": { "$lt": pass } },
+                    "u": {
+                        "$set": {
+                            "botId": bot.as_str(), "url": url.as_str(), "kind": kind.as_str(),
+                            "pass": pass, "status": "pending", "attempts": 0_i64,
+                            "leaseOwner": Bson::Null, "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null,
+                            "lastError": Bson::Null, "enqueuedAt": date(now),
+                        },
+                        "$setOnInsert": { "discoveredAt": date(now) },
+                    },
+                    "upsert": true,
+                }
+            })
+            .collect();
+        let command = doc! { "update": FRONTIER, "updates": updates, "ordered": false };
+        let reply = self
+            .bounded("enqueue", self.database().run_command(command))
+            .await?;
+        // Duplicate keys mean "already in this pass": the no-op enqueue is meant to be.
+        if let Ok(errors) = reply.get_array("writeErrors") {
+            for error in errors {
+                let code = error
+                    .as_document()
+                    .and_then(|e| e.get("code"))
+                    .and_then(crate::document::integer);
+                if code != Some(11000) {
+                    return Err(Error::Protocol {
+                        what: "enqueue",
+                        detail: format!("{error}"),
+                    });
+                }
+            }
+        }
+        let upserted = reply
+            .get_array("upserted")
+            .map(|a| a.len() as u64)
+            .unwrap_or(0);
+        let modified = reply
+            .get("nModified")
+            .and_then(crate::document::integer)
+            .unwrap_or(0)
+            .max(0) as u64;
+        Ok(upserted + modified)
+    }
+
+    /// Leases one URL of pass `pass`: a pending one, or one whose lease expired (its worker died).
+    /// `None` when there is nothing to lease right now (which does not mean the pass is over).
+    pub async fn lease_url(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        me: &InstanceId,
+        now: DateTime<Utc>,
+        lease_for: Duration,
+    ) -> Result<Option<UrlLease>> {
+        let expires_at =
+            now + chrono::Duration::from_std(lease_for).unwrap_or(chrono::Duration::MAX);
+        let token = new_token();
+        let filter = doc! {
+            "botId": bot.as_str(),
+            "pass": pass,
+            "$or": [
+                { "status": "pending" },
+                { "status": "leased", "leaseExpiresAt": { "$lte": date(now) } },
+            ],
+        };
+        let update = doc! {
+            "$set": {
+                "status": "leased", "leaseOwner": me.as_str(), "leaseToken": token.as_str(),
+                "leaseExpiresAt": date(expires_at),
+            },
+            "$inc": { "attempts": 1_i64 },
+        };
+        let leased = self
+            .bounded(
+                "lease url",
+                self.frontier()
+                    .find_one_and_update(filter, update)
+                    .return_document(ReturnDocument::After),
+            )
+            .await?;
+        let Some(doc) = leased else { return Ok(None) };
+        let bad = |what: &str| Error::Protocol {
+            what: "lease url",
+            detail: format!("frontier document without a valid {what}: {doc}"),
+        };
+        let url = doc
+            .get_str("url")
+            .ok()
+            .and_then(|u| NormalizedUrl::parse(u).ok())
+            .ok_or_else(|| bad("url"))?;
+        let kind = doc
+            .get_str("kind")
+            .ok()
+            .and_then(PageKind::parse)
+            .ok_or_else(|| bad("kind"))?;
+        Ok(Some(UrlLease {
+            id: doc.get_str("_id").map_err(|_| bad("_id"))?.to_owned(),
+            url,
+            kind,
+            pass,
+            token,
+            expires_at,
+            attempt: doc
+                .get("attempts")
+                .and_then(crate::document::integer)
+                .unwrap_or(1),
+        }))
+    }
+
+    fn lease_fence(lease: &UrlLease) -> Document {
+        doc! { "_id": lease.id.as_str(), "status": "leased", "leaseToken": lease.token.as_str() }
+    }
+
+    async fn fenced_url(
+        &self,
+        lease: &UrlLease,
+        what: &'static str,
+        update: Document,
+    ) -> Result<()> {
+        let result = self
+            .bounded(
+                what,
+                self.frontier().update_one(Self::lease_fence(lease), update),
+            )
+            .await?;
+        if result.matched_count == 1 {
+            Ok(())
+        } else {
+            Err(Error::UrlLeaseLost {
+                url: lease.url.to_string(),
+            })
+        }
+    }
+
+    /// Marks a leased URL done — only if the lease is still this worker's.
+    pub async fn complete_url(&self, lease: &UrlLease, now: DateTime<Utc>) -> Result<()> {
+        let update = doc! { "$set": {
+            "status": "done", "doneAt": date(now), "leaseOwner": Bson::Null,
+            "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": Bson::Null,
+        } };
+        self.fenced_url(lease, "complete url", update).await
+    }
+
+    /// Marks a leased URL failed with its reason — only if the lease is still this worker's.
+    pub async fn fail_url(&self, lease: &UrlLease, now: DateTime<Utc>, reason: &str) -> Result<()> {
+        let update = doc! { "$set": {
+            "status": "failed", "doneAt": date(now), "leaseOwner": Bson::Null,
+            "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": reason,
+        } };
+        self.fenced_url(lease, "fail url", update).await
+    }
+
+    /// Counts pass `pass`'s URLs by status (leases past their expiry still count as leased until
+    /// someone re-leases them: the pass waits for them).
+    pub async fn pass_progress(&self, bot: &BotId, pass: i64) -> Result<PassProgress> {
+        let pipeline = [
+            doc! { "$match": { "botId": bot.as_str(), "pass": pass } },
+            doc! { "$group": { "_id": "$status", "n": { "$sum": 1 } } },
+        ];
+        let rows: Vec<Document> = self
+            .bounded("pass progress", async {
+                use futures_util::TryStreamExt;
+                self.frontier()
+                    .aggregate(pipeline)
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        let mut progress = PassProgress::default();
+        for row in rows {
+            let n = row
+                .get("n")
+                .and_then(crate::document::integer)
+                .unwrap_or(0)
+                .max(0) as u64;
+            match row.get_str("_id") {
+                Ok("pending") => progress.pending = n,
+                Ok("leased") => progress.leased = n,
+                Ok("done") => progress.done = n,
+                Ok("failed") => progress.failed = n,
+                _ => {}
+            }
+        }
+        Ok(progress)
+    }
+}
