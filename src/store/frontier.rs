@@ -63,6 +63,9 @@ pub struct UrlLease {
     pub expires_at: DateTime<Utc>,
     /// How many times this URL has been leased in this pass, this lease included.
     pub attempt: i64,
+    /// When this lease was taken (server time): a later lease of the same URL is always later,
+    /// which orders the results of two workers without a transaction.
+    pub leased_at: DateTime<Utc>,
 }
 
 /// Counts of a pass's URLs by status.
@@ -105,7 +108,7 @@ fn new_token() -> String {
 }
 
 impl Store {
-    fn frontier(&self) -> Collection<Document> {
+    pub(super) fn frontier(&self) -> Collection<Document> {
         self.database().collection(FRONTIER)
     }
 
@@ -241,6 +244,7 @@ impl Store {
             pass,
             token,
             expires_at,
+            leased_at: now,
             attempt: doc
                 .get("attempts")
                 .and_then(crate::document::integer)
@@ -248,7 +252,7 @@ impl Store {
         }))
     }
 
-    fn lease_fence(lease: &UrlLease) -> Document {
+    pub(super) fn lease_fence(lease: &UrlLease) -> Document {
         doc! { "_id": lease.id.as_str(), "status": "leased", "leaseToken": lease.token.as_str() }
     }
 
@@ -273,13 +277,18 @@ impl Store {
         }
     }
 
-    /// Marks a leased URL done — only if the lease is still this worker's.
-    pub async fn complete_url(&self, lease: &UrlLease, now: DateTime<Utc>) -> Result<()> {
-        let update = doc! { "$set": {
+    /// The update that marks a leased URL done.
+    pub(super) fn done_update(now: DateTime<Utc>) -> Document {
+        doc! { "$set": {
             "status": "done", "doneAt": date(now), "leaseOwner": Bson::Null,
             "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": Bson::Null,
-        } };
-        self.fenced_url(lease, "complete url", update).await
+        } }
+    }
+
+    /// Marks a leased URL done — only if the lease is still this worker's.
+    pub async fn complete_url(&self, lease: &UrlLease, now: DateTime<Utc>) -> Result<()> {
+        self.fenced_url(lease, "complete url", Self::done_update(now))
+            .await
     }
 
     /// Marks a leased URL failed with its reason — only if the lease is still this worker's.

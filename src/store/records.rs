@@ -1,0 +1,274 @@
+//! Records (collection `records`): one document per item, `_id` = a hash of (source, natural key)
+//! — never the URL, never an auto id — so a repeated write is an update, not a duplicate.
+//!
+//! A record is rewritten only when its content hash changes (`lastChanged` keeps its meaning);
+//! an unchanged record costs nothing here, and deletion detection marks what a pass saw in
+//! batches ([`Store::mark_seen`]).
+//!
+//! [`Store::commit_page`] stores a page's record and marks its URL done **together**: in one
+//! transaction where the server has them, or else record first (guarded by the lease time, so a
+//! stale worker cannot overwrite a newer result), then the fenced done mark. Either way a crash at
+//! any line leaves exactly one correct record per item: at worst the URL is fetched again and the
+//! record rewritten with the same content, which is a no-op.
+
+use bson::{doc, Bson, Document};
+use chrono::{DateTime, Utc};
+use mongodb::options::IndexOptions;
+use mongodb::{ClientSession, Collection, IndexModel};
+
+use super::frontier::UrlLease;
+use super::Store;
+use crate::error::{is_duplicate_key, Error, Result};
+use crate::ids::BotId;
+
+pub const RECORDS: &str = "records";
+
+/// `records._id`: the same item gets the same id on every instance, every run.
+pub fn record_id(source: &str, natural_key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    hasher.update(source.as_bytes());
+    hasher.update([0]);
+    hasher.update(natural_key.as_bytes());
+    hasher
+        .finalize()
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The hash of a record's data: keys sorted, so field order never counts as a change.
+pub fn content_hash(data: &Document) -> String {
+    use sha2::{Digest, Sha256};
+    fn canonical(value: &Bson) -> serde_json::Value {
+        match value {
+            Bson::Document(d) => {
+                let sorted: std::collections::BTreeMap<_, _> =
+                    d.iter().map(|(k, v)| (k.clone(), canonical(v))).collect();
+                serde_json::to_value(sorted).unwrap_or_default()
+            }
+            Bson::Array(items) => serde_json::Value::Array(items.iter().map(canonical).collect()),
+            other => other.clone().into_relaxed_extjson(),
+        }
+    }
+    let text = canonical(&Bson::Document(data.clone())).to_string();
+    Sha256::digest(text.as_bytes())
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// One extracted item, ready to store.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Extracted {
+    pub bot: BotId,
+    pub natural_key: String,
+    pub data: Document,
+}
+
+/// What storing a record did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordWrite {
+    Inserted,
+    Changed,
+    /// Same content as stored: nothing written (mark it seen with [`Store::mark_seen`]).
+    Unchanged,
+    /// A newer result (a later lease of the same URL) is already stored: nothing written.
+    Superseded,
+}
+
+impl Store {
+    fn records(&self) -> Collection<Document> {
+        self.database().collection(RECORDS)
+    }
+
+    /// Creates the records' indexes (idempotent): deletion detection scans by bot and pass.
+    pub async fn ensure_record_indexes(&self) -> Result<()> {
+        let index = IndexModel::builder()
+            .keys(doc! { "botId": 1, "lastSeenPass": 1 })
+            .options(
+                IndexOptions::builder()
+                    .name("bot_last_seen_pass".to_owned())
+                    .build(),
+            )
+            .build();
+        self.bounded("create records index", self.records().create_index(index))
+            .await?;
+        Ok(())
+    }
+
+    /// Stores the page's record (if any) and marks its URL done, together. `transaction` chooses
+    /// the path (see the module comment). `UrlLeaseLost` when the lease went to another worker:
+    /// then nothing of this page was kept on the transaction path, and on the other path only a
+    /// record the newer worker's result supersedes.
+    pub async fn commit_page(
+        &self,
+        lease: &UrlLease,
+        record: Option<&Extracted>,
+        now: DateTime<Utc>,
+        transaction: bool,
+    ) -> Result<Option<RecordWrite>> {
+        if !transaction {
+            let write = match record {
+                Some(r) => Some(self.upsert_record(r, lease, now, None).await?),
+                None => None,
+            };
+            self.complete_url(lease, now).await?;
+            return Ok(write);
+        }
+        // A transaction that fails with a transient label is retried from the start, a few times.
+        for attempt in 1..=5 {
+            let mut session = self
+                .bounded("start session", self.database().client().start_session())
+                .await?;
+            self.bounded("start transaction", session.start_transaction())
+                .await?;
+            let result = async {
+                let fenced = self
+                    .frontier()
+                    .update_one(Self::lease_fence(lease), Self::done_update(now))
+                    .session(&mut session)
+                    .await?;
+                if fenced.matched_count != 1 {
+                    return Err(Error::UrlLeaseLost {
+                        url: lease.url.to_string(),
+                    });
+                }
+                let write = match record {
+                    Some(r) => Some(
+                        self.upsert_record(r, lease, now, Some(&mut session))
+                            .await?,
+                    ),
+                    None => None,
+                };
+                session.commit_transaction().await?;
+                Ok(write)
+            };
+            match self.bounded_result("commit page", result).await {
+                Err(Error::Db(e))
+                    if e.contains_label("TransientTransactionError") && attempt < 5 =>
+                {
+                    continue
+                }
+                other => return other,
+            }
+        }
+        unreachable!("the loop returns on its last attempt")
+    }
+
+    /// Runs a multi-step future under the operation timeout.
+    async fn bounded_result<T>(
+        &self,
+        what: &'static str,
+        work: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(self.op_timeout * 3, work).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::Timeout {
+                what,
+                after: self.op_timeout * 3,
+            }),
+        }
+    }
+
+    /// Inserts, changes or leaves a record, guarded so a result from an older lease never
+    /// replaces one from a newer lease (`fetchedAt` is the lease time).
+    async fn upsert_record(
+        &self,
+        record: &Extracted,
+        lease: &UrlLease,
+        now: DateTime<Utc>,
+        mut session: Option<&mut ClientSession>,
+    ) -> Result<RecordWrite> {
+        let id = record_id(record.bot.as_str(), &record.natural_key);
+        let hash = content_hash(&record.data);
+        let fetched_at = Bson::DateTime(bson::DateTime::from_chrono(lease.leased_at));
+        let now_b = Bson::DateTime(bson::DateTime::from_chrono(now));
+        let records = self.records();
+        for _ in 0..5 {
+            let find = records.find_one(doc! { "_id": &id });
+            let existing = match session.as_deref_mut() {
+                Some(s) => find.session(s).await?,
+                None => find.await?,
+            };
+            match existing {
+                None => {
+                    let full = doc! {
+                        "_id": &id, "botId": record.bot.as_str(), "naturalKey": &record.natural_key,
+                        "url": lease.url.as_str(), "data": record.data.clone(), "contentHash": &hash,
+                        "firstSeen": now_b.clone(), "lastChanged": now_b.clone(), "lastSeen": now_b.clone(),
+                        "lastSeenPass": lease.pass, "removedAt": Bson::Null, "fetchedAt": fetched_at.clone(),
+                    };
+                    let insert = records.insert_one(full);
+                    let inserted = match session.as_deref_mut() {
+                        Some(s) => insert.session(s).await,
+                        None => insert.await,
+                    };
+                    match inserted {
+                        Ok(_) => return Ok(RecordWrite::Inserted),
+                        // Another worker inserted it first: read it and decide again.
+                        Err(e) if is_duplicate_key(&e) && session.is_none() => continue,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                Some(old) => {
+                    let old_hash = old.get_str("contentHash").unwrap_or_default().to_owned();
+                    let newer_stored = matches!(old.get("fetchedAt"), Some(Bson::DateTime(t)) if t.to_chrono() > lease.leased_at);
+                    if newer_stored {
+                        return Ok(RecordWrite::Superseded);
+                    }
+                    if old_hash == hash
+                        && old.get("removedAt").is_none_or(|v| matches!(v, Bson::Null))
+                    {
+                        return Ok(RecordWrite::Unchanged);
+                    }
+                    let filter = doc! {
+                        "_id": &id, "contentHash": &old_hash,
+                        "$or": [ { "fetchedAt": { "$lte": fetched_at.clone() } }, { "fetchedAt": { "$exists": false } } ],
+                    };
+                    let changed = old_hash != hash;
+                    let mut set = doc! {
+                        "url": lease.url.as_str(), "data": record.data.clone(), "contentHash": &hash,
+                        "lastSeen": now_b.clone(), "lastSeenPass": lease.pass, "removedAt": Bson::Null,
+                        "fetchedAt": fetched_at.clone(),
+                    };
+                    if changed {
+                        set.insert("lastChanged", now_b.clone());
+                    }
+                    let update = records.update_one(filter, doc! { "$set": set });
+                    let result = match session.as_deref_mut() {
+                        Some(s) => update.session(s).await?,
+                        None => update.await?,
+                    };
+                    if result.matched_count == 1 {
+                        return Ok(if changed {
+                            RecordWrite::Changed
+                        } else {
+                            RecordWrite::Unchanged
+                        });
+                    }
+                    // The record changed between our read and our write: decide again.
+                }
+            }
+        }
+        Err(Error::Protocol {
+            what: "store record",
+            detail: format!("record {id} kept changing under concurrent writers"),
+        })
+    }
+
+    /// Marks records seen in `pass` in one write (unchanged records get no other write).
+    pub async fn mark_seen(&self, ids: &[String], pass: i64, now: DateTime<Utc>) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let records = self.records();
+        let update = records.update_many(
+            doc! { "_id": { "$in": ids }, "lastSeenPass": { "$lt": pass } },
+            doc! { "$set": { "lastSeenPass": pass, "lastSeen": Bson::DateTime(bson::DateTime::from_chrono(now)) } },
+        );
+        Ok(self.bounded("mark seen", update).await?.modified_count)
+    }
+}

@@ -1,0 +1,272 @@
+//! Records against the real server: derived ids, writes only on change, and the record + "done"
+//! mark committed together — in a transaction, and without one.
+
+mod common;
+
+use std::time::Duration;
+
+use bson::{doc, Document};
+use chrono::Utc;
+use common::*;
+use seedlock::error::Error;
+use seedlock::ids::{BotId, InstanceId};
+use seedlock::store::frontier::{PageKind, UrlLease};
+use seedlock::store::records::{content_hash, record_id, Extracted, RecordWrite};
+use seedlock::store::Store;
+use seedlock::urls::NormalizedUrl;
+
+fn bot() -> BotId {
+    BotId::parse("shop").unwrap()
+}
+
+fn item(price: &str) -> Extracted {
+    Extracted {
+        bot: bot(),
+        natural_key: "SKU-1".into(),
+        data: doc! { "title": "Lamp", "price": price },
+    }
+}
+
+fn url() -> NormalizedUrl {
+    NormalizedUrl::parse("http://shop.test/product/SKU-1").unwrap()
+}
+
+async fn lease(store: &Store, pass: i64, who: &str, at: chrono::DateTime<Utc>) -> UrlLease {
+    store
+        .enqueue(&bot(), pass, PageKind::Detail, &[url()], at)
+        .await
+        .unwrap();
+    store
+        .lease_url(
+            &bot(),
+            pass,
+            &InstanceId::parse(who).unwrap(),
+            at,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+        .expect("a URL to lease")
+}
+
+async fn records(db: &TestDb) -> Vec<Document> {
+    use futures_util::TryStreamExt;
+    db.db
+        .collection::<Document>("records")
+        .find(doc! {})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+#[test]
+fn ids_and_hashes_derive_from_the_data() {
+    assert_eq!(record_id("shop", "SKU-1"), record_id("shop", "SKU-1"));
+    assert_ne!(record_id("shop", "SKU-1"), record_id("shop", "SKU-2"));
+    assert_ne!(record_id("shop", "SKU-1"), record_id("other", "SKU-1"));
+    assert_eq!(
+        content_hash(&doc! {"a": 1, "b": "x"}),
+        content_hash(&doc! {"b": "x", "a": 1}),
+        "field order is not a change"
+    );
+    assert_ne!(content_hash(&doc! {"a": 1}), content_hash(&doc! {"a": 2}));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_are_written_once_and_rewritten_only_on_change() {
+    for transaction in [true, false] {
+        let db = test_db(if transaction { "rec_txn" } else { "rec_notxn" }).await;
+        let store = db.store();
+        let first = lease(&store, 1, "w", Utc::now()).await;
+        assert_eq!(
+            store
+                .commit_page(&first, Some(&item("$1.00")), Utc::now(), transaction)
+                .await
+                .unwrap(),
+            Some(RecordWrite::Inserted)
+        );
+        assert!(
+            store.pass_progress(&bot(), 1).await.unwrap().is_finished(),
+            "the URL is done with its record"
+        );
+        let stored = records(&db).await.remove(0);
+        assert_eq!(stored.get_str("_id").unwrap(), record_id("shop", "SKU-1"));
+        assert_eq!(stored.get_str("url").unwrap(), url().as_str());
+
+        // Pass 2, same content: nothing written, lastChanged keeps its meaning.
+        let second = lease(&store, 2, "w", Utc::now()).await;
+        assert_eq!(
+            store
+                .commit_page(&second, Some(&item("$1.00")), Utc::now(), transaction)
+                .await
+                .unwrap(),
+            Some(RecordWrite::Unchanged)
+        );
+        let unchanged = records(&db).await.remove(0);
+        assert_eq!(
+            unchanged, stored,
+            "transaction={transaction}: an unchanged record is not rewritten"
+        );
+        assert_eq!(
+            store
+                .mark_seen(&[record_id("shop", "SKU-1")], 2, Utc::now())
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(records(&db).await[0].get_i64("lastSeenPass").unwrap(), 2);
+
+        // Pass 3, a new price: rewritten, firstSeen kept.
+        let third = lease(&store, 3, "w", Utc::now()).await;
+        assert_eq!(
+            store
+                .commit_page(&third, Some(&item("$2.00")), Utc::now(), transaction)
+                .await
+                .unwrap(),
+            Some(RecordWrite::Changed)
+        );
+        let changed = records(&db).await.remove(0);
+        assert_eq!(
+            changed
+                .get_document("data")
+                .unwrap()
+                .get_str("price")
+                .unwrap(),
+            "$2.00"
+        );
+        assert_eq!(
+            changed.get_datetime("firstSeen").unwrap(),
+            stored.get_datetime("firstSeen").unwrap()
+        );
+        assert!(
+            changed.get_datetime("lastChanged").unwrap()
+                > stored.get_datetime("lastChanged").unwrap()
+        );
+        assert_eq!(records(&db).await.len(), 1, "transaction={transaction}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_worker_cannot_overwrite_the_newer_result() {
+    for transaction in [true, false] {
+        let db = test_db(if transaction {
+            "rec_stale_txn"
+        } else {
+            "rec_stale"
+        })
+        .await;
+        let store = db.store();
+        let t0 = Utc::now();
+        let stale = lease(&store, 1, "stale", t0).await;
+        // The stale worker's lease expires; another worker re-leases and commits newer data.
+        let later = t0 + chrono::Duration::seconds(6);
+        let fresh = store
+            .lease_url(
+                &bot(),
+                1,
+                &InstanceId::parse("fresh").unwrap(),
+                later,
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        store
+            .commit_page(&fresh, Some(&item("$9.99")), later, transaction)
+            .await
+            .unwrap();
+        // Now the stale worker tries to commit what it fetched long ago.
+        let result = store
+            .commit_page(&stale, Some(&item("$1.00")), later, transaction)
+            .await;
+        match (transaction, &result) {
+            (true, Err(Error::UrlLeaseLost { .. })) => {}
+            (false, Err(Error::UrlLeaseLost { .. })) => {}
+            _ => panic!("transaction={transaction}: expected the stale commit to be fenced out, got {result:?}"),
+        }
+        let all = records(&db).await;
+        assert_eq!(all.len(), 1);
+        assert_eq!(
+            all[0]
+                .get_document("data")
+                .unwrap()
+                .get_str("price")
+                .unwrap(),
+            "$9.99",
+            "transaction={transaction}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_record_and_done_mark_leaves_exactly_one_record() {
+    // Without a transaction the record is written first; if the worker dies before the done mark
+    // (here: its lease is taken over before it gets there), the URL is fetched again and the
+    // rewrite of the same content is a no-op.
+    let db = test_db("rec_crash").await;
+    let store = db.store();
+    let t0 = Utc::now();
+    let dying = lease(&store, 1, "dying", t0).await;
+    let later = t0 + chrono::Duration::seconds(6);
+    let retry = store
+        .lease_url(
+            &bot(),
+            1,
+            &InstanceId::parse("retry").unwrap(),
+            later,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let half = store
+        .commit_page(&dying, Some(&item("$1.00")), later, false)
+        .await;
+    assert!(matches!(half, Err(Error::UrlLeaseLost { .. })), "{half:?}");
+    assert_eq!(
+        records(&db).await.len(),
+        1,
+        "the record landed, the done mark did not"
+    );
+    assert!(!store.pass_progress(&bot(), 1).await.unwrap().is_finished());
+    let write = store
+        .commit_page(&retry, Some(&item("$1.00")), later, false)
+        .await
+        .unwrap();
+    assert_eq!(write, Some(RecordWrite::Unchanged));
+    assert_eq!(records(&db).await.len(), 1);
+    assert!(store.pass_progress(&bot(), 1).await.unwrap().is_finished());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_transaction_a_fenced_out_commit_keeps_nothing() {
+    let db = test_db("rec_rollback").await;
+    let store = db.store();
+    let t0 = Utc::now();
+    let stale = lease(&store, 1, "stale", t0).await;
+    let later = t0 + chrono::Duration::seconds(6);
+    let _fresh = store
+        .lease_url(
+            &bot(),
+            1,
+            &InstanceId::parse("fresh").unwrap(),
+            later,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let result = store
+        .commit_page(&stale, Some(&item("$1.00")), later, true)
+        .await;
+    assert!(
+        matches!(result, Err(Error::UrlLeaseLost { .. })),
+        "{result:?}"
+    );
+    assert!(
+        records(&db).await.is_empty(),
+        "the transaction kept no record"
+    );
+}
