@@ -418,7 +418,8 @@ impl BotRunner {
         let ctx = &self.ctx;
         let id = &self.bot.id;
         let poll = ctx.lock.poll;
-        let watcher = self.spawn_watcher(shutdown.child_token());
+        let stop_watcher = shutdown.child_token();
+        let watcher = self.spawn_watcher(stop_watcher.clone());
         let mut db_failures: u32 = 0;
         let mut waiting_since: Option<Instant> = None;
         let end = loop {
@@ -493,7 +494,10 @@ impl BotRunner {
                 StepOutcome::Released => break RunEnd::Shutdown,
             }
         };
-        watcher.cancel();
+        // The watcher's change stream is closed before the loop returns, so no database work of
+        // this bot outlives it.
+        stop_watcher.cancel();
+        let _ = watcher.await;
         end
     }
 
@@ -508,12 +512,11 @@ impl BotRunner {
 
     /// Watches the bot's document and wakes the loop on every change. Where the server has no
     /// change streams, polling alone carries on.
-    fn spawn_watcher(&self, stop: CancellationToken) -> CancellationToken {
+    fn spawn_watcher(&self, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
         let store = self.ctx.store.clone();
         let id = self.bot.id.clone();
         let wake = self.wake.clone();
         let poll = self.ctx.lock.poll;
-        let token = stop.clone();
         tokio::spawn(async move {
             let mut failures: u32 = 0;
             loop {
@@ -551,7 +554,6 @@ impl BotRunner {
                     _ = tokio::time::sleep(delay) => {}
                 }
             }
-        });
-        token
+        })
     }
 }

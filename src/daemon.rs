@@ -143,6 +143,7 @@ pub async fn run(
     stop.cancel();
     tracker.close();
     tracker.wait().await;
+    store.shutdown().await;
     info!(instance = %ctx.me, "seedlock stopped");
     result
 }

@@ -164,6 +164,13 @@ impl Store {
         }
     }
 
+    /// Ends the client cleanly: waits (bounded) for operations in flight, then closes the pools,
+    /// so no driver task is still running when the runtime stops.
+    pub async fn shutdown(&self) {
+        let client = self.db.client().clone();
+        let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
+    }
+
     pub fn database(&self) -> &Database {
         &self.db
     }
