@@ -87,6 +87,31 @@ pub struct BotSettings {
     pub seeds: SeedSource,
     pub refresh: RefreshSchedule,
     pub on_refresh_failure: OnRefreshFailure,
+    /// What to crawl from the seeds (`[bots.crawl]`); `None` keeps the bot to seed refreshes.
+    pub crawl: Option<CrawlSettings>,
+}
+
+/// `[bots.crawl]`, validated: selectors compiled, patterns compiled.
+#[derive(Clone, Debug)]
+pub struct CrawlSettings {
+    pub links: crate::extract::LinkRules,
+    pub list: Option<crate::extract::ListRules>,
+    pub record: Option<crate::extract::RecordRules>,
+    pub incremental: Incremental,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IncrementalMode {
+    Fingerprint,
+    Watermark,
+    UpdatedAt,
+    Full,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Incremental {
+    pub mode: IncrementalMode,
+    pub overlap: Duration,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -258,6 +283,174 @@ struct RawBot {
     refresh: String,
     #[serde(default = "default_on_failure")]
     on_refresh_failure: OnRefreshFailure,
+    crawl: Option<RawCrawl>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RawCrawl {
+    scope: Vec<String>,
+    #[serde(default = "default_follow")]
+    follow: String,
+    #[serde(default)]
+    allow: Vec<String>,
+    #[serde(default)]
+    deny: Vec<String>,
+    #[serde(default)]
+    strip_query: Vec<String>,
+    list: Option<RawList>,
+    record: Option<RawRecord>,
+    #[serde(default)]
+    incremental: RawIncremental,
+}
+
+fn default_follow() -> String {
+    "a[href]".into()
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RawList {
+    item: String,
+    item_id: String,
+    item_link: String,
+    #[serde(default)]
+    fingerprint: Vec<String>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RawRecord {
+    #[serde(rename = "match")]
+    url_match: String,
+    natural_key: String,
+    #[serde(default)]
+    fields: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawIncremental {
+    mode: String,
+    overlap: String,
+}
+
+impl Default for RawIncremental {
+    fn default() -> Self {
+        Self {
+            mode: "fingerprint".into(),
+            overlap: "5m".into(),
+        }
+    }
+}
+
+impl RawCrawl {
+    fn validate(self, i: usize) -> Result<CrawlSettings, String> {
+        use crate::extract::{selector, LinkRules, ListRules, RecordRules, ValueSpec};
+        let key = |k: &str| format!("bots[{i}].crawl.{k}");
+        let named = |k: &str| {
+            let k = key(k);
+            move |e: String| format!("key `{k}`: {e}")
+        };
+        if self.scope.is_empty() {
+            return Err(format!(
+                "key `{}`: name at least one host:port links may lead to",
+                key("scope")
+            ));
+        }
+        for host in &self.scope {
+            let ok = url::Url::parse(&format!("http://{host}/"))
+                .is_ok_and(|u| u.host_str().is_some() && u.path() == "/");
+            if !ok || host.contains('/') {
+                return Err(format!(
+                    "key `{}`: {host:?} is not a host or host:port",
+                    key("scope")
+                ));
+            }
+        }
+        let regexes = |k: &str, list: &[String]| -> Result<Vec<regex::Regex>, String> {
+            list.iter()
+                .map(|r| {
+                    regex::Regex::new(r).map_err(|e| {
+                        format!("key `{}`: {r:?} is not a regular expression ({e})", key(k))
+                    })
+                })
+                .collect()
+        };
+        let links = LinkRules {
+            scope: self
+                .scope
+                .iter()
+                .map(|s| s.trim().to_ascii_lowercase())
+                .collect(),
+            follow: selector(&self.follow).map_err(named("follow"))?,
+            allow: regexes("allow", &self.allow)?,
+            deny: regexes("deny", &self.deny)?,
+            strip: crate::urls::StripQuery::parse(&self.strip_query)
+                .map_err(named("strip_query"))?,
+        };
+        let list = match self.list {
+            None => None,
+            Some(l) => Some(ListRules {
+                item: selector(&l.item).map_err(named("list.item"))?,
+                item_id: ValueSpec::parse(&l.item_id).map_err(named("list.item_id"))?,
+                item_link: ValueSpec::parse(&l.item_link).map_err(named("list.item_link"))?,
+                fingerprint: l
+                    .fingerprint
+                    .iter()
+                    .map(|f| ValueSpec::parse(f).map_err(named("list.fingerprint")))
+                    .collect::<Result<_, _>>()?,
+            }),
+        };
+        let record = match self.record {
+            None => None,
+            Some(r) => {
+                let mut fields = std::collections::BTreeMap::new();
+                for (name, spec) in &r.fields {
+                    let spec =
+                        ValueSpec::parse(spec).map_err(named(&format!("record.fields.{name}")))?;
+                    fields.insert(name.clone(), spec);
+                }
+                Some(RecordRules {
+                    url_match: regex::Regex::new(&r.url_match).map_err(|e| {
+                        format!(
+                            "key `{}`: {:?} is not a regular expression ({e})",
+                            key("record.match"),
+                            r.url_match
+                        )
+                    })?,
+                    natural_key: ValueSpec::parse(&r.natural_key)
+                        .map_err(named("record.natural_key"))?,
+                    fields,
+                })
+            }
+        };
+        let mode = match self.incremental.mode.as_str() {
+            "fingerprint" => IncrementalMode::Fingerprint,
+            "watermark" => IncrementalMode::Watermark,
+            "updated_at" => IncrementalMode::UpdatedAt,
+            "full" => IncrementalMode::Full,
+            other => {
+                return Err(format!(
+                    "key `{}`: {other:?} is not one of \"fingerprint\", \"watermark\", \"updated_at\", \"full\"",
+                    key("incremental.mode")
+                ))
+            }
+        };
+        let overlap = duration(&key("incremental.overlap"), &self.incremental.overlap)?;
+        if overlap > MAX_DURATION {
+            return Err(format!(
+                "key `{}`: longer than the 7-day maximum",
+                key("incremental.overlap")
+            ));
+        }
+        Ok(CrawlSettings {
+            links,
+            list,
+            record,
+            incremental: Incremental { mode, overlap },
+        })
+    }
 }
 
 fn default_refresh() -> String {
@@ -327,7 +520,9 @@ impl Settings {
             }
         }
         let raw: RawConfig = figment.extract().map_err(describe_figment_error)?;
+        // Errors from parsers (regex, CSS) can span lines; the contract is one line.
         raw.validate()
+            .map_err(|e| e.split_whitespace().collect::<Vec<_>>().join(" "))
     }
 }
 
@@ -556,11 +751,16 @@ impl RawBot {
                 RefreshSchedule::Every(every)
             }
         };
+        let crawl = match self.crawl {
+            Some(c) => Some(c.validate(i)?),
+            None => None,
+        };
         Ok(BotSettings {
             id,
             seeds,
             refresh,
             on_refresh_failure: self.on_refresh_failure,
+            crawl,
         })
     }
 }
@@ -640,6 +840,38 @@ on_refresh_failure = "wait"
     }
 
     #[test]
+    fn the_crawl_example_parses() {
+        let text = r#"
+[[bots]]
+id = "shop"
+seeds = { url = "http://127.0.0.1:8080/seeds.txt" }
+[bots.crawl]
+scope = ["127.0.0.1:8080"]
+follow = "a[href]"
+strip_query = ["utm_*", "ref"]
+[bots.crawl.list]
+item = ".item"
+item_id = "@data-id"
+item_link = "a@href"
+fingerprint = [".price", ".status", ".title"]
+[bots.crawl.record]
+match = "/product/"
+natural_key = ".sku"
+fields = { title = "h1", price = ".price", status = ".status" }
+[bots.crawl.incremental]
+mode = "fingerprint"
+overlap = "5m"
+"#;
+        let s = Settings::from_toml(text, no_env).unwrap();
+        let crawl = s.bots[0].crawl.as_ref().expect("a crawl section");
+        assert_eq!(crawl.list.as_ref().unwrap().fingerprint.len(), 3);
+        assert_eq!(crawl.record.as_ref().unwrap().fields.len(), 3);
+        assert_eq!(crawl.incremental.mode, IncrementalMode::Fingerprint);
+        assert_eq!(crawl.incremental.overlap, Duration::from_secs(300));
+        assert!(crawl.links.strip.matches("utm_source") && crawl.links.strip.matches("ref"));
+    }
+
+    #[test]
     fn heartbeat_defaults_to_a_third_of_ttl() {
         let s = Settings::from_toml("[lock]\nttl = \"9s\"", no_env).unwrap();
         assert_eq!(s.lock.heartbeat, Duration::from_secs(3));
@@ -663,9 +895,28 @@ on_refresh_failure = "wait"
         );
     }
 
+    /// A bot with a `[bots.crawl]` table: `scope` first, then `extra` lines.
+    fn crawl(extra: &str) -> String {
+        let scope = if extra.starts_with("scope") {
+            ""
+        } else {
+            "scope = [\"h:1\"]\n"
+        };
+        format!("[[bots]]\nid = \"a\"\nseeds = [\"http://x/\"]\n[bots.crawl]\n{scope}{extra}\n")
+    }
+
     #[test]
     fn bad_values_name_their_key() {
-        let cases = [
+        let crawl_cases = [
+            (crawl("follow = \"a[\""), "bots[0].crawl.follow"),
+            (crawl("scope = []"), "bots[0].crawl.scope"),
+            (crawl("deny = [\"(\"]"), "bots[0].crawl.deny"),
+            (crawl("[bots.crawl.list]\nitem = \"..x\"\nitem_id = \"@id\"\nitem_link = \"a@href\""), "bots[0].crawl.list.item"),
+            (crawl("[bots.crawl.record]\nmatch = \"/p/\"\nnatural_key = \".sku\"\nfields = { price = \"!!\" }"), "bots[0].crawl.record.fields.price"),
+            (crawl("[bots.crawl.incremental]\nmode = \"sometimes\""), "bots[0].crawl.incremental.mode"),
+        ];
+        let mut cases: Vec<(String, &str)> = crawl_cases.into_iter().collect();
+        cases.extend([
             ("[lock]\nttl = \"soon\"", "lock.ttl"),
             ("[lock]\nttl = \"300000y\"\nmax_refresh = \"400000y\"", "lock.ttl"),
             ("[lock]\npoll = \"1000y\"", "lock.poll"),
@@ -686,8 +937,9 @@ on_refresh_failure = "wait"
             ),
             ("[http]\nlisten = \"nowhere\"", "http.listen"),
             ("[log]\nformat = \"xml\"", "log.format"),
-        ];
-        for (text, key) in cases {
+        ].map(|(t, k): (&str, &str)| (t.to_owned(), k)));
+        for (text, key) in &cases {
+            let (text, key): (&str, &str) = (text, key);
             let err = Settings::from_toml(text, no_env).expect_err(text);
             assert!(
                 err.contains(key),

@@ -14,6 +14,7 @@ pub mod decide;
 pub mod demo_site;
 pub mod document;
 pub mod error;
+pub mod extract;
 pub mod http;
 pub mod ids;
 pub mod metrics;

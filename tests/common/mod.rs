@@ -231,6 +231,7 @@ pub fn bot(
         },
         refresh,
         on_refresh_failure: on_failure,
+        crawl: None,
     }
 }
 

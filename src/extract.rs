@@ -1,0 +1,332 @@
+//! What a crawl reads from a page, with a real HTML parser (`scraper`, CSS selectors) — never
+//! regular expressions over HTML. Pure: a page's URL and body in, links, listing items and a
+//! record out; the crawl loop decides what to fetch and store.
+
+use std::collections::BTreeMap;
+
+use bson::{Bson, Document};
+use scraper::{ElementRef, Html, Selector};
+use url::Url;
+
+use crate::urls::{NormalizedUrl, StripQuery};
+
+/// How to read one value: `selector` (its text), `selector@attr` (an attribute of the first
+/// match), or `@attr` (an attribute of the element itself).
+#[derive(Clone, Debug)]
+pub struct ValueSpec {
+    raw: String,
+    selector: Option<Selector>,
+    attr: Option<String>,
+}
+
+impl ValueSpec {
+    pub fn parse(raw: &str) -> Result<Self, String> {
+        let raw = raw.trim();
+        let (css, attr) = match raw.rsplit_once('@') {
+            Some((css, attr)) if is_attr_name(attr) => (css.trim(), Some(attr.to_owned())),
+            _ => (raw, None),
+        };
+        if css.is_empty() && attr.is_none() {
+            return Err("an empty value spec; write a CSS selector, selector@attr or @attr".into());
+        }
+        let selector = if css.is_empty() {
+            None
+        } else {
+            Some(selector(css)?)
+        };
+        Ok(Self {
+            raw: raw.to_owned(),
+            selector,
+            attr,
+        })
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.raw
+    }
+
+    /// The value inside `scope`: trimmed, inner white space collapsed; `None` when absent or empty.
+    pub fn read(&self, scope: ElementRef<'_>) -> Option<String> {
+        let element = match &self.selector {
+            Some(selector) => scope.select(selector).next()?,
+            None => scope,
+        };
+        let value = match &self.attr {
+            Some(attr) => element.value().attr(attr)?.to_owned(),
+            None => element.text().collect::<String>(),
+        };
+        let value = value.split_whitespace().collect::<Vec<_>>().join(" ");
+        (!value.is_empty()).then_some(value)
+    }
+}
+
+fn is_attr_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || "_-:.".contains(c))
+}
+
+/// A CSS selector, with the parser's complaint as the error.
+pub fn selector(css: &str) -> Result<Selector, String> {
+    Selector::parse(css).map_err(|e| format!("{css:?} is not a CSS selector ({e})"))
+}
+
+/// Listing pages: items with an id, a link to their detail page, and a fingerprint.
+#[derive(Clone, Debug)]
+pub struct ListRules {
+    pub item: Selector,
+    pub item_id: ValueSpec,
+    pub item_link: ValueSpec,
+    pub fingerprint: Vec<ValueSpec>,
+}
+
+/// Detail pages: one record each.
+#[derive(Clone, Debug)]
+pub struct RecordRules {
+    pub url_match: regex::Regex,
+    pub natural_key: ValueSpec,
+    pub fields: BTreeMap<String, ValueSpec>,
+}
+
+/// Which links a crawl follows.
+#[derive(Clone, Debug)]
+pub struct LinkRules {
+    /// `host:port` pairs links may lead to.
+    pub scope: Vec<String>,
+    pub follow: Selector,
+    pub allow: Vec<regex::Regex>,
+    pub deny: Vec<regex::Regex>,
+    pub strip: StripQuery,
+}
+
+impl LinkRules {
+    /// True when `url` is on an in-scope host and passes the allow/deny patterns.
+    pub fn admits(&self, url: &NormalizedUrl) -> bool {
+        let parsed = url.to_url();
+        let Some(host) = parsed.host_str() else {
+            return false;
+        };
+        let port = parsed.port_or_known_default().unwrap_or(0);
+        let here = format!("{host}:{port}");
+        let in_scope = self
+            .scope
+            .iter()
+            .any(|s| s.eq_ignore_ascii_case(&here) || s.eq_ignore_ascii_case(host));
+        in_scope
+            && (self.allow.is_empty() || self.allow.iter().any(|r| r.is_match(url.as_str())))
+            && !self.deny.iter().any(|r| r.is_match(url.as_str()))
+    }
+}
+
+/// One item of a listing page.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ListItem {
+    pub id: String,
+    pub url: Option<NormalizedUrl>,
+    /// The values the fingerprint names, joined: a change means the detail page changed.
+    pub fingerprint: String,
+}
+
+/// Everything read from one page.
+#[derive(Debug, Default)]
+pub struct PageData {
+    /// Followable links, in scope, normalized, deduplicated, in page order.
+    pub links: Vec<NormalizedUrl>,
+    pub items: Vec<ListItem>,
+    /// For a detail page: its natural key and fields, or why there is no record.
+    pub record: Option<Result<(String, Document), String>>,
+}
+
+/// Reads a page. `record` applies only when the page's URL matches `record.url_match`.
+pub fn extract(
+    page_url: &Url,
+    html: &str,
+    links: &LinkRules,
+    list: Option<&ListRules>,
+    record: Option<&RecordRules>,
+) -> PageData {
+    let document = Html::parse_document(html);
+    let root = document.root_element();
+    let mut data = PageData::default();
+    let mut seen = std::collections::HashSet::new();
+    for a in root.select(&links.follow) {
+        let Some(href) = a.value().attr("href") else {
+            continue;
+        };
+        if let Ok(url) = NormalizedUrl::join_with(page_url, href, &links.strip) {
+            if links.admits(&url) && seen.insert(url.clone()) {
+                data.links.push(url);
+            }
+        }
+    }
+    if let Some(rules) = list {
+        for item in root.select(&rules.item) {
+            let Some(id) = rules.item_id.read(item) else {
+                continue;
+            };
+            let url = rules
+                .item_link
+                .read(item)
+                .and_then(|href| NormalizedUrl::join_with(page_url, &href, &links.strip).ok())
+                .filter(|u| links.admits(u));
+            let fingerprint = rules
+                .fingerprint
+                .iter()
+                .map(|spec| spec.read(item).unwrap_or_default())
+                .collect::<Vec<_>>()
+                .join("\u{1f}");
+            data.items.push(ListItem {
+                id,
+                url,
+                fingerprint,
+            });
+        }
+    }
+    if let Some(rules) = record.filter(|r| r.url_match.is_match(page_url.as_str())) {
+        data.record = Some(match rules.natural_key.read(root) {
+            None => Err(format!(
+                "no natural key ({}) on the page",
+                rules.natural_key.as_str()
+            )),
+            Some(key) => {
+                let mut fields = Document::new();
+                for (name, spec) in &rules.fields {
+                    fields.insert(
+                        name.clone(),
+                        spec.read(root).map_or(Bson::Null, Bson::String),
+                    );
+                }
+                Ok((key, fields))
+            }
+        });
+    }
+    data
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIST: &str = r#"<html><body>
+      <div class="item" data-id="SKU-2"><a href="/product/SKU-2?utm_source=x"><span class="title">Lamp</span></a>
+        <span class="price"> $1.00 </span><span class="status">in stock</span></div>
+      <div class="item" data-id="SKU-1"><a href="/product/SKU-1"><span class="title">Mug</span></a>
+        <span class="price">$2.00</span></div>
+      <div class="item"><span class="price">no id</span></div>
+      <a class="next" href="/list/2#top">next</a>
+      <a href="http://elsewhere.test/x">off scope</a>
+      <a href="/logout">deny me</a>
+      <a href="mailto:x@y">mail</a>
+      <a>no href</a>
+    </body></html>"#;
+
+    fn rules() -> (LinkRules, ListRules, RecordRules) {
+        let links = LinkRules {
+            scope: vec!["shop.test:8080".into()],
+            follow: selector("a[href]").unwrap(),
+            allow: vec![],
+            deny: vec![regex::Regex::new("/logout").unwrap()],
+            strip: StripQuery::parse(&["utm_*".into()]).unwrap(),
+        };
+        let list = ListRules {
+            item: selector(".item").unwrap(),
+            item_id: ValueSpec::parse("@data-id").unwrap(),
+            item_link: ValueSpec::parse("a@href").unwrap(),
+            fingerprint: vec![
+                ValueSpec::parse(".price").unwrap(),
+                ValueSpec::parse(".status").unwrap(),
+            ],
+        };
+        let record = RecordRules {
+            url_match: regex::Regex::new("/product/").unwrap(),
+            natural_key: ValueSpec::parse(".sku").unwrap(),
+            fields: [("title", "h1"), ("price", ".price")]
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), ValueSpec::parse(v).unwrap()))
+                .collect(),
+        };
+        (links, list, record)
+    }
+
+    #[test]
+    fn listing_pages_yield_items_fingerprints_and_in_scope_links() {
+        let (links, list, record) = rules();
+        let page = Url::parse("http://shop.test:8080/list/1").unwrap();
+        let data = extract(&page, LIST, &links, Some(&list), Some(&record));
+        let found: Vec<&str> = data.links.iter().map(|u| u.as_str()).collect();
+        assert_eq!(
+            found,
+            [
+                "http://shop.test:8080/product/SKU-2",
+                "http://shop.test:8080/product/SKU-1",
+                "http://shop.test:8080/list/2"
+            ]
+        );
+        assert_eq!(data.items.len(), 2, "an item without an id is skipped");
+        assert_eq!(data.items[0].id, "SKU-2");
+        assert_eq!(
+            data.items[0].url.as_ref().unwrap().as_str(),
+            "http://shop.test:8080/product/SKU-2"
+        );
+        assert_eq!(
+            data.items[0].fingerprint, "$1.00\u{1f}in stock",
+            "trimmed values"
+        );
+        assert_eq!(
+            data.items[1].fingerprint, "$2.00\u{1f}",
+            "a missing value is empty, not a skip"
+        );
+        assert!(data.record.is_none(), "a listing URL is not a detail page");
+    }
+
+    #[test]
+    fn detail_pages_yield_a_record_or_say_why_not() {
+        let (links, _, record) = rules();
+        let page = Url::parse("http://shop.test:8080/product/SKU-1").unwrap();
+        let html = "<h1>Mug  deluxe</h1><div class=sku>SKU-1</div><div class=price>$2.00</div>";
+        let (key, fields) = extract(&page, html, &links, None, Some(&record))
+            .record
+            .unwrap()
+            .unwrap();
+        assert_eq!(key, "SKU-1");
+        assert_eq!(fields.get_str("title").unwrap(), "Mug deluxe");
+        assert_eq!(fields.get_str("price").unwrap(), "$2.00");
+        let missing = extract(&page, "<h1>Mug</h1>", &links, None, Some(&record))
+            .record
+            .unwrap();
+        assert_eq!(missing.unwrap_err(), "no natural key (.sku) on the page");
+    }
+
+    #[test]
+    fn hostile_markup_does_not_break_extraction() {
+        let (links, list, record) = rules();
+        let page = Url::parse("http://shop.test:8080/product/x").unwrap();
+        let nasty = format!("<div class=item data-id='{}'>{}<a href='javascript:alert(1)'>x</a><a href='//shop.test:8080/ok'>", "a".repeat(10_000), "<div>".repeat(5_000));
+        let data = extract(&page, &nasty, &links, Some(&list), Some(&record));
+        assert_eq!(
+            data.links.iter().map(|u| u.as_str()).collect::<Vec<_>>(),
+            ["http://shop.test:8080/ok"]
+        );
+        assert!(data.record.unwrap().is_err());
+        let lossy = String::from_utf8_lossy(b"<div class=sku>SKU-\xff</div>");
+        let data = extract(&page, &lossy, &links, None, Some(&record));
+        assert_eq!(data.record.unwrap().unwrap().0, "SKU-\u{fffd}");
+    }
+
+    #[test]
+    fn value_specs_parse_selectors_and_attributes() {
+        assert!(ValueSpec::parse("a@href").is_ok());
+        assert!(ValueSpec::parse("@data-id").is_ok());
+        assert!(ValueSpec::parse(".price").is_ok());
+        assert!(
+            ValueSpec::parse("a[href^='mailto:x@y']").is_ok(),
+            "an @ inside a selector is not an attribute"
+        );
+        assert!(ValueSpec::parse("").is_err());
+        assert!(ValueSpec::parse("div[")
+            .unwrap_err()
+            .contains("not a CSS selector"));
+    }
+}
