@@ -182,7 +182,9 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e @ RunError::Startup(_)) => fail(EXIT_USAGE, e),
-        Err(e @ (RunError::Timeout { .. } | RunError::Crashed(_))) => fail(EXIT_FAILED, e),
+        Err(
+            e @ (RunError::Timeout { .. } | RunError::Interrupted { .. } | RunError::Crashed(_)),
+        ) => fail(EXIT_FAILED, e),
     }
 }
 

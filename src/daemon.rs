@@ -37,6 +37,9 @@ pub enum RunError {
         timeout: Duration,
         pending: Vec<String>,
     },
+    /// `run --once` was stopped by SIGINT/SIGTERM before every bot was Ready: exit code 1.
+    #[error("interrupted before every bot was ready; not ready: {}", .pending.join(", "))]
+    Interrupted { pending: Vec<String> },
     /// A bot's task died (a bug): the instance stops so its supervisor restarts it. Exit code 1.
     #[error("the task of bot {0} crashed; stopping this instance")]
     Crashed(String),
@@ -158,13 +161,18 @@ async fn once(
     let mut summaries = Vec::new();
     let mut pending = Vec::new();
     for (bot, mut handle) in runs {
-        let end = tokio::select! {
-            end = &mut handle => end.ok(),
+        // `Some` when the runner finished (a handle must not be polled again after that).
+        let finished = tokio::select! {
+            end = &mut handle => Some(end.ok()),
             _ = tokio::time::sleep_until(deadline) => None,
         };
-        match end {
-            Some(RunEnd::Ready { .. }) => summaries.push(bot),
-            _ => {
+        match finished {
+            Some(Some(RunEnd::Ready { .. })) => summaries.push(bot),
+            Some(_) => {
+                stop.cancel();
+                pending.push(bot.to_string());
+            }
+            None => {
                 stop.cancel();
                 let _ = handle.await;
                 pending.push(bot.to_string());
@@ -172,6 +180,10 @@ async fn once(
         }
     }
     if !pending.is_empty() {
+        if tokio::time::Instant::now() < deadline {
+            // The runners stopped early: a signal, not the deadline.
+            return Err(RunError::Interrupted { pending });
+        }
         return Err(RunError::Timeout { timeout, pending });
     }
     let mut out = Vec::new();

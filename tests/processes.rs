@@ -704,3 +704,34 @@ async fn broken_documents_are_repaired_by_real_processes_without_a_panic() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_once_interrupted_by_sigterm_says_so_and_exits_1() {
+    let s = setup("interrupt").await;
+    s.source.stall_first(1);
+    let config = s.config("5s", "200ms");
+    let mut a = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "a",
+        &["run", "--once", "--timeout", "60s"],
+        &[],
+    );
+    s.a_holds_the_lock_with_its_fetch_stalled(1).await;
+    a.signal(Signal::SIGTERM);
+    let status = a.wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(1), "{}", a.log());
+    assert!(
+        a.log()
+            .contains("interrupted before every bot was ready; not ready: shop"),
+        "{}",
+        a.log()
+    );
+    a.assert_clean();
+    assert_eq!(
+        s.holder().await,
+        None,
+        "the lock was released on the way out"
+    );
+    s.source.release();
+}
