@@ -361,7 +361,7 @@ impl RawCrawl {
         for host in &self.scope {
             let ok = url::Url::parse(&format!("http://{host}/"))
                 .is_ok_and(|u| u.host_str().is_some() && u.path() == "/");
-            if !ok || host.contains('/') {
+            if !ok || host.contains(['/', '?', '#', '@']) {
                 return Err(format!(
                     "key `{}`: {host:?} is not a host or host:port",
                     key("scope")
@@ -407,6 +407,12 @@ impl RawCrawl {
             Some(r) => {
                 let mut fields = std::collections::BTreeMap::new();
                 for (name, spec) in &r.fields {
+                    if name.is_empty() || name.contains('.') || name.starts_with('$') {
+                        return Err(format!(
+                            "key `{}`: {name:?} cannot be a field name (no '.', no leading '$')",
+                            key("record.fields")
+                        ));
+                    }
                     let spec =
                         ValueSpec::parse(spec).map_err(named(&format!("record.fields.{name}")))?;
                     fields.insert(name.clone(), spec);

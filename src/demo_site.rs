@@ -204,6 +204,11 @@ fn one() -> u64 {
 
 type Shared = Arc<Mutex<Catalog>>;
 
+/// Bounds on what a control request may ask for, so the demo site itself stays up.
+const MAX_HUGE_BODY: usize = 256 * 1024 * 1024;
+const MAX_MUTATION: usize = 1_000_000;
+const MAX_STATS_PATHS: usize = 100_000;
+
 /// Serves the site on `listener` until `shutdown` fires.
 pub async fn serve(
     listener: tokio::net::TcpListener,
@@ -238,12 +243,18 @@ enum Fault {
     Respond(Response),
 }
 
-/// Counts the request and applies the first matching fault rule (after its latency).
+/// Counts the request and applies the first matching fault rule whose `every` count comes up
+/// (each matching rule counts the request), after its latency.
 async fn visit(catalog: &Shared, uri: &Uri) -> Fault {
     let path = uri.path().to_owned();
     let rule = {
         let mut c = lock(catalog);
-        *c.stats.entry(path.clone()).or_default() += 1;
+        let key = if c.stats.len() < MAX_STATS_PATHS || c.stats.contains_key(&path) {
+            path.clone()
+        } else {
+            "(other)".to_owned()
+        };
+        *c.stats.entry(key).or_default() += 1;
         let mut chosen = None;
         for rule in c.faults.iter_mut().filter(|r| path.contains(&r.path)) {
             rule.seen += 1;
@@ -274,7 +285,7 @@ async fn visit(catalog: &Shared, uri: &Uri) -> Fault {
         return Fault::Respond(response);
     }
     if let Some(bytes) = rule.huge_body_bytes {
-        let body = "x".repeat(bytes);
+        let body = "x".repeat(bytes.min(MAX_HUGE_BODY));
         return Fault::Respond(([(header::CONTENT_TYPE, "text/html")], body).into_response());
     }
     Fault::None
@@ -434,6 +445,13 @@ async fn product_page(
 }
 
 async fn mutate(State(c): State<Shared>, Json(request): Json<Mutation>) -> Response {
+    if request.change.max(request.add).max(request.delete) > MAX_MUTATION {
+        return (
+            StatusCode::BAD_REQUEST,
+            format!("at most {MAX_MUTATION} products per kind of change\n"),
+        )
+            .into_response();
+    }
     Json(lock(&c).mutate(&request)).into_response()
 }
 

@@ -282,7 +282,14 @@ async fn the_lease_query_uses_its_index() {
     let explain = db
         .db
         .run_command(doc! {
-            "explain": { "find": "frontier", "filter": { "botId": "shop", "pass": 1_i64, "status": "pending" } },
+            "explain": {
+                "find": "frontier",
+                // The lease query exactly as `lease_url` sends it.
+                "filter": { "botId": "shop", "pass": 1_i64, "$or": [
+                    { "status": "pending" },
+                    { "status": "leased", "leaseExpiresAt": { "$lte": bson::DateTime::now() } },
+                ] },
+            },
             "verbosity": "queryPlanner",
         })
         .await

@@ -105,21 +105,37 @@ async fn records_are_written_once_and_rewritten_only_on_change() {
             Some(RecordWrite::Unchanged)
         );
         let unchanged = records(&db).await.remove(0);
+        for field in ["data", "contentHash", "firstSeen", "lastChanged", "url"] {
+            assert_eq!(
+                unchanged.get(field),
+                stored.get(field),
+                "transaction={transaction}: {field} not rewritten"
+            );
+        }
         assert_eq!(
-            unchanged, stored,
-            "transaction={transaction}: an unchanged record is not rewritten"
+            unchanged.get_i64("lastSeenPass").unwrap(),
+            2,
+            "seen in pass 2, in the same commit"
         );
+        // Items seen without a fetch are marked in batches, once per pass.
         assert_eq!(
             store
-                .mark_seen(&[record_id("shop", "SKU-1")], 2, Utc::now())
+                .mark_seen(&[record_id("shop", "SKU-1")], 5, Utc::now())
                 .await
                 .unwrap(),
             1
         );
-        assert_eq!(records(&db).await[0].get_i64("lastSeenPass").unwrap(), 2);
+        assert_eq!(
+            store
+                .mark_seen(&[record_id("shop", "SKU-1")], 5, Utc::now())
+                .await
+                .unwrap(),
+            0
+        );
+        assert_eq!(records(&db).await[0].get_i64("lastSeenPass").unwrap(), 5);
 
         // Pass 3, a new price: rewritten, firstSeen kept.
-        let third = lease(&store, 3, "w", Utc::now()).await;
+        let third = lease(&store, 6, "w", Utc::now()).await;
         assert_eq!(
             store
                 .commit_page(&third, Some(&item("$2.00")), Utc::now(), transaction)
@@ -268,5 +284,55 @@ async fn in_a_transaction_a_fenced_out_commit_keeps_nothing() {
     assert!(
         records(&db).await.is_empty(),
         "the transaction kept no record"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unchanged_newer_fetch_still_fences_out_an_older_different_one() {
+    // Without a transaction: the fresh worker finds the content unchanged; the stale worker,
+    // which fetched earlier and saw different content, must not overwrite the record.
+    let db = test_db("rec_unchanged_stale").await;
+    let store = db.store();
+    let first = lease(&store, 1, "w", Utc::now()).await;
+    store
+        .commit_page(&first, Some(&item("$1.00")), Utc::now(), false)
+        .await
+        .unwrap();
+    let t0 = Utc::now();
+    let stale = lease(&store, 2, "stale", t0).await;
+    let later = t0 + chrono::Duration::seconds(6);
+    let fresh = store
+        .lease_url(
+            &bot(),
+            2,
+            &InstanceId::parse("fresh").unwrap(),
+            later,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        store
+            .commit_page(&fresh, Some(&item("$1.00")), later, false)
+            .await
+            .unwrap(),
+        Some(RecordWrite::Unchanged)
+    );
+    let result = store
+        .commit_page(&stale, Some(&item("$0.50")), later, false)
+        .await;
+    assert!(
+        matches!(result, Err(Error::UrlLeaseLost { .. })),
+        "{result:?}"
+    );
+    let all = records(&db).await;
+    assert_eq!(
+        all[0]
+            .get_document("data")
+            .unwrap()
+            .get_str("price")
+            .unwrap(),
+        "$1.00"
     );
 }

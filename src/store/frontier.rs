@@ -51,8 +51,8 @@ impl PageKind {
     }
 }
 
-/// A URL leased to this worker until `expires_at` (server time). Every write about it carries
-/// `token`.
+/// A URL leased to this worker until `expires_at`. Times here are the caller's estimate of the
+/// server's time (`ServerClock::now`, as for the bot lock). Every write about it carries `token`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct UrlLease {
     pub id: String,
@@ -137,6 +137,23 @@ impl Store {
         if urls.is_empty() {
             return Ok(0);
         }
+        // A page may carry many links: send them in chunks well under the server's limits
+        // (100,000 statements, 16 MiB) so no page is too large to enqueue.
+        let mut total = 0;
+        for chunk in urls.chunks(1000) {
+            total += self.enqueue_chunk(bot, pass, kind, chunk, now).await?;
+        }
+        Ok(total)
+    }
+
+    async fn enqueue_chunk(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        kind: PageKind,
+        urls: &[NormalizedUrl],
+        now: DateTime<Utc>,
+    ) -> Result<u64> {
         let updates: Vec<Document> = urls
             .iter()
             .map(|url| {
@@ -196,8 +213,7 @@ impl Store {
         now: DateTime<Utc>,
         lease_for: Duration,
     ) -> Result<Option<UrlLease>> {
-        let expires_at =
-            now + chrono::Duration::from_std(lease_for).unwrap_or(chrono::Duration::MAX);
+        let expires_at = super::plus(now, lease_for);
         let token = new_token();
         let filter = doc! {
             "botId": bot.as_str(),

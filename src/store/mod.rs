@@ -102,8 +102,12 @@ fn date(at: DateTime<Utc>) -> Bson {
     Bson::DateTime(bson::DateTime::from_chrono(at))
 }
 
-fn plus(at: DateTime<Utc>, d: Duration) -> DateTime<Utc> {
-    at + chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX)
+/// `at + d`, saturating instead of panicking on absurd durations.
+pub(crate) fn plus(at: DateTime<Utc>, d: Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(d)
+        .ok()
+        .and_then(|d| at.checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
 impl Store {

@@ -1,9 +1,10 @@
 //! Records (collection `records`): one document per item, `_id` = a hash of (source, natural key)
 //! — never the URL, never an auto id — so a repeated write is an update, not a duplicate.
 //!
-//! A record is rewritten only when its content hash changes (`lastChanged` keeps its meaning);
-//! an unchanged record costs nothing here, and deletion detection marks what a pass saw in
-//! batches ([`Store::mark_seen`]).
+//! A record is rewritten only when its content hash changes (`lastChanged` keeps its meaning).
+//! A fetched page whose content is unchanged costs one small `$set` (`lastSeenPass`, `lastSeen`,
+//! `fetchedAt`) in the same commit; items a pass sees without fetching them (listing pages, in
+//! fingerprint mode) are marked in batches ([`Store::mark_seen`]).
 //!
 //! [`Store::commit_page`] stores a page's record and marks its URL done **together**: in one
 //! transaction where the server has them, or else record first (guarded by the lease time, so a
@@ -73,7 +74,7 @@ pub struct Extracted {
 pub enum RecordWrite {
     Inserted,
     Changed,
-    /// Same content as stored: nothing written (mark it seen with [`Store::mark_seen`]).
+    /// Same content as stored: not rewritten, only marked seen in this pass.
     Unchanged,
     /// A newer result (a later lease of the same URL) is already stored: nothing written.
     Superseded,
@@ -219,10 +220,26 @@ impl Store {
                     if newer_stored {
                         return Ok(RecordWrite::Superseded);
                     }
+                    let guard = doc! { "$or": [ { "fetchedAt": { "$lte": fetched_at.clone() } }, { "fetchedAt": { "$exists": false } } ] };
                     if old_hash == hash
                         && old.get("removedAt").is_none_or(|v| matches!(v, Bson::Null))
                     {
-                        return Ok(RecordWrite::Unchanged);
+                        // Same content: no rewrite, but record that this pass saw it (deletion
+                        // detection) and move `fetchedAt` on, so an older lease cannot write over it.
+                        let mut filter = doc! { "_id": &id, "contentHash": &hash };
+                        filter.extend(guard.clone());
+                        let seen = doc! { "$set": {
+                            "fetchedAt": fetched_at.clone(), "lastSeenPass": lease.pass, "lastSeen": now_b.clone(),
+                        } };
+                        let update = records.update_one(filter, seen);
+                        let result = match session.as_deref_mut() {
+                            Some(s) => update.session(s).await?,
+                            None => update.await?,
+                        };
+                        if result.matched_count == 1 {
+                            return Ok(RecordWrite::Unchanged);
+                        }
+                        continue;
                     }
                     let filter = doc! {
                         "_id": &id, "contentHash": &old_hash,
