@@ -203,18 +203,12 @@ async fn once(
 }
 
 pub fn digest(seeds: &[String]) -> String {
-    use sha2::{Digest, Sha256};
-    let mut hasher = Sha256::new();
+    let mut chunks: Vec<&[u8]> = Vec::with_capacity(seeds.len() * 2);
     for seed in seeds {
-        hasher.update(seed.as_bytes());
-        hasher.update(b"\n");
+        chunks.push(seed.as_bytes());
+        chunks.push(b"\n");
     }
-    hasher
-        .finalize()
-        .iter()
-        .take(8)
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::ids::sha256_hex(&chunks, 8)
 }
 
 /// Re-samples the server's clock every 30 s (drift, and a better round trip now and then).

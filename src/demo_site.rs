@@ -408,18 +408,7 @@ async fn product_page(
         price = html_escape(&p.price),
         status = html_escape(&p.status),
     );
-    let etag = {
-        use sha2::{Digest, Sha256};
-        let digest = Sha256::digest(body.as_bytes());
-        format!(
-            "\"{}\"",
-            digest
-                .iter()
-                .take(8)
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        )
-    };
+    let etag = format!("\"{}\"", crate::ids::sha256_hex(&[body.as_bytes()], 8));
     let last_modified = http_date(p.changed_at);
     let not_modified = match headers
         .get(header::IF_NONE_MATCH)

@@ -107,6 +107,22 @@ impl fmt::Display for LockEpoch {
     }
 }
 
+/// The first `bytes` bytes of the SHA-256 of `chunks` (concatenated), as lower-case hex: the one
+/// way seedlock derives ids, content hashes and digests from data.
+pub fn sha256_hex(chunks: &[&[u8]], bytes: usize) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for chunk in chunks {
+        hasher.update(chunk);
+    }
+    hasher
+        .finalize()
+        .iter()
+        .take(bytes)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +147,13 @@ mod tests {
             "a generated id must be a valid id"
         );
         assert_ne!(InstanceId::generate(), InstanceId::generate());
+    }
+
+    #[test]
+    fn hashes_are_hex_of_the_requested_length() {
+        assert_eq!(sha256_hex(&[b"a", b"bc"], 4), sha256_hex(&[b"abc"], 4));
+        assert_eq!(sha256_hex(&[b"abc"], 4), "ba7816bf", "SHA-256 of \"abc\"");
+        assert_eq!(sha256_hex(&[], 16).len(), 32);
     }
 
     #[test]

@@ -86,17 +86,10 @@ impl PassProgress {
 
 /// The frontier `_id`: a hash of (bot, normalized URL), the same on every instance and every run.
 pub fn url_id(bot: &BotId, url: &NormalizedUrl) -> String {
-    use sha2::{Digest, Sha256};
-    let mut hasher = Sha256::new();
-    hasher.update(bot.as_str().as_bytes());
-    hasher.update([0]);
-    hasher.update(url.as_str().as_bytes());
-    hasher
-        .finalize()
-        .iter()
-        .take(16)
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::ids::sha256_hex(
+        &[bot.as_str().as_bytes(), &[0], url.as_str().as_bytes()],
+        16,
+    )
 }
 
 fn date(at: DateTime<Utc>) -> Bson {

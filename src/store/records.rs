@@ -26,22 +26,11 @@ pub const RECORDS: &str = "records";
 
 /// `records._id`: the same item gets the same id on every instance, every run.
 pub fn record_id(source: &str, natural_key: &str) -> String {
-    use sha2::{Digest, Sha256};
-    let mut hasher = Sha256::new();
-    hasher.update(source.as_bytes());
-    hasher.update([0]);
-    hasher.update(natural_key.as_bytes());
-    hasher
-        .finalize()
-        .iter()
-        .take(16)
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::ids::sha256_hex(&[source.as_bytes(), &[0], natural_key.as_bytes()], 16)
 }
 
 /// The hash of a record's data: keys sorted, so field order never counts as a change.
 pub fn content_hash(data: &Document) -> String {
-    use sha2::{Digest, Sha256};
     fn canonical(value: &Bson) -> serde_json::Value {
         match value {
             Bson::Document(d) => {
@@ -54,11 +43,7 @@ pub fn content_hash(data: &Document) -> String {
         }
     }
     let text = canonical(&Bson::Document(data.clone())).to_string();
-    Sha256::digest(text.as_bytes())
-        .iter()
-        .take(16)
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::ids::sha256_hex(&[text.as_bytes()], 16)
 }
 
 /// One extracted item, ready to store.
