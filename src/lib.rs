@@ -15,6 +15,7 @@ pub mod demo_site;
 pub mod document;
 pub mod error;
 pub mod extract;
+pub mod fetch;
 pub mod http;
 pub mod ids;
 pub mod metrics;

@@ -1,0 +1,238 @@
+//! Fetching one page for the crawl, with every way it can go wrong turned into a closed set of
+//! outcomes for the caller to route: a page, `304`, a skip (not HTML), a throttle (`429`/`503`
+//! with `Retry-After`), a timeout, a permanent failure (a 4xx, a body over the cap, a redirect
+//! chain over the limit), a gone page (`404`/`410`), or a transient failure.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::urls::NormalizedUrl;
+
+/// A fetched HTML page. Invalid UTF-8 is read lossily.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Page {
+    pub url: NormalizedUrl,
+    pub body: String,
+    pub etag: Option<String>,
+    pub last_modified: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum FetchOutcome {
+    Ok(Page),
+    /// The stored validators still match (`304`).
+    NotModified,
+    /// Not HTML: nothing to read.
+    Skipped {
+        reason: String,
+    },
+    /// The site asks us to slow down (`429`, `503`); `retry_after` from its header, if any.
+    Throttled {
+        status: u16,
+        retry_after: Option<Duration>,
+    },
+    Timeout,
+    /// `404` / `410`: the page is gone.
+    Gone {
+        status: u16,
+    },
+    /// Will not change by retrying: other 4xx, a body over the cap, too many redirects, bad URL.
+    Permanent {
+        reason: String,
+    },
+    /// May work later: 5xx, connection errors.
+    Transient {
+        reason: String,
+    },
+}
+
+/// Validators from an earlier fetch, for a conditional GET.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Validators {
+    pub etag: Option<String>,
+    pub last_modified: Option<String>,
+}
+
+#[derive(Clone, Debug)]
+pub struct PageFetcher {
+    http: reqwest::Client,
+    max_bytes: usize,
+}
+
+/// The default page body cap.
+pub const DEFAULT_MAX_PAGE_BYTES: usize = 5 * 1024 * 1024;
+/// Redirects followed before a fetch fails.
+pub const MAX_REDIRECTS: usize = 5;
+
+impl PageFetcher {
+    pub fn new(user_agent: &str, timeout: Duration, max_bytes: usize) -> Result<Self, String> {
+        let http = reqwest::Client::builder()
+            .user_agent(user_agent)
+            .timeout(timeout)
+            .connect_timeout(timeout.min(Duration::from_secs(10)))
+            .redirect(reqwest::redirect::Policy::limited(MAX_REDIRECTS))
+            .build()
+            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+        Ok(Self { http, max_bytes })
+    }
+
+    pub async fn fetch(&self, url: &NormalizedUrl, validators: &Validators) -> FetchOutcome {
+        let mut request = self.http.get(url.as_str());
+        if let Some(etag) = &validators.etag {
+            request = request.header(reqwest::header::IF_NONE_MATCH, etag);
+        }
+        if let Some(since) = &validators.last_modified {
+            request = request.header(reqwest::header::IF_MODIFIED_SINCE, since);
+        }
+        let mut response = match request.send().await {
+            Ok(r) => r,
+            Err(e) => return classify_error(&e),
+        };
+        let status = response.status().as_u16();
+        let header = |name: reqwest::header::HeaderName| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        match status {
+            304 => return FetchOutcome::NotModified,
+            404 | 410 => return FetchOutcome::Gone { status },
+            429 | 503 => {
+                let retry_after = header(reqwest::header::RETRY_AFTER)
+                    .and_then(|v| parse_retry_after(&v, Utc::now()));
+                return FetchOutcome::Throttled {
+                    status,
+                    retry_after,
+                };
+            }
+            408 => {
+                return FetchOutcome::Transient {
+                    reason: "HTTP 408".into(),
+                }
+            }
+            s if (400..500).contains(&s) => {
+                return FetchOutcome::Permanent {
+                    reason: format!("HTTP {s}"),
+                }
+            }
+            s if !(200..300).contains(&s) => {
+                return FetchOutcome::Transient {
+                    reason: format!("HTTP {s}"),
+                }
+            }
+            _ => {}
+        }
+        let content_type = header(reqwest::header::CONTENT_TYPE).unwrap_or_default();
+        let essence = content_type
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        if !essence.is_empty() && essence != "text/html" && essence != "application/xhtml+xml" {
+            return FetchOutcome::Skipped {
+                reason: format!("not HTML ({essence})"),
+            };
+        }
+        let (etag, last_modified) = (
+            header(reqwest::header::ETAG),
+            header(reqwest::header::LAST_MODIFIED),
+        );
+        let final_url =
+            NormalizedUrl::parse(response.url().as_str()).unwrap_or_else(|_| url.clone());
+        if response
+            .content_length()
+            .is_some_and(|len| len > self.max_bytes as u64)
+        {
+            return self.too_large();
+        }
+        let mut body = Vec::new();
+        loop {
+            match response.chunk().await {
+                Ok(Some(chunk)) => {
+                    if body.len() + chunk.len() > self.max_bytes {
+                        return self.too_large();
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(None) => break,
+                Err(e) => return classify_error(&e),
+            }
+        }
+        FetchOutcome::Ok(Page {
+            url: final_url,
+            body: String::from_utf8_lossy(&body).into_owned(),
+            etag,
+            last_modified,
+        })
+    }
+
+    fn too_large(&self) -> FetchOutcome {
+        FetchOutcome::Permanent {
+            reason: format!("body larger than {} bytes (cut off)", self.max_bytes),
+        }
+    }
+}
+
+fn classify_error(e: &reqwest::Error) -> FetchOutcome {
+    if e.is_timeout() {
+        FetchOutcome::Timeout
+    } else if e.is_redirect() {
+        FetchOutcome::Permanent {
+            reason: format!("more than {MAX_REDIRECTS} redirects"),
+        }
+    } else if e.is_builder() {
+        FetchOutcome::Permanent {
+            reason: format!("invalid request: {e}"),
+        }
+    } else {
+        FetchOutcome::Transient {
+            reason: e.to_string(),
+        }
+    }
+}
+
+/// `Retry-After`: delay-seconds or an HTTP date (RFC 9110 §10.2.3).
+pub fn parse_retry_after(value: &str, now: DateTime<Utc>) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds.min(24 * 3600)));
+    }
+    let date = DateTime::parse_from_rfc2822(&value.replace("GMT", "+0000")).ok()?;
+    Some(
+        (date.with_timezone(&Utc) - now)
+            .to_std()
+            .unwrap_or(Duration::ZERO)
+            .min(Duration::from_secs(24 * 3600)),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    #[test]
+    fn retry_after_reads_seconds_and_dates() {
+        let now = Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap();
+        assert_eq!(parse_retry_after("2", now), Some(Duration::from_secs(2)));
+        assert_eq!(
+            parse_retry_after("Mon, 30 Nov 2026 12:00:30 GMT", now),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            parse_retry_after("Mon, 30 Nov 2026 11:00:00 GMT", now),
+            Some(Duration::ZERO),
+            "a past date: now"
+        );
+        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(
+            parse_retry_after("99999999", now),
+            Some(Duration::from_secs(24 * 3600)),
+            "capped at a day"
+        );
+    }
+}

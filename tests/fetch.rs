@@ -1,0 +1,188 @@
+//! Fetching crawl pages over real HTTP from the demo shop and its fault injection: each failure
+//! becomes the outcome its name says.
+
+use std::time::Duration;
+
+use seedlock::demo_site::{serve, SiteOptions};
+use seedlock::fetch::{FetchOutcome, PageFetcher, Validators, DEFAULT_MAX_PAGE_BYTES};
+use seedlock::urls::NormalizedUrl;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+async fn shop() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        serve(
+            listener,
+            SiteOptions {
+                lists: 2,
+                per_list: 3,
+                seed: 5,
+            },
+            CancellationToken::new(),
+        )
+        .await
+        .unwrap()
+    });
+    base
+}
+
+async fn faults(base: &str, rules: serde_json::Value) {
+    reqwest::Client::new()
+        .post(format!("{base}/__faults"))
+        .json(&rules)
+        .send()
+        .await
+        .unwrap();
+}
+
+fn url(s: &str) -> NormalizedUrl {
+    NormalizedUrl::parse(s).unwrap()
+}
+
+fn fetcher(timeout: Duration) -> PageFetcher {
+    PageFetcher::new("seedlock-test", timeout, DEFAULT_MAX_PAGE_BYTES).unwrap()
+}
+
+#[tokio::test]
+async fn pages_come_with_validators_and_conditional_gets_answer_not_modified() {
+    let base = shop().await;
+    let truth: serde_json::Value = reqwest::get(format!("{base}/__truth"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let sku = truth["products"][0]["sku"].as_str().unwrap();
+    let f = fetcher(Duration::from_secs(5));
+    let page = match f
+        .fetch(
+            &url(&format!("{base}/product/{sku}")),
+            &Validators::default(),
+        )
+        .await
+    {
+        FetchOutcome::Ok(page) => page,
+        other => panic!("expected a page, got {other:?}"),
+    };
+    assert!(page.body.contains(sku));
+    let validators = Validators {
+        etag: page.etag.clone(),
+        last_modified: None,
+    };
+    assert!(validators.etag.is_some());
+    assert_eq!(
+        f.fetch(&page.url, &validators).await,
+        FetchOutcome::NotModified
+    );
+    let by_date = Validators {
+        etag: None,
+        last_modified: page.last_modified.clone(),
+    };
+    assert_eq!(
+        f.fetch(&page.url, &by_date).await,
+        FetchOutcome::NotModified
+    );
+}
+
+#[tokio::test]
+async fn every_failure_has_its_outcome() {
+    let base = shop().await;
+    faults(
+        &base,
+        json!([
+            {"path": "/list/2", "status": 429, "retry_after": "2"},
+            {"path": "/busy", "status": 503},
+            {"path": "/broken", "status": 500},
+            {"path": "/huge", "huge_body_bytes": DEFAULT_MAX_PAGE_BYTES + 1},
+            {"path": "/loop", "redirect_loop": true},
+            {"path": "/slow", "latency_ms": 2000},
+            {"path": "/forbidden", "status": 403}
+        ]),
+    )
+    .await;
+    let f = fetcher(Duration::from_millis(500));
+    let get = |p: &str| url(&format!("{base}{p}"));
+    assert_eq!(
+        f.fetch(&get("/list/2"), &Validators::default()).await,
+        FetchOutcome::Throttled {
+            status: 429,
+            retry_after: Some(Duration::from_secs(2))
+        }
+    );
+    assert_eq!(
+        f.fetch(&get("/busy"), &Validators::default()).await,
+        FetchOutcome::Throttled {
+            status: 503,
+            retry_after: None
+        }
+    );
+    assert!(matches!(
+        f.fetch(&get("/broken"), &Validators::default()).await,
+        FetchOutcome::Transient { .. }
+    ));
+    match f.fetch(&get("/huge"), &Validators::default()).await {
+        FetchOutcome::Permanent { reason } => {
+            assert!(reason.contains("body larger than"), "{reason}")
+        }
+        other => panic!("a body over the cap fails: {other:?}"),
+    }
+    match f.fetch(&get("/loop"), &Validators::default()).await {
+        FetchOutcome::Permanent { reason } => assert!(reason.contains("redirects"), "{reason}"),
+        other => panic!("a redirect loop fails: {other:?}"),
+    }
+    assert_eq!(
+        f.fetch(&get("/slow"), &Validators::default()).await,
+        FetchOutcome::Timeout
+    );
+    assert_eq!(
+        f.fetch(&get("/product/SKU-0000000"), &Validators::default())
+            .await,
+        FetchOutcome::Gone { status: 404 }
+    );
+    assert_eq!(
+        f.fetch(&get("/forbidden"), &Validators::default()).await,
+        FetchOutcome::Permanent {
+            reason: "HTTP 403".into()
+        }
+    );
+    assert!(
+        matches!(
+            f.fetch(&get("/seeds.json"), &Validators::default()).await,
+            FetchOutcome::Skipped { .. }
+        ),
+        "JSON is not HTML"
+    );
+    assert!(matches!(
+        f.fetch(&url("http://127.0.0.1:1/x"), &Validators::default())
+            .await,
+        FetchOutcome::Transient { .. }
+    ));
+}
+
+#[tokio::test]
+async fn invalid_utf8_is_read_lossily() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().route(
+        "/latin1",
+        axum::routing::get(|| async {
+            (
+                [("content-type", "text/html")],
+                b"<div class=sku>caf\xe9</div>".to_vec(),
+            )
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    match fetcher(Duration::from_secs(5))
+        .fetch(
+            &url(&format!("http://{addr}/latin1")),
+            &Validators::default(),
+        )
+        .await
+    {
+        FetchOutcome::Ok(page) => assert_eq!(page.body, "<div class=sku>caf\u{fffd}</div>"),
+        other => panic!("expected a page, got {other:?}"),
+    }
+}
