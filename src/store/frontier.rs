@@ -116,9 +116,9 @@ impl Store {
         Ok(())
     }
 
-    /// Adds `urls` to pass `pass` in one round trip: new URLs are inserted pending; URLs last
-    /// crawled in an earlier pass become pending again; URLs already in this pass are left alone.
-    /// Returns how many were added or reset.
+    /// Adds `urls` to pass `pass`, one round trip per 1,000 URLs: new URLs are inserted pending;
+    /// URLs last crawled in an earlier pass become pending again; URLs already in this pass are
+    /// left alone. Returns how many were added or reset.
     pub async fn enqueue(
         &self,
         bot: &BotId,
@@ -127,9 +127,6 @@ impl Store {
         urls: &[NormalizedUrl],
         now: DateTime<Utc>,
     ) -> Result<u64> {
-        if urls.is_empty() {
-            return Ok(0);
-        }
         // A page may carry many links: send them in chunks well under the server's limits
         // (100,000 statements, 16 MiB) so no page is too large to enqueue.
         let mut total = 0;

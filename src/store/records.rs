@@ -24,6 +24,17 @@ use crate::ids::BotId;
 
 pub const RECORDS: &str = "records";
 
+/// Runs a driver action inside `session` when there is one (the transaction path), plainly
+/// otherwise.
+macro_rules! in_session {
+    ($action:expr, $session:expr) => {
+        match $session.as_deref_mut() {
+            Some(s) => $action.session(s).await,
+            None => $action.await,
+        }
+    };
+}
+
 /// `records._id`: the same item gets the same id on every instance, every run.
 pub fn record_id(source: &str, natural_key: &str) -> String {
     crate::ids::sha256_hex(&[source.as_bytes(), &[0], natural_key.as_bytes()], 16)
@@ -175,10 +186,7 @@ impl Store {
         let records = self.records();
         for _ in 0..5 {
             let find = records.find_one(doc! { "_id": &id });
-            let existing = match session.as_deref_mut() {
-                Some(s) => find.session(s).await?,
-                None => find.await?,
-            };
+            let existing = in_session!(find, session)?;
             match existing {
                 None => {
                     let full = doc! {
@@ -188,10 +196,7 @@ impl Store {
                         "lastSeenPass": lease.pass, "removedAt": Bson::Null, "fetchedAt": fetched_at.clone(),
                     };
                     let insert = records.insert_one(full);
-                    let inserted = match session.as_deref_mut() {
-                        Some(s) => insert.session(s).await,
-                        None => insert.await,
-                    };
+                    let inserted = in_session!(insert, session);
                     match inserted {
                         Ok(_) => return Ok(RecordWrite::Inserted),
                         // Another worker inserted it first: read it and decide again.
@@ -217,10 +222,7 @@ impl Store {
                             "fetchedAt": fetched_at.clone(), "lastSeenPass": lease.pass, "lastSeen": now_b.clone(),
                         } };
                         let update = records.update_one(filter, seen);
-                        let result = match session.as_deref_mut() {
-                            Some(s) => update.session(s).await?,
-                            None => update.await?,
-                        };
+                        let result = in_session!(update, session)?;
                         if result.matched_count == 1 {
                             return Ok(RecordWrite::Unchanged);
                         }
@@ -240,10 +242,7 @@ impl Store {
                         set.insert("lastChanged", now_b.clone());
                     }
                     let update = records.update_one(filter, doc! { "$set": set });
-                    let result = match session.as_deref_mut() {
-                        Some(s) => update.session(s).await?,
-                        None => update.await?,
-                    };
+                    let result = in_session!(update, session)?;
                     if result.matched_count == 1 {
                         return Ok(if changed {
                             RecordWrite::Changed
