@@ -23,6 +23,55 @@ pub struct StatusRow {
     pub failed_refreshes: i64,
     pub last_error: Option<String>,
     pub problems: Vec<String>,
+    /// The current crawl pass, for bots that crawl (filled in by [`with_pass`]).
+    pub crawl: Option<CrawlColumns>,
+}
+
+/// A crawl pass as `status` shows it.
+#[derive(Debug, Clone, serde::Serialize, PartialEq)]
+pub struct CrawlColumns {
+    pub pass: i64,
+    pub finished: bool,
+    pub done: u64,
+    pub pending: u64,
+    pub leased: u64,
+    pub failed: u64,
+    /// Pages finished (done or failed) per second since the pass started.
+    pub pages_per_second: f64,
+    pub oldest_pending_seconds: Option<i64>,
+}
+
+/// Adds a pass report to its bot's row.
+pub fn with_pass(
+    row: &mut StatusRow,
+    report: &crate::store::passes::PassReport,
+    now: DateTime<Utc>,
+) {
+    if report.pass == 0 {
+        return;
+    }
+    let p = report.progress;
+    let elapsed = report
+        .started_at
+        .map(|s| (report.ended_at.unwrap_or(now) - s).num_milliseconds())
+        .unwrap_or(0);
+    let finished_pages = (p.done + p.failed) as f64;
+    row.crawl = Some(CrawlColumns {
+        pass: report.pass,
+        finished: report.ended_at.is_some(),
+        done: p.done,
+        pending: p.pending,
+        leased: p.leased,
+        failed: p.failed,
+        pages_per_second: if elapsed > 0 {
+            (finished_pages * 1000.0 / elapsed as f64 * 10.0).round() / 10.0
+        } else {
+            0.0
+        },
+        oldest_pending_seconds: report
+            .oldest_pending
+            .map(|t| (now - t).num_seconds().max(0)),
+    });
 }
 
 /// Builds rows for every document read, plus configured bots that have no document yet.
@@ -61,6 +110,7 @@ pub fn status_rows(
                     failed_refreshes: doc.failed_refreshes,
                     last_error: doc.last_error,
                     problems: Vec::new(),
+                    crawl: None,
                 }
             }
             Observed::Malformed { problems, .. } => StatusRow {
@@ -75,6 +125,7 @@ pub fn status_rows(
                 failed_refreshes: 0,
                 last_error: Some(format!("malformed: {}", problems.join("; "))),
                 problems,
+                crawl: None,
             },
             Observed::Missing => unreachable!("built from a document"),
         };
@@ -94,6 +145,7 @@ pub fn status_rows(
                 failed_refreshes: 0,
                 last_error: None,
                 problems: Vec::new(),
+                crawl: None,
             });
         }
     }
@@ -122,6 +174,10 @@ pub fn render_table(rows: &[StatusRow]) -> String {
         "EXPIRES IN",
         "SEEDS",
         "LAST REFRESH",
+        "PASS",
+        "DONE/PENDING/LEASED/FAILED",
+        "PAGES/S",
+        "OLDEST PENDING",
         "LAST ERROR",
     ];
     let cells: Vec<Vec<String>> = rows
@@ -136,6 +192,20 @@ pub fn render_table(rows: &[StatusRow]) -> String {
                 seconds(r.expires_in_seconds),
                 r.seeds.to_string(),
                 r.last_refresh.clone().unwrap_or_else(|| "-".into()),
+                r.crawl.as_ref().map_or("-".into(), |c| {
+                    format!("{}{}", c.pass, if c.finished { " (done)" } else { "" })
+                }),
+                r.crawl.as_ref().map_or("-".into(), |c| {
+                    format!("{}/{}/{}/{}", c.done, c.pending, c.leased, c.failed)
+                }),
+                r.crawl
+                    .as_ref()
+                    .map_or("-".into(), |c| format!("{:.1}", c.pages_per_second)),
+                seconds(
+                    r.crawl
+                        .as_ref()
+                        .and_then(|c| c.oldest_pending_seconds.map(|s| -s)),
+                ),
                 r.last_error
                     .as_deref()
                     .map(|e| one_line(e, 80))

@@ -174,8 +174,13 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
     match daemon::run(settings, mode, shutdown).await {
         Ok(summaries) => {
             for s in summaries {
+                let pass = if s.pass > 0 {
+                    format!(" pass={} finished", s.pass)
+                } else {
+                    String::new()
+                };
                 println!(
-                    "{} ready epoch={} seeds={} digest={}",
+                    "{} ready epoch={} seeds={} digest={}{pass}",
                     s.bot, s.epoch, s.seeds, s.seeds_digest
                 );
             }
@@ -219,7 +224,30 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
         Err(e) => return fail(EXIT_FAILED, e),
     };
     let configured: Vec<BotId> = settings.bots.iter().map(|b| b.id.clone()).collect();
-    let rows = crate::admin::status_rows(docs, &configured, clock.now());
+    let now = clock.now();
+    let passes: Vec<(String, i64, Option<_>, Option<_>)> = docs
+        .iter()
+        .filter_map(|raw| match crate::document::BotDoc::parse(raw) {
+            Ok(doc) if doc.crawl_pass > 0 => Some((
+                doc.id.to_string(),
+                doc.crawl_pass,
+                doc.crawl_pass_started_at,
+                doc.crawl_pass_ended_at,
+            )),
+            _ => None,
+        })
+        .collect();
+    let mut rows = crate::admin::status_rows(docs, &configured, now);
+    for (bot, pass, started, ended) in passes {
+        let Ok(id) = BotId::parse(&bot) else { continue };
+        let report = match store.pass_report(&id, pass, started, ended).await {
+            Ok(r) => r,
+            Err(e) => return fail(EXIT_FAILED, e),
+        };
+        if let Some(row) = rows.iter_mut().find(|r| r.bot == bot) {
+            crate::admin::with_pass(row, &report, now);
+        }
+    }
     if json {
         print!("{}", crate::admin::render_json(&rows));
     } else {

@@ -33,6 +33,7 @@ pub struct Settings {
     pub instance_id: InstanceId,
     pub lock: LockSettings,
     pub refresh: RefreshLimits,
+    pub crawl: CrawlLimits,
     pub http_listen: Option<String>,
     pub log: LogSettings,
     pub bots: Vec<BotSettings>,
@@ -66,6 +67,40 @@ pub struct RefreshLimits {
     pub backoff_max: Duration,
     pub sitemap_depth: u32,
     pub user_agent: String,
+}
+
+/// `[crawl]`: how every bot's crawl runs on this instance.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CrawlLimits {
+    /// Pages one instance fetches at once per bot (its in-flight cap).
+    pub workers: usize,
+    /// How long a leased URL stays this worker's: sized to the slowest normal fetch.
+    pub lease: Duration,
+    /// Per page fetch.
+    pub timeout: Duration,
+    pub max_page_bytes: usize,
+    /// Fetches of one URL per pass before it is recorded failed.
+    pub attempts: u32,
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+    pub transactions: Transactions,
+    /// Deletion detection needs at least this share of the pass's listing pages done …
+    pub min_coverage: f64,
+    /// … and at most this share of its pages failed.
+    pub max_error_rate: f64,
+    pub user_agent: String,
+}
+
+/// `crawl.transactions`: how a page's record and its done mark commit together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transactions {
+    /// In a transaction when the server supports them (probed at start-up), else ordered writes.
+    Auto,
+    /// Always in a transaction; start-up fails when the server has none.
+    On,
+    /// Never: record first (guarded by lease time), then the fenced done mark.
+    Off,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
@@ -163,6 +198,8 @@ struct RawConfig {
     #[serde(default)]
     refresh: RawRefresh,
     #[serde(default)]
+    crawl: RawCrawlLimits,
+    #[serde(default)]
     http: RawHttp,
     #[serde(default)]
     log: RawLog,
@@ -246,6 +283,97 @@ impl Default for RawRefresh {
 
 #[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
+struct RawCrawlLimits {
+    workers: u32,
+    lease: String,
+    timeout: String,
+    max_page_bytes: u64,
+    attempts: u32,
+    backoff_base: String,
+    backoff_max: String,
+    transactions: Transactions,
+    min_coverage: f64,
+    max_error_rate: f64,
+}
+
+impl Default for RawCrawlLimits {
+    fn default() -> Self {
+        Self {
+            workers: 4,
+            lease: "60s".into(),
+            timeout: "30s".into(),
+            max_page_bytes: crate::fetch::DEFAULT_MAX_PAGE_BYTES as u64,
+            attempts: 3,
+            backoff_base: "1s".into(),
+            backoff_max: "5m".into(),
+            transactions: Transactions::Auto,
+            min_coverage: 0.95,
+            max_error_rate: 0.05,
+        }
+    }
+}
+
+impl RawCrawlLimits {
+    fn validate(&self, user_agent: &str) -> Result<CrawlLimits, String> {
+        if self.workers == 0 || self.workers > 256 {
+            return Err(format!(
+                "key `crawl.workers`: {} must be between 1 and 256",
+                self.workers
+            ));
+        }
+        if self.attempts == 0 || self.attempts > 20 {
+            return Err(format!(
+                "key `crawl.attempts`: {} must be between 1 and 20",
+                self.attempts
+            ));
+        }
+        if self.max_page_bytes == 0 {
+            return Err("key `crawl.max_page_bytes`: must be greater than zero".into());
+        }
+        for (key, share) in [
+            ("crawl.min_coverage", self.min_coverage),
+            ("crawl.max_error_rate", self.max_error_rate),
+        ] {
+            if !(0.0..=1.0).contains(&share) {
+                return Err(format!(
+                    "key `{key}`: {share} must be a share between 0 and 1"
+                ));
+            }
+        }
+        let lease = positive("crawl.lease", &self.lease)?;
+        let timeout = positive("crawl.timeout", &self.timeout)?;
+        if timeout >= lease {
+            return Err(format!(
+                "key `crawl.lease`: {} must be longer than crawl.timeout ({}), or a slow fetch outlives its lease",
+                humantime::format_duration(lease),
+                humantime::format_duration(timeout)
+            ));
+        }
+        let backoff_base = positive("crawl.backoff_base", &self.backoff_base)?;
+        let backoff_max = positive("crawl.backoff_max", &self.backoff_max)?;
+        if backoff_max < backoff_base {
+            return Err(
+                "key `crawl.backoff_max`: must not be shorter than crawl.backoff_base".into(),
+            );
+        }
+        Ok(CrawlLimits {
+            workers: self.workers as usize,
+            lease,
+            timeout,
+            max_page_bytes: usize::try_from(self.max_page_bytes).unwrap_or(usize::MAX),
+            attempts: self.attempts,
+            backoff_base,
+            backoff_max,
+            transactions: self.transactions,
+            min_coverage: self.min_coverage,
+            max_error_rate: self.max_error_rate,
+            user_agent: user_agent.to_owned(),
+        })
+    }
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
 struct RawHttp {
     listen: String,
 }
@@ -316,6 +444,7 @@ struct RawList {
     item_link: String,
     #[serde(default)]
     fingerprint: Vec<String>,
+    updated_at: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Serialize)]
@@ -400,6 +529,11 @@ impl RawCrawl {
                     .iter()
                     .map(|f| ValueSpec::parse(f).map_err(named("list.fingerprint")))
                     .collect::<Result<_, _>>()?,
+                updated_at: l
+                    .updated_at
+                    .as_deref()
+                    .map(|u| ValueSpec::parse(u).map_err(named("list.updated_at")))
+                    .transpose()?,
             }),
         };
         let record = match self.record {
@@ -443,6 +577,21 @@ impl RawCrawl {
                 ))
             }
         };
+        if mode != IncrementalMode::Full && list.is_none() {
+            return Err(format!(
+                "key `{}`: {:?} needs a [bots.crawl.list] section (or use \"full\")",
+                key("incremental.mode"),
+                self.incremental.mode
+            ));
+        }
+        if mode == IncrementalMode::UpdatedAt
+            && list.as_ref().is_some_and(|l| l.updated_at.is_none())
+        {
+            return Err(format!(
+                "key `{}`: \"updated_at\" needs `list.updated_at` (where an item shows when it changed)",
+                key("incremental.mode")
+            ));
+        }
         let overlap = duration(&key("incremental.overlap"), &self.incremental.overlap)?;
         if overlap > MAX_DURATION {
             return Err(format!(
@@ -510,6 +659,7 @@ impl Settings {
             instance: RawInstance::default(),
             lock: RawLock::default(),
             refresh: RawRefresh::default(),
+            crawl: RawCrawlLimits::default(),
             http: RawHttp::default(),
             log: RawLog::default(),
             bots: Vec::new(),
@@ -586,6 +736,7 @@ impl RawConfig {
         };
         let lock = self.lock.validate()?;
         let refresh = self.refresh.validate()?;
+        let crawl = self.crawl.validate(&refresh.user_agent)?;
         let listen = self.http.listen.trim();
         let http_listen = if listen.is_empty() || listen == "off" {
             None
@@ -615,6 +766,7 @@ impl RawConfig {
             instance_id,
             lock,
             refresh,
+            crawl,
             http_listen,
             log: LogSettings {
                 format: self.log.format,

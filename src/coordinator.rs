@@ -16,6 +16,7 @@ use tracing::{debug, error, info, warn};
 use crate::backoff::{full_jitter, jittered};
 use crate::clock::ServerClock;
 use crate::config::{BotSettings, LockSettings, OnRefreshFailure};
+use crate::crawl::{CrawlContext, Crawler, PassState, SliceEnd};
 use crate::decide::{decide, BotState, Claim, Decision, Me, Policy};
 use crate::document::Observed;
 use crate::error::{Error, Result};
@@ -36,13 +37,20 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Backoff for failed refreshes (`refresh.backoff_base` / `backoff_max`).
     pub refresh_backoff: (Duration, Duration),
+    /// What crawling bots need (`None`: bots only keep their seeds fresh).
+    pub crawl: Option<CrawlContext>,
 }
 
 /// The result of one [`BotRunner::step`].
 #[derive(Debug, PartialEq)]
 pub enum StepOutcome {
-    /// The bot is ready; crawl on its seeds.
-    Ready { seeds: usize, epoch: i64 },
+    /// The bot is ready; crawl on its seeds. `pass` is the crawl's state (`None` for a bot
+    /// without `[bots.crawl]`).
+    Ready {
+        seeds: usize,
+        epoch: i64,
+        pass: Option<PassState>,
+    },
     /// Nothing to do before `until` or a change of the document.
     Wait {
         until: Option<DateTime<Utc>>,
@@ -84,6 +92,20 @@ pub struct BotRunner {
     policy: Policy,
     ctx: Arc<Context>,
     wake: Arc<Notify>,
+    crawler: Option<Arc<Crawler>>,
+}
+
+/// How one crawl turn of a ready bot ended.
+enum CrawlTurn {
+    /// This instance started the bot's first pass (or lost that race): read the document again.
+    Started,
+    /// The pass is over (now or before).
+    Finished,
+    /// Nothing to lease here right now; others hold the rest of the pass.
+    Idle,
+    /// The slice ran out; read the document again (a refresh may be due).
+    TimeUp,
+    Shutdown,
 }
 
 /// How a refresh under the lock ended, before its last write.
@@ -110,11 +132,18 @@ impl BotRunner {
             refresh: bot.refresh,
             max_refresh: ctx.lock.max_refresh,
         };
+        let crawler = match (&bot.crawl, &ctx.crawl) {
+            (Some(rules), Some(crawl)) => {
+                Some(Arc::new(Crawler::new(bot.id.clone(), rules.clone(), crawl)))
+            }
+            _ => None,
+        };
         Self {
             bot,
             policy,
             ctx,
             wake: Arc::new(Notify::new()),
+            crawler,
         }
     }
 
@@ -150,6 +179,7 @@ impl BotRunner {
                 Ok(StepOutcome::Ready {
                     seeds: doc.seeds.len(),
                     epoch: doc.lock_epoch.get(),
+                    pass: self.crawler.as_ref().map(|_| PassState::of(&doc)),
                 })
             }
             Decision::Initialize => {
@@ -339,10 +369,29 @@ impl BotRunner {
         let ctx = &self.ctx;
         let id = &self.bot.id;
         let mut attempt = 0;
+        // A crawling bot's refresh starts its next pass: seeds enqueued first, then the same
+        // fenced write that stores them records the pass.
+        let mut new_pass = None;
         loop {
             let now = ctx.clock.now();
             let result = match &finish {
-                Finish::Complete(seeds) => ctx.store.complete(&lease, seeds, now).await,
+                Finish::Complete(seeds) => {
+                    let prepared = match (&self.crawler, new_pass) {
+                        (Some(crawler), None) => ctx
+                            .store
+                            .prepare_pass(id, lease.crawl_pass, &crawler.seed_urls(seeds), now)
+                            .await
+                            .map(Some),
+                        (_, prepared) => Ok(prepared),
+                    };
+                    match prepared {
+                        Ok(pass) => {
+                            new_pass = pass;
+                            ctx.store.complete(&lease, seeds, now, pass).await
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
                 Finish::Fail(error) => {
                     let (base, cap) = ctx.refresh_backoff;
                     let exponent = u32::try_from(lease.failed_refreshes.clamp(0, 20)).unwrap_or(20);
@@ -390,7 +439,7 @@ impl BotRunner {
         let epoch = lease.epoch.get();
         Ok(match finish {
             Finish::Complete(seeds) => {
-                info!(bot = %id, epoch, seeds = seeds.len(), "seeds refreshed; bot is ready");
+                info!(bot = %id, epoch, seeds = seeds.len(), pass = new_pass, "seeds refreshed; bot is ready");
                 ctx.metrics.refresh_finished(id, "ok", timer.elapsed());
                 StepOutcome::Refreshed {
                     seeds: seeds.len(),
@@ -427,6 +476,43 @@ impl BotRunner {
                 break RunEnd::Shutdown;
             }
             let outcome = match self.step(shutdown).await {
+                Ok(StepOutcome::Ready {
+                    seeds,
+                    epoch,
+                    pass: Some(pass),
+                }) => {
+                    if let Some(since) = waiting_since.take() {
+                        ctx.metrics.waited(id, since.elapsed());
+                    }
+                    match self.crawl_turn(pass, shutdown).await {
+                        Ok(turn) => {
+                            if db_failures > 0 {
+                                info!(bot = %id, after = db_failures, "database reachable again");
+                            }
+                            db_failures = 0;
+                            let pause = match turn {
+                                CrawlTurn::Finished if until == Until::Ready => {
+                                    break RunEnd::Ready { seeds, epoch };
+                                }
+                                CrawlTurn::Shutdown => break RunEnd::Shutdown,
+                                CrawlTurn::Started | CrawlTurn::TimeUp => None,
+                                // Others hold the rest of the pass: look again soon.
+                                CrawlTurn::Idle => Some(jittered(poll / 4, 0.2)),
+                                CrawlTurn::Finished => Some(jittered(poll, 0.2)),
+                            };
+                            if let Some(delay) = pause {
+                                if self.pause(delay, shutdown).await {
+                                    break RunEnd::Shutdown;
+                                }
+                            }
+                            continue;
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
+                other => other,
+            };
+            let outcome = match outcome {
                 Ok(outcome) => {
                     if db_failures > 0 {
                         info!(bot = %id, after = db_failures, "database reachable again");
@@ -453,7 +539,8 @@ impl BotRunner {
                 }
             };
             match outcome {
-                StepOutcome::Ready { seeds, epoch } | StepOutcome::Refreshed { seeds, epoch } => {
+                StepOutcome::Ready { seeds, epoch, .. }
+                | StepOutcome::Refreshed { seeds, epoch } => {
                     if let Some(since) = waiting_since.take() {
                         ctx.metrics.waited(id, since.elapsed());
                     }
@@ -499,6 +586,40 @@ impl BotRunner {
         stop_watcher.cancel();
         let _ = watcher.await;
         end
+    }
+
+    /// One crawl turn of a ready bot: start its first pass, or crawl its current pass for a
+    /// slice (bounded, so a due refresh is noticed), or see it finished.
+    async fn crawl_turn(&self, pass: PassState, shutdown: &CancellationToken) -> Result<CrawlTurn> {
+        let Some(crawler) = &self.crawler else {
+            return Ok(CrawlTurn::Finished);
+        };
+        let ctx = &self.ctx;
+        match pass {
+            PassState::Finished { .. } => Ok(CrawlTurn::Finished),
+            PassState::NotStarted { seeds, current } => {
+                let seeds = crawler.seed_urls(&seeds);
+                if let Some(pass) = ctx
+                    .store
+                    .start_pass(crawler.bot(), current, &seeds, ctx.clock.now())
+                    .await?
+                {
+                    info!(bot = %crawler.bot(), pass, seeds = seeds.len(), "started the first crawl pass");
+                }
+                Ok(CrawlTurn::Started)
+            }
+            PassState::Running(pass) => {
+                ctx.metrics.crawling(crawler.bot(), pass.number);
+                let slice =
+                    (ctx.lock.poll * 10).clamp(Duration::from_secs(5), Duration::from_secs(60));
+                Ok(match crawler.crawl_for(&pass, slice, shutdown).await? {
+                    SliceEnd::Finished(_) => CrawlTurn::Finished,
+                    SliceEnd::Idle => CrawlTurn::Idle,
+                    SliceEnd::TimeUp => CrawlTurn::TimeUp,
+                    SliceEnd::Shutdown => CrawlTurn::Shutdown,
+                })
+            }
+        }
     }
 
     /// Sleeps up to `delay`, waking early on a change of the document. True if shutdown arrived.

@@ -10,9 +10,11 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::clock::{LocalClock, ServerClock};
-use crate::config::Settings;
+use crate::config::{Settings, Transactions};
 use crate::coordinator::{BotRunner, Context, RunEnd, Until};
+use crate::crawl::CrawlContext;
 use crate::document::Observed;
+use crate::fetch::PageFetcher;
 use crate::ids::BotId;
 use crate::metrics::Metrics;
 use crate::seeds::SeedFetcher;
@@ -53,6 +55,8 @@ pub struct BotSummary {
     pub seeds: usize,
     /// SHA-256 of the seed list (in order), so several instances can show they agree.
     pub seeds_digest: String,
+    /// The crawl pass the bot is on (0: the bot does not crawl).
+    pub pass: i64,
 }
 
 /// Connects to the database and syncs the server clock: what every command needs first.
@@ -85,15 +89,22 @@ pub async fn run(
     let (store, clock) = connect(&settings).await?;
     let fetcher = SeedFetcher::new(settings.refresh.clone()).map_err(RunError::Startup)?;
     let metrics = Arc::new(Metrics::new());
+    let started_at = clock.now();
+    let crawl = if settings.bots.iter().any(|b| b.crawl.is_some()) {
+        Some(crawl_context(&settings, &store, &clock, started_at, &metrics).await?)
+    } else {
+        None
+    };
     let ctx = Arc::new(Context {
         store: store.clone(),
         clock: clock.clone(),
         me: settings.instance_id.clone(),
-        started_at: clock.now(),
+        started_at,
         lock: settings.lock,
         fetcher,
         metrics: metrics.clone(),
         refresh_backoff: (settings.refresh.backoff_base, settings.refresh.backoff_max),
+        crawl,
     });
     info!(instance = %ctx.me, bots = settings.bots.len(), database = %settings.mongo.database, "seedlock starting");
 
@@ -151,6 +162,46 @@ pub async fn run(
     result
 }
 
+/// What crawling bots share: the page fetcher, the indexes, and `crawl.transactions` resolved
+/// against what the server supports.
+async fn crawl_context(
+    settings: &Settings,
+    store: &Store,
+    clock: &Arc<ServerClock>,
+    started_at: chrono::DateTime<chrono::Utc>,
+    metrics: &Arc<Metrics>,
+) -> Result<CrawlContext, RunError> {
+    let limits = settings.crawl.clone();
+    let fetcher = PageFetcher::new(&limits.user_agent, limits.timeout, limits.max_page_bytes)
+        .map_err(RunError::Startup)?;
+    let startup = |e: crate::error::Error| RunError::Startup(e.to_string());
+    store.ensure_frontier_indexes().await.map_err(startup)?;
+    store.ensure_record_indexes().await.map_err(startup)?;
+    let transactions = match limits.transactions {
+        Transactions::Off => false,
+        Transactions::Auto => store.supports_transactions().await.map_err(startup)?,
+        Transactions::On => {
+            if !store.supports_transactions().await.map_err(startup)? {
+                return Err(RunError::Startup(
+                    "key `crawl.transactions`: \"on\", but this server does not run transactions (a replica set or sharded cluster does); use \"auto\" or \"off\"".into(),
+                ));
+            }
+            true
+        }
+    };
+    info!(transactions, workers = limits.workers, "crawl settings");
+    Ok(CrawlContext {
+        store: store.clone(),
+        clock: clock.clone(),
+        me: settings.instance_id.clone(),
+        started_at,
+        limits,
+        fetcher,
+        transactions,
+        metrics: metrics.clone(),
+    })
+}
+
 async fn once(
     runs: Vec<(BotId, tokio::task::JoinHandle<RunEnd>)>,
     timeout: Duration,
@@ -194,6 +245,7 @@ async fn once(
                 seeds_digest: digest(&doc.seeds),
                 seeds: doc.seeds.len(),
                 epoch: doc.lock_epoch.get(),
+                pass: doc.crawl_pass,
                 bot,
             }),
             Ok(_) | Err(_) => warn!(%bot, "could not read the bot back for the summary"),

@@ -404,6 +404,10 @@ mod tests {
             failed_refreshes: 0,
             refresh_requested_at: None,
             retry_refresh_after: None,
+            crawl_pass: 0,
+            crawl_pass_started_at: None,
+            crawl_pass_ended_at: None,
+            crawl_last_run_at: None,
         }
     }
 

@@ -62,6 +62,8 @@ pub struct Product {
 struct Catalog {
     /// Newest first: the order of the listing pages.
     products: Vec<Product>,
+    /// Position of each SKU in `products` (rebuilt after every mutation).
+    by_sku: std::collections::HashMap<String, usize>,
     per_list: usize,
     rng: StdRng,
     next_sku: u64,
@@ -80,6 +82,7 @@ impl Catalog {
     fn new(options: &SiteOptions) -> Self {
         let mut catalog = Catalog {
             products: Vec::new(),
+            by_sku: Default::default(),
             per_list: options.per_list.max(1) as usize,
             rng: StdRng::seed_from_u64(options.seed),
             next_sku: 1,
@@ -91,6 +94,7 @@ impl Catalog {
         let mut initial: Vec<Product> = (0..total).map(|_| catalog.new_product(now)).collect();
         initial.reverse(); // the highest SKU is the newest
         catalog.products = initial;
+        catalog.reindex();
         catalog
     }
 
@@ -126,7 +130,16 @@ impl Catalog {
     }
 
     fn find(&self, sku: &str) -> Option<&Product> {
-        self.products.iter().find(|p| p.sku == sku)
+        self.by_sku.get(sku).map(|&i| &self.products[i])
+    }
+
+    fn reindex(&mut self) {
+        self.by_sku = self
+            .products
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.sku.clone(), i))
+            .collect();
     }
 
     /// Picks `k` distinct random positions (deterministic for the seed).
@@ -157,6 +170,7 @@ impl Catalog {
             report.added.push(product.sku.clone());
             self.products.insert(0, product);
         }
+        self.reindex();
         report
     }
 }
@@ -362,8 +376,9 @@ async fn list_page(State(c): State<Shared>, uri: Uri, Path(page): Path<String>) 
     let start = (page - 1) * catalog.per_list;
     for p in catalog.products.iter().skip(start).take(catalog.per_list) {
         body.push_str(&format!(
-            "<div class=\"item\" data-id=\"{sku}\"><a href=\"/product/{sku}\"><span class=\"title\">{title}</span></a> <span class=\"price\">{price}</span> <span class=\"status\">{status}</span></div>\n",
+            "<div class=\"item\" data-id=\"{sku}\" data-updated=\"{updated}\"><a href=\"/product/{sku}\"><span class=\"title\">{title}</span></a> <span class=\"price\">{price}</span> <span class=\"status\">{status}</span></div>\n",
             sku = p.sku,
+            updated = p.changed_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             title = html_escape(&p.title),
             price = html_escape(&p.price),
             status = html_escape(&p.status),

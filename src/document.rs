@@ -24,6 +24,11 @@ pub mod field {
     pub const REFRESH_REQUESTED_AT: &str = "refreshRequestedAt";
     pub const RETRY_AFTER: &str = "retryRefreshAfter";
     pub const HISTORY: &str = "history";
+    pub const CRAWL_PASS: &str = "crawlPass";
+    pub const CRAWL_PASS_STARTED_AT: &str = "crawlPassStartedAt";
+    pub const CRAWL_PASS_ENDED_AT: &str = "crawlPassEndedAt";
+    pub const CRAWL_LAST_RUN_AT: &str = "crawlLastRunAt";
+    pub const CRAWL_LAST_PASS: &str = "crawlLastPass";
 }
 
 /// How many transitions `history` keeps.
@@ -47,6 +52,13 @@ pub struct BotDoc {
     pub refresh_requested_at: Option<DateTime<Utc>>,
     /// After a failed refresh, no instance starts another before this (backoff shared by all).
     pub retry_refresh_after: Option<DateTime<Utc>>,
+    /// The bot's current crawl pass (0: none started yet).
+    pub crawl_pass: i64,
+    pub crawl_pass_started_at: Option<DateTime<Utc>>,
+    /// Set when the current pass finished; `None` while it runs.
+    pub crawl_pass_ended_at: Option<DateTime<Utc>>,
+    /// When the last completed pass started: `updated_at` mode re-reads from here − overlap.
+    pub crawl_last_run_at: Option<DateTime<Utc>>,
 }
 
 /// What one read of a bot's document found.
@@ -156,6 +168,22 @@ impl BotDoc {
         let lock_expires_at = date(field::LOCK_EXPIRES_AT);
         let refresh_requested_at = date(field::REFRESH_REQUESTED_AT);
         let retry_refresh_after = date(field::RETRY_AFTER);
+        let crawl_pass_started_at = date(field::CRAWL_PASS_STARTED_AT);
+        let crawl_pass_ended_at = date(field::CRAWL_PASS_ENDED_AT);
+        let crawl_last_run_at = date(field::CRAWL_LAST_RUN_AT);
+        let crawl_pass = match raw.get(field::CRAWL_PASS) {
+            None | Some(Bson::Null) => 0,
+            Some(v) => match integer(v) {
+                Some(n) if n >= 0 => n,
+                _ => {
+                    problems.push(format!(
+                        "crawlPass must be a non-negative integer, found {}",
+                        describe(Some(v))
+                    ));
+                    0
+                }
+            },
+        };
 
         if is_editing == Some(true) {
             if editing_by.is_none() {
@@ -188,6 +216,10 @@ impl BotDoc {
                     failed_refreshes,
                     refresh_requested_at,
                     retry_refresh_after,
+                    crawl_pass,
+                    crawl_pass_started_at,
+                    crawl_pass_ended_at,
+                    crawl_last_run_at,
                 })
             }
             _ => Err(problems),

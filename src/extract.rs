@@ -80,6 +80,8 @@ pub struct ListRules {
     pub item_id: ValueSpec,
     pub item_link: ValueSpec,
     pub fingerprint: Vec<ValueSpec>,
+    /// Where an item shows when it last changed (`updated_at` mode), RFC 3339 or an HTTP date.
+    pub updated_at: Option<ValueSpec>,
 }
 
 /// Detail pages: one record each.
@@ -127,6 +129,17 @@ pub struct ListItem {
     pub url: Option<NormalizedUrl>,
     /// The values the fingerprint names, joined: a change means the detail page changed.
     pub fingerprint: String,
+    /// When the item says it last changed (`list.updated_at`), if it says so readably.
+    pub updated_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// An item's change time: RFC 3339, or an HTTP date.
+pub fn parse_time(raw: &str) -> Option<chrono::DateTime<chrono::Utc>> {
+    use chrono::{DateTime, Utc};
+    DateTime::parse_from_rfc3339(raw.trim())
+        .or_else(|_| DateTime::parse_from_rfc2822(&raw.trim().replace("GMT", "+0000")))
+        .ok()
+        .map(|t| t.with_timezone(&Utc))
 }
 
 /// Everything read from one page.
@@ -177,10 +190,16 @@ pub fn extract(
                 .map(|spec| spec.read(item).unwrap_or_default())
                 .collect::<Vec<_>>()
                 .join("\u{1f}");
+            let updated_at = rules
+                .updated_at
+                .as_ref()
+                .and_then(|spec| spec.read(item))
+                .and_then(|raw| parse_time(&raw));
             data.items.push(ListItem {
                 id,
                 url,
                 fingerprint,
+                updated_at,
             });
         }
     }
@@ -238,6 +257,7 @@ mod tests {
                 ValueSpec::parse(".price").unwrap(),
                 ValueSpec::parse(".status").unwrap(),
             ],
+            updated_at: None,
         };
         let record = RecordRules {
             url_match: regex::Regex::new("/product/").unwrap(),

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod coordinator;
+pub mod crawl;
 pub mod daemon;
 pub mod decide;
 pub mod demo_site;

@@ -1,5 +1,6 @@
 //! Prometheus metrics: per-bot state, acquisitions, takeovers, leases lost, refresh outcomes and
-//! durations, waiting time, repairs. Served at `/metrics` by `http`.
+//! durations, waiting time, repairs; crawled pages by result, record writes by kind, URL leases
+//! lost, the current pass and finished passes. Served at `/metrics` by `http`.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
@@ -49,6 +50,11 @@ pub struct Metrics {
     refresh_duration: Seconds,
     wait_duration: Seconds,
     db_errors: Counter,
+    pages: Family<KindLabels, Counter>,
+    records: Family<KindLabels, Counter>,
+    url_leases_lost: Family<BotLabel, Counter>,
+    crawl_pass: Family<BotLabel, Gauge>,
+    passes_finished: Family<BotLabel, Counter>,
     /// Milliseconds after `started` of the last successful database round trip (for `/healthz`);
     /// monotonic, so a jumping wall clock cannot fake health.
     last_db_ok: AtomicI64,
@@ -125,7 +131,42 @@ impl Metrics {
             "Database operations that failed (transient ones are retried)",
             db_errors.clone(),
         );
+        let pages = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "crawl_pages",
+            "Pages this instance crawled, by result (stored, done, not_modified, skipped, gone, retry, failed)",
+            pages.clone(),
+        );
+        let records = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "crawl_records",
+            "Record writes by this instance, by kind (inserted, changed, unchanged, superseded)",
+            records.clone(),
+        );
+        let url_leases_lost = Family::<BotLabel, Counter>::default();
+        registry.register(
+            "crawl_url_leases_lost",
+            "Pages whose lease went to another worker before this instance committed them",
+            url_leases_lost.clone(),
+        );
+        let crawl_pass = Family::<BotLabel, Gauge>::default();
+        registry.register(
+            "crawl_pass",
+            "The crawl pass this instance last worked on for a bot",
+            crawl_pass.clone(),
+        );
+        let passes_finished = Family::<BotLabel, Counter>::default();
+        registry.register(
+            "crawl_passes_finished",
+            "Crawl passes whose end this instance recorded",
+            passes_finished.clone(),
+        );
         Self {
+            pages,
+            records,
+            url_leases_lost,
+            crawl_pass,
+            passes_finished,
             registry,
             bot_state,
             lock_epoch,
@@ -153,6 +194,26 @@ impl Metrics {
             bot: bot.to_string(),
             kind: kind.to_owned(),
         }
+    }
+
+    pub fn page_crawled(&self, bot: &BotId, result: &str) {
+        self.pages.get_or_create(&Self::kind(bot, result)).inc();
+    }
+
+    pub fn record_written(&self, bot: &BotId, kind: &str) {
+        self.records.get_or_create(&Self::kind(bot, kind)).inc();
+    }
+
+    pub fn url_lease_lost(&self, bot: &BotId) {
+        self.url_leases_lost.get_or_create(&Self::bot(bot)).inc();
+    }
+
+    pub fn crawling(&self, bot: &BotId, pass: i64) {
+        self.crawl_pass.get_or_create(&Self::bot(bot)).set(pass);
+    }
+
+    pub fn pass_finished(&self, bot: &BotId) {
+        self.passes_finished.get_or_create(&Self::bot(bot)).inc();
     }
 
     pub fn set_state(&self, bot: &BotId, state: BotState) {

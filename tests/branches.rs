@@ -118,7 +118,14 @@ async fn c_missing_document_is_created_then_refreshed() {
         StepOutcome::Refreshed { seeds: 2, epoch: 1 }
     );
     assert_eq!(f.seeds().await, SeedSourceServer::seeds_of_hit(1));
-    assert_eq!(f.step().await, StepOutcome::Ready { seeds: 2, epoch: 1 });
+    assert_eq!(
+        f.step().await,
+        StepOutcome::Ready {
+            seeds: 2,
+            epoch: 1,
+            pass: None
+        }
+    );
     assert_eq!(f.source.hits(), 1);
 }
 

@@ -129,7 +129,9 @@ async fn a_stale_holder_cannot_write_after_a_takeover() {
         ),
         (
             "complete",
-            store.complete(&old, &["http://stale/".into()], later).await,
+            store
+                .complete(&old, &["http://stale/".into()], later, None)
+                .await,
         ),
         ("fail", store.fail(&old, later, "x", later, true).await),
         ("release", store.release(&old, later, "x").await),
@@ -140,7 +142,7 @@ async fn a_stale_holder_cannot_write_after_a_takeover() {
         );
     }
     store
-        .complete(&new, &["http://fresh/".into()], later)
+        .complete(&new, &["http://fresh/".into()], later, None)
         .await
         .expect("the new holder's write lands");
     let doc = db.doc("shop").await.unwrap();
@@ -251,7 +253,7 @@ async fn admin_unlock_bumps_the_epoch_and_fences_the_holder() {
     );
     assert_eq!(db.epoch("shop").await, 2);
     let late = store
-        .complete(&holder, &["http://late/".into()], Utc::now())
+        .complete(&holder, &["http://late/".into()], Utc::now(), None)
         .await;
     assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
     let last = db.history("shop").await.pop().unwrap();

@@ -41,7 +41,7 @@ impl PageKind {
         }
     }
 
-    fn parse(s: &str) -> Option<Self> {
+    pub fn parse(s: &str) -> Option<Self> {
         match s {
             "seed" => Some(PageKind::Seed),
             "list" => Some(PageKind::List),
@@ -66,6 +66,33 @@ pub struct UrlLease {
     /// When this lease was taken (server time): a later lease of the same URL is always later,
     /// which orders the results of two workers without a transaction.
     pub leased_at: DateTime<Utc>,
+    /// The page's validators for a conditional GET: as stored when leased; the crawl replaces
+    /// them with the fetched page's before the done mark stores them.
+    pub validators: crate::fetch::Validators,
+    /// The listing fingerprint this URL was enqueued with (stored as `fingerprint` when done).
+    pub list_fingerprint: Option<String>,
+    /// The record this page produced last time it was crawled, if any.
+    pub record_id: Option<String>,
+}
+
+/// A URL to add to a pass.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewUrl {
+    pub url: NormalizedUrl,
+    pub kind: PageKind,
+    /// For detail pages found on a listing: the item's fingerprint there.
+    pub fingerprint: Option<String>,
+}
+
+/// What the frontier remembers of a detail page from earlier passes (fingerprint mode decides
+/// from it whether the page needs fetching).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KnownPage {
+    pub pass: i64,
+    pub status: String,
+    /// The listing fingerprint the page was last stored with.
+    pub fingerprint: Option<String>,
+    pub record_id: Option<String>,
 }
 
 /// Counts of a pass's URLs by status.
@@ -116,9 +143,7 @@ impl Store {
         Ok(())
     }
 
-    /// Adds `urls` to pass `pass`, one round trip per 1,000 URLs: new URLs are inserted pending;
-    /// URLs last crawled in an earlier pass become pending again; URLs already in this pass are
-    /// left alone. Returns how many were added or reset.
+    /// Adds `urls` (all of one kind) to pass `pass`; see [`Store::enqueue_urls`].
     pub async fn enqueue(
         &self,
         bot: &BotId,
@@ -127,11 +152,32 @@ impl Store {
         urls: &[NormalizedUrl],
         now: DateTime<Utc>,
     ) -> Result<u64> {
+        let urls: Vec<NewUrl> = urls
+            .iter()
+            .map(|url| NewUrl {
+                url: url.clone(),
+                kind,
+                fingerprint: None,
+            })
+            .collect();
+        self.enqueue_urls(bot, pass, &urls, now).await
+    }
+
+    /// Adds `urls` to pass `pass`, one round trip per 1,000 URLs: new URLs are inserted pending;
+    /// URLs last crawled in an earlier pass become pending again (keeping their validators and
+    /// record id); URLs already in this pass are left alone. Returns how many were added or reset.
+    pub async fn enqueue_urls(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        urls: &[NewUrl],
+        now: DateTime<Utc>,
+    ) -> Result<u64> {
         // A page may carry many links: send them in chunks well under the server's limits
         // (100,000 statements, 16 MiB) so no page is too large to enqueue.
         let mut total = 0;
         for chunk in urls.chunks(1000) {
-            total += self.enqueue_chunk(bot, pass, kind, chunk, now).await?;
+            total += self.enqueue_chunk(bot, pass, chunk, now).await?;
         }
         Ok(total)
     }
@@ -140,21 +186,22 @@ impl Store {
         &self,
         bot: &BotId,
         pass: i64,
-        kind: PageKind,
-        urls: &[NormalizedUrl],
+        urls: &[NewUrl],
         now: DateTime<Utc>,
     ) -> Result<u64> {
         let updates: Vec<Document> = urls
             .iter()
-            .map(|url| {
+            .map(|new| {
+                let url = &new.url;
                 doc! {
                     "q": { "_id": url_id(bot, url), "pass": { "$lt": pass } },
                     "u": {
                         "$set": {
-                            "botId": bot.as_str(), "url": url.as_str(), "kind": kind.as_str(),
+                            "botId": bot.as_str(), "url": url.as_str(), "kind": new.kind.as_str(),
                             "pass": pass, "status": "pending", "attempts": 0_i64,
                             "leaseOwner": Bson::Null, "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null,
-                            "lastError": Bson::Null, "enqueuedAt": date(now),
+                            "lastError": Bson::Null, "enqueuedAt": date(now), "notBefore": date(now),
+                            "listFingerprint": new.fingerprint.as_deref().map_or(Bson::Null, |f| Bson::String(f.to_owned())),
                         },
                         "$setOnInsert": { "discoveredAt": date(now) },
                     },
@@ -203,20 +250,35 @@ impl Store {
         now: DateTime<Utc>,
         lease_for: Duration,
     ) -> Result<Option<UrlLease>> {
+        self.lease_next(bot, pass, me, None, now, lease_for).await
+    }
+
+    /// As [`Store::lease_url`], and with `reclaim_before` also the leases this instance id took
+    /// before that time — a previous run of this instance that died holding them — without
+    /// waiting for them to expire. (Instance ids must be unique among live processes.)
+    pub async fn lease_next(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        me: &InstanceId,
+        reclaim_before: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
+        lease_for: Duration,
+    ) -> Result<Option<UrlLease>> {
         let expires_at = super::plus(now, lease_for);
         let token = new_token();
-        let filter = doc! {
-            "botId": bot.as_str(),
-            "pass": pass,
-            "$or": [
-                { "status": "pending" },
-                { "status": "leased", "leaseExpiresAt": { "$lte": date(now) } },
-            ],
-        };
+        let mut eligible = vec![
+            doc! { "status": "pending", "notBefore": { "$lte": date(now) } },
+            doc! { "status": "leased", "leaseExpiresAt": { "$lte": date(now) } },
+        ];
+        if let Some(before) = reclaim_before {
+            eligible.push(doc! { "status": "leased", "leaseOwner": me.as_str(), "leasedAt": { "$lt": date(before) } });
+        }
+        let filter = doc! { "botId": bot.as_str(), "pass": pass, "$or": eligible };
         let update = doc! {
             "$set": {
                 "status": "leased", "leaseOwner": me.as_str(), "leaseToken": token.as_str(),
-                "leaseExpiresAt": date(expires_at),
+                "leaseExpiresAt": date(expires_at), "leasedAt": date(now),
             },
             "$inc": { "attempts": 1_i64 },
         };
@@ -243,7 +305,14 @@ impl Store {
             .ok()
             .and_then(PageKind::parse)
             .ok_or_else(|| bad("kind"))?;
+        let text = |name: &str| doc.get_str(name).ok().map(str::to_owned);
         Ok(Some(UrlLease {
+            validators: crate::fetch::Validators {
+                etag: text("etag"),
+                last_modified: text("lastModified"),
+            },
+            list_fingerprint: text("listFingerprint"),
+            record_id: text("recordId"),
             id: doc.get_str("_id").map_err(|_| bad("_id"))?.to_owned(),
             url,
             kind,
@@ -262,7 +331,7 @@ impl Store {
         doc! { "_id": lease.id.as_str(), "status": "leased", "leaseToken": lease.token.as_str() }
     }
 
-    async fn fenced_url(
+    pub(super) async fn fenced_url(
         &self,
         lease: &UrlLease,
         what: &'static str,
@@ -283,18 +352,103 @@ impl Store {
         }
     }
 
-    /// The update that marks a leased URL done.
-    pub(super) fn done_update(now: DateTime<Utc>) -> Document {
-        doc! { "$set": {
+    /// The update that marks a leased URL done, keeping what the next pass needs: the page's
+    /// validators, its listing fingerprint and the record it produced.
+    pub(super) fn done_update(
+        lease: &UrlLease,
+        record_id: Option<&str>,
+        now: DateTime<Utc>,
+    ) -> Document {
+        let text = |v: Option<&str>| v.map_or(Bson::Null, |s| Bson::String(s.to_owned()));
+        let mut set = doc! {
             "status": "done", "doneAt": date(now), "leaseOwner": Bson::Null,
             "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": Bson::Null,
-        } }
+            "etag": text(lease.validators.etag.as_deref()),
+            "lastModified": text(lease.validators.last_modified.as_deref()),
+            "fingerprint": text(lease.list_fingerprint.as_deref()),
+        };
+        if let Some(id) = record_id.or(lease.record_id.as_deref()) {
+            set.insert("recordId", id);
+        }
+        doc! { "$set": set }
     }
 
     /// Marks a leased URL done — only if the lease is still this worker's.
     pub async fn complete_url(&self, lease: &UrlLease, now: DateTime<Utc>) -> Result<()> {
-        self.fenced_url(lease, "complete url", Self::done_update(now))
+        self.fenced_url(lease, "complete url", Self::done_update(lease, None, now))
             .await
+    }
+
+    /// Gives a leased URL back for another attempt no earlier than `not_before` (a retry waits
+    /// in the frontier, not in memory) — only if the lease is still this worker's.
+    pub async fn retry_url(
+        &self,
+        lease: &UrlLease,
+        not_before: DateTime<Utc>,
+        reason: &str,
+    ) -> Result<()> {
+        let update = doc! { "$set": {
+            "status": "pending", "notBefore": date(not_before), "leaseOwner": Bson::Null,
+            "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": reason,
+        } };
+        self.fenced_url(lease, "retry url", update).await
+    }
+
+    /// What the frontier knows of these URLs from any pass, by frontier `_id`.
+    pub async fn known_pages(
+        &self,
+        bot: &BotId,
+        urls: &[&NormalizedUrl],
+    ) -> Result<std::collections::HashMap<String, KnownPage>> {
+        use futures_util::TryStreamExt;
+        let ids: Vec<String> = urls.iter().map(|u| url_id(bot, u)).collect();
+        let mut known = std::collections::HashMap::with_capacity(ids.len());
+        for chunk in ids.chunks(1000) {
+            let found: Vec<Document> = self
+                .bounded("read known pages", async {
+                    self.frontier()
+                        .find(doc! { "_id": { "$in": chunk } })
+                        .projection(
+                            doc! { "pass": 1, "status": 1, "fingerprint": 1, "recordId": 1 },
+                        )
+                        .await?
+                        .try_collect()
+                        .await
+                })
+                .await?;
+            for doc in found {
+                let Ok(id) = doc.get_str("_id") else { continue };
+                known.insert(
+                    id.to_owned(),
+                    KnownPage {
+                        pass: doc
+                            .get("pass")
+                            .and_then(crate::document::integer)
+                            .unwrap_or(0),
+                        status: doc.get_str("status").unwrap_or_default().to_owned(),
+                        fingerprint: doc.get_str("fingerprint").ok().map(str::to_owned),
+                        record_id: doc.get_str("recordId").ok().map(str::to_owned),
+                    },
+                );
+            }
+        }
+        Ok(known)
+    }
+
+    /// The highest pass any of the bot's URLs is in (0 when none): a new pass numbers above it.
+    pub async fn highest_pass(&self, bot: &BotId) -> Result<i64> {
+        let top = self
+            .bounded(
+                "highest pass",
+                self.frontier()
+                    .find_one(doc! { "botId": bot.as_str() })
+                    .sort(doc! { "botId": 1, "pass": -1 })
+                    .projection(doc! { "pass": 1 }),
+            )
+            .await?;
+        Ok(top
+            .and_then(|d| d.get("pass").and_then(crate::document::integer))
+            .unwrap_or(0))
     }
 
     /// Marks a leased URL failed with its reason — only if the lease is still this worker's.

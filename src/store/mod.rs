@@ -19,6 +19,7 @@ use crate::error::{is_duplicate_key, Error, Result};
 use crate::ids::{BotId, InstanceId, LockEpoch};
 
 pub mod frontier;
+pub mod passes;
 pub mod records;
 
 pub const BOTS: &str = "bots";
@@ -35,6 +36,8 @@ pub struct Lease {
     pub previous_seeds: Vec<String>,
     /// Consecutive failed refreshes before this one (sizes the shared backoff on failure).
     pub failed_refreshes: i64,
+    /// The bot's crawl pass when the lock was taken: a successful refresh starts the next one.
+    pub crawl_pass: i64,
 }
 
 impl Lease {
@@ -336,6 +339,7 @@ impl Store {
             started_at: doc.last_update_started_at.unwrap_or(now),
             previous_seeds: doc.seeds,
             failed_refreshes: doc.failed_refreshes,
+            crawl_pass: doc.crawl_pass,
         }))
     }
 
@@ -372,28 +376,39 @@ impl Store {
         Ok(expires)
     }
 
-    /// Replaces the seeds and marks the bot ready, releasing the lock — fenced.
+    /// Replaces the seeds and marks the bot ready, releasing the lock — fenced. With `new_pass`
+    /// (a crawling bot, whose seeds the caller already enqueued into that pass) the same write
+    /// starts the crawl pass.
     pub async fn complete(
         &self,
         lease: &Lease,
         seeds: &[String],
         now: DateTime<Utc>,
+        new_pass: Option<i64>,
     ) -> Result<()> {
-        let reason = format!("{} seeds", seeds.len());
+        let mut reason = format!("{} seeds", seeds.len());
+        let mut set = doc! {
+            field::SEEDS: seeds,
+            field::IS_READY: true,
+            field::IS_EDITING: false,
+            field::EDITING_BY: Bson::Null,
+            field::LOCK_EXPIRES_AT: Bson::Null,
+            field::LAST_ERROR: Bson::Null,
+            field::FAILED_REFRESHES: 0_i32,
+            field::RETRY_AFTER: Bson::Null,
+        };
+        let mut current = doc! { field::LAST_SEED_UPDATED_AT: true, field::HEARTBEAT_AT: true };
+        if let Some(pass) = new_pass {
+            set.insert(field::CRAWL_PASS, pass);
+            set.insert(field::CRAWL_PASS_ENDED_AT, Bson::Null);
+            current.insert(field::CRAWL_PASS_STARTED_AT, true);
+            reason.push_str(&format!("; crawl pass {pass}"));
+        }
         self.fenced(
             lease,
             doc! {
-                "$set": {
-                    field::SEEDS: seeds,
-                    field::IS_READY: true,
-                    field::IS_EDITING: false,
-                    field::EDITING_BY: Bson::Null,
-                    field::LOCK_EXPIRES_AT: Bson::Null,
-                    field::LAST_ERROR: Bson::Null,
-                    field::FAILED_REFRESHES: 0_i32,
-                    field::RETRY_AFTER: Bson::Null,
-                },
-                "$currentDate": { field::LAST_SEED_UPDATED_AT: true, field::HEARTBEAT_AT: true },
+                "$set": set,
+                "$currentDate": current,
                 "$push": push_history(history_entry(now, "refreshed", lease.me.as_str(), lease.epoch, &reason)),
             },
         )
@@ -550,6 +565,23 @@ impl Store {
             field::RETRY_AFTER: Bson::Null,
             field::HISTORY: history,
         };
+        let mut replacement = replacement;
+        // The crawl's pass number survives a repair when it is readable (a new pass must not
+        // reuse an old number); `start_pass` also looks at the frontier for the highest one.
+        if let Some(pass) = raw
+            .get(field::CRAWL_PASS)
+            .and_then(integer)
+            .filter(|p| *p >= 0)
+        {
+            replacement.insert(field::CRAWL_PASS, pass);
+            for name in [
+                field::CRAWL_PASS_STARTED_AT,
+                field::CRAWL_PASS_ENDED_AT,
+                field::CRAWL_LAST_RUN_AT,
+            ] {
+                replacement.insert(name, salvage_date(name));
+            }
+        }
         Ok(self
             .bounded("repair", self.bots.replace_one(filter, replacement))
             .await?

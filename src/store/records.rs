@@ -77,7 +77,7 @@ pub enum RecordWrite {
 }
 
 impl Store {
-    fn records(&self) -> Collection<Document> {
+    pub(super) fn records(&self) -> Collection<Document> {
         self.database().collection(RECORDS)
     }
 
@@ -107,12 +107,14 @@ impl Store {
         now: DateTime<Utc>,
         transaction: bool,
     ) -> Result<Option<RecordWrite>> {
+        let record_id = record.map(|r| record_id(r.bot.as_str(), &r.natural_key));
+        let done = Self::done_update(lease, record_id.as_deref(), now);
         if !transaction {
             let write = match record {
                 Some(r) => Some(self.upsert_record(r, lease, now, None).await?),
                 None => None,
             };
-            self.complete_url(lease, now).await?;
+            self.fenced_url(lease, "complete url", done).await?;
             return Ok(write);
         }
         // A transaction that fails with a transient label is retried from the start, a few times.
@@ -125,7 +127,7 @@ impl Store {
             let result = async {
                 let fenced = self
                     .frontier()
-                    .update_one(Self::lease_fence(lease), Self::done_update(now))
+                    .update_one(Self::lease_fence(lease), done.clone())
                     .session(&mut session)
                     .await?;
                 if fenced.matched_count != 1 {
@@ -258,6 +260,25 @@ impl Store {
             what: "store record",
             detail: format!("record {id} kept changing under concurrent writers"),
         })
+    }
+
+    /// Whether the server runs multi-document transactions (`crawl.transactions = "auto"`): one
+    /// empty transaction, aborted. A transient failure is an error, not a "no".
+    pub async fn supports_transactions(&self) -> Result<bool> {
+        let probe = async {
+            let mut session = self.database().client().start_session().await?;
+            session.start_transaction().await?;
+            self.records()
+                .find_one(doc! { "_id": "__seedlock_probe" })
+                .session(&mut session)
+                .await?;
+            session.abort_transaction().await
+        };
+        match self.bounded("probe transactions", probe).await {
+            Ok(()) => Ok(true),
+            Err(e) if e.is_transient() => Err(e),
+            Err(_) => Ok(false),
+        }
     }
 
     /// Marks records seen in `pass` in one write (unchanged records get no other write).

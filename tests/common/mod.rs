@@ -254,6 +254,7 @@ pub async fn context(db: &TestDb, me: &str, lock: LockSettings, local: LocalCloc
         fetcher: SeedFetcher::new(limits()).unwrap(),
         metrics: Arc::new(Metrics::new()),
         refresh_backoff: (limits().backoff_base, limits().backoff_max),
+        crawl: None,
     })
 }
 

@@ -1,0 +1,298 @@
+//! Crawl passes, as the bot document records them (`crawlPass`, `crawlPassStartedAt`,
+//! `crawlPassEndedAt`, `crawlLastRunAt`, `crawlLastPass`): starting a pass, finishing it (with
+//! deletion detection), and the figures `seedlock status` shows.
+//!
+//! A pass starts in two steps, in this order: its seeds are enqueued into the frontier under the
+//! new number (idempotent: any instance may repeat it), then one conditional write moves
+//! `crawlPass` to that number — the refresh holder's fenced `complete`, or [`Store::start_pass`]
+//! for a bot that never crawled. So no instance ever sees a pass whose seeds are not queued yet.
+//!
+//! A pass finishes when none of its URLs is pending or leased by anyone. Records the pass did not
+//! see get `removedAt` — only when the pass covered enough of its listing pages and failed few
+//! enough pages, and only in the modes that read every listing page. Then one conditional write
+//! (`crawlPass` unchanged, `crawlPassEndedAt` unset) records the end: the last-run mark is saved
+//! only after every write of the pass was committed.
+
+use bson::{doc, Bson, Document};
+use chrono::{DateTime, Utc};
+
+use super::frontier::{NewUrl, PageKind, PassProgress};
+use super::Store;
+use crate::document::field;
+use crate::error::Result;
+use crate::ids::BotId;
+use crate::urls::NormalizedUrl;
+
+/// The thresholds deletion detection runs under (`crawl.min_coverage`, `crawl.max_error_rate`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeletionRules {
+    /// False in modes that do not read every listing page (watermark): nothing is removed then.
+    pub enabled: bool,
+    pub min_coverage: f64,
+    pub max_error_rate: f64,
+}
+
+/// A pass's figures when it ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PassEnd {
+    pub pass: i64,
+    pub progress: PassProgress,
+    /// Listing (and seed) pages done / all listing pages of the pass.
+    pub coverage: f64,
+    /// Failed pages / all pages of the pass.
+    pub error_rate: f64,
+    /// Records this call marked removed.
+    pub removed: u64,
+    /// Why deletion detection did not run, if it did not.
+    pub deletion_skipped: Option<String>,
+    /// True for the instance whose write recorded the end (the others found it recorded).
+    pub recorded: bool,
+}
+
+/// What `seedlock status` shows of a bot's current pass.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PassReport {
+    pub pass: i64,
+    pub progress: PassProgress,
+    pub started_at: Option<DateTime<Utc>>,
+    pub ended_at: Option<DateTime<Utc>>,
+    pub oldest_pending: Option<DateTime<Utc>>,
+}
+
+fn date(at: DateTime<Utc>) -> Bson {
+    Bson::DateTime(bson::DateTime::from_chrono(at))
+}
+
+impl Store {
+    /// Enqueues `seeds` into the pass after `current` (numbered above every pass the frontier
+    /// has seen, so a repaired document never reuses a number) and returns that pass. The caller
+    /// then records it in the bot document with one conditional write.
+    pub async fn prepare_pass(
+        &self,
+        bot: &BotId,
+        current: i64,
+        seeds: &[NormalizedUrl],
+        now: DateTime<Utc>,
+    ) -> Result<i64> {
+        let next = current.max(self.highest_pass(bot).await?) + 1;
+        let urls: Vec<NewUrl> = seeds
+            .iter()
+            .map(|url| NewUrl {
+                url: url.clone(),
+                kind: PageKind::Seed,
+                fingerprint: None,
+            })
+            .collect();
+        self.enqueue_urls(bot, next, &urls, now).await?;
+        Ok(next)
+    }
+
+    /// Starts the first pass of a ready bot that has none yet (`crawlPass` unset or 0): one
+    /// instance's conditional write wins; the others' seeds enqueues were no-ops. Returns the
+    /// pass number when this call started it.
+    pub async fn start_pass(
+        &self,
+        bot: &BotId,
+        current: i64,
+        seeds: &[NormalizedUrl],
+        now: DateTime<Utc>,
+    ) -> Result<Option<i64>> {
+        let next = self.prepare_pass(bot, current, seeds, now).await?;
+        let mut filter = doc! { field::ID: bot.as_str(), field::IS_READY: true };
+        if current == 0 {
+            filter.insert(
+                "$or",
+                vec![
+                    doc! { field::CRAWL_PASS: { "$exists": false } },
+                    doc! { field::CRAWL_PASS: Bson::Null },
+                    doc! { field::CRAWL_PASS: 0_i64 },
+                ],
+            );
+        } else {
+            filter.insert(field::CRAWL_PASS, current);
+        }
+        let update = doc! {
+            "$set": { field::CRAWL_PASS: next, field::CRAWL_PASS_ENDED_AT: Bson::Null },
+            "$currentDate": { field::CRAWL_PASS_STARTED_AT: true },
+        };
+        let result = self
+            .bounded("start pass", self.bots.update_one(filter, update))
+            .await?;
+        Ok((result.modified_count == 1).then_some(next))
+    }
+
+    /// Counts a pass's URLs by kind and status: (listing pages, listing pages done, all pages,
+    /// failed pages).
+    async fn pass_coverage(&self, bot: &BotId, pass: i64) -> Result<(u64, u64, u64, u64)> {
+        use futures_util::TryStreamExt;
+        let pipeline = [
+            doc! { "$match": { "botId": bot.as_str(), "pass": pass } },
+            doc! { "$group": { "_id": { "kind": "$kind", "status": "$status" }, "n": { "$sum": 1 } } },
+        ];
+        let rows: Vec<Document> = self
+            .bounded("pass coverage", async {
+                self.frontier()
+                    .aggregate(pipeline)
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        let (mut lists, mut lists_done, mut all, mut failed) = (0, 0, 0, 0);
+        for row in rows {
+            let n = row
+                .get("n")
+                .and_then(crate::document::integer)
+                .unwrap_or(0)
+                .max(0) as u64;
+            let key = row.get_document("_id").cloned().unwrap_or_default();
+            let kind = key.get_str("kind").ok().and_then(PageKind::parse);
+            let status = key.get_str("status").unwrap_or_default();
+            all += n;
+            if status == "failed" {
+                failed += n;
+            }
+            if matches!(kind, Some(PageKind::List | PageKind::Seed)) {
+                lists += n;
+                if status == "done" {
+                    lists_done += n;
+                }
+            }
+        }
+        Ok((lists, lists_done, all, failed))
+    }
+
+    /// Ends pass `pass` (the caller saw nothing pending or leased): deletion detection, then the
+    /// conditional write that records the end. Safe to run on several instances at once.
+    pub async fn finish_pass(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        started_at: Option<DateTime<Utc>>,
+        rules: DeletionRules,
+        now: DateTime<Utc>,
+    ) -> Result<PassEnd> {
+        let progress = self.pass_progress(bot, pass).await?;
+        let (lists, lists_done, all, failed) = self.pass_coverage(bot, pass).await?;
+        let coverage = if lists == 0 {
+            0.0
+        } else {
+            lists_done as f64 / lists as f64
+        };
+        let error_rate = if all == 0 {
+            0.0
+        } else {
+            failed as f64 / all as f64
+        };
+        let deletion_skipped = if !rules.enabled {
+            Some("this incremental mode does not read every listing page".to_owned())
+        } else if !progress.is_finished() {
+            Some("the pass is not finished".to_owned())
+        } else if coverage < rules.min_coverage {
+            Some(format!(
+                "listing coverage {:.1}% is under {:.1}%",
+                coverage * 100.0,
+                rules.min_coverage * 100.0
+            ))
+        } else if error_rate > rules.max_error_rate {
+            Some(format!(
+                "error rate {:.1}% is over {:.1}%",
+                error_rate * 100.0,
+                rules.max_error_rate * 100.0
+            ))
+        } else {
+            None
+        };
+        let mut removed = 0;
+        if deletion_skipped.is_none() {
+            let records = self.records();
+            let update = records.update_many(
+                doc! { "botId": bot.as_str(), "lastSeenPass": { "$lt": pass }, "removedAt": Bson::Null },
+                doc! { "$set": { "removedAt": date(now), "removedInPass": pass } },
+            );
+            removed = self.bounded("mark removed", update).await?.modified_count;
+        }
+        let summary = doc! {
+            "pass": pass,
+            "pages": all as i64,
+            "done": progress.done as i64,
+            "failed": progress.failed as i64,
+            "listCoverage": coverage,
+            "errorRate": error_rate,
+            "deletion": deletion_skipped.clone().map_or_else(|| Bson::String("applied".into()), |why| Bson::String(format!("skipped: {why}"))),
+            "endedAt": date(now),
+        };
+        let filter = doc! {
+            field::ID: bot.as_str(),
+            field::CRAWL_PASS: pass,
+            field::CRAWL_PASS_ENDED_AT: Bson::Null,
+        };
+        let mut set = doc! { field::CRAWL_LAST_PASS: summary };
+        if let Some(started) = started_at {
+            set.insert(field::CRAWL_LAST_RUN_AT, date(started));
+        }
+        let update = doc! { "$set": set, "$currentDate": { field::CRAWL_PASS_ENDED_AT: true } };
+        let recorded = self
+            .bounded("finish pass", self.bots.update_one(filter, update))
+            .await?
+            .modified_count
+            == 1;
+        Ok(PassEnd {
+            pass,
+            progress,
+            coverage,
+            error_rate,
+            removed,
+            deletion_skipped,
+            recorded,
+        })
+    }
+
+    /// Marks one record removed now (its detail page answered 404/410).
+    pub async fn mark_removed(
+        &self,
+        record_id: &str,
+        pass: i64,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let records = self.records();
+        let update = records.update_one(
+            doc! { "_id": record_id, "removedAt": Bson::Null },
+            doc! { "$set": { "removedAt": date(now), "removedInPass": pass } },
+        );
+        Ok(self.bounded("mark removed", update).await?.modified_count == 1)
+    }
+
+    /// The current pass of a bot as `seedlock status` shows it.
+    pub async fn pass_report(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        started_at: Option<DateTime<Utc>>,
+        ended_at: Option<DateTime<Utc>>,
+    ) -> Result<PassReport> {
+        if pass == 0 {
+            return Ok(PassReport::default());
+        }
+        let progress = self.pass_progress(bot, pass).await?;
+        let oldest = self
+            .bounded(
+                "oldest pending",
+                self.frontier()
+                    .find_one(doc! { "botId": bot.as_str(), "pass": pass, "status": "pending" })
+                    .sort(doc! { "enqueuedAt": 1 })
+                    .projection(doc! { "enqueuedAt": 1 }),
+            )
+            .await?;
+        Ok(PassReport {
+            pass,
+            progress,
+            started_at,
+            ended_at,
+            oldest_pending: oldest.and_then(|d| match d.get("enqueuedAt") {
+                Some(Bson::DateTime(t)) => Some(t.to_chrono()),
+                _ => None,
+            }),
+        })
+    }
+}
