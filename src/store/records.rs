@@ -124,7 +124,16 @@ impl Store {
                 .await?;
             self.bounded("start transaction", session.start_transaction())
                 .await?;
+            // The record first, the fenced done mark last: when the fence matches nothing the
+            // transaction is aborted and the record write rolls back with it.
             let result = async {
+                let write = match record {
+                    Some(r) => Some(
+                        self.upsert_record(r, lease, now, Some(&mut session))
+                            .await?,
+                    ),
+                    None => None,
+                };
                 let fenced = self
                     .frontier()
                     .update_one(Self::lease_fence(lease), done.clone())
@@ -135,17 +144,29 @@ impl Store {
                         url: lease.url.to_string(),
                     });
                 }
-                let write = match record {
-                    Some(r) => Some(
-                        self.upsert_record(r, lease, now, Some(&mut session))
-                            .await?,
-                    ),
-                    None => None,
-                };
-                session.commit_transaction().await?;
+                // A commit whose outcome is unknown (a network blip) is retried as it is: the
+                // server applies a transaction's commit at most once.
+                let mut unknown = 0;
+                loop {
+                    match session.commit_transaction().await {
+                        Ok(()) => break,
+                        Err(e)
+                            if e.contains_label("UnknownTransactionCommitResult")
+                                && unknown < 3 =>
+                        {
+                            unknown += 1;
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
                 Ok(write)
             };
-            match self.bounded_result("commit page", result).await {
+            let result = self.bounded_result("commit page", result).await;
+            if result.is_err() {
+                // Best effort: the server also aborts a transaction whose session goes away.
+                let _ = tokio::time::timeout(self.op_timeout, session.abort_transaction()).await;
+            }
+            match result {
                 Err(Error::Db(e))
                     if e.contains_label("TransientTransactionError") && attempt < 5 =>
                 {

@@ -1,0 +1,711 @@
+//! The crawl end to end: the demo shop over real HTTP, the real server, the daemon's own `run`
+//! (`run --once`): one correct record per product, incremental passes that fetch only what
+//! changed, deletion detection and its thresholds, retries, hostile pages, several instances.
+#![allow(clippy::bool_assert_comparison)]
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use bson::{doc, Bson, Document};
+use common::{test_db, TestDb};
+use futures_util::TryStreamExt;
+use seedlock::config::Settings;
+use seedlock::daemon::{run, BotSummary, Mode};
+use seedlock::demo_site::{serve, SiteOptions};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+async fn shop(lists: u32, per_list: u32) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let options = SiteOptions {
+        lists,
+        per_list,
+        seed: 11,
+    };
+    tokio::spawn(async move {
+        serve(listener, options, CancellationToken::new())
+            .await
+            .unwrap()
+    });
+    base
+}
+
+async fn post(url: &str, body: Value) -> Value {
+    reqwest::Client::new()
+        .post(url)
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+async fn get_json(url: &str) -> Value {
+    reqwest::get(url).await.unwrap().json().await.unwrap()
+}
+
+/// Requests per path since the last call (the counters are reset).
+struct Requests(BTreeMap<String, u64>);
+
+impl Requests {
+    async fn take(base: &str) -> Requests {
+        let stats = get_json(&format!("{base}/__stats?reset=true")).await;
+        let paths = stats["paths"].as_object().unwrap();
+        Requests(
+            paths
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+                .collect(),
+        )
+    }
+
+    fn under(&self, prefix: &str) -> u64 {
+        self.0
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, v)| v)
+            .sum()
+    }
+
+    fn repeated(&self) -> u64 {
+        self.0.values().map(|v| v.saturating_sub(1)).sum()
+    }
+}
+
+/// The shop's products: sku → (title, price, status).
+async fn truth(base: &str) -> HashMap<String, (String, String, String)> {
+    let truth = get_json(&format!("{base}/__truth")).await;
+    truth["products"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let s = |k: &str| p[k].as_str().unwrap().to_owned();
+            (s("sku"), (s("title"), s("price"), s("status")))
+        })
+        .collect()
+}
+
+async fn records(db: &TestDb) -> Vec<Document> {
+    db.db
+        .collection::<Document>("records")
+        .find(doc! {})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+/// Records not marked removed, by natural key → (title, price, status).
+async fn live_records(db: &TestDb) -> HashMap<String, (String, String, String)> {
+    let mut out = HashMap::new();
+    for r in records(db).await {
+        if !matches!(r.get("removedAt"), None | Some(Bson::Null)) {
+            continue;
+        }
+        let data = r.get_document("data").unwrap();
+        let s = |k: &str| data.get_str(k).unwrap_or_default().to_owned();
+        let key = r.get_str("naturalKey").unwrap().to_owned();
+        assert!(
+            out.insert(key.clone(), (s("title"), s("price"), s("status")))
+                .is_none(),
+            "two records for {key}"
+        );
+    }
+    out
+}
+
+async fn removed_keys(db: &TestDb) -> Vec<String> {
+    let mut keys: Vec<String> = records(db)
+        .await
+        .into_iter()
+        .filter(|r| matches!(r.get("removedAt"), Some(Bson::DateTime(_))))
+        .map(|r| r.get_str("naturalKey").unwrap().to_owned())
+        .collect();
+    keys.sort();
+    keys
+}
+
+async fn frontier(db: &TestDb, filter: Document) -> Vec<Document> {
+    db.db
+        .collection::<Document>("frontier")
+        .find(filter)
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+struct Setup<'a> {
+    mode: &'a str,
+    transactions: &'a str,
+    workers: u32,
+    /// Extra lines for `[crawl]`.
+    crawl: &'a str,
+    /// Extra lines for `[bots.crawl.incremental]`.
+    incremental: &'a str,
+    natural_key: &'a str,
+}
+
+impl Default for Setup<'_> {
+    fn default() -> Self {
+        Setup {
+            mode: "fingerprint",
+            transactions: "auto",
+            workers: 4,
+            crawl: "",
+            incremental: "",
+            natural_key: ".sku",
+        }
+    }
+}
+
+fn settings(db: &TestDb, base: &str, setup: &Setup<'_>, instance: &str) -> Settings {
+    let host = base.trim_start_matches("http://");
+    let text = format!(
+        r#"
+[mongo]
+uri = "{uri}"
+database = "{database}"
+[instance]
+id = "{instance}"
+[lock]
+ttl = "5s"
+poll = "100ms"
+[refresh]
+attempts = 1
+[crawl]
+workers = {workers}
+lease = "5s"
+timeout = "2s"
+transactions = "{transactions}"
+backoff_base = "20ms"
+backoff_max = "100ms"
+{crawl}
+[http]
+listen = "off"
+[[bots]]
+id = "shop"
+seeds = {{ url = "{base}/seeds.txt", format = "lines" }}
+refresh = "1h"
+[bots.crawl]
+scope = ["{host}"]
+[bots.crawl.list]
+item = ".item"
+item_id = "@data-id"
+item_link = "a@href"
+fingerprint = [".price", ".status", ".title"]
+updated_at = "@data-updated"
+[bots.crawl.record]
+match = "/product/"
+natural_key = "{natural_key}"
+fields = {{ title = "h1", price = ".price", status = ".status" }}
+[bots.crawl.incremental]
+mode = "{mode}"
+{incremental}
+"#,
+        uri = db.uri,
+        database = db.name,
+        workers = setup.workers,
+        transactions = setup.transactions,
+        crawl = setup.crawl,
+        mode = setup.mode,
+        incremental = setup.incremental,
+        natural_key = setup.natural_key,
+    );
+    Settings::from_toml(&text, |_| None).unwrap_or_else(|e| panic!("{e}\n{text}"))
+}
+
+/// `seedlock run --once`, in-process: Ready, then the current pass finished.
+async fn once(settings: Settings) -> Vec<BotSummary> {
+    run(
+        settings,
+        Mode::Once {
+            timeout: Duration::from_secs(60),
+        },
+        CancellationToken::new(),
+    )
+    .await
+    .expect("run --once finishes the pass")
+}
+
+async fn request_refresh(db: &TestDb) {
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    assert!(db
+        .store()
+        .request_refresh(&bot, "test", chrono::Utc::now())
+        .await
+        .unwrap());
+}
+
+async fn bot_doc(db: &TestDb) -> Document {
+    db.doc("shop").await.expect("the bot document")
+}
+
+async fn a_full_pass_stores_one_correct_record_per_product(transactions: &str) {
+    let db = test_db(&format!("crawl_full_{transactions}")).await;
+    let base = shop(5, 20).await;
+    let setup = Setup {
+        transactions,
+        ..Setup::default()
+    };
+    let summary = once(settings(&db, &base, &setup, "solo")).await;
+    assert_eq!(summary.len(), 1);
+    assert_eq!(summary[0].pass, 1, "the first refresh started pass 1");
+    let requests = Requests::take(&base).await;
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    assert_eq!(records(&db).await.len(), 100);
+    assert_eq!(requests.under("/product/"), 100, "{:?}", requests.0);
+    assert_eq!(requests.under("/list/"), 5);
+    assert_eq!(
+        requests.repeated(),
+        0,
+        "no page fetched twice: {:?}",
+        requests.0
+    );
+    let doc = bot_doc(&db).await;
+    assert_eq!(doc.get_i64("crawlPass").unwrap(), 1);
+    assert!(matches!(
+        doc.get("crawlPassEndedAt"),
+        Some(Bson::DateTime(_))
+    ));
+    let last = doc.get_document("crawlLastPass").unwrap();
+    assert_eq!(last.get_i64("done").unwrap(), 105, "{last}");
+    assert_eq!(last.get_i64("failed").unwrap(), 0);
+    // Ids derive from the data: the same item has the same id wherever it is computed.
+    for r in records(&db).await {
+        let key = r.get_str("naturalKey").unwrap();
+        assert_eq!(
+            r.get_str("_id").unwrap(),
+            seedlock::store::records::record_id("shop", key)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_pass_in_transactions_stores_one_correct_record_per_product() {
+    a_full_pass_stores_one_correct_record_per_product("on").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_pass_without_transactions_stores_one_correct_record_per_product() {
+    a_full_pass_stores_one_correct_record_per_product("off").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_pass_is_not_crawled_again_until_a_refresh_starts_the_next() {
+    let db = test_db("crawl_no_rerun").await;
+    let base = shop(2, 10).await;
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    Requests::take(&base).await;
+    let summary = once(settings(&db, &base, &Setup::default(), "a")).await;
+    assert_eq!(summary[0].pass, 1);
+    assert_eq!(
+        Requests::take(&base).await.0.len(),
+        0,
+        "a finished pass costs no request"
+    );
+    request_refresh(&db).await;
+    let summary = once(settings(&db, &base, &Setup::default(), "a")).await;
+    assert_eq!(
+        summary[0].pass, 2,
+        "`seedlock refresh` then `run --once`: a new pass"
+    );
+    let requests = Requests::take(&base).await;
+    assert_eq!(
+        requests.under("/list/"),
+        2,
+        "listing pages are read every pass"
+    );
+    assert_eq!(
+        requests.under("/product/"),
+        0,
+        "nothing changed: no detail page"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fingerprint_mode_fetches_only_changed_and_new_items_and_marks_the_deleted() {
+    let db = test_db("crawl_fingerprint").await;
+    let base = shop(5, 20).await;
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    let before: HashMap<String, Document> = records(&db)
+        .await
+        .into_iter()
+        .map(|r| (r.get_str("naturalKey").unwrap().to_owned(), r))
+        .collect();
+    Requests::take(&base).await;
+    let report = post(
+        &format!("{base}/__mutate"),
+        json!({"change": 5, "add": 3, "delete": 2}),
+    )
+    .await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    let requests = Requests::take(&base).await;
+    let was_deleted = |sku: &&Value| report["deleted"].as_array().unwrap().contains(sku);
+    let mut expected: Vec<String> = report["changed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|sku| !was_deleted(sku))
+        .chain(report["added"].as_array().unwrap())
+        .map(|s| format!("/product/{}", s.as_str().unwrap()))
+        .collect();
+    expected.sort();
+    let fetched: Vec<String> = requests
+        .0
+        .keys()
+        .filter(|k| k.starts_with("/product/"))
+        .cloned()
+        .collect();
+    assert_eq!(fetched, expected, "exactly the changed and the new details");
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    let mut deleted: Vec<String> = report["deleted"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_owned())
+        .collect();
+    deleted.sort();
+    assert_eq!(removed_keys(&db).await, deleted);
+    // Unchanged records were not rewritten: `lastChanged` kept, `lastSeenPass` moved on.
+    let changed: Vec<&str> = report["changed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap())
+        .collect();
+    for r in records(&db).await {
+        let key = r.get_str("naturalKey").unwrap();
+        let Some(old) = before.get(key) else { continue };
+        if deleted.iter().any(|d| d == key) {
+            continue;
+        }
+        assert_eq!(
+            r.get_i64("lastSeenPass").unwrap(),
+            2,
+            "{key} seen in pass 2"
+        );
+        let same = r.get("lastChanged") == old.get("lastChanged");
+        assert_eq!(
+            same,
+            !changed.contains(&key),
+            "{key}: lastChanged moves only on a change"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_mode_refetches_details_with_conditional_gets_and_rewrites_nothing() {
+    let db = test_db("crawl_conditional").await;
+    let base = shop(2, 10).await;
+    let setup = Setup {
+        mode: "full",
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    let before: HashMap<String, Bson> = records(&db)
+        .await
+        .into_iter()
+        .map(|r| {
+            (
+                r.get_str("naturalKey").unwrap().to_owned(),
+                r.get("lastChanged").unwrap().clone(),
+            )
+        })
+        .collect();
+    Requests::take(&base).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    assert_eq!(Requests::take(&base).await.under("/product/"), 20);
+    let detail_done = frontier(&db, doc! { "kind": "detail", "pass": 2_i64 }).await;
+    assert_eq!(detail_done.len(), 20);
+    for page in &detail_done {
+        assert_eq!(page.get_str("status").unwrap(), "done");
+        assert!(
+            page.get_str("etag").is_ok(),
+            "validators kept for the next pass"
+        );
+    }
+    for r in records(&db).await {
+        let key = r.get_str("naturalKey").unwrap();
+        assert_eq!(
+            r.get("lastChanged"),
+            before.get(key),
+            "304: {key} not rewritten"
+        );
+        assert_eq!(
+            r.get_i64("lastSeenPass").unwrap(),
+            2,
+            "304: {key} still seen"
+        );
+    }
+    assert!(removed_keys(&db).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watermark_mode_stops_paginating_at_the_first_known_item() {
+    let db = test_db("crawl_watermark").await;
+    let base = shop(6, 10).await;
+    let setup = Setup {
+        mode: "watermark",
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    Requests::take(&base).await;
+    let report = post(&format!("{base}/__mutate"), json!({"add": 15, "delete": 1})).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    let requests = Requests::take(&base).await;
+    assert_eq!(
+        requests.under("/list/"),
+        2,
+        "page 1 is all new, page 2 shows a known item: stop there ({:?})",
+        requests.0
+    );
+    assert_eq!(requests.under("/product/"), 15);
+    for sku in report["added"].as_array().unwrap() {
+        assert!(live_records(&db).await.contains_key(sku.as_str().unwrap()));
+    }
+    assert!(
+        removed_keys(&db).await.is_empty(),
+        "watermark passes do not read every listing page: no deletion detection"
+    );
+    let last = bot_doc(&db).await;
+    let last = last.get_document("crawlLastPass").unwrap();
+    assert!(last.get_str("deletion").unwrap().starts_with("skipped"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn updated_at_mode_rereads_items_changed_since_the_last_run_minus_overlap() {
+    let db = test_db("crawl_updated_at").await;
+    let base = shop(3, 10).await;
+    let setup = Setup {
+        mode: "updated_at",
+        incremental: "overlap = \"0s\"",
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    Requests::take(&base).await;
+    let report = post(&format!("{base}/__mutate"), json!({"change": 4})).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    let fetched = Requests::take(&base).await.under("/product/");
+    assert_eq!(fetched, 4, "only the items updated since the last run");
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    assert_eq!(report["changed"].as_array().unwrap().len(), 4);
+    // A generous overlap reads everything again (the safety margin against clock skew).
+    let setup = Setup {
+        mode: "updated_at",
+        incremental: "overlap = \"1h\"",
+        ..Setup::default()
+    };
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    assert_eq!(Requests::take(&base).await.under("/product/"), 30);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incomplete_pass_marks_nothing_removed_and_the_next_complete_one_does() {
+    let db = test_db("crawl_deletion").await;
+    let base = shop(5, 10).await;
+    let setup = Setup {
+        crawl: "attempts = 2",
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    let report = post(&format!("{base}/__mutate"), json!({"delete": 5})).await;
+    // One listing page of five fails for the whole pass: coverage 80% < 95%.
+    post(
+        &format!("{base}/__faults"),
+        json!([{"path": "/list/3", "status": 500}]),
+    )
+    .await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    assert!(
+        removed_keys(&db).await.is_empty(),
+        "nothing removed on an incomplete pass"
+    );
+    let doc = bot_doc(&db).await;
+    let last = doc.get_document("crawlLastPass").unwrap();
+    assert!(
+        last.get_str("deletion").unwrap().contains("coverage"),
+        "{last}"
+    );
+    let failed = frontier(&db, doc! { "pass": 2_i64, "status": "failed" }).await;
+    assert_eq!(failed.len(), 1);
+    assert!(
+        failed[0].get_str("lastError").unwrap().contains("HTTP 500"),
+        "{:?}",
+        failed[0]
+    );
+    reqwest::Client::new()
+        .delete(format!("{base}/__faults"))
+        .send()
+        .await
+        .unwrap();
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    let mut deleted: Vec<String> = report["deleted"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_owned())
+        .collect();
+    deleted.sort();
+    assert_eq!(removed_keys(&db).await, deleted, "exactly the deleted five");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttled_and_failing_fetches_are_retried_from_the_frontier_and_nothing_is_lost() {
+    let db = test_db("crawl_retry").await;
+    let base = shop(3, 10).await;
+    post(
+        &format!("{base}/__faults"),
+        json!([
+            {"path": "/product/", "status": 503, "every": 3},
+            {"path": "/list/", "status": 429, "retry_after": "1", "every": 2},
+        ]),
+    )
+    .await;
+    let setup = Setup {
+        crawl: "attempts = 5",
+        ..Setup::default()
+    };
+    let started = std::time::Instant::now();
+    once(settings(&db, &base, &setup, "a")).await;
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    let requests = Requests::take(&base).await;
+    assert!(
+        requests.under("/product/") > 30,
+        "some fetches were retried"
+    );
+    // list/1 ok, list/2 429, list/2 ok, list/3 429, list/3 ok: each retry waited Retry-After.
+    assert_eq!(requests.under("/list/"), 5, "{:?}", requests.0);
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "Retry-After: 1 was honoured twice"
+    );
+    assert!(frontier(&db, doc! { "status": "failed" }).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_pages_fail_with_their_reason_and_the_rest_is_stored() {
+    let db = test_db("crawl_hostile").await;
+    let base = shop(2, 10).await;
+    let products: Vec<String> = truth(&base).await.into_keys().collect();
+    let (huge, looping) = (&products[0], &products[1]);
+    post(
+        &format!("{base}/__faults"),
+        json!([
+            {"path": format!("/product/{huge}"), "huge_body_bytes": 200_000},
+            {"path": format!("/product/{looping}"), "redirect_loop": true},
+        ]),
+    )
+    .await;
+    let setup = Setup {
+        crawl: "max_page_bytes = 100000",
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    let failed = frontier(&db, doc! { "status": "failed" }).await;
+    let reasons: HashMap<String, String> = failed
+        .iter()
+        .map(|f| {
+            (
+                f.get_str("url")
+                    .unwrap()
+                    .rsplit('/')
+                    .next()
+                    .unwrap()
+                    .to_owned(),
+                f.get_str("lastError").unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert!(
+        reasons[huge].contains("larger than 100000 bytes"),
+        "{reasons:?}"
+    );
+    assert!(reasons[looping].contains("redirects"), "{reasons:?}");
+    let stored = live_records(&db).await;
+    assert_eq!(stored.len(), 18);
+    let truth = truth(&base).await;
+    for (key, value) in &stored {
+        assert_eq!(Some(value), truth.get(key));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_detail_page_without_its_natural_key_is_failed_and_writes_no_record() {
+    let db = test_db("crawl_no_key").await;
+    let base = shop(1, 5).await;
+    let setup = Setup {
+        natural_key: ".no-such-key",
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    assert!(records(&db).await.is_empty());
+    let failed = frontier(&db, doc! { "status": "failed" }).await;
+    assert_eq!(failed.len(), 5);
+    for f in failed {
+        assert_eq!(
+            f.get_str("lastError").unwrap(),
+            "no natural key (.no-such-key) on the page"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_html_seeds_are_skipped() {
+    let db = test_db("crawl_non_html").await;
+    let base = shop(1, 3).await;
+    let mut s = settings(&db, &base, &Setup::default(), "a");
+    s.bots[0].seeds = seedlock::config::SeedSource::Static(vec![
+        seedlock::urls::NormalizedUrl::parse(&format!("{base}/sitemap.xml")).unwrap(),
+        seedlock::urls::NormalizedUrl::parse(&format!("{base}/list/1")).unwrap(),
+    ]);
+    once(s).await;
+    let sitemap = frontier(
+        &db,
+        doc! { "kind": "seed", "url": format!("{base}/sitemap.xml") },
+    )
+    .await;
+    assert_eq!(sitemap[0].get_str("status").unwrap(), "done");
+    assert_eq!(live_records(&db).await, truth(&base).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_share_one_pass_without_fetching_a_page_twice() {
+    let db = test_db("crawl_three").await;
+    let base = shop(6, 20).await;
+    let runs: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|name| tokio::spawn(once(settings(&db, &base, &Setup::default(), name))))
+        .collect();
+    for r in runs {
+        assert_eq!(r.await.unwrap()[0].pass, 1);
+    }
+    let requests = Requests::take(&base).await;
+    assert_eq!(requests.repeated(), 0, "{:?}", requests.0);
+    assert_eq!(requests.under("/product/"), 120);
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    let owners: std::collections::HashSet<String> = db
+        .history("shop")
+        .await
+        .iter()
+        .filter(|h| h.get_str("event") == Ok("refreshed"))
+        .map(|h| h.get_str("by").unwrap().to_owned())
+        .collect();
+    assert_eq!(owners.len(), 1, "one refresh started the pass");
+}
