@@ -709,3 +709,82 @@ async fn three_instances_share_one_pass_without_fetching_a_page_twice() {
         .collect();
     assert_eq!(owners.len(), 1, "one refresh started the pass");
 }
+
+/// The `[[bots]]` entry of the processes' config (the same rules as [`settings`]).
+fn crawl_bot_toml(base: &str) -> String {
+    let host = base.trim_start_matches("http://");
+    format!(
+        r#"[[bots]]
+id = "shop"
+seeds = {{ url = "{base}/seeds.txt", format = "lines" }}
+refresh = "1h"
+[bots.crawl]
+scope = ["{host}"]
+[bots.crawl.list]
+item = ".item"
+item_id = "@data-id"
+item_link = "a@href"
+fingerprint = [".price", ".status", ".title"]
+[bots.crawl.record]
+match = "/product/"
+natural_key = ".sku"
+fields = {{ title = "h1", price = ".price", status = ".status" }}
+"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_crawlers_end_with_one_correct_record_per_product_and_few_repeats() {
+    use common::{Proc, ProcConfig};
+    let db = test_db("crawl_kill").await;
+    let base = shop(5, 10).await;
+    // Slow pages, so the crawl is still running at every kill.
+    post(
+        &format!("{base}/__faults"),
+        json!([{"path": "/", "latency_ms": 30}]),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = ProcConfig::new(&db, crawl_bot_toml(&base));
+    config.extra = "[crawl]\nworkers = 2\nlease = \"30s\"\ntimeout = \"5s\"\n";
+    let config = config.write(dir.path());
+    let names = ["k0", "k1"];
+    let mut procs: Vec<Proc> = names
+        .iter()
+        .map(|n| Proc::spawn(dir.path(), &config, n, &["run", "--once"], &[]))
+        .collect();
+    let frontier_done = || async {
+        db.db
+            .collection::<Document>("frontier")
+            .count_documents(doc! { "status": "done" })
+            .await
+            .unwrap()
+    };
+    // Kill an instance each time the crawl has made some progress (55 pages in all).
+    let mut kills = 0;
+    for (i, threshold) in [8_u64, 20, 32].into_iter().enumerate() {
+        common::eventually("crawl progress", Duration::from_secs(30), || async {
+            frontier_done().await >= threshold
+        })
+        .await;
+        let victim = i % names.len();
+        procs[victim].kill9().await;
+        kills += 1;
+        // The same instance id again: it reclaims its predecessor's leases at once.
+        procs[victim] = Proc::spawn(dir.path(), &config, names[victim], &["run", "--once"], &[]);
+    }
+    for p in &mut procs {
+        let status = p.wait(Duration::from_secs(60)).await;
+        assert!(status.success(), "{}: {status}\n{}", p.name, p.log());
+        assert!(!p.log().contains("panicked"), "{}", p.log());
+    }
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    assert_eq!(records(&db).await.len(), 50);
+    let requests = Requests::take(&base).await;
+    assert!(
+        requests.repeated() <= kills * 2,
+        "at most the pages in flight at each kill are fetched again: {} repeated, {kills} kills × 2 in flight ({:?})",
+        requests.repeated(),
+        requests.0
+    );
+}
