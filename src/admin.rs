@@ -60,7 +60,7 @@ pub fn with_pass(
         pass: report.pass,
         finished: report.ended_at.is_some(),
         done: p.done,
-        pending: p.pending,
+        pending: p.pending + p.waiting,
         leased: p.leased,
         failed: p.failed,
         pages_per_second: if elapsed > 0 {

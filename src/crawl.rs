@@ -136,6 +136,10 @@ pub struct Crawler {
     fetcher: PageFetcher,
     transactions: bool,
     metrics: Arc<Metrics>,
+    /// When this crawler last moved due retries back to pending.
+    last_promotion: std::sync::Mutex<Option<Instant>>,
+    /// Held by the worker that is ending a pass.
+    finishing: tokio::sync::Mutex<()>,
 }
 
 /// Everything a crawler needs besides its bot.
@@ -165,6 +169,8 @@ impl Crawler {
             fetcher: ctx.fetcher.clone(),
             transactions: ctx.transactions,
             metrics: ctx.metrics.clone(),
+            last_promotion: std::sync::Mutex::new(None),
+            finishing: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -191,23 +197,43 @@ impl Crawler {
 
     /// One turn: lease a URL of `pass` and carry it through, or find the pass idle or over.
     pub async fn crawl_step(&self, pass: &Pass, shutdown: &CancellationToken) -> Result<CrawlStep> {
-        let now = self.clock.now();
-        let lease = self
-            .store
-            .lease_next(
-                &self.bot,
-                pass.number,
-                &self.me,
-                Some(self.started_at),
-                now,
-                self.limits.lease,
-            )
-            .await?;
+        // Retries that came due go back to pending about once a second, and whenever there is
+        // nothing else to lease.
+        let promote_now = {
+            let mut last = self
+                .last_promotion
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let due = last.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+            if due {
+                *last = Some(Instant::now());
+            }
+            due
+        };
+        if promote_now {
+            self.store
+                .promote_due(&self.bot, pass.number, self.clock.now())
+                .await?;
+        }
+        let mut lease = self.lease(pass).await?;
+        if lease.is_none()
+            && self
+                .store
+                .promote_due(&self.bot, pass.number, self.clock.now())
+                .await?
+                > 0
+        {
+            lease = self.lease(pass).await?;
+        }
         let Some(lease) = lease else {
-            let progress = self.store.pass_progress(&self.bot, pass.number).await?;
-            if !progress.is_finished() {
+            if self.store.pass_has_work(&self.bot, pass.number).await? {
                 return Ok(CrawlStep::Idle);
             }
+            // One worker of this instance ends the pass (it counts the whole pass); the others
+            // find it ended on their next turn.
+            let Ok(_finishing) = self.finishing.try_lock() else {
+                return Ok(CrawlStep::Idle);
+            };
             let end = self
                 .store
                 .finish_pass(
@@ -251,6 +277,19 @@ impl Crawler {
         }
     }
 
+    async fn lease(&self, pass: &Pass) -> Result<Option<UrlLease>> {
+        self.store
+            .lease_next(
+                &self.bot,
+                pass.number,
+                &self.me,
+                Some(self.started_at),
+                self.clock.now(),
+                self.limits.lease,
+            )
+            .await
+    }
+
     /// Fetches and stores one leased page. `None` when shutdown interrupted the fetch (the URL
     /// was given back).
     async fn carry(
@@ -268,7 +307,8 @@ impl Crawler {
         let outcome = tokio::select! {
             biased;
             _ = shutdown.cancelled() => {
-                self.store.retry_url(&lease, self.clock.now(), "given back at shutdown").await?;
+                let now = self.clock.now();
+                self.store.retry_url(&lease, now, now, "given back at shutdown").await?;
                 return Ok(None);
             }
             outcome = self.fetcher.fetch(&lease.url, &validators) => outcome,
@@ -390,7 +430,7 @@ impl Crawler {
         let backoff = full_jitter(self.limits.backoff_base, self.limits.backoff_max, attempt);
         let wait = retry_after.map_or(backoff, |r| r.max(backoff));
         let not_before = crate::store::plus(now, wait);
-        self.store.retry_url(lease, not_before, reason).await?;
+        self.store.retry_url(lease, now, not_before, reason).await?;
         debug!(bot = %self.bot, url = %lease.url, %reason, ?wait, "will retry");
         Ok(PageResult::Retry)
     }

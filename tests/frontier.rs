@@ -11,7 +11,7 @@ use chrono::Utc;
 use common::*;
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId};
-use seedlock::store::frontier::{url_id, PageKind, PassProgress, LEASE_INDEX};
+use seedlock::store::frontier::{url_id, PageKind, PassProgress, LEASE_INDEX, SLOT_INDEX};
 use seedlock::urls::NormalizedUrl;
 
 fn bot() -> BotId {
@@ -95,6 +95,7 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
         store.pass_progress(&bot(), 1).await.unwrap(),
         PassProgress {
             pending: 4,
+            waiting: 0,
             leased: 0,
             done: 1,
             failed: 0
@@ -163,6 +164,7 @@ async fn concurrent_workers_lease_each_url_exactly_once() {
         progress,
         PassProgress {
             pending: 0,
+            waiting: 0,
             leased: 0,
             done: 60,
             failed: 0
@@ -263,6 +265,7 @@ async fn failed_urls_record_their_reason_and_end_the_pass() {
         store.pass_progress(&bot(), 3).await.unwrap(),
         PassProgress {
             pending: 0,
+            waiting: 0,
             leased: 0,
             done: 0,
             failed: 1
@@ -279,29 +282,39 @@ async fn the_lease_query_uses_its_index() {
         .enqueue(&bot(), 1, PageKind::Detail, &urls(50), Utc::now())
         .await
         .unwrap();
-    let explain = db
-        .db
-        .run_command(doc! {
-            "explain": {
-                "find": "frontier",
-                // The lease query exactly as `lease_url` sends it.
-                "filter": { "botId": "shop", "pass": 1_i64, "$or": [
-                    { "status": "pending" },
-                    { "status": "leased", "leaseExpiresAt": { "$lte": bson::DateTime::now() } },
-                ] },
-            },
-            "verbosity": "queryPlanner",
-        })
-        .await
-        .expect("explain");
-    let plan = explain
-        .get_document("queryPlanner")
-        .and_then(|q| q.get_document("winningPlan"))
-        .expect("a winning plan");
-    let text = plan.to_string();
-    eprintln!("winning plan: {text}");
-    assert!(
-        text.contains(LEASE_INDEX) && !text.contains("COLLSCAN"),
-        "the lease query should use {LEASE_INDEX}: {text}"
-    );
+    // The lease queries exactly as `lease_next` sends them.
+    let filters = seedlock::store::frontier::lease_filters(&bot(), 1, 7, Utc::now());
+    assert_eq!(filters.len(), 3);
+    for filter in filters {
+        let explain = db
+            .db
+            .run_command(doc! {
+                "explain": { "find": "frontier", "filter": filter.clone() },
+                "verbosity": "queryPlanner",
+            })
+            .await
+            .expect("explain");
+        let plan = explain
+            .get_document("queryPlanner")
+            .and_then(|q| q.get_document("winningPlan"))
+            .expect("a winning plan");
+        let text = plan.to_string();
+        eprintln!("winning plan for {filter}: {text}");
+        assert!(
+            (text.contains(LEASE_INDEX) || text.contains(SLOT_INDEX)) && !text.contains("COLLSCAN"),
+            "the lease query {filter} should use an index: {text}"
+        );
+        // The status is an index bound, not a residual filter: a lease never scans the pass's
+        // done entries.
+        let status = filter.get_str("status").unwrap();
+        let bounds = plan
+            .get_document("inputStage")
+            .and_then(|s| s.get_document("indexBounds"))
+            .expect("index bounds");
+        assert_eq!(
+            bounds.get_array("status").unwrap()[0].as_str().unwrap(),
+            format!("[\"{status}\", \"{status}\"]"),
+            "{text}"
+        );
+    }
 }

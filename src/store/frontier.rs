@@ -21,8 +21,15 @@ use crate::urls::NormalizedUrl;
 
 pub const FRONTIER: &str = "frontier";
 
-/// The query shape every lease and progress count uses; `ensure_indexes` creates it.
+/// The index of expired-lease lookups and progress counts; `ensure_frontier_indexes` creates it.
 pub const LEASE_INDEX: &str = "bot_pass_status_expiry";
+/// The index of the pending-URL lookup: equality on (bot, pass, status, slot).
+pub const SLOT_INDEX: &str = "bot_pass_status_slot";
+/// Pending URLs are spread over this many random slots, and a worker leases from a random slot
+/// first: every lookup is an equality on the whole index key and meets a few hundred entries even
+/// in a pass of 200,000 URLs (a server that reads every entry matching a key prefix — as the test
+/// server does — would otherwise pay for the whole pass on every lease).
+pub const SLOTS: u32 = 1024;
 
 /// What a page is to the crawl.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,15 +106,17 @@ pub struct KnownPage {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PassProgress {
     pub pending: u64,
+    /// Retries whose `notBefore` has not come yet.
+    pub waiting: u64,
     pub leased: u64,
     pub done: u64,
     pub failed: u64,
 }
 
 impl PassProgress {
-    /// The pass is over only when nothing is pending and nothing is leased by anyone.
+    /// The pass is over only when nothing is pending or waiting and nothing is leased by anyone.
     pub fn is_finished(&self) -> bool {
-        self.pending == 0 && self.leased == 0
+        self.pending == 0 && self.waiting == 0 && self.leased == 0
     }
 }
 
@@ -117,6 +126,19 @@ pub fn url_id(bot: &BotId, url: &NormalizedUrl) -> String {
         &[bot.as_str().as_bytes(), &[0], url.as_str().as_bytes()],
         16,
     )
+}
+
+/// The filters of [`Store::lease_next`], tried in this order: a pending URL in slot `slot`; any
+/// pending URL (when that slot is empty — then few are pending); a lease past its expiry. Each is
+/// equalities on an index's leading fields (and a range on its last), which every server answers
+/// from the index alone; a range on a field outside the index would make the test server scan
+/// the collection. Public for the `explain` test, so the test checks the queries the code sends.
+pub fn lease_filters(bot: &BotId, pass: i64, slot: u32, now: DateTime<Utc>) -> Vec<Document> {
+    vec![
+        doc! { "botId": bot.as_str(), "pass": pass, "status": "pending", "slot": i64::from(slot) },
+        doc! { "botId": bot.as_str(), "pass": pass, "status": "pending" },
+        doc! { "botId": bot.as_str(), "pass": pass, "status": "leased", "leaseExpiresAt": { "$lte": date(now) } },
+    ]
 }
 
 fn date(at: DateTime<Utc>) -> Bson {
@@ -134,12 +156,21 @@ impl Store {
 
     /// Creates the frontier's indexes (idempotent).
     pub async fn ensure_frontier_indexes(&self) -> Result<()> {
-        let index = IndexModel::builder()
-            .keys(doc! { "botId": 1, "pass": 1, "status": 1, "leaseExpiresAt": 1 })
-            .options(IndexOptions::builder().name(LEASE_INDEX.to_owned()).build())
-            .build();
-        self.bounded("create frontier index", self.frontier().create_index(index))
-            .await?;
+        let indexes = [
+            IndexModel::builder()
+                .keys(doc! { "botId": 1, "pass": 1, "status": 1, "leaseExpiresAt": 1 })
+                .options(IndexOptions::builder().name(LEASE_INDEX.to_owned()).build())
+                .build(),
+            IndexModel::builder()
+                .keys(doc! { "botId": 1, "pass": 1, "status": 1, "slot": 1 })
+                .options(IndexOptions::builder().name(SLOT_INDEX.to_owned()).build())
+                .build(),
+        ];
+        self.bounded(
+            "create frontier indexes",
+            self.frontier().create_indexes(indexes),
+        )
+        .await?;
         Ok(())
     }
 
@@ -201,6 +232,7 @@ impl Store {
                             "pass": pass, "status": "pending", "attempts": 0_i64,
                             "leaseOwner": Bson::Null, "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null,
                             "lastError": Bson::Null, "enqueuedAt": date(now), "notBefore": date(now),
+                            "slot": i64::from(rand::random_range(0..SLOTS)),
                             "listFingerprint": new.fingerprint.as_deref().map_or(Bson::Null, |f| Bson::String(f.to_owned())),
                         },
                         "$setOnInsert": { "discoveredAt": date(now) },
@@ -267,14 +299,6 @@ impl Store {
     ) -> Result<Option<UrlLease>> {
         let expires_at = super::plus(now, lease_for);
         let token = new_token();
-        let mut eligible = vec![
-            doc! { "status": "pending", "notBefore": { "$lte": date(now) } },
-            doc! { "status": "leased", "leaseExpiresAt": { "$lte": date(now) } },
-        ];
-        if let Some(before) = reclaim_before {
-            eligible.push(doc! { "status": "leased", "leaseOwner": me.as_str(), "leasedAt": { "$lt": date(before) } });
-        }
-        let filter = doc! { "botId": bot.as_str(), "pass": pass, "$or": eligible };
         let update = doc! {
             "$set": {
                 "status": "leased", "leaseOwner": me.as_str(), "leaseToken": token.as_str(),
@@ -282,14 +306,29 @@ impl Store {
             },
             "$inc": { "attempts": 1_i64 },
         };
-        let leased = self
-            .bounded(
-                "lease url",
-                self.frontier()
-                    .find_one_and_update(filter, update)
-                    .return_document(ReturnDocument::After),
-            )
-            .await?;
+        let mut filters = lease_filters(bot, pass, rand::random_range(0..SLOTS), now);
+        if let Some(before) = reclaim_before {
+            if let Some(token) = self.dead_lease(bot, pass, me, before).await? {
+                filters.insert(
+                    0,
+                    doc! { "botId": bot.as_str(), "pass": pass, "status": "leased", "leaseToken": token },
+                );
+            }
+        }
+        let mut leased = None;
+        for filter in filters {
+            leased = self
+                .bounded(
+                    "lease url",
+                    self.frontier()
+                        .find_one_and_update(filter, update.clone())
+                        .return_document(ReturnDocument::After),
+                )
+                .await?;
+            if leased.is_some() {
+                break;
+            }
+        }
         let Some(doc) = leased else { return Ok(None) };
         let bad = |what: &str| Error::Protocol {
             what: "lease url",
@@ -324,6 +363,35 @@ impl Store {
                 .get("attempts")
                 .and_then(crate::document::integer)
                 .unwrap_or(1),
+        }))
+    }
+
+    /// The token of a lease this instance id took before `before` (a dead predecessor's), if the
+    /// pass has one: the pass's few leased entries are read and filtered here.
+    async fn dead_lease(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        me: &InstanceId,
+        before: DateTime<Utc>,
+    ) -> Result<Option<String>> {
+        use futures_util::TryStreamExt;
+        let leased: Vec<Document> = self
+            .bounded("read leases", async {
+                self.frontier()
+                    .find(doc! { "botId": bot.as_str(), "pass": pass, "status": "leased" })
+                    .projection(doc! { "leaseOwner": 1, "leasedAt": 1, "leaseToken": 1 })
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        Ok(leased.into_iter().find_map(|d| {
+            let mine = d.get_str("leaseOwner").ok() == Some(me.as_str());
+            let old = matches!(d.get("leasedAt"), Some(Bson::DateTime(t)) if t.to_chrono() < before);
+            (mine && old)
+                .then(|| d.get_str("leaseToken").ok().map(str::to_owned))
+                .flatten()
         }))
     }
 
@@ -379,19 +447,52 @@ impl Store {
             .await
     }
 
-    /// Gives a leased URL back for another attempt no earlier than `not_before` (a retry waits
-    /// in the frontier, not in memory) — only if the lease is still this worker's.
+    /// Gives a leased URL back for another attempt no earlier than `not_before` — only if the
+    /// lease is still this worker's. A retry due later waits in the frontier (status `waiting`,
+    /// `notBefore`), not in memory; [`Store::promote_due`] makes it pending when its time comes.
     pub async fn retry_url(
         &self,
         lease: &UrlLease,
+        now: DateTime<Utc>,
         not_before: DateTime<Utc>,
         reason: &str,
     ) -> Result<()> {
+        let status = if not_before <= now { "pending" } else { "waiting" };
         let update = doc! { "$set": {
-            "status": "pending", "notBefore": date(not_before), "leaseOwner": Bson::Null,
+            "status": status, "notBefore": date(not_before), "leaseOwner": Bson::Null,
             "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": reason,
         } };
         self.fenced_url(lease, "retry url", update).await
+    }
+
+    /// Makes the pass's waiting retries whose `notBefore` has come pending again (one write).
+    pub async fn promote_due(&self, bot: &BotId, pass: i64, now: DateTime<Utc>) -> Result<u64> {
+        use futures_util::TryStreamExt;
+        // The waiting entries are few: read them by the index, pick the due ones here.
+        let waiting: Vec<Document> = self
+            .bounded("read waiting retries", async {
+                self.frontier()
+                    .find(doc! { "botId": bot.as_str(), "pass": pass, "status": "waiting" })
+                    .projection(doc! { "notBefore": 1 })
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        let due: Vec<Bson> = waiting
+            .iter()
+            .filter(|d| matches!(d.get("notBefore"), Some(Bson::DateTime(t)) if t.to_chrono() <= now))
+            .filter_map(|d| d.get("_id").cloned())
+            .collect();
+        if due.is_empty() {
+            return Ok(0);
+        }
+        let frontier = self.frontier();
+        let update = frontier.update_many(
+            doc! { "_id": { "$in": due }, "status": "waiting" },
+            doc! { "$set": { "status": "pending" } },
+        );
+        Ok(self.bounded("promote due retries", update).await?.modified_count)
     }
 
     /// What the frontier knows of these URLs from any pass, by frontier `_id`.
@@ -460,6 +561,25 @@ impl Store {
         self.fenced_url(lease, "fail url", update).await
     }
 
+    /// True while any URL of the pass is pending or leased (by anyone): two bounded index
+    /// lookups, cheap enough for every idle worker, where [`Store::pass_progress`] counts all.
+    pub async fn pass_has_work(&self, bot: &BotId, pass: i64) -> Result<bool> {
+        for status in ["pending", "leased", "waiting"] {
+            let found = self
+                .bounded(
+                    "pass has work",
+                    self.frontier()
+                        .find_one(doc! { "botId": bot.as_str(), "pass": pass, "status": status })
+                        .projection(doc! { "_id": 1 }),
+                )
+                .await?;
+            if found.is_some() {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// Counts pass `pass`'s URLs by status (leases past their expiry still count as leased until
     /// someone re-leases them: the pass waits for them).
     pub async fn pass_progress(&self, bot: &BotId, pass: i64) -> Result<PassProgress> {
@@ -486,6 +606,7 @@ impl Store {
                 .max(0) as u64;
             match row.get_str("_id") {
                 Ok("pending") => progress.pending = n,
+                Ok("waiting") => progress.waiting = n,
                 Ok("leased") => progress.leased = n,
                 Ok("done") => progress.done = n,
                 Ok("failed") => progress.failed = n,

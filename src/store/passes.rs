@@ -121,9 +121,13 @@ impl Store {
         Ok((result.modified_count == 1).then_some(next))
     }
 
-    /// Counts a pass's URLs by kind and status: (listing pages, listing pages done, all pages,
-    /// failed pages).
-    async fn pass_coverage(&self, bot: &BotId, pass: i64) -> Result<(u64, u64, u64, u64)> {
+    /// Counts a pass's URLs by kind and status, in one aggregation: its progress, and (listing
+    /// pages, listing pages done, all pages, failed pages).
+    async fn pass_coverage(
+        &self,
+        bot: &BotId,
+        pass: i64,
+    ) -> Result<(PassProgress, (u64, u64, u64, u64))> {
         use futures_util::TryStreamExt;
         let pipeline = [
             doc! { "$match": { "botId": bot.as_str(), "pass": pass } },
@@ -138,6 +142,7 @@ impl Store {
                     .await
             })
             .await?;
+        let mut progress = PassProgress::default();
         let (mut lists, mut lists_done, mut all, mut failed) = (0, 0, 0, 0);
         for row in rows {
             let n = row
@@ -149,8 +154,16 @@ impl Store {
             let kind = key.get_str("kind").ok().and_then(PageKind::parse);
             let status = key.get_str("status").unwrap_or_default();
             all += n;
-            if status == "failed" {
-                failed += n;
+            match status {
+                "pending" => progress.pending += n,
+                "waiting" => progress.waiting += n,
+                "leased" => progress.leased += n,
+                "done" => progress.done += n,
+                "failed" => {
+                    progress.failed += n;
+                    failed += n;
+                }
+                _ => {}
             }
             if matches!(kind, Some(PageKind::List | PageKind::Seed)) {
                 lists += n;
@@ -159,7 +172,7 @@ impl Store {
                 }
             }
         }
-        Ok((lists, lists_done, all, failed))
+        Ok((progress, (lists, lists_done, all, failed)))
     }
 
     /// Ends pass `pass` (the caller saw nothing pending or leased): deletion detection, then the
@@ -172,8 +185,7 @@ impl Store {
         rules: DeletionRules,
         now: DateTime<Utc>,
     ) -> Result<PassEnd> {
-        let progress = self.pass_progress(bot, pass).await?;
-        let (lists, lists_done, all, failed) = self.pass_coverage(bot, pass).await?;
+        let (progress, (lists, lists_done, all, failed)) = self.pass_coverage(bot, pass).await?;
         let coverage = if lists == 0 {
             0.0
         } else {
@@ -205,12 +217,7 @@ impl Store {
         };
         let mut removed = 0;
         if deletion_skipped.is_none() {
-            let records = self.records();
-            let update = records.update_many(
-                doc! { "botId": bot.as_str(), "lastSeenPass": { "$lt": pass }, "removedAt": Bson::Null },
-                doc! { "$set": { "removedAt": date(now), "removedInPass": pass } },
-            );
-            removed = self.bounded("mark removed", update).await?.modified_count;
+            removed = self.mark_unseen_removed(bot, pass, now).await?;
         }
         let summary = doc! {
             "pass": pass,
@@ -246,6 +253,38 @@ impl Store {
             deletion_skipped,
             recorded,
         })
+    }
+
+    /// Marks the bot's records that pass `pass` did not see removed. The unseen are read by the
+    /// `{botId, lastSeenPass}` index, then marked by `_id` in chunks (filtered on `removedAt:
+    /// null`, so repeating this is a no-op).
+    async fn mark_unseen_removed(&self, bot: &BotId, pass: i64, now: DateTime<Utc>) -> Result<u64> {
+        use futures_util::TryStreamExt;
+        let records = self.records();
+        let unseen: Vec<Document> = self
+            .bounded("read unseen records", async {
+                records
+                    .find(doc! { "botId": bot.as_str(), "lastSeenPass": { "$lt": pass } })
+                    .projection(doc! { "removedAt": 1 })
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        let ids: Vec<Bson> = unseen
+            .into_iter()
+            .filter(|d| matches!(d.get("removedAt"), None | Some(Bson::Null)))
+            .filter_map(|d| d.get("_id").cloned())
+            .collect();
+        let mut removed = 0;
+        for chunk in ids.chunks(1000) {
+            let update = records.update_many(
+                doc! { "_id": { "$in": chunk }, "removedAt": Bson::Null },
+                doc! { "$set": { "removedAt": date(now), "removedInPass": pass } },
+            );
+            removed += self.bounded("mark removed", update).await?.modified_count;
+        }
+        Ok(removed)
     }
 
     /// Marks one record removed now (its detail page answered 404/410).

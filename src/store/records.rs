@@ -233,7 +233,10 @@ impl Store {
                     if newer_stored {
                         return Ok(RecordWrite::Superseded);
                     }
-                    let guard = doc! { "$or": [ { "fetchedAt": { "$lte": fetched_at.clone() } }, { "fetchedAt": { "$exists": false } } ] };
+                    // Compare-and-swap on the version read: its hash and its `fetchedAt`
+                    // (equalities only, which every server answers from the `_id` lookup).
+                    let read_at = old.get("fetchedAt").cloned().unwrap_or(Bson::Null);
+                    let guard = doc! { "fetchedAt": read_at.clone() };
                     if old_hash == hash
                         && old.get("removedAt").is_none_or(|v| matches!(v, Bson::Null))
                     {
@@ -241,9 +244,11 @@ impl Store {
                         // detection) and move `fetchedAt` on, so an older lease cannot write over it.
                         let mut filter = doc! { "_id": &id, "contentHash": &hash };
                         filter.extend(guard.clone());
-                        let seen = doc! { "$set": {
-                            "fetchedAt": fetched_at.clone(), "lastSeenPass": lease.pass, "lastSeen": now_b.clone(),
-                        } };
+                        // `$max`: a late commit from an older pass never moves `lastSeenPass` back.
+                        let seen = doc! {
+                            "$set": { "fetchedAt": fetched_at.clone(), "lastSeen": now_b.clone() },
+                            "$max": { "lastSeenPass": lease.pass },
+                        };
                         let update = records.update_one(filter, seen);
                         let result = in_session!(update, session)?;
                         if result.matched_count == 1 {
@@ -253,18 +258,21 @@ impl Store {
                     }
                     let filter = doc! {
                         "_id": &id, "contentHash": &old_hash,
-                        "$or": [ { "fetchedAt": { "$lte": fetched_at.clone() } }, { "fetchedAt": { "$exists": false } } ],
+                        "fetchedAt": read_at,
                     };
                     let changed = old_hash != hash;
                     let mut set = doc! {
                         "url": lease.url.as_str(), "data": record.data.clone(), "contentHash": &hash,
-                        "lastSeen": now_b.clone(), "lastSeenPass": lease.pass, "removedAt": Bson::Null,
+                        "lastSeen": now_b.clone(), "removedAt": Bson::Null,
                         "fetchedAt": fetched_at.clone(),
                     };
                     if changed {
                         set.insert("lastChanged", now_b.clone());
                     }
-                    let update = records.update_one(filter, doc! { "$set": set });
+                    let update = records.update_one(
+                        filter,
+                        doc! { "$set": set, "$max": { "lastSeenPass": lease.pass } },
+                    );
                     let result = in_session!(update, session)?;
                     if result.matched_count == 1 {
                         return Ok(if changed {
