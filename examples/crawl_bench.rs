@@ -115,15 +115,21 @@ fn repeated(stats: &BTreeMap<String, u64>) -> u64 {
     stats.values().map(|v| v.saturating_sub(1)).sum()
 }
 
-fn config(
-    dir: &Path,
-    uri: &str,
-    database: &str,
-    base: &str,
+/// The crawl settings a benchmark run varies.
+struct Run<'a> {
     workers: u32,
-    mode: &str,
-    lease: &str,
-) -> PathBuf {
+    mode: &'a str,
+    lease: &'a str,
+    transactions: &'a str,
+}
+
+fn config(dir: &Path, uri: &str, database: &str, base: &str, run: &Run<'_>) -> PathBuf {
+    let Run {
+        workers,
+        mode,
+        lease,
+        transactions,
+    } = run;
     let host = base.trim_start_matches("http://");
     let text = format!(
         r#"
@@ -137,6 +143,7 @@ poll = "200ms"
 workers = {workers}
 lease = "{lease}"
 timeout = "5s"
+transactions = "{transactions}"
 [http]
 listen = "off"
 [log]
@@ -265,7 +272,16 @@ async fn kill_seedlock(uri: &str, instances: usize, dir: &Path) -> KillRun {
     )
     .await;
     let db = fresh_db(uri, &format!("kill{instances}")).await;
-    let config = config(dir, uri, db.name(), &shop.base, 1, "fingerprint", "10s");
+    let config = config(
+        dir,
+        uri,
+        db.name(),
+        &shop.base,
+        1,
+        "fingerprint",
+        "10s",
+        "auto",
+    );
     let names: Vec<String> = (0..instances).map(|i| format!("crawler-{i}")).collect();
     let started = Instant::now();
     let mut children: Vec<Option<Child>> = names
@@ -494,8 +510,18 @@ async fn crawl_once(
     db: &Database,
     instances: usize,
     mode: &str,
+    transactions: &str,
 ) -> (Duration, u64) {
-    let config = config(dir, uri, db.name(), &shop.base, 4, mode, "60s");
+    let config = config(
+        dir,
+        uri,
+        db.name(),
+        &shop.base,
+        4,
+        mode,
+        "60s",
+        transactions,
+    );
     let started = Instant::now();
     let mut children: Vec<Child> = (0..instances)
         .map(|i| {
@@ -529,20 +555,46 @@ async fn throughput(uri: &str) {
     let dir = tempfile::tempdir().unwrap();
     println!("## Throughput: one full pass (`run --once`, `crawl.workers = 4` per instance)");
     println!();
-    println!("| products | instances | pages | wall (s) | pages/s | records/s | peak RSS per instance (MiB) | correct records |");
-    println!("|---|---|---|---|---|---|---|---|");
-    for (lists, per_list) in [(25, 20), (100, 100)] {
-        for instances in [1, 3] {
+    println!("| products | instances | transactions | pages | wall (s) | pages/s | records/s | peak RSS per instance (MiB) | correct records |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let only: Option<Vec<usize>> = std::env::var("BENCH_ROWS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|n| n.parse().ok()).collect());
+    let runs: Vec<_> = [
+        (25, 20, 1, "auto"),
+        (25, 20, 3, "auto"),
+        (25, 20, 1, "off"),
+        (25, 20, 3, "off"),
+        (100, 100, 1, "auto"),
+        (100, 100, 3, "auto"),
+        (100, 100, 1, "off"),
+        (100, 100, 3, "off"),
+    ]
+    .into_iter()
+    .enumerate()
+    .filter(|(i, _)| only.as_ref().is_none_or(|o| o.contains(i)))
+    .map(|(_, r)| r)
+    .collect();
+    {
+        for (lists, per_list, instances, transactions) in runs {
             let shop = Shop::start(lists, per_list).await;
             let db = fresh_db(uri, "throughput").await;
-            let (wall, peak) =
-                crawl_once(uri, dir.path(), &shop, &db, instances, "fingerprint").await;
+            let (wall, peak) = crawl_once(
+                uri,
+                dir.path(),
+                &shop,
+                &db,
+                instances,
+                "fingerprint",
+                transactions,
+            )
+            .await;
             let stats = shop.stats().await;
             let pages = under(&stats, "/list/") + under(&stats, "/product/");
             let truth = shop.truth().await;
             let (rows, _, correct) = judge_records(&db, &truth).await;
             println!(
-                "| {} | {instances} | {pages} | {:.2} | {:.0} | {:.0} | {:.1} | {correct}/{} |",
+                "| {} | {instances} | {transactions} | {pages} | {:.2} | {:.0} | {:.0} | {:.1} | {correct}/{} |",
                 lists * per_list,
                 wall.as_secs_f64(),
                 pages as f64 / wall.as_secs_f64(),
@@ -570,7 +622,7 @@ async fn incremental(uri: &str, items: u32) {
     println!();
     let shop = Shop::start(lists, 100).await;
     let db = fresh_db(uri, "incremental").await;
-    let (full, full_rss) = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint").await;
+    let (full, full_rss) = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "auto").await;
     let stats = shop.stats().await;
     let full_details = under(&stats, "/product/");
     let full_lists = under(&stats, "/list/");
@@ -578,7 +630,8 @@ async fn incremental(uri: &str, items: u32) {
         .await;
     let before = bson::DateTime::now();
     request_refresh(&db).await;
-    let (second, second_rss) = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint").await;
+    let (second, second_rss) =
+        crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "auto").await;
     let stats = shop.stats().await;
     let details = under(&stats, "/product/");
     let writes = records_written_since(&db, before).await;
@@ -611,11 +664,11 @@ async fn incremental(uri: &str, items: u32) {
     // Watermark mode on an append-only catalogue: 200 new items.
     let shop = Shop::start(lists.min(50), 100).await;
     let db = fresh_db(uri, "watermark").await;
-    crawl_once(uri, dir.path(), &shop, &db, 1, "watermark").await;
+    crawl_once(uri, dir.path(), &shop, &db, 1, "watermark", "auto").await;
     shop.stats().await;
     shop.post("/__mutate", json!({"add": 200})).await;
     request_refresh(&db).await;
-    let (wall, _) = crawl_once(uri, dir.path(), &shop, &db, 1, "watermark").await;
+    let (wall, _) = crawl_once(uri, dir.path(), &shop, &db, 1, "watermark", "auto").await;
     let stats = shop.stats().await;
     println!();
     println!(
@@ -638,7 +691,7 @@ async fn deletion(uri: &str) {
     let dir = tempfile::tempdir().unwrap();
     let shop = Shop::start(25, 20).await;
     let db = fresh_db(uri, "deletion").await;
-    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint").await;
+    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "auto").await;
     let report = shop.post("/__mutate", json!({"delete": 50})).await;
     let removed = || async {
         docs(&db, "records", doc! { "removedAt": { "$type": "date" } })
@@ -654,7 +707,7 @@ async fn deletion(uri: &str) {
     )
     .await;
     request_refresh(&db).await;
-    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint").await;
+    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "auto").await;
     let after_incomplete = removed().await.len();
     reqwest::Client::new()
         .delete(format!("{}/__faults", shop.base))
@@ -662,7 +715,7 @@ async fn deletion(uri: &str) {
         .await
         .unwrap();
     request_refresh(&db).await;
-    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint").await;
+    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "auto").await;
     let after_complete = removed().await;
     let deleted: HashSet<String> = report["deleted"]
         .as_array()

@@ -140,7 +140,14 @@ pub struct Crawler {
     last_promotion: std::sync::Mutex<Option<Instant>>,
     /// Held by the worker that is ending a pass.
     finishing: tokio::sync::Mutex<()>,
+    /// The pass in which no dead predecessor's lease is left to reclaim.
+    reclaimed_in: std::sync::atomic::AtomicI64,
+    /// Frontier ids of links this instance enqueued in a pass (bounded; cleared when full).
+    enqueued: std::sync::Mutex<(i64, HashSet<String>)>,
 }
+
+/// Links remembered per pass as already enqueued (about 100 bytes each).
+const ENQUEUED_CACHE: usize = 100_000;
 
 /// Everything a crawler needs besides its bot.
 #[derive(Clone)]
@@ -171,6 +178,8 @@ impl Crawler {
             metrics: ctx.metrics.clone(),
             last_promotion: std::sync::Mutex::new(None),
             finishing: tokio::sync::Mutex::new(()),
+            reclaimed_in: std::sync::atomic::AtomicI64::new(0),
+            enqueued: std::sync::Mutex::new((0, HashSet::new())),
         }
     }
 
@@ -278,16 +287,29 @@ impl Crawler {
     }
 
     async fn lease(&self, pass: &Pass) -> Result<Option<UrlLease>> {
-        self.store
+        // A dead predecessor's leases can only predate this process: look for them until a
+        // lease comes without one, then never again for this pass.
+        let look = self.reclaimed_in.load(std::sync::atomic::Ordering::Relaxed) != pass.number;
+        let lease = self
+            .store
             .lease_next(
                 &self.bot,
                 pass.number,
                 &self.me,
-                Some(self.started_at),
+                look.then_some(self.started_at),
                 self.clock.now(),
                 self.limits.lease,
             )
-            .await
+            .await?;
+        if look
+            && lease
+                .as_ref()
+                .is_none_or(|l| l.leased_at > self.started_at && !l.reclaimed)
+        {
+            self.reclaimed_in
+                .store(pass.number, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(lease)
     }
 
     /// Fetches and stores one leased page. `None` when shutdown interrupted the fetch (the URL
@@ -515,9 +537,29 @@ impl Crawler {
                 fingerprint: None,
             });
         }
+        // Links this instance already put into this pass (every product page links back to the
+        // first listing page, say) need no round trip: enqueuing them again would be a no-op.
+        let plain: Vec<String> = new
+            .iter()
+            .filter(|n| n.fingerprint.is_none())
+            .map(|n| url_id(&self.bot, &n.url))
+            .collect();
+        {
+            let cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
+            if cache.0 == lease.pass {
+                new.retain(|n| {
+                    n.fingerprint.is_some() || !cache.1.contains(&url_id(&self.bot, &n.url))
+                });
+            }
+        }
         self.store
             .enqueue_urls(&self.bot, lease.pass, &new, now)
             .await?;
+        let mut cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.0 != lease.pass || cache.1.len() + plain.len() > ENQUEUED_CACHE {
+            *cache = (lease.pass, HashSet::new());
+        }
+        cache.1.extend(plain);
         Ok(())
     }
 

@@ -80,6 +80,8 @@ pub struct UrlLease {
     pub list_fingerprint: Option<String>,
     /// The record this page produced last time it was crawled, if any.
     pub record_id: Option<String>,
+    /// True when this lease took over one a dead predecessor of this instance id held.
+    pub reclaimed: bool,
 }
 
 /// A URL to add to a pass.
@@ -307,8 +309,10 @@ impl Store {
             "$inc": { "attempts": 1_i64 },
         };
         let mut filters = lease_filters(bot, pass, rand::random_range(0..SLOTS), now);
+        let mut reclaiming = false;
         if let Some(before) = reclaim_before {
             if let Some(token) = self.dead_lease(bot, pass, me, before).await? {
+                reclaiming = true;
                 filters.insert(
                     0,
                     doc! { "botId": bot.as_str(), "pass": pass, "status": "leased", "leaseToken": token },
@@ -316,7 +320,8 @@ impl Store {
             }
         }
         let mut leased = None;
-        for filter in filters {
+        let mut reclaimed = false;
+        for (i, filter) in filters.into_iter().enumerate() {
             leased = self
                 .bounded(
                     "lease url",
@@ -326,6 +331,7 @@ impl Store {
                 )
                 .await?;
             if leased.is_some() {
+                reclaimed = reclaiming && i == 0;
                 break;
             }
         }
@@ -352,6 +358,7 @@ impl Store {
             },
             list_fingerprint: text("listFingerprint"),
             record_id: text("recordId"),
+            reclaimed,
             id: doc.get_str("_id").map_err(|_| bad("_id"))?.to_owned(),
             url,
             kind,
@@ -388,7 +395,8 @@ impl Store {
             .await?;
         Ok(leased.into_iter().find_map(|d| {
             let mine = d.get_str("leaseOwner").ok() == Some(me.as_str());
-            let old = matches!(d.get("leasedAt"), Some(Bson::DateTime(t)) if t.to_chrono() < before);
+            let old =
+                matches!(d.get("leasedAt"), Some(Bson::DateTime(t)) if t.to_chrono() < before);
             (mine && old)
                 .then(|| d.get_str("leaseToken").ok().map(str::to_owned))
                 .flatten()
@@ -457,7 +465,11 @@ impl Store {
         not_before: DateTime<Utc>,
         reason: &str,
     ) -> Result<()> {
-        let status = if not_before <= now { "pending" } else { "waiting" };
+        let status = if not_before <= now {
+            "pending"
+        } else {
+            "waiting"
+        };
         let update = doc! { "$set": {
             "status": status, "notBefore": date(not_before), "leaseOwner": Bson::Null,
             "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": reason,
@@ -481,7 +493,9 @@ impl Store {
             .await?;
         let due: Vec<Bson> = waiting
             .iter()
-            .filter(|d| matches!(d.get("notBefore"), Some(Bson::DateTime(t)) if t.to_chrono() <= now))
+            .filter(
+                |d| matches!(d.get("notBefore"), Some(Bson::DateTime(t)) if t.to_chrono() <= now),
+            )
             .filter_map(|d| d.get("_id").cloned())
             .collect();
         if due.is_empty() {
@@ -492,7 +506,10 @@ impl Store {
             doc! { "_id": { "$in": due }, "status": "waiting" },
             doc! { "$set": { "status": "pending" } },
         );
-        Ok(self.bounded("promote due retries", update).await?.modified_count)
+        Ok(self
+            .bounded("promote due retries", update)
+            .await?
+            .modified_count)
     }
 
     /// What the frontier knows of these URLs from any pass, by frontier `_id`.
