@@ -277,10 +277,12 @@ async fn kill_seedlock(uri: &str, instances: usize, dir: &Path) -> KillRun {
         uri,
         db.name(),
         &shop.base,
-        1,
-        "fingerprint",
-        "10s",
-        "auto",
+        &Run {
+            workers: 1,
+            mode: "fingerprint",
+            lease: "10s",
+            transactions: "auto",
+        },
     );
     let names: Vec<String> = (0..instances).map(|i| format!("crawler-{i}")).collect();
     let started = Instant::now();
@@ -517,10 +519,12 @@ async fn crawl_once(
         uri,
         db.name(),
         &shop.base,
-        4,
-        mode,
-        "60s",
-        transactions,
+        &Run {
+            workers: 4,
+            mode,
+            lease: "60s",
+            transactions,
+        },
     );
     let started = Instant::now();
     let mut children: Vec<Child> = (0..instances)
