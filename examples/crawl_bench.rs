@@ -147,7 +147,7 @@ transactions = "{transactions}"
 [http]
 listen = "off"
 [log]
-level = "warn"
+level = "info"
 [[bots]]
 id = "shop"
 seeds = {{ url = "{base}/seeds.txt", format = "lines" }}
@@ -181,7 +181,17 @@ fn seedlock(config: &Path, instance: &str, args: &[&str]) -> Child {
         .env("SEEDLOCK_INSTANCE_ID", instance)
         .env_remove("MONGODB_URI")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(match std::env::var("BENCH_LOG_DIR") {
+            // BENCH_LOG_DIR=DIR keeps every instance's log (appended per instance id).
+            Ok(dir) => std::process::Stdio::from(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(Path::new(&dir).join(format!("{instance}.log")))
+                    .expect("open the instance log"),
+            ),
+            Err(_) => std::process::Stdio::null(),
+        })
         .kill_on_drop(true)
         .spawn()
         .expect("spawn seedlock")
@@ -457,11 +467,17 @@ async fn kill(uri: &str, runs: usize) {
     println!("| crawler | run | kills | rows | distinct | correct | requests | repeated | wall (s) | verdict |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut failures = 0;
-    for (label, instances) in [
-        ("naive (auto ids, no frontier)", 0),
-        ("seedlock, 1 instance", 1),
-        ("seedlock, 3 instances", 3),
-    ] {
+    // BENCH_KILL_ONLY=1 or 3: only seedlock with that many instances (for investigating).
+    let crawlers: &[(&str, usize)] = match std::env::var("BENCH_KILL_ONLY").as_deref() {
+        Ok("1") => &[("seedlock, 1 instance", 1)],
+        Ok("3") => &[("seedlock, 3 instances", 3)],
+        _ => &[
+            ("naive (auto ids, no frontier)", 0),
+            ("seedlock, 1 instance", 1),
+            ("seedlock, 3 instances", 3),
+        ],
+    };
+    for &(label, instances) in crawlers {
         for run in 1..=runs {
             let r = if instances == 0 {
                 kill_naive(uri).await

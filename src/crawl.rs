@@ -573,7 +573,9 @@ impl Crawler {
         shutdown: &CancellationToken,
     ) -> Result<SliceEnd> {
         let deadline = Instant::now() + slice;
-        let stop = shutdown.child_token();
+        // `drain` stops the workers from leasing more; a page in flight is finished, not
+        // abandoned (an abandoned fetch would be a repeated request). Only `shutdown` interrupts.
+        let drain = CancellationToken::new();
         // Workers inside a step (they may enqueue more) and a signal when one finishes a page: an
         // idle worker waits for its peers' pages before it gives up the slice.
         let busy = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -582,20 +584,21 @@ impl Crawler {
         for _ in 0..self.limits.workers {
             let crawler = self.clone();
             let pass = pass.clone();
-            let stop = stop.clone();
+            let drain = drain.clone();
+            let shutdown = shutdown.clone();
             let busy = busy.clone();
             let progressed = progressed.clone();
             workers.spawn(async move {
                 use std::sync::atomic::Ordering;
                 loop {
-                    if stop.is_cancelled() {
+                    if shutdown.is_cancelled() {
                         return Ok(SliceEnd::Shutdown);
                     }
-                    if Instant::now() >= deadline {
+                    if drain.is_cancelled() || Instant::now() >= deadline {
                         return Ok(SliceEnd::TimeUp);
                     }
                     busy.fetch_add(1, Ordering::SeqCst);
-                    let step = crawler.crawl_step(&pass, &stop).await;
+                    let step = crawler.crawl_step(&pass, &shutdown).await;
                     let others_busy = busy.fetch_sub(1, Ordering::SeqCst) > 1;
                     match step? {
                         CrawlStep::Crawled { .. } | CrawlStep::LeaseLost { .. } => {
@@ -603,7 +606,8 @@ impl Crawler {
                         }
                         CrawlStep::Idle if others_busy => {
                             tokio::select! {
-                                _ = stop.cancelled() => {}
+                                _ = shutdown.cancelled() => {}
+                                _ = drain.cancelled() => {}
                                 _ = progressed.notified() => {}
                                 _ = tokio::time::sleep(Duration::from_millis(250)) => {}
                             }
@@ -628,7 +632,7 @@ impl Crawler {
                 // The first worker to see the pass over ends the slice for all.
                 Ok(SliceEnd::Finished(pass_end)) => {
                     end = SliceEnd::Finished(pass_end);
-                    stop.cancel();
+                    drain.cancel();
                 }
                 Ok(SliceEnd::Shutdown) => {
                     if !matches!(end, SliceEnd::Finished(_)) {
@@ -642,8 +646,9 @@ impl Crawler {
                 }
                 Ok(SliceEnd::TimeUp) => {}
                 Err(e) => {
-                    // One worker's database trouble stops the slice; the loop backs off.
-                    stop.cancel();
+                    // One worker's database trouble ends the slice (the others finish their
+                    // pages first); the loop backs off.
+                    drain.cancel();
                     error.get_or_insert(e);
                 }
             }

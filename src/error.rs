@@ -75,6 +75,19 @@ pub fn is_transient_db(e: &mongodb::error::Error) -> bool {
     }
 }
 
+/// WriteConflict (112): the document is being written by another transaction — for instance one
+/// a killed process left open, which the server ends at its transaction lifetime limit.
+pub fn is_write_conflict(e: &Error) -> bool {
+    match e {
+        Error::Db(e) => match e.kind.as_ref() {
+            ErrorKind::Command(c) => c.code == 112,
+            ErrorKind::Write(WriteFailure::WriteError(w)) => w.code == 112,
+            _ => e.contains_label("TransientTransactionError"),
+        },
+        _ => false,
+    }
+}
+
 /// E11000: two instances upserted the same `_id` at once; the loser's write is a no-op by design.
 pub fn is_duplicate_key(e: &mongodb::error::Error) -> bool {
     match e.kind.as_ref() {

@@ -322,14 +322,24 @@ impl Store {
         let mut leased = None;
         let mut reclaimed = false;
         for (i, filter) in filters.into_iter().enumerate() {
-            leased = self
+            let attempt = self
                 .bounded(
                     "lease url",
                     self.frontier()
                         .find_one_and_update(filter, update.clone())
                         .return_document(ReturnDocument::After),
                 )
-                .await?;
+                .await;
+            leased = match attempt {
+                Ok(found) => found,
+                // The candidate is held by an open transaction (a killed worker's commit, until
+                // the server ends it): leave it, lease something else.
+                Err(e) if crate::error::is_write_conflict(&e) => {
+                    tracing::debug!(bot = %bot, error = %e, "a lease candidate is busy; trying the next");
+                    None
+                }
+                Err(e) => return Err(e),
+            };
             if leased.is_some() {
                 reclaimed = reclaiming && i == 0;
                 break;

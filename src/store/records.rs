@@ -170,7 +170,14 @@ impl Store {
                 Err(Error::Db(e))
                     if e.contains_label("TransientTransactionError") && attempt < 5 =>
                 {
-                    continue
+                    // Another transaction holds a document this one writes: back off a little.
+                    tokio::time::sleep(crate::backoff::full_jitter(
+                        std::time::Duration::from_millis(10),
+                        std::time::Duration::from_millis(500),
+                        attempt,
+                    ))
+                    .await;
+                    continue;
                 }
                 other => return other,
             }
