@@ -253,6 +253,9 @@ impl Crawler {
                     self.clock.now(),
                 )
                 .await?;
+            if !end.finished {
+                return Ok(CrawlStep::Idle);
+            }
             if end.recorded {
                 self.metrics.pass_finished(&self.bot);
                 info!(

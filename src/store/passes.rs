@@ -47,6 +47,8 @@ pub struct PassEnd {
     pub deletion_skipped: Option<String>,
     /// True for the instance whose write recorded the end (the others found it recorded).
     pub recorded: bool,
+    /// False when the count found work left after all: the pass goes on.
+    pub finished: bool,
 }
 
 /// What `seedlock status` shows of a bot's current pass.
@@ -196,10 +198,22 @@ impl Store {
         } else {
             failed as f64 / all as f64
         };
+        if !progress.is_finished() {
+            // Work appeared between the caller's look and this count (a retry came due, say):
+            // the pass goes on; nothing is recorded.
+            return Ok(PassEnd {
+                pass,
+                progress,
+                coverage,
+                error_rate,
+                removed: 0,
+                deletion_skipped: Some("the pass is not finished".to_owned()),
+                recorded: false,
+                finished: false,
+            });
+        }
         let deletion_skipped = if !rules.enabled {
             Some("this incremental mode does not read every listing page".to_owned())
-        } else if !progress.is_finished() {
-            Some("the pass is not finished".to_owned())
         } else if coverage < rules.min_coverage {
             Some(format!(
                 "listing coverage {:.1}% is under {:.1}%",
@@ -252,6 +266,7 @@ impl Store {
             removed,
             deletion_skipped,
             recorded,
+            finished: true,
         })
     }
 
