@@ -109,21 +109,46 @@ impl Store {
     ) -> Result<Option<RecordWrite>> {
         let record_id = record.map(|r| record_id(r.bot.as_str(), &r.natural_key));
         let done = Self::done_update(lease, record_id.as_deref(), now);
-        if !transaction {
-            let write = match record {
-                Some(r) => Some(self.upsert_record(r, lease, now, None).await?),
-                None => None,
-            };
-            self.fenced_url(lease, "complete url", done).await?;
-            return Ok(write);
+        if transaction {
+            if let Some(result) = self.commit_in_transaction(lease, record, &done, now).await {
+                return result;
+            }
+            // The transaction kept conflicting — with one a killed process left open, say, which
+            // the server ends only at its transaction lifetime limit. The ordered path gives the
+            // same guarantee without waiting for it, and keeps the page already fetched.
+            tracing::warn!(url = %lease.url, "transactions keep conflicting; committing this page in order instead");
         }
+        let write = match record {
+            Some(r) => Some(self.upsert_record(r, lease, now, None).await?),
+            None => None,
+        };
+        self.fenced_url(lease, "complete url", done).await?;
+        Ok(write)
+    }
+
+    /// The transaction path of [`Store::commit_page`]; `None` when it conflicted on every attempt.
+    async fn commit_in_transaction(
+        &self,
+        lease: &UrlLease,
+        record: Option<&Extracted>,
+        done: &Document,
+        now: DateTime<Utc>,
+    ) -> Option<Result<Option<RecordWrite>>> {
         // A transaction that fails with a transient label is retried from the start, a few times.
         for attempt in 1..=5 {
-            let mut session = self
+            let mut session = match self
                 .bounded("start session", self.database().client().start_session())
-                .await?;
-            self.bounded("start transaction", session.start_transaction())
-                .await?;
+                .await
+            {
+                Ok(session) => session,
+                Err(e) => return Some(Err(e)),
+            };
+            if let Err(e) = self
+                .bounded("start transaction", session.start_transaction())
+                .await
+            {
+                return Some(Err(e));
+            }
             // The record first, the fenced done mark last: when the fence matches nothing the
             // transaction is aborted and the record write rolls back with it.
             let result = async {
@@ -167,9 +192,7 @@ impl Store {
                 let _ = tokio::time::timeout(self.op_timeout, session.abort_transaction()).await;
             }
             match result {
-                Err(Error::Db(e))
-                    if e.contains_label("TransientTransactionError") && attempt < 5 =>
-                {
+                Err(Error::Db(e)) if e.contains_label("TransientTransactionError") => {
                     // Another transaction holds a document this one writes: back off a little.
                     tokio::time::sleep(crate::backoff::full_jitter(
                         std::time::Duration::from_millis(10),
@@ -177,12 +200,11 @@ impl Store {
                         attempt,
                     ))
                     .await;
-                    continue;
                 }
-                other => return other,
+                other => return Some(other),
             }
         }
-        unreachable!("the loop returns on its last attempt")
+        None
     }
 
     /// Runs a multi-step future under the operation timeout.
