@@ -274,7 +274,7 @@ const KILLS: usize = 10;
 /// Per-request latency of the shop in the kill test, so a crawl outlives ten kills.
 const KILL_TEST_LATENCY_MS: u64 = 20;
 
-async fn kill_seedlock(uri: &str, instances: usize, dir: &Path) -> KillRun {
+async fn kill_seedlock(uri: &str, instances: usize, transactions: &str, dir: &Path) -> KillRun {
     let shop = Shop::start(25, 20).await;
     shop.post(
         "/__faults",
@@ -291,7 +291,7 @@ async fn kill_seedlock(uri: &str, instances: usize, dir: &Path) -> KillRun {
             workers: 1,
             mode: "fingerprint",
             lease: "10s",
-            transactions: "auto",
+            transactions,
         },
     );
     let names: Vec<String> = (0..instances).map(|i| format!("crawler-{i}")).collect();
@@ -468,21 +468,23 @@ async fn kill(uri: &str, runs: usize) {
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut failures = 0;
     // BENCH_KILL_ONLY=1 or 3: only seedlock with that many instances (for investigating).
-    let crawlers: &[(&str, usize)] = match std::env::var("BENCH_KILL_ONLY").as_deref() {
-        Ok("1") => &[("seedlock, 1 instance", 1)],
-        Ok("3") => &[("seedlock, 3 instances", 3)],
+    let crawlers: &[(&str, usize, &str)] = match std::env::var("BENCH_KILL_ONLY").as_deref() {
+        Ok("1") => &[("seedlock, 1 instance", 1, "auto")],
+        Ok("3") => &[("seedlock, 3 instances", 3, "auto")],
         _ => &[
-            ("naive (auto ids, no frontier)", 0),
-            ("seedlock, 1 instance", 1),
-            ("seedlock, 3 instances", 3),
+            ("naive (auto ids, no frontier)", 0, "-"),
+            ("seedlock, 1 instance, transactions", 1, "auto"),
+            ("seedlock, 3 instances, transactions", 3, "auto"),
+            ("seedlock, 1 instance, `transactions = \"off\"`", 1, "off"),
+            ("seedlock, 3 instances, `transactions = \"off\"`", 3, "off"),
         ],
     };
-    for &(label, instances) in crawlers {
+    for &(label, instances, transactions) in crawlers {
         for run in 1..=runs {
             let r = if instances == 0 {
                 kill_naive(uri).await
             } else {
-                kill_seedlock(uri, instances, dir.path()).await
+                kill_seedlock(uri, instances, transactions, dir.path()).await
             };
             let verdict = if instances == 0 {
                 "baseline".to_owned()
