@@ -362,6 +362,57 @@ mod tests {
     }
 
     #[test]
+    fn status_shows_a_crawling_bots_pass_rate_and_oldest_pending() {
+        use crate::store::frontier::PassProgress;
+        use crate::store::passes::PassReport;
+        let now = Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap();
+        let docs = vec![
+            doc! {"_id": "shop", "isReady": true, "isEditing": false, "seeds": ["http://x/"], "lockEpoch": 3_i64},
+        ];
+        let mut rows = status_rows(docs, &[], now);
+        let report = PassReport {
+            pass: 4,
+            progress: PassProgress {
+                pending: 30,
+                waiting: 2,
+                leased: 4,
+                done: 150,
+                failed: 50,
+            },
+            started_at: Some(now - chrono::Duration::seconds(100)),
+            ended_at: None,
+            oldest_pending: Some(now - chrono::Duration::seconds(42)),
+        };
+        with_pass(&mut rows[0], &report, now);
+        let crawl = rows[0].crawl.clone().expect("pass columns");
+        assert_eq!(
+            (crawl.pass, crawl.finished, crawl.pending, crawl.leased),
+            (4, false, 32, 4),
+            "waiting retries count as pending"
+        );
+        assert_eq!(crawl.pages_per_second, 2.0, "200 pages finished in 100 s");
+        assert_eq!(crawl.oldest_pending_seconds, Some(42));
+        let table = render_table(&rows);
+        let line = table.lines().nth(1).unwrap();
+        assert!(
+            line.contains("150/32/4/50") && line.contains("42s ago"),
+            "{table}"
+        );
+        let json: serde_json::Value = serde_json::from_str(&render_json(&rows)).unwrap();
+        assert_eq!(json[0]["crawl"]["pass"], 4);
+        // A bot without a pass shows dashes.
+        let mut plain = status_rows(
+            vec![
+                doc! {"_id": "p", "isReady": true, "isEditing": false, "seeds": [], "lockEpoch": 1_i64},
+            ],
+            &[],
+            now,
+        );
+        with_pass(&mut plain[0], &PassReport::default(), now);
+        assert!(plain[0].crawl.is_none());
+    }
+
+    #[test]
     fn inspect_lists_history_oldest_first() {
         let at = bson::DateTime::from_millis(0);
         let raw = doc! {"_id": "a", "isReady": true, "isEditing": false, "seeds": ["http://x/"], "lockEpoch": 2_i64,
