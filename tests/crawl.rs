@@ -788,3 +788,42 @@ async fn sigkilled_crawlers_end_with_one_correct_record_per_product_and_few_repe
         requests.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
+    use seedlock::store::passes::DeletionRules;
+    let db = test_db("crawl_replaced_pass").await;
+    let store = db.store();
+    let now = chrono::Utc::now();
+    db.bots()
+        .insert_one(doc! {
+            "_id": "shop", "isReady": true, "isEditing": false, "seeds": [], "lockEpoch": 1_i64,
+            "crawlPass": 2_i64, "crawlPassStartedAt": bson::DateTime::from_chrono(now), "crawlPassEndedAt": Bson::Null,
+        })
+        .await
+        .unwrap();
+    db.db
+        .collection::<Document>("records")
+        .insert_one(doc! { "_id": "r1", "botId": "shop", "naturalKey": "SKU-1", "lastSeenPass": 0_i64, "removedAt": Bson::Null })
+        .await
+        .unwrap();
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    let rules = DeletionRules {
+        enabled: true,
+        min_coverage: 0.0,
+        max_error_rate: 1.0,
+    };
+    // An instance still on pass 1, which a refresh replaced by pass 2: nothing is recorded and
+    // nothing is removed, though pass 1 has no work left.
+    let stale = store.finish_pass(&bot, 1, None, rules, now).await.unwrap();
+    assert!(stale.finished && !stale.recorded);
+    assert_eq!(stale.removed, 0);
+    assert!(removed_keys(&db).await.is_empty());
+    // The current pass ends once, and its end marks the unseen record.
+    let end = store.finish_pass(&bot, 2, None, rules, now).await.unwrap();
+    assert!(end.recorded);
+    assert_eq!(end.removed, 1);
+    assert_eq!(removed_keys(&db).await, ["SKU-1"]);
+    let again = store.finish_pass(&bot, 2, None, rules, now).await.unwrap();
+    assert!(!again.recorded, "the end is recorded once");
+}

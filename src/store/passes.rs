@@ -7,11 +7,12 @@
 //! `crawlPass` to that number — the refresh holder's fenced `complete`, or [`Store::start_pass`]
 //! for a bot that never crawled. So no instance ever sees a pass whose seeds are not queued yet.
 //!
-//! A pass finishes when none of its URLs is pending or leased by anyone. Records the pass did not
-//! see get `removedAt` — only when the pass covered enough of its listing pages and failed few
-//! enough pages, and only in the modes that read every listing page. Then one conditional write
-//! (`crawlPass` unchanged, `crawlPassEndedAt` unset) records the end: the last-run mark is saved
-//! only after every write of the pass was committed.
+//! A pass finishes when none of its URLs is pending, waiting or leased by anyone. One conditional
+//! write (`crawlPass` unchanged, `crawlPassEndedAt` unset) records the end — so the last-run mark
+//! is saved only after every record write of the pass was committed. The instance whose write
+//! won then gives the records the pass did not see `removedAt` — only when the pass covered
+//! enough of its listing pages and failed few enough pages, and only in the modes that read every
+//! listing page.
 
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
@@ -177,8 +178,9 @@ impl Store {
         Ok((progress, (lists, lists_done, all, failed)))
     }
 
-    /// Ends pass `pass` (the caller saw nothing pending or leased): deletion detection, then the
-    /// conditional write that records the end. Safe to run on several instances at once.
+    /// Ends pass `pass` (the caller saw nothing pending or leased): the conditional write that
+    /// records the end, then (by its winner) deletion detection. Safe to run on several
+    /// instances at once, and on a pass a refresh has replaced (then it does nothing).
     pub async fn finish_pass(
         &self,
         bot: &BotId,
@@ -229,10 +231,6 @@ impl Store {
         } else {
             None
         };
-        let mut removed = 0;
-        if deletion_skipped.is_none() {
-            removed = self.mark_unseen_removed(bot, pass, now).await?;
-        }
         let summary = doc! {
             "pass": pass,
             "pages": all as i64,
@@ -258,6 +256,14 @@ impl Store {
             .await?
             .modified_count
             == 1;
+        // Deletion detection only by the instance whose write ended the pass: that write proves
+        // the pass was still the bot's current one and complete. (An instance still working on a
+        // pass a refresh has replaced must not mark the records it cut short as removed.) A crash
+        // right here loses no data: the records stay unseen, and the next complete pass marks them.
+        let mut removed = 0;
+        if recorded && deletion_skipped.is_none() {
+            removed = self.mark_unseen_removed(bot, pass, now).await?;
+        }
         Ok(PassEnd {
             pass,
             progress,
