@@ -610,36 +610,7 @@ impl Store {
     /// Counts pass `pass`'s URLs by status (leases past their expiry still count as leased until
     /// someone re-leases them: the pass waits for them).
     pub async fn pass_progress(&self, bot: &BotId, pass: i64) -> Result<PassProgress> {
-        let pipeline = [
-            doc! { "$match": { "botId": bot.as_str(), "pass": pass } },
-            doc! { "$group": { "_id": "$status", "n": { "$sum": 1 } } },
-        ];
-        let rows: Vec<Document> = self
-            .bounded("pass progress", async {
-                use futures_util::TryStreamExt;
-                self.frontier()
-                    .aggregate(pipeline)
-                    .await?
-                    .try_collect()
-                    .await
-            })
-            .await?;
-        let mut progress = PassProgress::default();
-        for row in rows {
-            let n = row
-                .get("n")
-                .and_then(crate::document::integer)
-                .unwrap_or(0)
-                .max(0) as u64;
-            match row.get_str("_id") {
-                Ok("pending") => progress.pending = n,
-                Ok("waiting") => progress.waiting = n,
-                Ok("leased") => progress.leased = n,
-                Ok("done") => progress.done = n,
-                Ok("failed") => progress.failed = n,
-                _ => {}
-            }
-        }
-        Ok(progress)
+        // The same one aggregation that ends a pass; its coverage figures are not needed here.
+        Ok(self.pass_coverage(bot, pass).await?.0)
     }
 }

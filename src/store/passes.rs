@@ -126,7 +126,7 @@ impl Store {
 
     /// Counts a pass's URLs by kind and status, in one aggregation: its progress, and (listing
     /// pages, listing pages done, all pages, failed pages).
-    async fn pass_coverage(
+    pub(super) async fn pass_coverage(
         &self,
         bot: &BotId,
         pass: i64,
