@@ -12,6 +12,13 @@
 //! - `deletion`: 50 products deleted: exactly 50 `removedAt` after a complete pass, none after
 //!   an incomplete one.
 //!
+//! - `head-of-line`: host A answering after 2 s and host B fast, crawled together by one
+//!   instance: B's pages/s against B crawled alone.
+//! - `throttling`: a host answering 429 above 6 requests in flight: time to the first throttle,
+//!   the limit's range after it, the 429 share after it.
+//! - `memory [URLS]`: peak RSS of an instance crawling a frontier of URLS pending entries (default
+//!   1,000,000) for 60 s, against one of 10,000.
+//!
 //! Prints Markdown tables.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -34,6 +41,11 @@ struct Shop {
 
 impl Shop {
     async fn start(lists: u32, per_list: u32) -> Shop {
+        Self::start_named(lists, per_list, "SKU").await
+    }
+
+    /// A shop whose SKUs start with `prefix` (shops on several ports sell different products).
+    async fn start_named(lists: u32, per_list: u32, prefix: &str) -> Shop {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let stop = CancellationToken::new();
@@ -41,6 +53,7 @@ impl Shop {
             lists,
             per_list,
             seed: 5,
+            sku_prefix: prefix.to_owned(),
         };
         tokio::spawn(serve(listener, options, stop.clone()));
         Shop { base, stop }
@@ -71,6 +84,26 @@ impl Shop {
             .unwrap()
             .iter()
             .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+            .collect()
+    }
+
+    /// Request arrival times (Unix ms) of the crawled pages (listing and product pages).
+    async fn page_times(&self) -> Vec<i64> {
+        let v: Value = reqwest::get(format!("{}/__stats?log=true", self.base))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        v["log"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| {
+                let p = e[0].as_str().unwrap_or_default();
+                p.starts_with("/list/") || p.starts_with("/product/")
+            })
+            .map(|e| e[1].as_i64().unwrap())
             .collect()
     }
 
@@ -130,7 +163,38 @@ fn config(dir: &Path, uri: &str, database: &str, base: &str, run: &Run<'_>) -> P
         lease,
         transactions,
     } = run;
-    let host = base.trim_start_matches("http://");
+    let crawl =
+        format!("workers = {workers}\nlease = \"{lease}\"\ntransactions = \"{transactions}\"");
+    config_with(
+        dir,
+        uri,
+        database,
+        &format!("{base}/seeds.txt"),
+        &[base],
+        &crawl,
+        mode,
+        "off",
+    )
+}
+
+/// A bot "shop" crawling the shops at `bases` from the seed source `seeds`; `crawl` holds extra
+/// `[crawl]` lines, `listen` the `[http]` address.
+#[allow(clippy::too_many_arguments)]
+fn config_with(
+    dir: &Path,
+    uri: &str,
+    database: &str,
+    seeds: &str,
+    bases: &[&str],
+    crawl: &str,
+    mode: &str,
+    listen: &str,
+) -> PathBuf {
+    let scope: Vec<String> = bases
+        .iter()
+        .map(|b| format!("{:?}", b.trim_start_matches("http://")))
+        .collect();
+    let scope = scope.join(", ");
     let text = format!(
         r#"
 [mongo]
@@ -140,20 +204,18 @@ database = "{database}"
 ttl = "5s"
 poll = "200ms"
 [crawl]
-workers = {workers}
-lease = "{lease}"
 timeout = "5s"
-transactions = "{transactions}"
+{crawl}
 [http]
-listen = "off"
+listen = "{listen}"
 [log]
 level = "info"
 [[bots]]
 id = "shop"
-seeds = {{ url = "{base}/seeds.txt", format = "lines" }}
+seeds = {{ url = "{seeds}", format = "lines" }}
 refresh = "1h"
 [bots.crawl]
-scope = ["{host}"]
+scope = [{scope}]
 [bots.crawl.list]
 item = ".item"
 item_id = "@data-id"
@@ -538,7 +600,7 @@ async fn crawl_once(
         db.name(),
         &shop.base,
         &Run {
-            workers: 4,
+            workers: 16,
             mode,
             lease: "60s",
             transactions,
@@ -707,6 +769,269 @@ async fn incremental(uri: &str, items: u32) {
     }
 }
 
+// ---- flow control -----------------------------------------------------------------------------
+
+/// A seed source naming each shop's first listing page.
+async fn seed_source(bases: &[&str]) -> String {
+    let body: String = bases.iter().map(|b| format!("{b}/list/1\n")).collect();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/seeds.txt", listener.local_addr().unwrap());
+    let app = axum::Router::new().route(
+        "/seeds.txt",
+        axum::routing::get(move || {
+            let body = body.clone();
+            async move { body }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+/// Pages per second between the first and the last page request in `times`.
+fn rate(times: &[i64]) -> f64 {
+    let (Some(first), Some(last)) = (times.iter().min(), times.iter().max()) else {
+        return 0.0;
+    };
+    times.len() as f64 / ((last - first) as f64 / 1000.0).max(1e-3)
+}
+
+async fn run_once(config: &Path) -> Duration {
+    let started = Instant::now();
+    let mut child = seedlock(config, "bench-0", &["run", "--once", "--timeout", "3600s"]);
+    let (ok, _) = wait_with_rss(&mut child).await;
+    assert!(ok, "the instance failed");
+    started.elapsed()
+}
+
+async fn head_of_line(uri: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    println!("## Head-of-line: a slow host next to a fast one (1 instance, default `[crawl]`)");
+    println!();
+    println!("| run | B pages | B pages/s | A pages | wall (s) |");
+    println!("|---|---|---|---|---|");
+    let b = Shop::start_named(20, 20, "B").await;
+    let db = fresh_db(uri, "hol_alone").await;
+    let seeds = seed_source(&[&b.base]).await;
+    let config = config_with(
+        dir.path(),
+        uri,
+        db.name(),
+        &seeds,
+        &[&b.base],
+        "",
+        "fingerprint",
+        "off",
+    );
+    let wall = run_once(&config).await;
+    let alone = b.page_times().await;
+    println!(
+        "| B alone | {} | {:.1} | - | {:.1} |",
+        alone.len(),
+        rate(&alone),
+        wall.as_secs_f64()
+    );
+    let _ = db.drop().await;
+
+    let a = Shop::start_named(5, 20, "A").await;
+    a.post("/__faults", json!([{"path": "/", "latency_ms": 2000}]))
+        .await;
+    let b = Shop::start_named(20, 20, "B").await;
+    let db = fresh_db(uri, "hol_both").await;
+    let seeds = seed_source(&[&a.base, &b.base]).await;
+    let config = config_with(
+        dir.path(),
+        uri,
+        db.name(),
+        &seeds,
+        &[&a.base, &b.base],
+        "",
+        "fingerprint",
+        "off",
+    );
+    let wall = run_once(&config).await;
+    let with_a = b.page_times().await;
+    let a_pages = a.page_times().await.len();
+    println!(
+        "| B with A (2 s per page) | {} | {:.1} | {a_pages} | {:.1} |",
+        with_a.len(),
+        rate(&with_a),
+        wall.as_secs_f64()
+    );
+    println!();
+    println!(
+        "B's pages/s next to the slow host: {:.0}% of B alone.",
+        100.0 * rate(&with_a) / rate(&alone)
+    );
+    let _ = db.drop().await;
+}
+
+/// One series' value from `/metrics` text.
+fn series(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+async fn throttling(uri: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    println!("## Throttling: a host answering 429 above 6 requests in flight (1 instance)");
+    println!();
+    let shop = Shop::start(20, 20).await;
+    shop.post(
+        "/__faults",
+        json!([{"path": "/", "latency_ms": 20, "status": 429, "max_in_flight": 6}]),
+    )
+    .await;
+    let host = shop.base.trim_start_matches("http://").to_owned();
+    let db = fresh_db(uri, "throttling").await;
+    let listen = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let config = config_with(
+        dir.path(),
+        uri,
+        db.name(),
+        &format!("{}/seeds.txt", shop.base),
+        &[&shop.base],
+        "attempts = 10",
+        "fingerprint",
+        &listen,
+    );
+    let started = Instant::now();
+    let mut child = seedlock(&config, "bench-0", &["run"]);
+    let name = |metric: &str, extra: &str| format!("seedlock_{metric}{{host=\"{host}\"{extra}}}");
+    let mut first_throttle: Option<(Duration, f64)> = None;
+    let mut limits: Vec<f64> = Vec::new();
+    let mut last: (f64, f64);
+    loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let Ok(response) = reqwest::get(format!("http://{listen}/metrics")).await else {
+            continue;
+        };
+        let text = response.text().await.unwrap_or_default();
+        let throttles = series(&text, &name("host_throttles_total", "")).unwrap_or(0.0);
+        let requests = series(&text, &name("host_requests_total", ",kind=\"first\""))
+            .unwrap_or(0.0)
+            + series(&text, &name("host_requests_total", ",kind=\"retry\"")).unwrap_or(0.0);
+        if throttles >= 1.0 && first_throttle.is_none() {
+            first_throttle = Some((started.elapsed(), requests));
+        }
+        last = (throttles, requests);
+        if first_throttle.is_some() {
+            if let Some(l) = series(&text, &name("host_limit", "")) {
+                limits.push(l);
+            }
+        }
+        let pass_done = series(&text, "seedlock_crawl_passes_finished_total").unwrap_or(0.0);
+        if pass_done >= 1.0 || started.elapsed() > Duration::from_secs(600) {
+            break;
+        }
+    }
+    let wall = started.elapsed();
+    let _ = child.kill().await;
+    let (throttles, requests) = last;
+    let (converged, at_requests) = first_throttle.unwrap_or((wall, requests));
+    let after = (requests - at_requests).max(1.0);
+    let min = limits.iter().cloned().fold(f64::INFINITY, f64::min);
+    let max = limits.iter().cloned().fold(0.0, f64::max);
+    println!("| first throttle after (s) | limit after it (min–max) | requests after it | 429s after it | 429 share | wall (s) |");
+    println!("|---|---|---|---|---|---|");
+    println!(
+        "| {:.2} | {min:.2}–{max:.2} | {after:.0} | {:.0} | {:.1}% | {:.1} |",
+        converged.as_secs_f64(),
+        (throttles - 1.0).max(0.0),
+        100.0 * (throttles - 1.0).max(0.0) / after,
+        wall.as_secs_f64()
+    );
+    let truth = shop.truth().await;
+    let (_, _, correct) = judge_records(&db, &truth).await;
+    println!();
+    println!("Records correct: {correct}/{}.", truth.len());
+    let _ = db.drop().await;
+}
+
+/// `urls` pending detail pages of pass 1 (they answer 404: cheap to crawl).
+async fn fill_frontier(db: &Database, base: &str, urls: u32) {
+    let host = base.trim_start_matches("http://");
+    let now = bson::DateTime::now();
+    let frontier = db.collection::<Document>("frontier");
+    let mut batch = Vec::with_capacity(10_000);
+    for i in 0..urls {
+        let url = format!("{base}/product/X-{i:08}");
+        batch.push(doc! {
+            "_id": format!("shop {url}"), "botId": "shop", "url": url, "kind": "detail",
+            "pass": 1_i64, "status": "pending", "attempts": 0_i64, "enqueuedAt": now,
+            "notBefore": now, "slot": rand::rng().random_range(0..1024_i64), "host": host,
+        });
+        if batch.len() == 10_000 {
+            frontier
+                .insert_many(std::mem::take(&mut batch))
+                .await
+                .unwrap();
+        }
+    }
+    if !batch.is_empty() {
+        frontier.insert_many(batch).await.unwrap();
+    }
+}
+
+async fn memory(uri: &str, urls: u32) {
+    let dir = tempfile::tempdir().unwrap();
+    println!("## Memory: peak RSS crawling a large frontier for 60 s (1 instance)");
+    println!();
+    println!("| frontier entries | insert (s) | pages crawled in 60 s | peak RSS (MiB) |");
+    println!("|---|---|---|---|");
+    for size in [10_000, urls] {
+        let shop = Shop::start(1, 10).await;
+        let db = fresh_db(uri, "memory").await;
+        let started = Instant::now();
+        fill_frontier(&db, &shop.base, size).await;
+        let insert = started.elapsed();
+        let config = config(
+            dir.path(),
+            uri,
+            db.name(),
+            &shop.base,
+            &Run {
+                workers: 16,
+                mode: "fingerprint",
+                lease: "60s",
+                transactions: "auto",
+            },
+        );
+        let mut child = seedlock(&config, "bench-0", &["run"]);
+        let watch = async {
+            let (_, peak) = wait_with_rss(&mut child).await;
+            peak
+        };
+        let peak = tokio::select! {
+            peak = watch => peak,
+            _ = tokio::time::sleep(Duration::from_secs(60)) => 0,
+        };
+        // The watcher was cut short: read the high-water mark once more, then stop it.
+        let pid = child.id().unwrap_or(0);
+        let hwm = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmHWM:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse::<u64>().ok())
+            })
+            .unwrap_or(peak);
+        let _ = child.kill().await;
+        let crawled = shop.stats().await.values().sum::<u64>();
+        println!(
+            "| {size} | {:.1} | {crawled} | {:.1} |",
+            insert.as_secs_f64(),
+            hwm.max(peak) as f64 / 1024.0
+        );
+        let _ = db.drop().await;
+    }
+}
+
 // ---- deletion ---------------------------------------------------------------------------------
 
 async fn deletion(uri: &str) {
@@ -779,9 +1104,12 @@ async fn main() {
         Some("throughput") => throughput(&uri).await,
         Some("incremental") => incremental(&uri, number(1, 200_000)).await,
         Some("deletion") => deletion(&uri).await,
+        Some("head-of-line") => head_of_line(&uri).await,
+        Some("throttling") => throttling(&uri).await,
+        Some("memory") => memory(&uri, number(1, 1_000_000)).await,
         _ => {
             eprintln!(
-                "usage: crawl_bench kill [RUNS] | throughput | incremental [ITEMS] | deletion"
+                "usage: crawl_bench kill [RUNS] | throughput | incremental [ITEMS] | deletion | head-of-line | throttling | memory [URLS]"
             );
             std::process::exit(2);
         }

@@ -164,6 +164,67 @@ fn seconds(s: Option<i64>) -> String {
     }
 }
 
+/// The hosts section of `status`: hosts that throttled an instance within the last minute or are
+/// paused, from the rows instances publish (empty when there are none).
+pub fn render_hosts(rows: &[crate::store::hosts::HostRow], now: DateTime<Utc>) -> String {
+    let troubled: Vec<_> = rows
+        .iter()
+        .filter(|r| {
+            r.paused_until.is_some_and(|u| u > now)
+                || r.last_throttle_at
+                    .is_some_and(|t| now - t < chrono::Duration::seconds(60))
+        })
+        .collect();
+    if troubled.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from("\nHosts throttled in the last minute or paused:\n");
+    let header = [
+        "HOST",
+        "INSTANCE",
+        "LIMIT",
+        "IN FLIGHT",
+        "THROTTLES",
+        "LAST THROTTLE",
+        "PAUSED FOR",
+    ];
+    let cells: Vec<Vec<String>> = troubled
+        .iter()
+        .map(|r| {
+            vec![
+                r.host.clone(),
+                r.instance.clone(),
+                format!("{:.1}", r.limit),
+                r.in_flight.to_string(),
+                r.throttles.to_string(),
+                seconds(r.last_throttle_at.map(|t| (t - now).num_seconds())),
+                seconds(
+                    r.paused_until
+                        .filter(|u| *u > now)
+                        .map(|u| (u - now).num_seconds().max(1)),
+                ),
+            ]
+        })
+        .collect();
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in &cells {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    for row in std::iter::once(&header).chain(&cells) {
+        let text: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        out.push_str(text.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
 pub fn render_table(rows: &[StatusRow]) -> String {
     let header = [
         "BOT",
@@ -320,6 +381,35 @@ mod tests {
     use super::*;
     use bson::doc;
     use chrono::TimeZone;
+
+    #[test]
+    fn status_lists_only_hosts_throttled_lately_or_paused() {
+        use crate::store::hosts::HostRow;
+        let now = Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap();
+        let row = |host: &str, throttled_ago: Option<i64>, paused_for: Option<i64>| HostRow {
+            host: host.into(),
+            instance: "a".into(),
+            limit: 2.5,
+            in_flight: 2,
+            throttles: 7,
+            last_throttle_at: throttled_ago.map(|s| now - chrono::Duration::seconds(s)),
+            paused_until: paused_for.map(|s| now + chrono::Duration::seconds(s)),
+            updated_at: now,
+        };
+        let rows = [
+            row("slow:80", Some(3), None),
+            row("paused:80", None, Some(20)),
+            row("calm:80", Some(120), Some(-5)),
+        ];
+        let text = render_hosts(&rows, now);
+        assert!(
+            text.contains("slow:80    a         2.5    2          7          3s ago         -"),
+            "{text}"
+        );
+        assert!(text.contains("paused:80") && text.contains("20s"), "{text}");
+        assert!(!text.contains("calm:80"), "{text}");
+        assert_eq!(render_hosts(&rows[2..], now), "");
+    }
 
     #[test]
     fn status_shows_holders_ages_and_missing_bots() {

@@ -53,6 +53,20 @@ pub enum Command {
         /// With --once: give up (exit 1) if not every bot is Ready by then.
         #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
         timeout: Duration,
+        /// Do not read or honour robots.txt (for crawling one's own sites; off by default).
+        #[arg(long)]
+        ignore_robots: bool,
+    },
+    /// Crawl one bot now, interactively: run it until its current pass is finished, with a
+    /// progress bar (pages, rate, queue, ETA) on stderr, then print a summary.
+    Crawl {
+        bot: String,
+        /// Give up (exit 1) if the pass is not finished by then.
+        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+        /// Do not read or honour robots.txt (for crawling one's own sites).
+        #[arg(long)]
+        ignore_robots: bool,
     },
     /// Show every bot's state, holder, epoch, lock age, seeds, last refresh and last error.
     Status {
@@ -84,6 +98,9 @@ pub enum Command {
         /// Seed of the catalogue and of every mutation (same seed, same site).
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// SKUs are PREFIX-0000001…: give shops on different ports different prefixes.
+        #[arg(long, default_value = "SKU", value_parser = sku_prefix)]
+        sku_prefix: String,
     },
 }
 
@@ -101,6 +118,7 @@ pub fn main(cli: Cli) -> ExitCode {
         lists,
         per_list,
         seed,
+        sku_prefix,
     } = &cli.command
     {
         init_tracing(LogFormat::Text, "info");
@@ -108,6 +126,7 @@ pub fn main(cli: Cli) -> ExitCode {
             lists: *lists,
             per_list: *per_list,
             seed: *seed,
+            sku_prefix: sku_prefix.clone(),
         };
         return demo_site(addr, options);
     }
@@ -148,13 +167,40 @@ fn init_tracing(format: LogFormat, level: &str) {
     };
 }
 
+fn sku_prefix(raw: &str) -> Result<String, String> {
+    if !raw.is_empty() && raw.len() <= 16 && raw.chars().all(|c| c.is_ascii_alphanumeric()) {
+        Ok(raw.to_owned())
+    } else {
+        Err("letters and digits, at most 16".into())
+    }
+}
+
 fn bot_arg(raw: &str) -> Result<BotId, ExitCode> {
     BotId::parse(raw).map_err(|e| fail(EXIT_USAGE, e))
 }
 
-async fn dispatch(command: Command, settings: Settings) -> ExitCode {
+async fn dispatch(command: Command, mut settings: Settings) -> ExitCode {
     match command {
-        Command::Run { once, timeout } => run(settings, once, timeout).await,
+        Command::Run {
+            once,
+            timeout,
+            ignore_robots,
+        } => {
+            if ignore_robots {
+                settings.crawl.robots = false;
+            }
+            run(settings, once, timeout).await
+        }
+        Command::Crawl {
+            bot,
+            timeout,
+            ignore_robots,
+        } => {
+            if ignore_robots {
+                settings.crawl.robots = false;
+            }
+            crawl(settings, &bot, timeout).await
+        }
         Command::Status { json } => status(settings, json).await,
         Command::Inspect { bot } => inspect(settings, &bot).await,
         Command::Unlock { bot, reason } => unlock(settings, &bot, &reason).await,
@@ -190,6 +236,54 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
         Err(
             e @ (RunError::Timeout { .. } | RunError::Interrupted { .. } | RunError::Crashed(_)),
         ) => fail(EXIT_FAILED, e),
+    }
+}
+
+/// `seedlock crawl BOT`: `run --once` for one bot, with a progress display.
+async fn crawl(mut settings: Settings, bot: &str, timeout: Duration) -> ExitCode {
+    let id = match bot_arg(bot) {
+        Ok(id) => id,
+        Err(code) => return code,
+    };
+    match settings.bots.iter().find(|b| b.id == id) {
+        None => return fail(EXIT_USAGE, format!("no bot \"{id}\" in the config")),
+        Some(b) if b.crawl.is_none() => {
+            return fail(
+                EXIT_USAGE,
+                format!("bot \"{id}\" has no [bots.crawl] section: there is nothing to crawl"),
+            )
+        }
+        Some(_) => {}
+    }
+    settings.bots.retain(|b| b.id == id);
+    let (store, _clock) = match daemon::connect(&settings).await {
+        Ok(c) => c,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+    let started = std::time::Instant::now();
+    let done = CancellationToken::new();
+    let display = tokio::spawn(crate::progress::show(
+        store.clone(),
+        id.clone(),
+        done.clone(),
+    ));
+    let result = daemon::run(settings, Mode::Once { timeout }, shutdown).await;
+    done.cancel();
+    let _ = display.await;
+    let summary = match result {
+        Ok(mut s) => s.pop(),
+        Err(e @ RunError::Startup(_)) => return fail(EXIT_USAGE, e),
+        Err(e) => return fail(EXIT_FAILED, e),
+    };
+    let pass = summary.map_or(0, |s| s.pass);
+    match crate::progress::summary(&store, &id, pass, started.elapsed()).await {
+        Ok(text) => {
+            println!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(EXIT_FAILED, e),
     }
 }
 
@@ -252,6 +346,11 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
         print!("{}", crate::admin::render_json(&rows));
     } else {
         print!("{}", crate::admin::render_table(&rows));
+        let since = now - chrono::Duration::seconds(30);
+        match store.recent_hosts(since).await {
+            Ok(hosts) => print!("{}", crate::admin::render_hosts(&hosts, now)),
+            Err(e) => return fail(EXIT_FAILED, e),
+        }
     }
     ExitCode::SUCCESS
 }

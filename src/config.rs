@@ -72,8 +72,27 @@ pub struct RefreshLimits {
 /// `[crawl]`: how every bot's crawl runs on this instance.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CrawlLimits {
-    /// Pages one instance fetches at once per bot (its in-flight cap).
+    /// Pages one instance fetches at once per bot: the global cap above the per-host limits.
     pub workers: usize,
+    /// Pages stored at once per bot (the store stage's concurrency).
+    pub writers: usize,
+    /// Parsers per bot (on the blocking pool).
+    pub parsers: usize,
+    /// Fetched pages waiting for a parser (a bounded channel).
+    pub parse_queue: usize,
+    /// Parsed pages waiting for a writer (a bounded channel).
+    pub store_queue: usize,
+    /// Added to every page's store step (to test a slow database); zero in production.
+    pub store_delay: Duration,
+    pub flow: crate::flow::FlowSettings,
+    /// Honour robots.txt (`--ignore-robots` turns it off for one's own sites).
+    pub robots: bool,
+    pub robots_ttl: Duration,
+    /// How long a host whose robots.txt is unavailable (5xx, no answer) stays paused.
+    pub robots_retry: Duration,
+    /// Load shedding: a lowest-priority URL that has waited longer than this for a host that
+    /// throttled us within the last minute is deferred by as long, before it costs a fetch.
+    pub shed_after: Duration,
     /// How long a leased URL stays this worker's: sized to the slowest normal fetch.
     pub lease: Duration,
     /// Per page fetch.
@@ -133,6 +152,9 @@ pub struct CrawlSettings {
     pub list: Option<crate::extract::ListRules>,
     pub record: Option<crate::extract::RecordRules>,
     pub incremental: Incremental,
+    /// URL patterns with their priority (0–9, higher is leased first; the first match wins);
+    /// unmatched URLs get their kind's default (seeds 2, listing pages 1, detail pages 0).
+    pub priorities: Vec<(regex::Regex, i64)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -285,6 +307,23 @@ impl Default for RawRefresh {
 #[serde(deny_unknown_fields, default)]
 struct RawCrawlLimits {
     workers: u32,
+    writers: u32,
+    parsers: u32,
+    parse_queue: u32,
+    store_queue: u32,
+    store_delay: String,
+    host_limit: u32,
+    host_limit_min: u32,
+    host_limit_max: u32,
+    politeness: String,
+    retry_budget: f64,
+    retry_budget_min: u32,
+    retry_window: String,
+    robots: bool,
+    robots_ttl: String,
+    robots_retry: String,
+    shed_after: String,
+    hosts: std::collections::BTreeMap<String, RawHostOverride>,
     lease: String,
     timeout: String,
     max_page_bytes: u64,
@@ -299,7 +338,24 @@ struct RawCrawlLimits {
 impl Default for RawCrawlLimits {
     fn default() -> Self {
         Self {
-            workers: 4,
+            workers: 16,
+            writers: 4,
+            parsers: 2,
+            parse_queue: 16,
+            store_queue: 32,
+            store_delay: "0s".into(),
+            host_limit: 4,
+            host_limit_min: 1,
+            host_limit_max: 32,
+            politeness: "0s".into(),
+            retry_budget: 0.1,
+            retry_budget_min: 10,
+            retry_window: "60s".into(),
+            robots: true,
+            robots_ttl: "1h".into(),
+            robots_retry: "60s".into(),
+            shed_after: "10m".into(),
+            hosts: Default::default(),
             lease: "60s".into(),
             timeout: "30s".into(),
             max_page_bytes: crate::fetch::DEFAULT_MAX_PAGE_BYTES as u64,
@@ -315,12 +371,71 @@ impl Default for RawCrawlLimits {
 
 impl RawCrawlLimits {
     fn validate(&self, user_agent: &str) -> Result<CrawlLimits, String> {
-        if self.workers == 0 || self.workers > 256 {
+        for (key, value, max) in [
+            ("crawl.workers", self.workers, 1024),
+            ("crawl.writers", self.writers, 256),
+            ("crawl.parsers", self.parsers, 256),
+            ("crawl.parse_queue", self.parse_queue, 100_000),
+            ("crawl.store_queue", self.store_queue, 100_000),
+            ("crawl.host_limit", self.host_limit, 1024),
+            ("crawl.host_limit_min", self.host_limit_min, 1024),
+            ("crawl.host_limit_max", self.host_limit_max, 1024),
+        ] {
+            if value == 0 || value > max {
+                return Err(format!("key `{key}`: {value} must be between 1 and {max}"));
+            }
+        }
+        if self.host_limit_min > self.host_limit_max
+            || !(self.host_limit_min..=self.host_limit_max).contains(&self.host_limit)
+        {
             return Err(format!(
-                "key `crawl.workers`: {} must be between 1 and 256",
-                self.workers
+                "key `crawl.host_limit`: {} must lie between crawl.host_limit_min ({}) and crawl.host_limit_max ({})",
+                self.host_limit, self.host_limit_min, self.host_limit_max
             ));
         }
+        if !(0.0..=10.0).contains(&self.retry_budget) {
+            return Err(format!(
+                "key `crawl.retry_budget`: {} must be a share of first attempts between 0 and 10",
+                self.retry_budget
+            ));
+        }
+        let mut hosts = std::collections::HashMap::new();
+        for (host, o) in &self.hosts {
+            let key = format!("crawl.hosts.\"{host}\"");
+            let well_formed = host
+                .rsplit_once(':')
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+            if !well_formed {
+                return Err(format!(
+                    "key `{key}`: a host is written \"host:port\" (e.g. \"example.com:443\")"
+                ));
+            }
+            if o.max_limit == Some(0) {
+                return Err(format!("key `{key}.max_limit`: must be at least 1"));
+            }
+            let min_delay = o
+                .min_delay
+                .as_deref()
+                .map(|d| bounded(&format!("{key}.min_delay"), d))
+                .transpose()?;
+            hosts.insert(
+                host.to_ascii_lowercase(),
+                crate::flow::HostOverride {
+                    max_limit: o.max_limit,
+                    min_delay,
+                },
+            );
+        }
+        let flow = crate::flow::FlowSettings {
+            initial_limit: self.host_limit,
+            min_limit: self.host_limit_min,
+            max_limit: self.host_limit_max,
+            min_delay: bounded("crawl.politeness", &self.politeness)?,
+            hosts,
+            retry_budget: self.retry_budget,
+            retry_budget_min: self.retry_budget_min,
+            retry_window: positive("crawl.retry_window", &self.retry_window)?,
+        };
         if self.attempts == 0 || self.attempts > 20 {
             return Err(format!(
                 "key `crawl.attempts`: {} must be between 1 and 20",
@@ -358,6 +473,16 @@ impl RawCrawlLimits {
         }
         Ok(CrawlLimits {
             workers: self.workers as usize,
+            writers: self.writers as usize,
+            parsers: self.parsers as usize,
+            parse_queue: self.parse_queue as usize,
+            store_queue: self.store_queue as usize,
+            store_delay: bounded("crawl.store_delay", &self.store_delay)?,
+            flow,
+            robots: self.robots,
+            robots_ttl: positive("crawl.robots_ttl", &self.robots_ttl)?,
+            robots_retry: positive("crawl.robots_retry", &self.robots_retry)?,
+            shed_after: positive("crawl.shed_after", &self.shed_after)?,
             lease,
             timeout,
             max_page_bytes: usize::try_from(self.max_page_bytes).unwrap_or(usize::MAX),
@@ -370,6 +495,14 @@ impl RawCrawlLimits {
             user_agent: user_agent.to_owned(),
         })
     }
+}
+
+/// `[crawl.hosts."host:port"]`: one host's own ceiling and spacing.
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RawHostOverride {
+    max_limit: Option<u32>,
+    min_delay: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Serialize)]
@@ -430,6 +563,17 @@ struct RawCrawl {
     record: Option<RawRecord>,
     #[serde(default)]
     incremental: RawIncremental,
+    #[serde(default)]
+    priority: Vec<RawPriority>,
+}
+
+/// `priority = [{ match = "/sale/", priority = 3 }]`
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RawPriority {
+    #[serde(rename = "match")]
+    url_match: String,
+    priority: i64,
 }
 
 fn default_follow() -> String {
@@ -599,11 +743,29 @@ impl RawCrawl {
                 key("incremental.overlap")
             ));
         }
+        let mut priorities = Vec::new();
+        for (j, p) in self.priority.iter().enumerate() {
+            let k = key(&format!("priority[{j}]"));
+            let pattern = regex::Regex::new(&p.url_match).map_err(|e| {
+                format!(
+                    "key `{k}.match`: {:?} is not a regular expression ({e})",
+                    p.url_match
+                )
+            })?;
+            if !(0..=9).contains(&p.priority) {
+                return Err(format!(
+                    "key `{k}.priority`: {} must be between 0 and 9",
+                    p.priority
+                ));
+            }
+            priorities.push((pattern, p.priority));
+        }
         Ok(CrawlSettings {
             links,
             list,
             record,
             incremental: Incremental { mode, overlap },
+            priorities,
         })
     }
 }
@@ -701,6 +863,17 @@ fn duration(key: &str, raw: &str) -> Result<Duration, String> {
 /// Longest duration any setting accepts: a week. Longer values are typos, and bounding them
 /// keeps every timestamp computation far from overflow.
 pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// A duration that may be zero, at most [`MAX_DURATION`].
+fn bounded(key: &str, raw: &str) -> Result<Duration, String> {
+    let d = duration(key, raw)?;
+    if d > MAX_DURATION {
+        return Err(format!(
+            "key `{key}`: {raw:?} is longer than the 7-day maximum"
+        ));
+    }
+    Ok(d)
+}
 
 fn positive(key: &str, raw: &str) -> Result<Duration, String> {
     let d = duration(key, raw)?;

@@ -133,9 +133,7 @@ impl BotRunner {
             max_refresh: ctx.lock.max_refresh,
         };
         let crawler = match (&bot.crawl, &ctx.crawl) {
-            (Some(rules), Some(crawl)) => {
-                Some(Arc::new(Crawler::new(bot.id.clone(), rules.clone(), crawl)))
-            }
+            (Some(rules), Some(crawl)) => Some(Crawler::new(bot.id.clone(), rules.clone(), crawl)),
             _ => None,
         };
         Self {

@@ -110,7 +110,7 @@ pub async fn run(
 
     let tracker = TaskTracker::new();
     let stop = shutdown.child_token();
-    if let (Mode::Daemon, Some(listen)) = (mode, &settings.http_listen) {
+    if let Some(listen) = &settings.http_listen {
         let stale_after = (settings.lock.poll * 3).max(settings.lock.ttl);
         let (addr, server) = crate::http::bind(listen, metrics.clone(), stale_after, stop.clone())
             .await
@@ -119,6 +119,15 @@ pub async fn run(
         tracker.spawn(server);
     }
     tracker.spawn(resync_clock(store.clone(), clock.clone(), stop.clone()));
+    if let Some(crawl) = &ctx.crawl {
+        tracker.spawn(publish_hosts(
+            store.clone(),
+            crawl.flow.clone(),
+            ctx.me.clone(),
+            clock.clone(),
+            stop.clone(),
+        ));
+    }
 
     let until = match mode {
         Mode::Daemon => Until::Shutdown,
@@ -162,6 +171,47 @@ pub async fn run(
     result
 }
 
+/// Every few seconds, the hosts that throttled this instance within the last minute or are
+/// paused go to the `hosts` collection (for `status` and mongosh). Failures are only logged.
+async fn publish_hosts(
+    store: Store,
+    flow: Arc<crate::flow::Flow>,
+    me: crate::ids::InstanceId,
+    clock: Arc<ServerClock>,
+    stop: CancellationToken,
+) {
+    const EVERY: Duration = Duration::from_secs(5);
+    const RECENT: Duration = Duration::from_secs(60);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(EVERY) => {}
+        }
+        let now = clock.now();
+        let rows: Vec<crate::store::hosts::HostRow> = flow
+            .snapshot(tokio::time::Instant::now())
+            .into_iter()
+            .filter(|h| h.paused_for.is_some() || h.last_throttle.is_some_and(|ago| ago < RECENT))
+            .map(|h| crate::store::hosts::HostRow {
+                paused_until: h.paused_for.map(|d| crate::store::plus(now, d)),
+                last_throttle_at: h
+                    .last_throttle
+                    .and_then(|ago| chrono::Duration::from_std(ago).ok())
+                    .map(|ago| now - ago),
+                host: h.host,
+                instance: me.to_string(),
+                limit: h.limit,
+                in_flight: i64::from(h.in_flight),
+                throttles: i64::try_from(h.throttles).unwrap_or(i64::MAX),
+                updated_at: now,
+            })
+            .collect();
+        if let Err(e) = store.publish_hosts(&me, &rows).await {
+            tracing::debug!(error = %e, "could not publish throttled hosts");
+        }
+    }
+}
+
 /// What crawling bots share: the page fetcher, the indexes, and `crawl.transactions` resolved
 /// against what the server supports.
 async fn crawl_context(
@@ -189,8 +239,32 @@ async fn crawl_context(
             true
         }
     };
-    info!(transactions, workers = limits.workers, "crawl settings");
+    info!(
+        transactions,
+        workers = limits.workers,
+        writers = limits.writers,
+        robots = limits.robots,
+        "crawl settings"
+    );
+    let flow = crate::flow::Flow::new(limits.flow.clone());
+    {
+        let flow = Arc::downgrade(&flow);
+        metrics.add_source(Box::new(move |m| match flow.upgrade() {
+            Some(flow) => {
+                m.observe_hosts(&flow.snapshot(tokio::time::Instant::now()));
+                true
+            }
+            None => false,
+        }));
+    }
+    let robots = Arc::new(crate::robots::RobotsCache::new(
+        &limits.user_agent,
+        limits.robots_ttl,
+        limits.robots,
+    ));
     Ok(CrawlContext {
+        flow,
+        robots,
         store: store.clone(),
         clock: clock.clone(),
         me: settings.instance_id.clone(),

@@ -10,7 +10,8 @@
 //! - Control: `POST /__mutate` `{"change": K, "add": K, "delete": K}` answers which products it
 //!   touched; `POST /__faults` installs fault rules (latency, a status such as 429 with
 //!   `Retry-After`, huge bodies, redirect loops) on path patterns, `DELETE /__faults` clears them;
-//!   `GET /__stats` counts requests per path; `GET /__truth` lists every current product.
+//!   `GET /__stats` counts requests per path; `GET /__truth` lists every current product;
+//!   `POST /__robots` sets the text of `/robots.txt` (404 until then).
 //!
 //! The same `--seed` gives the same catalogue and the same sequence of mutations.
 
@@ -37,6 +38,9 @@ pub struct SiteOptions {
     pub per_list: u32,
     /// Seed of the catalogue and of every mutation.
     pub seed: u64,
+    /// SKUs are `PREFIX-0000001`…: shops with different prefixes sell different products (a
+    /// crawl of several shops, one per port, stores them apart).
+    pub sku_prefix: String,
 }
 
 impl Default for SiteOptions {
@@ -45,6 +49,7 @@ impl Default for SiteOptions {
             lists: 5,
             per_list: 20,
             seed: 1,
+            sku_prefix: "SKU".into(),
         }
     }
 }
@@ -69,7 +74,17 @@ struct Catalog {
     next_sku: u64,
     stats: BTreeMap<String, u64>,
     faults: Vec<FaultRule>,
+    sku_prefix: String,
+    /// `GET /robots.txt` (`POST /__robots` sets it); `None`: 404.
+    robots: Option<String>,
+    /// Requests being answered now (for `max_in_flight` fault rules).
+    in_flight: u64,
+    /// The last [`MAX_LOG`] requests: path and arrival (Unix milliseconds), for tests that look
+    /// at timing (`GET /__stats?log=true`).
+    log: std::collections::VecDeque<(String, i64)>,
 }
+
+const MAX_LOG: usize = 100_000;
 
 const ADJECTIVES: &[&str] = &[
     "Blue", "Quiet", "Sturdy", "Tiny", "Golden", "Rustic", "Swift", "Bright", "Soft", "Classic",
@@ -88,6 +103,10 @@ impl Catalog {
             next_sku: 1,
             stats: BTreeMap::new(),
             faults: Vec::new(),
+            sku_prefix: options.sku_prefix.clone(),
+            robots: None,
+            in_flight: 0,
+            log: Default::default(),
         };
         let total = u64::from(options.lists) * u64::from(options.per_list);
         let now = Utc::now();
@@ -96,6 +115,14 @@ impl Catalog {
         catalog.products = initial;
         catalog.reindex();
         catalog
+    }
+
+    fn log_request(&mut self, path: &str) {
+        if self.log.len() == MAX_LOG {
+            self.log.pop_front();
+        }
+        self.log
+            .push_back((path.to_owned(), Utc::now().timestamp_millis()));
     }
 
     fn new_product(&mut self, now: DateTime<Utc>) -> Product {
@@ -107,7 +134,7 @@ impl Catalog {
             NOUNS[self.rng.random_range(0..NOUNS.len())]
         );
         Product {
-            sku: format!("SKU-{n:07}"),
+            sku: format!("{}-{n:07}", self.sku_prefix),
             title,
             price: self.random_price(),
             status: if self.rng.random_bool(0.85) {
@@ -208,8 +235,16 @@ pub struct FaultRule {
     pub redirect_loop: bool,
     #[serde(default = "one")]
     pub every: u64,
+    /// Applies at most this many times (then the rule is spent).
+    pub times: Option<u64>,
+    /// With this, `status` answers only requests that find more than this many requests (to
+    /// matching paths) in flight — a site that throttles concurrency; `latency_ms` applies to
+    /// every matching request.
+    pub max_in_flight: Option<u64>,
     #[serde(skip)]
     seen: u64,
+    #[serde(skip)]
+    applied: u64,
 }
 
 fn one() -> u64 {
@@ -239,6 +274,8 @@ pub async fn serve(
         .route("/__mutate", post(mutate))
         .route("/__faults", post(set_faults).delete(clear_faults))
         .route("/__stats", get(stats))
+        .route("/robots.txt", get(robots_txt))
+        .route("/__robots", post(set_robots))
         .route("/__truth", get(truth))
         .fallback(not_found)
         .with_state(catalog);
@@ -261,6 +298,52 @@ enum Fault {
 /// (each matching rule counts the request), after its latency.
 async fn visit(catalog: &Shared, uri: &Uri) -> Fault {
     let path = uri.path().to_owned();
+    // Counts this request in flight while a concurrency rule holds it.
+    struct InFlight<'a>(&'a Shared);
+    impl Drop for InFlight<'_> {
+        fn drop(&mut self) {
+            let mut c = lock(self.0);
+            c.in_flight = c.in_flight.saturating_sub(1);
+        }
+    }
+    let limited = {
+        let mut c = lock(catalog);
+        let rule = c
+            .faults
+            .iter()
+            .find(|r| r.max_in_flight.is_some() && path.contains(&r.path))
+            .cloned();
+        rule.map(|rule| {
+            c.in_flight += 1;
+            (
+                rule.clone(),
+                c.in_flight > rule.max_in_flight.unwrap_or(u64::MAX),
+            )
+        })
+    };
+    if let Some((rule, over)) = limited {
+        let _in_flight = InFlight(catalog);
+        {
+            let mut c = lock(catalog);
+            *c.stats.entry(path.clone()).or_default() += 1;
+            c.log_request(&path);
+        }
+        if over {
+            let status = StatusCode::from_u16(rule.status.unwrap_or(429))
+                .unwrap_or(StatusCode::TOO_MANY_REQUESTS);
+            let mut response = (status, "too many requests at once\n").into_response();
+            if let Some(value) = rule
+                .retry_after
+                .as_deref()
+                .and_then(|v| HeaderValue::from_str(v).ok())
+            {
+                response.headers_mut().insert(header::RETRY_AFTER, value);
+            }
+            return Fault::Respond(response);
+        }
+        tokio::time::sleep(Duration::from_millis(rule.latency_ms)).await;
+        return Fault::None;
+    }
     let rule = {
         let mut c = lock(catalog);
         let key = if c.stats.len() < MAX_STATS_PATHS || c.stats.contains_key(&path) {
@@ -270,9 +353,15 @@ async fn visit(catalog: &Shared, uri: &Uri) -> Fault {
         };
         *c.stats.entry(key).or_default() += 1;
         let mut chosen = None;
-        for rule in c.faults.iter_mut().filter(|r| path.contains(&r.path)) {
+        c.log_request(&path);
+        for rule in c.faults.iter_mut().filter(|r| {
+            path.contains(&r.path)
+                && r.max_in_flight.is_none()
+                && r.times.is_none_or(|t| r.applied < t)
+        }) {
             rule.seen += 1;
             if rule.seen % rule.every.max(1) == 0 {
+                rule.applied += 1;
                 chosen = Some(rule.clone());
                 break;
             }
@@ -459,6 +548,20 @@ async fn mutate(State(c): State<Shared>, Json(request): Json<Mutation>) -> Respo
     Json(lock(&c).mutate(&request)).into_response()
 }
 
+async fn robots_txt(State(c): State<Shared>, uri: Uri) -> Response {
+    fault_first!(c, uri);
+    match lock(&c).robots.clone() {
+        Some(text) => ([(header::CONTENT_TYPE, "text/plain")], text).into_response(),
+        None => (StatusCode::NOT_FOUND, "no robots.txt\n").into_response(),
+    }
+}
+
+/// `POST /__robots` with the robots.txt text (an empty body: none, 404).
+async fn set_robots(State(c): State<Shared>, body: String) -> Response {
+    lock(&c).robots = (!body.is_empty()).then_some(body);
+    StatusCode::NO_CONTENT.into_response()
+}
+
 async fn set_faults(State(c): State<Shared>, Json(rules): Json<Vec<FaultRule>>) -> Response {
     let n = rules.len();
     lock(&c).faults = rules;
@@ -474,14 +577,21 @@ async fn clear_faults(State(c): State<Shared>) -> Response {
 struct StatsQuery {
     #[serde(default)]
     reset: bool,
+    /// Include the request log: `[[path, unix_ms], …]`, oldest first.
+    #[serde(default)]
+    log: bool,
 }
 
 async fn stats(State(c): State<Shared>, Query(q): Query<StatsQuery>) -> Response {
     let mut catalog = lock(&c);
     let total: u64 = catalog.stats.values().sum();
-    let body = serde_json::json!({ "total": total, "paths": catalog.stats });
+    let mut body = serde_json::json!({ "total": total, "paths": catalog.stats });
+    if q.log {
+        body["log"] = serde_json::json!(catalog.log);
+    }
     if q.reset {
         catalog.stats.clear();
+        catalog.log.clear();
     }
     Json(body).into_response()
 }

@@ -47,6 +47,21 @@ pub enum FetchOutcome {
     },
 }
 
+/// What fetching a host's robots.txt came to.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RobotsFetch {
+    Found(Vec<u8>),
+    /// A 4xx: there are no rules, everything is allowed.
+    Missing {
+        status: u16,
+    },
+    /// A 5xx or no answer: the host is paused and asked again later.
+    Unavailable(String),
+}
+
+/// robots.txt bytes read; the rest is ignored (Google's limit is 500 KiB).
+pub const MAX_ROBOTS_BYTES: usize = 512 * 1024;
+
 /// Validators from an earlier fetch, for a conditional GET.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Validators {
@@ -170,6 +185,36 @@ impl PageFetcher {
         })
     }
 
+    /// Fetches `origin/robots.txt` (at most [`MAX_ROBOTS_BYTES`]; the rest is ignored).
+    pub async fn fetch_robots(&self, origin: &str) -> RobotsFetch {
+        let response = match self.http.get(format!("{origin}/robots.txt")).send().await {
+            Ok(r) => r,
+            Err(e) => return RobotsFetch::Unavailable(error_chain(&e)),
+        };
+        let status = response.status().as_u16();
+        match status {
+            200..=299 => {}
+            400..=499 => return RobotsFetch::Missing { status },
+            _ => return RobotsFetch::Unavailable(format!("HTTP {status}")),
+        }
+        let mut response = response;
+        let mut body = Vec::new();
+        loop {
+            match response.chunk().await {
+                Ok(Some(chunk)) => {
+                    body.extend_from_slice(&chunk);
+                    if body.len() >= MAX_ROBOTS_BYTES {
+                        body.truncate(MAX_ROBOTS_BYTES);
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => return RobotsFetch::Unavailable(error_chain(&e)),
+            }
+        }
+        RobotsFetch::Found(body)
+    }
+
     fn too_large(&self) -> FetchOutcome {
         FetchOutcome::Permanent {
             reason: format!("body larger than {} bytes (cut off)", self.max_bytes),
@@ -189,10 +234,32 @@ fn classify_error(e: &reqwest::Error) -> FetchOutcome {
             reason: format!("invalid request: {e}"),
         }
     } else {
-        FetchOutcome::Transient {
-            reason: e.to_string(),
+        let reason = error_chain(e);
+        // A name that does not resolve or a certificate that does not verify will not change
+        // by asking again within a pass.
+        let lower = reason.to_ascii_lowercase();
+        if lower.contains("dns error")
+            || lower.contains("failed to lookup address")
+            || lower.contains("certificate")
+            || lower.contains("invalid url")
+        {
+            FetchOutcome::Permanent { reason }
+        } else {
+            FetchOutcome::Transient { reason }
         }
     }
+}
+
+/// An error with its causes (`reqwest` puts the useful part, such as "dns error", in sources).
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 /// `Retry-After`: delay-seconds or an HTTP date (RFC 9110 §10.2.3).

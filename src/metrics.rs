@@ -32,6 +32,134 @@ pub struct KindLabels {
     pub kind: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HostLabel {
+    pub host: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HostKindLabels {
+    pub host: String,
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    pub bot: String,
+    pub stage: String,
+}
+
+/// A reader of gauges owned elsewhere (see [`Metrics::add_source`]).
+pub type Source = Box<dyn Fn(&Metrics) -> bool + Send + Sync>;
+
+type Ratio = Gauge<f64, std::sync::atomic::AtomicU64>;
+
+/// Pressure, not only throughput: per stage and per host.
+struct FlowMetrics {
+    stage_depth: Family<StageLabels, Gauge>,
+    stage_oldest: Family<StageLabels, Ratio>,
+    in_flight: Family<HostLabel, Gauge>,
+    limit: Family<HostLabel, Ratio>,
+    paused_seconds: Family<HostLabel, Ratio>,
+    throttles: Family<HostLabel, Counter>,
+    timeouts: Family<HostLabel, Counter>,
+    blocked: Family<HostLabel, Counter>,
+    requests: Family<HostKindLabels, Counter>,
+    retry_ratio: Family<HostLabel, Ratio>,
+    retry_deferred: Family<BotLabel, Counter>,
+    shed: Family<BotLabel, Counter>,
+    requests_per_record: Family<BotLabel, Ratio>,
+    /// The last snapshot per host, so counters advance by the difference.
+    last: std::sync::Mutex<std::collections::HashMap<String, crate::flow::HostSnapshot>>,
+}
+
+impl FlowMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = Self {
+            stage_depth: Default::default(),
+            stage_oldest: Default::default(),
+            in_flight: Default::default(),
+            limit: Default::default(),
+            paused_seconds: Default::default(),
+            throttles: Default::default(),
+            timeouts: Default::default(),
+            blocked: Default::default(),
+            requests: Default::default(),
+            retry_ratio: Default::default(),
+            retry_deferred: Default::default(),
+            shed: Default::default(),
+            requests_per_record: Default::default(),
+            last: Default::default(),
+        };
+        registry.register(
+            "crawl_stage_depth",
+            "Items in each crawl pipeline stage (host_queue, fetch, parse, store)",
+            m.stage_depth.clone(),
+        );
+        registry.register(
+            "crawl_stage_oldest_seconds",
+            "Age of the oldest item in each crawl pipeline stage",
+            m.stage_oldest.clone(),
+        );
+        registry.register(
+            "host_in_flight",
+            "Requests in flight per host",
+            m.in_flight.clone(),
+        );
+        registry.register(
+            "host_limit",
+            "The adaptive (AIMD) concurrency limit per host",
+            m.limit.clone(),
+        );
+        registry.register(
+            "host_paused_seconds",
+            "Seconds until a paused host (Retry-After, robots.txt unavailable) admits again; 0 when not paused",
+            m.paused_seconds.clone(),
+        );
+        registry.register(
+            "host_throttles",
+            "429/503 answers per host",
+            m.throttles.clone(),
+        );
+        registry.register(
+            "host_timeouts",
+            "Fetch timeouts per host",
+            m.timeouts.clone(),
+        );
+        registry.register(
+            "host_admissions_blocked",
+            "Times a host's limiter turned a request away (at its limit, paused, or spacing)",
+            m.blocked.clone(),
+        );
+        registry.register(
+            "host_requests",
+            "Requests admitted per host, by kind (first, retry)",
+            m.requests.clone(),
+        );
+        registry.register(
+            "host_retry_ratio",
+            "Retries over first attempts per host within the retry window",
+            m.retry_ratio.clone(),
+        );
+        registry.register(
+            "crawl_retries_deferred",
+            "Retries pushed past the host's retry window because its retry budget was spent",
+            m.retry_deferred.clone(),
+        );
+        registry.register(
+            "crawl_shed",
+            "Lowest-priority URLs deferred at the frontier, unfetched, because their host was throttling",
+            m.shed.clone(),
+        );
+        registry.register(
+            "crawl_requests_per_record",
+            "Page requests sent per record stored by this instance (seed 000's health signal)",
+            m.requests_per_record.clone(),
+        );
+        m
+    }
+}
+
 type Seconds = Family<BotLabel, Histogram, fn() -> Histogram>;
 
 fn seconds_histogram() -> Histogram {
@@ -55,6 +183,9 @@ pub struct Metrics {
     url_leases_lost: Family<BotLabel, Counter>,
     crawl_pass: Family<BotLabel, Gauge>,
     passes_finished: Family<BotLabel, Counter>,
+    flow: FlowMetrics,
+    /// Called before every encode, to read gauges from their owners (hosts, stages).
+    sources: std::sync::Mutex<Vec<Source>>,
     /// Milliseconds after `started` of the last successful database round trip (for `/healthz`);
     /// monotonic, so a jumping wall clock cannot fake health.
     last_db_ok: AtomicI64,
@@ -161,7 +292,10 @@ impl Metrics {
             "Crawl passes whose end this instance recorded",
             passes_finished.clone(),
         );
+        let flow = FlowMetrics::register(&mut registry);
         Self {
+            flow,
+            sources: Default::default(),
             pages,
             records,
             url_leases_lost,
@@ -279,7 +413,99 @@ impl Metrics {
         )
     }
 
+    /// Registers a reader of gauges owned elsewhere; it runs before every encode and is dropped
+    /// once it returns `false` (its owner is gone).
+    pub fn add_source(&self, source: Source) {
+        self.sources
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(source);
+    }
+
+    pub fn shed(&self, bot: &BotId) {
+        self.flow.shed.get_or_create(&Self::bot(bot)).inc();
+    }
+
+    pub fn retry_deferred(&self, bot: &BotId) {
+        self.flow
+            .retry_deferred
+            .get_or_create(&Self::bot(bot))
+            .inc();
+    }
+
+    /// Per-host flow figures (from [`crate::flow::Flow::snapshot`]).
+    pub fn observe_hosts(&self, hosts: &[crate::flow::HostSnapshot]) {
+        let f = &self.flow;
+        let mut last = f.last.lock().unwrap_or_else(|p| p.into_inner());
+        for h in hosts {
+            let label = HostLabel {
+                host: h.host.clone(),
+            };
+            f.in_flight
+                .get_or_create(&label)
+                .set(i64::from(h.in_flight));
+            f.limit.get_or_create(&label).set(h.limit);
+            f.paused_seconds
+                .get_or_create(&label)
+                .set(h.paused_for.map_or(0.0, |d| d.as_secs_f64()));
+            f.retry_ratio.get_or_create(&label).set(h.retry_ratio);
+            let before = last.get(&h.host).cloned();
+            let delta = |now: u64, then: fn(&crate::flow::HostSnapshot) -> u64| {
+                now.saturating_sub(before.as_ref().map_or(0, then))
+            };
+            f.throttles
+                .get_or_create(&label)
+                .inc_by(delta(h.throttles, |b| b.throttles));
+            f.timeouts
+                .get_or_create(&label)
+                .inc_by(delta(h.timeouts, |b| b.timeouts));
+            f.blocked
+                .get_or_create(&label)
+                .inc_by(delta(h.blocked, |b| b.blocked));
+            let kind = |kind: &str| HostKindLabels {
+                host: h.host.clone(),
+                kind: kind.to_owned(),
+            };
+            f.requests
+                .get_or_create(&kind("first"))
+                .inc_by(delta(h.first_attempts, |b| b.first_attempts));
+            f.requests
+                .get_or_create(&kind("retry"))
+                .inc_by(delta(h.retries, |b| b.retries));
+            last.insert(h.host.clone(), h.clone());
+        }
+    }
+
+    /// One bot's pipeline: items per stage and the age of each stage's oldest.
+    pub fn observe_stages(&self, bot: &BotId, stages: &crate::stages::Stages) {
+        for (name, stage) in stages.all() {
+            let label = StageLabels {
+                bot: bot.to_string(),
+                stage: name.to_owned(),
+            };
+            self.flow
+                .stage_depth
+                .get_or_create(&label)
+                .set(stage.depth() as i64);
+            self.flow
+                .stage_oldest
+                .get_or_create(&label)
+                .set(stage.oldest().map_or(0.0, |d| d.as_secs_f64()));
+        }
+    }
+
+    pub fn requests_per_record(&self, bot: &BotId, ratio: f64) {
+        self.flow
+            .requests_per_record
+            .get_or_create(&Self::bot(bot))
+            .set(ratio);
+    }
+
     pub fn encode(&self) -> String {
+        {
+            let mut sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
+            sources.retain(|source| source(self));
+        }
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");

@@ -105,6 +105,22 @@ impl NormalizedUrl {
     pub fn to_url(&self) -> Url {
         Url::parse(&self.0).expect("a NormalizedUrl is always a valid URL")
     }
+
+    /// `host:port`, the port spelled out even when it is the scheme's default: the unit that
+    /// flow control limits and robots.txt covers.
+    pub fn host_port(&self) -> String {
+        let url = self.to_url();
+        format!(
+            "{}:{}",
+            url.host_str().unwrap_or_default(),
+            url.port_or_known_default().unwrap_or(0)
+        )
+    }
+
+    /// `scheme://host[:port]` (where robots.txt lives).
+    pub fn origin(&self) -> String {
+        self.to_url().origin().ascii_serialization()
+    }
 }
 
 impl fmt::Display for NormalizedUrl {

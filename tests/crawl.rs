@@ -24,6 +24,7 @@ async fn shop(lists: u32, per_list: u32) -> String {
         lists,
         per_list,
         seed: 11,
+        ..SiteOptions::default()
     };
     tokio::spawn(async move {
         serve(listener, options, CancellationToken::new())
@@ -72,8 +73,13 @@ impl Requests {
             .sum()
     }
 
+    /// Pages requested more than once (robots.txt is read once per process by design).
     fn repeated(&self) -> u64 {
-        self.0.values().map(|v| v.saturating_sub(1)).sum()
+        self.0
+            .iter()
+            .filter(|(path, _)| *path != "/robots.txt")
+            .map(|(_, v)| v.saturating_sub(1))
+            .sum()
     }
 }
 
@@ -152,6 +158,12 @@ struct Setup<'a> {
     /// Extra lines for `[bots.crawl.incremental]`.
     incremental: &'a str,
     natural_key: &'a str,
+    /// The seed source's URL (default: the shop's `/seeds.txt`).
+    seeds: Option<&'a str>,
+    /// More `host:port`s in scope besides the shop's.
+    scope: &'a [&'a str],
+    /// `[http] listen` (default "off").
+    listen: &'a str,
 }
 
 impl Default for Setup<'_> {
@@ -163,12 +175,20 @@ impl Default for Setup<'_> {
             crawl: "",
             incremental: "",
             natural_key: ".sku",
+            seeds: None,
+            scope: &[],
+            listen: "off",
         }
     }
 }
 
 fn settings(db: &TestDb, base: &str, setup: &Setup<'_>, instance: &str) -> Settings {
-    let host = base.trim_start_matches("http://");
+    let mut scope = vec![format!("{:?}", base.trim_start_matches("http://"))];
+    scope.extend(setup.scope.iter().map(|h| format!("{h:?}")));
+    let scope = scope.join(", ");
+    let seeds = setup
+        .seeds
+        .map_or_else(|| format!("{base}/seeds.txt"), str::to_owned);
     let text = format!(
         r#"
 [mongo]
@@ -190,13 +210,13 @@ backoff_base = "20ms"
 backoff_max = "100ms"
 {crawl}
 [http]
-listen = "off"
+listen = "{listen}"
 [[bots]]
 id = "shop"
-seeds = {{ url = "{base}/seeds.txt", format = "lines" }}
+seeds = {{ url = "{seeds}", format = "lines" }}
 refresh = "1h"
 [bots.crawl]
-scope = ["{host}"]
+scope = [{scope}]
 [bots.crawl.list]
 item = ".item"
 item_id = "@data-id"
@@ -219,6 +239,7 @@ mode = "{mode}"
         mode = setup.mode,
         incremental = setup.incremental,
         natural_key = setup.natural_key,
+        listen = setup.listen,
     );
     Settings::from_toml(&text, |_| None).unwrap_or_else(|e| panic!("{e}\n{text}"))
 }
@@ -566,6 +587,38 @@ async fn an_incomplete_pass_marks_nothing_removed_and_the_next_complete_one_does
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_pagination_chain_counts_the_listing_pages_it_hid_against_coverage() {
+    let db = test_db("crawl_chain").await;
+    let base = shop(40, 2).await;
+    let setup = Setup {
+        crawl: "attempts = 1",
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    // Listing page 30 of 40 fails: pages 31–40 are linked only from it, so this pass never
+    // enqueues them. Its own count says 29 of 30 listing pages (96.7%); counting the ten it
+    // could not reach, 29 of 40.
+    post(
+        &format!("{base}/__faults"),
+        json!([{"path": "/list/30", "status": 403}]),
+    )
+    .await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    assert!(
+        removed_keys(&db).await.is_empty(),
+        "the 22 products past the broken link are not removed"
+    );
+    let doc = bot_doc(&db).await;
+    let last = doc.get_document("crawlLastPass").unwrap();
+    assert_eq!(last.get_f64("listCoverage").unwrap(), 29.0 / 40.0, "{last}");
+    assert!(
+        last.get_str("deletion").unwrap().contains("coverage 72.5%"),
+        "{last}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttled_and_failing_fetches_are_retried_from_the_frontier_and_nothing_is_lost() {
     let db = test_db("crawl_retry").await;
     let base = shop(3, 10).await;
@@ -577,8 +630,9 @@ async fn throttled_and_failing_fetches_are_retried_from_the_frontier_and_nothing
         ]),
     )
     .await;
+    // A third of the product fetches fail: this test is about retrying, not the retry budget.
     let setup = Setup {
-        crawl: "attempts = 5",
+        crawl: "attempts = 5\nretry_budget = 1.0",
         ..Setup::default()
     };
     let started = std::time::Instant::now();
@@ -813,6 +867,7 @@ async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
         .unwrap();
     let bot = seedlock::ids::BotId::parse("shop").unwrap();
     let rules = DeletionRules {
+        known_since: None,
         enabled: true,
         min_coverage: 0.0,
         max_error_rate: 1.0,
@@ -830,4 +885,375 @@ async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
     assert_eq!(removed_keys(&db).await, ["SKU-1"]);
     let again = store.finish_pass(&bot, 2, None, rules, now).await.unwrap();
     assert!(!again.recorded, "the end is recorded once");
+}
+
+// ---- flow control ------------------------------------------------------------------------------
+
+async fn shop_named(lists: u32, per_list: u32, prefix: &str) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let options = SiteOptions {
+        lists,
+        per_list,
+        seed: 11,
+        sku_prefix: prefix.to_owned(),
+    };
+    tokio::spawn(async move {
+        serve(listener, options, CancellationToken::new())
+            .await
+            .unwrap()
+    });
+    base
+}
+
+/// A seed source listing the first listing page of each shop.
+async fn seeds_of(bases: &[&str]) -> String {
+    let body: String = bases.iter().map(|b| format!("{b}/list/1\n")).collect();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/seeds.txt", listener.local_addr().unwrap());
+    let app = axum::Router::new().route(
+        "/seeds.txt",
+        axum::routing::get(move || {
+            let body = body.clone();
+            async move { body }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+/// The shop's request log: (path, Unix milliseconds), oldest first.
+async fn request_log(base: &str) -> Vec<(String, i64)> {
+    let stats = get_json(&format!("{base}/__stats?log=true")).await;
+    stats["log"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e[0].as_str().unwrap().to_owned(), e[1].as_i64().unwrap()))
+        .collect()
+}
+
+fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+/// A sample of one series from `/metrics` (`None` until it exists).
+async fn metric(addr: &str, series: &str) -> Option<f64> {
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_throttling_above_three_in_flight_holds_the_limit_between_two_and_four() {
+    let db = test_db("flow_aimd").await;
+    let base = shop(10, 20).await;
+    let host = base.trim_start_matches("http://").to_owned();
+    post(
+        &format!("{base}/__faults"),
+        json!([{"path": "/", "latency_ms": 20, "status": 429, "max_in_flight": 3}]),
+    )
+    .await;
+    let listen = free_addr();
+    let setup = Setup {
+        workers: 16,
+        crawl: "attempts = 20\nretry_budget = 1.0",
+        listen: &listen,
+        ..Setup::default()
+    };
+    // Sample the host's limit while the crawl runs.
+    let stop = CancellationToken::new();
+    let sampler = {
+        let (stop, listen) = (stop.clone(), listen.clone());
+        let limit = format!("seedlock_host_limit{{host=\"{host}\"}}");
+        let throttles = format!("seedlock_host_throttles_total{{host=\"{host}\"}}");
+        tokio::spawn(async move {
+            let mut after_warm_up = Vec::new();
+            while !stop.is_cancelled() {
+                if metric(&listen, &throttles).await.unwrap_or(0.0) >= 1.0 {
+                    if let Some(l) = metric(&listen, &limit).await {
+                        after_warm_up.push(l);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            after_warm_up
+        })
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    stop.cancel();
+    let limits = sampler.await.unwrap();
+    assert_eq!(
+        live_records(&db).await,
+        truth(&base).await,
+        "the crawl completes"
+    );
+    assert!(
+        limits.len() >= 10,
+        "the limit was sampled after warm-up: {limits:?}"
+    );
+    // The limiter admits floor(limit) requests at once; the fraction is growth in progress.
+    assert!(
+        limits.iter().all(|l| (2.0..5.0).contains(&l.floor())),
+        "the limit stayed between 2 and 4: {limits:?}"
+    );
+    let requests = Requests::take(&base).await;
+    let throttled = requests.repeated();
+    assert!(
+        (throttled as f64) < 0.2 * requests.0.len() as f64,
+        "few requests were throttled: {throttled} repeats over {} paths",
+        requests.0.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_pauses_only_that_host_while_the_other_keeps_fetching() {
+    let db = test_db("flow_pause").await;
+    let (a, b) = (shop_named(2, 10, "A").await, shop_named(20, 20, "B").await);
+    // A's second listing page answers 429 with Retry-After: 2, once.
+    post(
+        &format!("{a}/__faults"),
+        json!([{"path": "/list/2", "status": 429, "retry_after": "2", "times": 1}]),
+    )
+    .await;
+    let seeds = seeds_of(&[&a, &b]).await;
+    let b_host = b.trim_start_matches("http://").to_owned();
+    let scope = [b_host.as_str()];
+    let setup = Setup {
+        workers: 8,
+        seeds: Some(&seeds),
+        scope: &scope,
+        ..Setup::default()
+    };
+    once(settings(&db, &a, &setup, "a")).await;
+    let (log_a, log_b) = (request_log(&a).await, request_log(&b).await);
+    let throttled_at = log_a
+        .iter()
+        .find(|(p, _)| p == "/list/2")
+        .map(|(_, t)| *t)
+        .expect("A's /list/2 was requested");
+    // Requests A had in flight when the 429 came may land a moment later; none after that
+    // until the pause ends.
+    let quiet = (throttled_at + 300)..(throttled_at + 1900);
+    let a_during: Vec<_> = log_a.iter().filter(|(_, t)| quiet.contains(t)).collect();
+    let b_during = log_b.iter().filter(|(_, t)| quiet.contains(t)).count();
+    assert!(a_during.is_empty(), "A was paused: {a_during:?}");
+    assert!(
+        b_during >= 10,
+        "B kept fetching during A's pause: {b_during} requests"
+    );
+    let second_try = log_a
+        .iter()
+        .filter(|(p, _)| p == "/list/2")
+        .nth(1)
+        .map(|(_, t)| *t)
+        .expect("A's /list/2 was fetched again");
+    assert!(
+        second_try - throttled_at >= 1900,
+        "Retry-After was honoured"
+    );
+    let mut expected = truth(&a).await;
+    expected.extend(truth(&b).await);
+    assert_eq!(live_records(&db).await, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permanent_error_is_not_retried_and_a_503_is_retried_then_recorded_failed() {
+    let db = test_db("flow_permanent").await;
+    let base = shop(2, 10).await;
+    let products: Vec<String> = {
+        let mut p: Vec<String> = truth(&base).await.into_keys().collect();
+        p.sort();
+        p
+    };
+    let (forbidden, unavailable) = (&products[2], &products[4]);
+    post(
+        &format!("{base}/__faults"),
+        json!([
+            {"path": format!("/product/{forbidden}"), "status": 403},
+            {"path": format!("/product/{unavailable}"), "status": 503},
+        ]),
+    )
+    .await;
+    let setup = Setup {
+        crawl: "attempts = 3",
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    let requests = Requests::take(&base).await;
+    assert_eq!(
+        requests.under(&format!("/product/{forbidden}")),
+        1,
+        "403 is not retried"
+    );
+    assert_eq!(
+        requests.under(&format!("/product/{unavailable}")),
+        3,
+        "503 is retried up to the attempt limit"
+    );
+    let failed = frontier(&db, doc! { "status": "failed" }).await;
+    let reason = |sku: &str| {
+        failed
+            .iter()
+            .find(|f| f.get_str("url").unwrap().ends_with(sku))
+            .map(|f| f.get_str("lastError").unwrap().to_owned())
+    };
+    assert_eq!(reason(forbidden).as_deref(), Some("HTTP 403"));
+    assert_eq!(
+        reason(unavailable).as_deref(),
+        Some("HTTP 503 (after 3 attempts)")
+    );
+    assert_eq!(live_records(&db).await.len(), products.len() - 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn robots_txt_disallow_is_honoured_and_crawl_delay_spaces_requests() {
+    let db = test_db("flow_robots").await;
+    let base = shop(1, 8).await;
+    let mut products: Vec<String> = truth(&base).await.into_keys().collect();
+    products.sort();
+    let hidden = products[3].clone();
+    reqwest::Client::new()
+        .post(format!("{base}/__robots"))
+        .body(format!(
+            "User-agent: *\nDisallow: /product/{hidden}\nCrawl-delay: 0.2\n"
+        ))
+        .send()
+        .await
+        .unwrap();
+    let setup = Setup {
+        workers: 8,
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    let log: Vec<(String, i64)> = request_log(&base)
+        .await
+        .into_iter()
+        .filter(|(p, _)| p.starts_with("/list/") || p.starts_with("/product/"))
+        .collect();
+    assert!(
+        !log.iter().any(|(p, _)| p.ends_with(&hidden)),
+        "the disallowed page was not fetched"
+    );
+    assert_eq!(log.len(), 1 + 7, "{log:?}");
+    let gaps: Vec<i64> = log.windows(2).map(|w| w[1].1 - w[0].1).collect();
+    assert!(
+        gaps.iter().all(|g| *g >= 190),
+        "requests were at least Crawl-delay apart: {gaps:?}"
+    );
+    let failed = frontier(&db, doc! { "status": "failed" }).await;
+    assert_eq!(failed.len(), 1);
+    assert_eq!(
+        failed[0].get_str("lastError").unwrap(),
+        "disallowed by robots.txt"
+    );
+    assert_eq!(live_records(&db).await.len(), 7);
+
+    // Ignoring robots.txt (one's own site) fetches it.
+    let db = test_db("flow_robots_ignored").await;
+    let setup = Setup {
+        crawl: "robots = false",
+        ..Setup::default()
+    };
+    Requests::take(&base).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    assert_eq!(
+        Requests::take(&base)
+            .await
+            .under(&format!("/product/{hidden}")),
+        1
+    );
+    assert_eq!(live_records(&db).await.len(), 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_store_bounds_the_urls_leased_by_the_queue_sizes() {
+    let db = test_db("flow_slow_store").await;
+    let base = shop(10, 20).await;
+    // At most: 4 waiting for their host + 4 fetching + (2 queued + 1 parsing) + (2 queued + 1
+    // being written).
+    let bound = 4 + 4 + 3 + 3;
+    let setup = Setup {
+        workers: 4,
+        crawl: "writers = 1\nparsers = 1\nparse_queue = 2\nstore_queue = 2\nstore_delay = \"30ms\"",
+        ..Setup::default()
+    };
+    let stop = CancellationToken::new();
+    let sampler = {
+        let stop = stop.clone();
+        let frontier = db.db.collection::<Document>("frontier");
+        tokio::spawn(async move {
+            let mut most = 0;
+            while !stop.is_cancelled() {
+                let leased = frontier
+                    .count_documents(doc! { "status": "leased" })
+                    .await
+                    .unwrap();
+                most = most.max(leased);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            most
+        })
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    stop.cancel();
+    let most = sampler.await.unwrap();
+    assert!(most <= bound, "leased URLs peaked at {most}, above {bound}");
+    assert!(
+        most >= 6,
+        "the pipeline filled up behind the slow store: {most}"
+    );
+    assert_eq!(live_records(&db).await, truth(&base).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_crawl_command_finishes_one_bot_and_prints_a_summary() {
+    use common::{url_bot, Proc, ProcConfig};
+    let db = test_db("crawl_command").await;
+    let base = shop(2, 5).await;
+    post(
+        &format!("{base}/__faults"),
+        json!([{"path": "/product/SKU-0000003", "status": 403}]),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let bots = format!(
+        "{}{}",
+        crawl_bot_toml(&base),
+        url_bot("plain", &format!("{base}/seeds.txt"))
+    );
+    let config = ProcConfig::new(&db, bots).write(dir.path());
+    let mut crawl = Proc::spawn(dir.path(), &config, "c", &["crawl", "shop"], &[]);
+    let status = crawl.wait(Duration::from_secs(60)).await;
+    assert_eq!(status.code(), Some(0), "{}", crawl.log());
+    let out = crawl.out();
+    assert!(
+        out.starts_with("shop pass=1 finished: 12 pages (11 done, 1 failed) in "),
+        "{out}"
+    );
+    assert!(
+        out.contains("failed: http://") && out.contains("/product/SKU-0000003 — HTTP 403"),
+        "{out}"
+    );
+    assert_eq!(live_records(&db).await.len(), 9);
+    // Only the named bot ran.
+    assert!(db.doc("plain").await.is_none());
+    // A bot without [bots.crawl], or none at all: exit 2, one line.
+    for (bot, says) in [
+        ("plain", "has no [bots.crawl] section"),
+        ("nosuch", "no bot \"nosuch\""),
+    ] {
+        let mut p = Proc::spawn(dir.path(), &config, "u", &["crawl", bot], &[]);
+        assert_eq!(p.wait(Duration::from_secs(30)).await.code(), Some(2));
+        let log = p.log();
+        assert!(log.contains(says) && log.lines().count() == 1, "{log}");
+    }
 }

@@ -14,6 +14,7 @@ async fn shop(lists: u32, per_list: u32, seed: u64) -> String {
         lists,
         per_list,
         seed,
+        ..SiteOptions::default()
     };
     tokio::spawn(async move {
         serve(listener, options, CancellationToken::new())

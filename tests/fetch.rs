@@ -19,6 +19,7 @@ async fn shop() -> String {
                 lists: 2,
                 per_list: 3,
                 seed: 5,
+                ..SiteOptions::default()
             },
             CancellationToken::new(),
         )

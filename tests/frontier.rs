@@ -11,7 +11,9 @@ use chrono::Utc;
 use common::*;
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId};
-use seedlock::store::frontier::{url_id, PageKind, PassProgress, LEASE_INDEX, SLOT_INDEX};
+use seedlock::store::frontier::{
+    url_id, PageKind, PassProgress, LEASE_INDEX, PRIORITY_INDEX, SLOT_INDEX,
+};
 use seedlock::urls::NormalizedUrl;
 
 fn bot() -> BotId {
@@ -283,8 +285,8 @@ async fn the_lease_query_uses_its_index() {
         .await
         .unwrap();
     // The lease queries exactly as `lease_next` sends them.
-    let filters = seedlock::store::frontier::lease_filters(&bot(), 1, 7, Utc::now());
-    assert_eq!(filters.len(), 3);
+    let filters = seedlock::store::frontier::lease_filters(&bot(), 1, 7, Utc::now(), &[2, 1]);
+    assert_eq!(filters.len(), 5);
     for filter in filters {
         let explain = db
             .db
@@ -301,9 +303,15 @@ async fn the_lease_query_uses_its_index() {
         let text = plan.to_string();
         eprintln!("winning plan for {filter}: {text}");
         assert!(
-            (text.contains(LEASE_INDEX) || text.contains(SLOT_INDEX)) && !text.contains("COLLSCAN"),
+            (text.contains(LEASE_INDEX)
+                || text.contains(SLOT_INDEX)
+                || text.contains(PRIORITY_INDEX))
+                && !text.contains("COLLSCAN"),
             "the lease query {filter} should use an index: {text}"
         );
+        if filter.contains_key("priority") {
+            assert!(text.contains(PRIORITY_INDEX), "{filter}: {text}");
+        }
         // The status is an index bound, not a residual filter: a lease never scans the pass's
         // done entries.
         let status = filter.get_str("status").unwrap();

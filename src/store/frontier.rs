@@ -25,6 +25,9 @@ pub const FRONTIER: &str = "frontier";
 pub const LEASE_INDEX: &str = "bot_pass_status_expiry";
 /// The index of the pending-URL lookup: equality on (bot, pass, status, slot).
 pub const SLOT_INDEX: &str = "bot_pass_status_slot";
+/// The index of the pending-URL lookup by priority: equality on (bot, pass, status, priority,
+/// slot).
+pub const PRIORITY_INDEX: &str = "bot_pass_status_priority_slot";
 /// Pending URLs are spread over this many random slots, and a worker leases from a random slot
 /// first: every lookup is an equality on the whole index key and meets a few hundred entries even
 /// in a pass of 200,000 URLs (a server that reads every entry matching a key prefix — as the test
@@ -45,6 +48,15 @@ impl PageKind {
             PageKind::Seed => "seed",
             PageKind::List => "list",
             PageKind::Detail => "detail",
+        }
+    }
+
+    /// Leased first when higher: seeds 2, listing pages 1, detail pages 0.
+    pub fn default_priority(self) -> i64 {
+        match self {
+            PageKind::Seed => 2,
+            PageKind::List => 1,
+            PageKind::Detail => 0,
         }
     }
 
@@ -82,6 +94,9 @@ pub struct UrlLease {
     pub record_id: Option<String>,
     /// True when this lease took over one a dead predecessor of this instance id held.
     pub reclaimed: bool,
+    pub priority: i64,
+    /// Since when the URL could be leased (its `notBefore`): how long it waited.
+    pub eligible_since: Option<DateTime<Utc>>,
 }
 
 /// A URL to add to a pass.
@@ -91,6 +106,8 @@ pub struct NewUrl {
     pub kind: PageKind,
     /// For detail pages found on a listing: the item's fingerprint there.
     pub fingerprint: Option<String>,
+    /// Leased first when higher (see [`PageKind::default_priority`]).
+    pub priority: i64,
 }
 
 /// What the frontier remembers of a detail page from earlier passes (fingerprint mode decides
@@ -130,17 +147,29 @@ pub fn url_id(bot: &BotId, url: &NormalizedUrl) -> String {
     )
 }
 
-/// The filters of [`Store::lease_next`], tried in this order: a pending URL in slot `slot`; any
+/// The filters of [`Store::lease_next`], tried in this order: a pending URL of each of
+/// `priorities` (highest first) in slot `slot`; a pending URL in slot `slot`; any
 /// pending URL (when that slot is empty — then few are pending); a lease past its expiry. Each is
 /// equalities on an index's leading fields (and a range on its last), which every server answers
 /// from the index alone; a range on a field outside the index would make the test server scan
 /// the collection. Public for the `explain` test, so the test checks the queries the code sends.
-pub fn lease_filters(bot: &BotId, pass: i64, slot: u32, now: DateTime<Utc>) -> Vec<Document> {
-    vec![
+pub fn lease_filters(
+    bot: &BotId,
+    pass: i64,
+    slot: u32,
+    now: DateTime<Utc>,
+    priorities: &[i64],
+) -> Vec<Document> {
+    let mut filters: Vec<Document> = priorities
+        .iter()
+        .map(|p| doc! { "botId": bot.as_str(), "pass": pass, "status": "pending", "priority": p, "slot": i64::from(slot) })
+        .collect();
+    filters.extend([
         doc! { "botId": bot.as_str(), "pass": pass, "status": "pending", "slot": i64::from(slot) },
         doc! { "botId": bot.as_str(), "pass": pass, "status": "pending" },
         doc! { "botId": bot.as_str(), "pass": pass, "status": "leased", "leaseExpiresAt": { "$lte": date(now) } },
-    ]
+    ]);
+    filters
 }
 
 fn date(at: DateTime<Utc>) -> Bson {
@@ -167,6 +196,14 @@ impl Store {
                 .keys(doc! { "botId": 1, "pass": 1, "status": 1, "slot": 1 })
                 .options(IndexOptions::builder().name(SLOT_INDEX.to_owned()).build())
                 .build(),
+            IndexModel::builder()
+                .keys(doc! { "botId": 1, "pass": 1, "status": 1, "priority": 1, "slot": 1 })
+                .options(
+                    IndexOptions::builder()
+                        .name(PRIORITY_INDEX.to_owned())
+                        .build(),
+                )
+                .build(),
         ];
         self.bounded(
             "create frontier indexes",
@@ -191,6 +228,7 @@ impl Store {
                 url: url.clone(),
                 kind,
                 fingerprint: None,
+                priority: kind.default_priority(),
             })
             .collect();
         self.enqueue_urls(bot, pass, &urls, now).await
@@ -235,6 +273,8 @@ impl Store {
                             "leaseOwner": Bson::Null, "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null,
                             "lastError": Bson::Null, "enqueuedAt": date(now), "notBefore": date(now),
                             "slot": i64::from(rand::random_range(0..SLOTS)),
+                            "host": url.host_port(),
+                            "priority": new.priority,
                             "listFingerprint": new.fingerprint.as_deref().map_or(Bson::Null, |f| Bson::String(f.to_owned())),
                         },
                         "$setOnInsert": { "discoveredAt": date(now) },
@@ -284,12 +324,16 @@ impl Store {
         now: DateTime<Utc>,
         lease_for: Duration,
     ) -> Result<Option<UrlLease>> {
-        self.lease_next(bot, pass, me, None, now, lease_for).await
+        self.lease_next(bot, pass, me, None, now, lease_for, &[], &[])
+            .await
     }
 
     /// As [`Store::lease_url`], and with `reclaim_before` also the leases this instance id took
     /// before that time — a previous run of this instance that died holding them — without
-    /// waiting for them to expire. (Instance ids must be unique among live processes.)
+    /// waiting for them to expire. (Instance ids must be unique among live processes.) URLs on
+    /// the hosts in `avoid` (`host:port`; paused or at their limit) are left for later; URLs of
+    /// `priorities` (highest first) are looked for before any other.
+    #[allow(clippy::too_many_arguments)]
     pub async fn lease_next(
         &self,
         bot: &BotId,
@@ -298,6 +342,8 @@ impl Store {
         reclaim_before: Option<DateTime<Utc>>,
         now: DateTime<Utc>,
         lease_for: Duration,
+        avoid: &[String],
+        priorities: &[i64],
     ) -> Result<Option<UrlLease>> {
         let expires_at = super::plus(now, lease_for);
         let token = new_token();
@@ -308,7 +354,12 @@ impl Store {
             },
             "$inc": { "attempts": 1_i64 },
         };
-        let mut filters = lease_filters(bot, pass, rand::random_range(0..SLOTS), now);
+        let mut filters = lease_filters(bot, pass, rand::random_range(0..SLOTS), now, priorities);
+        if !avoid.is_empty() {
+            for filter in &mut filters {
+                filter.insert("host", doc! { "$nin": avoid });
+            }
+        }
         let mut reclaiming = false;
         if let Some(before) = reclaim_before {
             if let Some(token) = self.dead_lease(bot, pass, me, before).await? {
@@ -369,6 +420,14 @@ impl Store {
             list_fingerprint: text("listFingerprint"),
             record_id: text("recordId"),
             reclaimed,
+            priority: doc
+                .get("priority")
+                .and_then(crate::document::integer)
+                .unwrap_or_else(|| kind.default_priority()),
+            eligible_since: match doc.get("notBefore") {
+                Some(Bson::DateTime(t)) => Some(t.to_chrono()),
+                _ => None,
+            },
             id: doc.get_str("_id").map_err(|_| bad("_id"))?.to_owned(),
             url,
             kind,
@@ -403,14 +462,31 @@ impl Store {
                     .await
             })
             .await?;
-        Ok(leased.into_iter().find_map(|d| {
-            let mine = d.get_str("leaseOwner").ok() == Some(me.as_str());
-            let old =
-                matches!(d.get("leasedAt"), Some(Bson::DateTime(t)) if t.to_chrono() < before);
-            (mine && old)
-                .then(|| d.get_str("leaseToken").ok().map(str::to_owned))
-                .flatten()
-        }))
+        let dead: Vec<String> = leased
+            .into_iter()
+            .filter_map(|d| {
+                let mine = d.get_str("leaseOwner").ok() == Some(me.as_str());
+                let old =
+                    matches!(d.get("leasedAt"), Some(Bson::DateTime(t)) if t.to_chrono() < before);
+                (mine && old)
+                    .then(|| d.get_str("leaseToken").ok().map(str::to_owned))
+                    .flatten()
+            })
+            .collect();
+        // A random one: concurrent leasers of this instance then rarely race for the same.
+        Ok((!dead.is_empty()).then(|| dead[rand::random_range(0..dead.len())].clone()))
+    }
+
+    /// Whether this instance id holds leases of pass `pass` taken before `before` (a dead
+    /// predecessor's, left to reclaim).
+    pub async fn has_dead_leases(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        me: &InstanceId,
+        before: DateTime<Utc>,
+    ) -> Result<bool> {
+        Ok(self.dead_lease(bot, pass, me, before).await?.is_some())
     }
 
     pub(super) fn lease_fence(lease: &UrlLease) -> Document {
@@ -485,6 +561,30 @@ impl Store {
             "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": reason,
         } };
         self.fenced_url(lease, "retry url", update).await
+    }
+
+    /// Gives a leased URL back without counting the attempt (shutdown, a paused host): pending
+    /// again, or waiting until `not_before` — only if the lease is still this worker's.
+    pub async fn release_url(
+        &self,
+        lease: &UrlLease,
+        now: DateTime<Utc>,
+        not_before: DateTime<Utc>,
+        reason: &str,
+    ) -> Result<()> {
+        let status = if not_before <= now {
+            "pending"
+        } else {
+            "waiting"
+        };
+        let update = doc! {
+            "$set": {
+                "status": status, "notBefore": date(not_before), "leaseOwner": Bson::Null,
+                "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": reason,
+            },
+            "$inc": { "attempts": -1_i64 },
+        };
+        self.fenced_url(lease, "release url", update).await
     }
 
     /// Makes the pass's waiting retries whose `notBefore` has come pending again (one write).
@@ -609,6 +709,36 @@ impl Store {
 
     /// Counts pass `pass`'s URLs by status (leases past their expiry still count as leased until
     /// someone re-leases them: the pass waits for them).
+    /// Up to `limit` failed URLs of a pass with their reasons (for `seedlock crawl`'s summary).
+    pub async fn failed_urls(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        limit: i64,
+    ) -> Result<Vec<(String, String)>> {
+        use futures_util::TryStreamExt;
+        let failed: Vec<Document> = self
+            .bounded("read failed urls", async {
+                self.frontier()
+                    .find(doc! { "botId": bot.as_str(), "pass": pass, "status": "failed" })
+                    .projection(doc! { "url": 1, "lastError": 1 })
+                    .limit(limit)
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        Ok(failed
+            .iter()
+            .map(|d| {
+                (
+                    d.get_str("url").unwrap_or("?").to_owned(),
+                    d.get_str("lastError").unwrap_or("").to_owned(),
+                )
+            })
+            .collect())
+    }
+
     pub async fn pass_progress(&self, bot: &BotId, pass: i64) -> Result<PassProgress> {
         // The same one aggregation that ends a pass; its coverage figures are not needed here.
         Ok(self.pass_coverage(bot, pass).await?.0)

@@ -19,6 +19,7 @@ use crate::error::{is_duplicate_key, Error, Result};
 use crate::ids::{BotId, InstanceId, LockEpoch};
 
 pub mod frontier;
+pub mod hosts;
 pub mod passes;
 pub mod records;
 

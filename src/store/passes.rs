@@ -31,6 +31,10 @@ pub struct DeletionRules {
     pub enabled: bool,
     pub min_coverage: f64,
     pub max_error_rate: f64,
+    /// When the last completed pass started: listing pages read since then but not reached by
+    /// this pass count against its coverage (a broken pagination chain — one failed listing
+    /// page — hides every page after it from this pass's own count).
+    pub known_since: Option<DateTime<Utc>>,
 }
 
 /// A pass's figures when it ended.
@@ -84,6 +88,7 @@ impl Store {
                 url: url.clone(),
                 kind: PageKind::Seed,
                 fingerprint: None,
+                priority: PageKind::Seed.default_priority(),
             })
             .collect();
         self.enqueue_urls(bot, next, &urls, now).await?;
@@ -189,7 +194,13 @@ impl Store {
         rules: DeletionRules,
         now: DateTime<Utc>,
     ) -> Result<PassEnd> {
-        let (progress, (lists, lists_done, all, failed)) = self.pass_coverage(bot, pass).await?;
+        let (progress, (mut lists, lists_done, all, failed)) =
+            self.pass_coverage(bot, pass).await?;
+        if rules.enabled && progress.is_finished() {
+            if let Some(since) = rules.known_since {
+                lists += self.unreached_lists(bot, pass, since).await?;
+            }
+        }
         let coverage = if lists == 0 {
             0.0
         } else {
@@ -274,6 +285,23 @@ impl Store {
             recorded,
             finished: true,
         })
+    }
+
+    /// Listing pages (and seeds) read since `since` that pass `pass` did not enqueue: their
+    /// frontier entries still carry an earlier pass. One count, at the end of a pass.
+    async fn unreached_lists(&self, bot: &BotId, pass: i64, since: DateTime<Utc>) -> Result<u64> {
+        let filter = doc! {
+            "botId": bot.as_str(), "pass": { "$lt": pass }, "status": "done",
+            "kind": { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] },
+            "doneAt": { "$gte": date(since) },
+        };
+        let n = self
+            .bounded(
+                "count unreached listing pages",
+                self.frontier().count_documents(filter),
+            )
+            .await?;
+        Ok(n)
     }
 
     /// Marks the bot's records that pass `pass` did not see removed. The unseen are read by the

@@ -1,0 +1,149 @@
+//! robots.txt, fetched once per host (`scheme://host:port`) and cached for `robots_ttl`, parsed
+//! by `texting_robots` for our user agent's product token: `Disallow`/`Allow` decide which URLs
+//! may be fetched, `Crawl-delay` spaces the host's requests (through [`crate::flow`]). A 4xx
+//! means no rules (everything allowed); a 5xx or no answer means "not now": the caller pauses the
+//! host and asks again after `robots_retry`. `--ignore-robots` (for one's own sites) turns the
+//! whole check off.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use texting_robots::Robot;
+use tokio::time::Instant;
+
+use crate::fetch::{PageFetcher, RobotsFetch};
+use crate::urls::NormalizedUrl;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Verdict {
+    Allowed {
+        crawl_delay: Option<Duration>,
+    },
+    Disallowed,
+    /// robots.txt could not be read (a 5xx, no answer): pause the host, ask again later.
+    Unavailable {
+        reason: String,
+    },
+}
+
+#[derive(Clone)]
+struct Rules {
+    /// `None`: no robots.txt (a 4xx), everything allowed.
+    robot: Option<Arc<Robot>>,
+    fetched: Instant,
+}
+
+type Slot = Arc<tokio::sync::Mutex<Option<Rules>>>;
+
+pub struct RobotsCache {
+    agent: String,
+    ttl: Duration,
+    enabled: bool,
+    hosts: Mutex<HashMap<String, Slot>>,
+}
+
+impl std::fmt::Debug for RobotsCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RobotsCache")
+            .field("agent", &self.agent)
+            .field("enabled", &self.enabled)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The product token of a user agent (`seedlock/0.1 (+https://…)` → `seedlock`): what
+/// robots.txt `User-agent` lines name.
+pub fn product_token(user_agent: &str) -> &str {
+    user_agent
+        .split(|c: char| c == '/' || c.is_whitespace())
+        .next()
+        .filter(|t| !t.is_empty())
+        .unwrap_or("*")
+}
+
+impl RobotsCache {
+    pub fn new(user_agent: &str, ttl: Duration, enabled: bool) -> Self {
+        Self {
+            agent: product_token(user_agent).to_owned(),
+            ttl,
+            enabled,
+            hosts: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether `url` may be fetched, reading the host's robots.txt first if it is not cached.
+    /// Concurrent checks on one host wait for a single fetch.
+    pub async fn check(&self, fetcher: &PageFetcher, url: &NormalizedUrl) -> Verdict {
+        if !self.enabled {
+            return Verdict::Allowed { crawl_delay: None };
+        }
+        let origin = url.origin();
+        let slot = self
+            .hosts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(origin.clone())
+            .or_default()
+            .clone();
+        let mut rules = slot.lock().await;
+        if rules
+            .as_ref()
+            .is_none_or(|r| r.fetched.elapsed() >= self.ttl)
+        {
+            let robot = match fetcher.fetch_robots(&origin).await {
+                RobotsFetch::Found(body) => match Robot::new(&self.agent, &body) {
+                    Ok(robot) => Some(Arc::new(robot)),
+                    // Unparsable rules are no rules (as a 4xx), not a reason to stop crawling.
+                    Err(e) => {
+                        tracing::warn!(%origin, error = %e, "robots.txt unparsable; treating it as empty");
+                        None
+                    }
+                },
+                RobotsFetch::Missing { .. } => None,
+                RobotsFetch::Unavailable(reason) => {
+                    return Verdict::Unavailable {
+                        reason: format!("robots.txt unavailable: {reason}"),
+                    }
+                }
+            };
+            *rules = Some(Rules {
+                robot,
+                fetched: Instant::now(),
+            });
+        }
+        match rules.as_ref().and_then(|r| r.robot.as_ref()) {
+            None => Verdict::Allowed { crawl_delay: None },
+            Some(robot) if robot.allowed(url.as_str()) => Verdict::Allowed {
+                crawl_delay: robot
+                    .delay
+                    .filter(|d| d.is_finite() && *d > 0.0)
+                    .map(|d| Duration::from_secs_f32(d.min(60.0))),
+            },
+            Some(_) => Verdict::Disallowed,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_product_token_names_the_agent() {
+        assert_eq!(product_token("seedlock/0.1.0"), "seedlock");
+        assert_eq!(product_token("MyBot (+https://x)"), "MyBot");
+        assert_eq!(product_token(""), "*");
+    }
+
+    #[test]
+    fn rules_for_our_token_apply_and_others_do_not() {
+        let txt = b"User-agent: seedlock\nDisallow: /private\nCrawl-delay: 0.5\n\nUser-agent: *\nDisallow: /\n";
+        let robot = Robot::new("seedlock", txt).unwrap();
+        assert!(!robot.allowed("http://a/private/x"));
+        assert!(robot.allowed("http://a/list/1"));
+        assert_eq!(robot.delay, Some(0.5));
+        let other = Robot::new("otherbot", txt).unwrap();
+        assert!(!other.allowed("http://a/list/1"));
+    }
+}
