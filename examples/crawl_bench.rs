@@ -952,10 +952,20 @@ async fn throttling(uri: &str) {
     let _ = db.drop().await;
 }
 
-/// `urls` pending detail pages of pass 1 (they answer 404: cheap to crawl).
+/// A ready bot whose running pass 1 holds `urls` pending detail pages (they answer 404: cheap to
+/// crawl), its seeds fresh for the configured hour.
 async fn fill_frontier(db: &Database, base: &str, urls: u32) {
     let host = base.trim_start_matches("http://");
     let now = bson::DateTime::now();
+    db.collection::<Document>("bots")
+        .insert_one(doc! {
+            "_id": "shop", "isReady": true, "isEditing": false,
+            "seeds": [format!("{base}/list/1")], "lockEpoch": 1_i64,
+            "lastSeedUpdatedAt": now, "crawlPass": 1_i64, "crawlPassStartedAt": now,
+            "crawlPassEndedAt": bson::Bson::Null, "history": [],
+        })
+        .await
+        .unwrap();
     let frontier = db.collection::<Document>("frontier");
     let mut batch = Vec::with_capacity(10_000);
     for i in 0..urls {

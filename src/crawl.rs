@@ -415,6 +415,31 @@ impl Crawler {
                 LeaseStep::Busy
             });
         }
+        // Listing pages link one to the next: one that failed hides the rest from this pass.
+        // The listing pages the last complete pass read and this one never reached are
+        // enqueued before the pass may end (not in watermark mode, which stops on purpose).
+        if let (true, Some(since)) = (self.deletion_rules(pass).enabled, pass.last_run_at) {
+            let missed = self
+                .store
+                .unreached_list_urls(&self.bot, pass.number, since)
+                .await?;
+            if !missed.is_empty() {
+                warn!(
+                    bot = %self.bot, pass = pass.number, pages = missed.len(),
+                    "listing pages the last pass read were not reached (a broken pagination chain?); enqueuing them"
+                );
+                self.store
+                    .enqueue(
+                        &self.bot,
+                        pass.number,
+                        PageKind::List,
+                        &missed,
+                        self.clock.now(),
+                    )
+                    .await?;
+                return Ok(LeaseStep::Busy);
+            }
+        }
         // One leaser of this instance ends the pass (it counts the whole pass); the others find
         // it ended on their next turn.
         let Ok(_finishing) = self.finishing.try_lock() else {

@@ -587,33 +587,49 @@ async fn an_incomplete_pass_marks_nothing_removed_and_the_next_complete_one_does
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_broken_pagination_chain_counts_the_listing_pages_it_hid_against_coverage() {
+async fn a_broken_pagination_chain_is_mended_from_the_last_pass_and_counted_in_coverage() {
     let db = test_db("crawl_chain").await;
     let base = shop(40, 2).await;
+    // Deletion needs every listing page here, so the test shows coverage, not removals.
     let setup = Setup {
-        crawl: "attempts = 1",
+        crawl: "attempts = 1\nmin_coverage = 1.0",
         ..Setup::default()
     };
     once(settings(&db, &base, &setup, "a")).await;
-    // Listing page 30 of 40 fails: pages 31–40 are linked only from it, so this pass never
-    // enqueues them. Its own count says 29 of 30 listing pages (96.7%); counting the ten it
-    // could not reach, 29 of 40.
+    // Listing page 30 of 40 fails: pages 31–40 are linked only from it. The pass enqueues the
+    // ten from what the last pass read, so their items are still checked.
+    post(&format!("{base}/__mutate"), json!({"change": 80})).await;
     post(
         &format!("{base}/__faults"),
         json!([{"path": "/list/30", "status": 403}]),
     )
     .await;
+    Requests::take(&base).await;
     request_refresh(&db).await;
     once(settings(&db, &base, &setup, "a")).await;
-    assert!(
-        removed_keys(&db).await.is_empty(),
-        "the 22 products past the broken link are not removed"
-    );
+    let requests = Requests::take(&base).await;
+    for page in 31..=40 {
+        assert_eq!(
+            requests.under(&format!("/list/{page}")),
+            1,
+            "{:?}",
+            requests.0
+        );
+    }
+    // Every product but the two only page 30 listed is up to date.
+    let truth = truth(&base).await;
+    let stale: Vec<_> = live_records(&db)
+        .await
+        .into_iter()
+        .filter(|(k, v)| truth.get(k) != Some(v))
+        .collect();
+    assert!(stale.len() <= 2, "{stale:?}");
+    assert!(removed_keys(&db).await.is_empty());
     let doc = bot_doc(&db).await;
     let last = doc.get_document("crawlLastPass").unwrap();
-    assert_eq!(last.get_f64("listCoverage").unwrap(), 29.0 / 40.0, "{last}");
+    assert_eq!(last.get_f64("listCoverage").unwrap(), 39.0 / 40.0, "{last}");
     assert!(
-        last.get_str("deletion").unwrap().contains("coverage 72.5%"),
+        last.get_str("deletion").unwrap().contains("coverage 97.5%"),
         "{last}"
     );
 }
@@ -1172,6 +1188,41 @@ async fn robots_txt_disallow_is_honoured_and_crawl_delay_spaces_requests() {
         1
     );
     assert_eq!(live_records(&db).await.len(), 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unavailable_robots_txt_pauses_the_host_until_it_answers() {
+    let db = test_db("flow_robots_503").await;
+    let base = shop(1, 5).await;
+    post(
+        &format!("{base}/__faults"),
+        json!([{"path": "/robots.txt", "status": 503, "times": 1}]),
+    )
+    .await;
+    let setup = Setup {
+        crawl: "robots_retry = \"1s\"",
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    let log = request_log(&base).await;
+    let robots: Vec<i64> = log
+        .iter()
+        .filter(|(p, _)| p == "/robots.txt")
+        .map(|(_, t)| *t)
+        .collect();
+    assert_eq!(robots.len(), 2, "asked again after the pause: {log:?}");
+    let first_page = log
+        .iter()
+        .find(|(p, _)| p.starts_with("/list/") || p.starts_with("/product/"))
+        .map(|(_, t)| *t)
+        .unwrap();
+    assert!(
+        first_page - robots[0] >= 950,
+        "no page was fetched while robots.txt was unavailable: {log:?}"
+    );
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    // The URL given back while the host was paused did not use up an attempt.
+    assert!(frontier(&db, doc! { "status": "failed" }).await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

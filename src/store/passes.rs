@@ -289,7 +289,12 @@ impl Store {
 
     /// Listing pages (and seeds) read since `since` that pass `pass` did not enqueue: their
     /// frontier entries still carry an earlier pass. One count, at the end of a pass.
-    async fn unreached_lists(&self, bot: &BotId, pass: i64, since: DateTime<Utc>) -> Result<u64> {
+    pub async fn unreached_lists(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        since: DateTime<Utc>,
+    ) -> Result<u64> {
         let filter = doc! {
             "botId": bot.as_str(), "pass": { "$lt": pass }, "status": "done",
             "kind": { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] },
@@ -302,6 +307,36 @@ impl Store {
             )
             .await?;
         Ok(n)
+    }
+
+    /// The listing pages counted by [`Store::unreached_lists`], by URL (to enqueue them).
+    pub async fn unreached_list_urls(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<NormalizedUrl>> {
+        use futures_util::TryStreamExt;
+        let filter = doc! {
+            "botId": bot.as_str(), "pass": { "$lt": pass }, "status": "done",
+            "kind": { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] },
+            "doneAt": { "$gte": date(since) },
+        };
+        let docs: Vec<Document> = self
+            .bounded("read unreached listing pages", async {
+                self.frontier()
+                    .find(filter)
+                    .projection(doc! { "url": 1 })
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        Ok(docs
+            .iter()
+            .filter_map(|d| d.get_str("url").ok())
+            .filter_map(|u| NormalizedUrl::parse(u).ok())
+            .collect())
     }
 
     /// Marks the bot's records that pass `pass` did not see removed. The unseen are read by the
