@@ -637,7 +637,7 @@ async fn request_refresh(db: &Database) {
 
 async fn throughput(uri: &str) {
     let dir = tempfile::tempdir().unwrap();
-    println!("## Throughput: one full pass (`run --once`, `crawl.workers = 4` per instance)");
+    println!("## Throughput: one full pass (`run --once`, `crawl.workers = 16`, `writers = 4` per instance)");
     println!();
     println!("| products | instances | transactions | pages | wall (s) | pages/s | records/s | peak RSS per instance (MiB) | correct records |");
     println!("|---|---|---|---|---|---|---|---|---|");
@@ -957,6 +957,11 @@ async fn throttling(uri: &str) {
 async fn fill_frontier(db: &Database, base: &str, urls: u32) {
     let host = base.trim_start_matches("http://");
     let now = bson::DateTime::now();
+    // The indexes exist before the frontier grows, as they do in a deployment.
+    seedlock::store::Store::new(db.clone())
+        .ensure_frontier_indexes()
+        .await
+        .unwrap();
     db.collection::<Document>("bots")
         .insert_one(doc! {
             "_id": "shop", "isReady": true, "isEditing": false,

@@ -407,6 +407,7 @@ impl Crawler {
         if in_pipeline {
             return Ok(LeaseStep::Busy);
         }
+        debug!(bot = %self.bot, pass = pass.number, "nothing to lease and nothing in flight here");
         if self.store.pass_has_work(&self.bot, pass.number).await? {
             // Work on a paused host waits here for the pause to end.
             return Ok(if avoid.is_empty() {
@@ -988,6 +989,9 @@ impl Crawler {
         // host leaves that set or a second has passed.
         let mut fruitless: Option<(Vec<String>, Instant)> = None;
         let mut leasing = futures_util::stream::FuturesUnordered::new();
+        // A lease found the pass idle here: no new lease query until something wakes the loop;
+        // once the other queries are back and nothing is in flight, the slice ends idle.
+        let mut quiet = false;
         let mut end = SliceEnd::TimeUp;
         loop {
             if shutdown.is_cancelled() {
@@ -995,6 +999,10 @@ impl Crawler {
                 break;
             }
             if failed.is_cancelled() || Instant::now() >= deadline {
+                break;
+            }
+            if quiet && leasing.is_empty() && self.stages.in_pipeline() == 0 {
+                end = SliceEnd::Idle;
                 break;
             }
             while let Some(joined) = fetches.try_join_next() {
@@ -1093,6 +1101,7 @@ impl Crawler {
             if slots.available_permits() > leasing.len()
                 && waiting < self.limits.workers
                 && leasing.len() < LEASES_AT_ONCE
+                && !quiet
             {
                 let mut avoid: Vec<String> = self
                     .flow
@@ -1111,7 +1120,9 @@ impl Crawler {
                     at.elapsed() < Duration::from_secs(1) && hosts.iter().all(|h| avoid.contains(h))
                 });
                 if !skip {
-                    let in_pipeline = self.stages.in_pipeline() > 0 || !leasing.is_empty();
+                    // Other lease queries in flight do not count: one that finds a URL leaves it
+                    // leased in the database, which the pass's end counts.
+                    let in_pipeline = self.stages.in_pipeline() > 0;
                     let (crawler, pass) = (self.clone(), pass.clone());
                     leasing.push(async move {
                         let step = crawler.lease_step(&pass, &avoid, in_pipeline).await;
@@ -1130,7 +1141,10 @@ impl Crawler {
                 _ = self.flow.changed() => None,
                 _ = tokio::time::sleep_until(wake.min(deadline)) => None,
             };
-            let Some((step, avoid)) = step else { continue };
+            let Some((step, avoid)) = step else {
+                quiet = false;
+                continue;
+            };
             match step {
                 Ok(LeaseStep::Leased(lease)) if self.should_shed(&lease, self.clock.now()) => {
                     let now = self.clock.now();
@@ -1147,6 +1161,7 @@ impl Crawler {
                 }
                 Ok(LeaseStep::Leased(lease)) => {
                     fruitless = None;
+                    quiet = false;
                     let host = lease.url.host_port();
                     let ticket = self.stages.host_queue.enter();
                     queues.entry(host).or_default().push_back(Item {
@@ -1160,13 +1175,9 @@ impl Crawler {
                         fruitless = Some((avoid, Instant::now()));
                     }
                 }
-                // With other leases still out, "idle" may be stale: only a lone one ends the
-                // slice.
-                Ok(LeaseStep::Idle) if leasing.is_empty() && self.stages.in_pipeline() == 0 => {
-                    end = SliceEnd::Idle;
-                    break;
-                }
-                Ok(LeaseStep::Idle) => {}
+                // With other leases still out, "idle" may be stale: the slice ends idle once
+                // they are back with nothing (checked at the top of the loop).
+                Ok(LeaseStep::Idle) => quiet = true,
                 Ok(LeaseStep::PassFinished(pass_end)) => {
                     end = SliceEnd::Finished(pass_end);
                     break;
@@ -1229,6 +1240,7 @@ impl Crawler {
         if shutdown.is_cancelled() && !matches!(end, SliceEnd::Finished(_)) {
             end = SliceEnd::Shutdown;
         }
+        debug!(bot = %self.bot, pass = pass.number, ?end, "crawl slice ended");
         let error = failure.lock().unwrap_or_else(|p| p.into_inner()).take();
         match error {
             Some(e) if !matches!(end, SliceEnd::Finished(_)) => Err(e),

@@ -225,6 +225,7 @@ async fn crawl_context(
     let fetcher = PageFetcher::new(&limits.user_agent, limits.timeout, limits.max_page_bytes)
         .map_err(RunError::Startup)?;
     let startup = |e: crate::error::Error| RunError::Startup(e.to_string());
+    info!("ensuring the frontier and records indexes (building one on a large collection takes a while)");
     store.ensure_frontier_indexes().await.map_err(startup)?;
     store.ensure_record_indexes().await.map_err(startup)?;
     let transactions = match limits.transactions {

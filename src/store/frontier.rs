@@ -205,7 +205,7 @@ impl Store {
                 )
                 .build(),
         ];
-        self.bounded(
+        self.index_build(
             "create frontier indexes",
             self.frontier().create_indexes(indexes),
         )

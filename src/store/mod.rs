@@ -114,6 +114,9 @@ pub(crate) fn plus(at: DateTime<Utc>, d: Duration) -> DateTime<Utc> {
         .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
+/// The longest an index build at start-up may take.
+const INDEX_BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
 impl Store {
     /// Connects and checks the server answers within `connect_timeout`. The error never carries
     /// the URI's password.
@@ -169,6 +172,19 @@ impl Store {
                 what,
                 after: self.op_timeout,
             }),
+        }
+    }
+
+    /// As `bounded`, for an index build: it reads the whole collection, which on a large one
+    /// (an upgrade adding an index to a frontier of millions) takes far longer than an operation.
+    pub(crate) async fn index_build<T, F>(&self, what: &'static str, op: F) -> Result<T>
+    where
+        F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
+    {
+        let limit = INDEX_BUILD_TIMEOUT.max(self.op_timeout);
+        match tokio::time::timeout(limit, op.into_future()).await {
+            Ok(result) => Ok(result?),
+            Err(_) => Err(Error::Timeout { what, after: limit }),
         }
     }
 

@@ -91,7 +91,7 @@ impl Store {
                     .build(),
             )
             .build();
-        self.bounded("create records index", self.records().create_index(index))
+        self.index_build("create records index", self.records().create_index(index))
             .await?;
         Ok(())
     }
