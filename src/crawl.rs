@@ -338,20 +338,22 @@ impl Crawler {
     }
 
     /// Load shedding: a lowest-priority URL that waited longer than `crawl.shed_after` for a
-    /// host that throttled us within the last minute is deferred, before it costs a fetch.
+    /// host that throttled us within the last minute is deferred (once a pass), before it costs
+    /// a fetch.
     fn should_shed(&self, lease: &UrlLease, now: DateTime<Utc>) -> bool {
-        should_shed(
-            lease.priority,
-            self.lowest,
-            !self.levels.is_empty(),
-            lease
-                .eligible_since
-                .and_then(|t| (now - t).to_std().ok())
-                .unwrap_or_default(),
-            self.limits.shed_after,
-            self.flow
-                .throttled_within(&lease.url.host_port(), Duration::from_secs(60)),
-        )
+        lease.sheds == 0
+            && should_shed(
+                lease.priority,
+                self.lowest,
+                !self.levels.is_empty(),
+                lease
+                    .eligible_since
+                    .and_then(|t| (now - t).to_std().ok())
+                    .unwrap_or_default(),
+                self.limits.shed_after,
+                self.flow
+                    .throttled_within(&lease.url.host_port(), Duration::from_secs(60)),
+            )
     }
 
     fn deletion_rules(&self, pass: &Pass) -> DeletionRules {
@@ -1149,11 +1151,7 @@ impl Crawler {
                 Ok(LeaseStep::Leased(lease)) if self.should_shed(&lease, self.clock.now()) => {
                     let now = self.clock.now();
                     let until = crate::store::plus(now, self.limits.shed_after);
-                    match self
-                        .store
-                        .release_url(&lease, now, until, "shed: its host is throttling")
-                        .await
-                    {
+                    match self.store.shed_url(&lease, now, until).await {
                         Ok(()) | Err(Error::UrlLeaseLost { .. }) => {}
                         Err(e) => fail(e),
                     }

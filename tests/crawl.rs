@@ -1226,6 +1226,94 @@ async fn an_unavailable_robots_txt_pauses_the_host_until_it_answers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttling_host_is_published_for_status() {
+    let db = test_db("flow_hosts").await;
+    let base = shop(5, 20).await;
+    let host = base.trim_start_matches("http://").to_owned();
+    post(
+        &format!("{base}/__faults"),
+        json!([{"path": "/product/", "status": 429, "retry_after": "1", "every": 3}]),
+    )
+    .await;
+    let setup = Setup {
+        crawl: "retry_budget = 1.0\nattempts = 10",
+        ..Setup::default()
+    };
+    let stop = CancellationToken::new();
+    let daemon = tokio::spawn(run(
+        settings(&db, &base, &setup, "a"),
+        Mode::Daemon,
+        stop.clone(),
+    ));
+    // Published every 5 s while the host throttles.
+    let store = db.store();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let rows = loop {
+        let since = chrono::Utc::now() - chrono::Duration::seconds(30);
+        let rows = store.recent_hosts(since).await.unwrap();
+        if !rows.is_empty() {
+            break rows;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no host row was published within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    stop.cancel();
+    daemon.await.unwrap().unwrap();
+    assert_eq!(rows[0].host, host);
+    assert_eq!(rows[0].instance, "a");
+    assert!(
+        rows[0].throttles >= 1 && rows[0].last_throttle_at.is_some(),
+        "{rows:?}"
+    );
+    let text = seedlock::admin::render_hosts(&rows, chrono::Utc::now());
+    assert!(text.contains(&host), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_low_priority_work_for_a_throttling_host_is_shed_and_still_crawled() {
+    let db = test_db("flow_shed").await;
+    let base = shop(4, 20).await;
+    post(
+        &format!("{base}/__faults"),
+        json!([{"path": "/product/", "status": 429, "retry_after": "0", "every": 4, "latency_ms": 0}]),
+    )
+    .await;
+    let listen = free_addr();
+    let setup = Setup {
+        workers: 2,
+        crawl: "retry_budget = 1.0\nattempts = 20\nshed_after = \"100ms\"",
+        listen: &listen,
+        ..Setup::default()
+    };
+    let stop = CancellationToken::new();
+    let sampler = {
+        let (stop, listen) = (stop.clone(), listen.clone());
+        tokio::spawn(async move {
+            let mut most = 0.0_f64;
+            while !stop.is_cancelled() {
+                if let Some(n) = metric(&listen, "seedlock_crawl_shed_total{bot=\"shop\"}").await {
+                    most = most.max(n);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            most
+        })
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    stop.cancel();
+    let shed = sampler.await.unwrap();
+    assert!(
+        shed >= 1.0,
+        "detail pages waiting on a throttling host were shed: {shed}"
+    );
+    // Deferred, not lost: every product is stored.
+    assert_eq!(live_records(&db).await, truth(&base).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_store_bounds_the_urls_leased_by_the_queue_sizes() {
     let db = test_db("flow_slow_store").await;
     let base = shop(10, 20).await;

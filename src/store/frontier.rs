@@ -95,6 +95,8 @@ pub struct UrlLease {
     /// True when this lease took over one a dead predecessor of this instance id held.
     pub reclaimed: bool,
     pub priority: i64,
+    /// Times this URL was shed in this pass.
+    pub sheds: i64,
     /// Since when the URL could be leased (its `notBefore`): how long it waited.
     pub eligible_since: Option<DateTime<Utc>>,
 }
@@ -269,7 +271,7 @@ impl Store {
                     "u": {
                         "$set": {
                             "botId": bot.as_str(), "url": url.as_str(), "kind": new.kind.as_str(),
-                            "pass": pass, "status": "pending", "attempts": 0_i64,
+                            "pass": pass, "status": "pending", "attempts": 0_i64, "sheds": 0_i64,
                             "leaseOwner": Bson::Null, "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null,
                             "lastError": Bson::Null, "enqueuedAt": date(now), "notBefore": date(now),
                             "slot": i64::from(rand::random_range(0..SLOTS)),
@@ -424,6 +426,10 @@ impl Store {
                 .get("priority")
                 .and_then(crate::document::integer)
                 .unwrap_or_else(|| kind.default_priority()),
+            sheds: doc
+                .get("sheds")
+                .and_then(crate::document::integer)
+                .unwrap_or(0),
             eligible_since: match doc.get("notBefore") {
                 Some(Bson::DateTime(t)) => Some(t.to_chrono()),
                 _ => None,
@@ -585,6 +591,30 @@ impl Store {
             "$inc": { "attempts": -1_i64 },
         };
         self.fenced_url(lease, "release url", update).await
+    }
+
+    /// Defers a leased URL unfetched (load shedding) until `not_before`, counting the deferral
+    /// (a URL is shed at most once a pass) and not the attempt.
+    pub async fn shed_url(
+        &self,
+        lease: &UrlLease,
+        now: DateTime<Utc>,
+        not_before: DateTime<Utc>,
+    ) -> Result<()> {
+        let status = if not_before <= now {
+            "pending"
+        } else {
+            "waiting"
+        };
+        let update = doc! {
+            "$set": {
+                "status": status, "notBefore": date(not_before), "leaseOwner": Bson::Null,
+                "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null,
+                "lastError": "shed: its host is throttling",
+            },
+            "$inc": { "attempts": -1_i64, "sheds": 1_i64 },
+        };
+        self.fenced_url(lease, "shed url", update).await
     }
 
     /// Makes the pass's waiting retries whose `notBefore` has come pending again (one write).
