@@ -117,6 +117,18 @@ impl Catalog {
         catalog
     }
 
+    /// Counts a request in the per-path table (at most [`MAX_STATS_PATHS`] paths; the rest
+    /// under "(other)") and the request log.
+    fn count_request(&mut self, path: &str) {
+        let key = if self.stats.len() < MAX_STATS_PATHS || self.stats.contains_key(path) {
+            path.to_owned()
+        } else {
+            "(other)".to_owned()
+        };
+        *self.stats.entry(key).or_default() += 1;
+        self.log_request(path);
+    }
+
     fn log_request(&mut self, path: &str) {
         if self.log.len() == MAX_LOG {
             self.log.pop_front();
@@ -323,37 +335,23 @@ async fn visit(catalog: &Shared, uri: &Uri) -> Fault {
     };
     if let Some((rule, over)) = limited {
         let _in_flight = InFlight(catalog);
-        {
-            let mut c = lock(catalog);
-            *c.stats.entry(path.clone()).or_default() += 1;
-            c.log_request(&path);
-        }
+        lock(catalog).count_request(&path);
         if over {
             let status = StatusCode::from_u16(rule.status.unwrap_or(429))
                 .unwrap_or(StatusCode::TOO_MANY_REQUESTS);
-            let mut response = (status, "too many requests at once\n").into_response();
-            if let Some(value) = rule
-                .retry_after
-                .as_deref()
-                .and_then(|v| HeaderValue::from_str(v).ok())
-            {
-                response.headers_mut().insert(header::RETRY_AFTER, value);
-            }
-            return Fault::Respond(response);
+            return Fault::Respond(status_response(
+                status,
+                "too many requests at once\n",
+                rule.retry_after.as_deref(),
+            ));
         }
         tokio::time::sleep(Duration::from_millis(rule.latency_ms)).await;
         return Fault::None;
     }
     let rule = {
         let mut c = lock(catalog);
-        let key = if c.stats.len() < MAX_STATS_PATHS || c.stats.contains_key(&path) {
-            path.clone()
-        } else {
-            "(other)".to_owned()
-        };
-        *c.stats.entry(key).or_default() += 1;
+        c.count_request(&path);
         let mut chosen = None;
-        c.log_request(&path);
         for rule in c.faults.iter_mut().filter(|r| {
             path.contains(&r.path)
                 && r.max_in_flight.is_none()
@@ -377,21 +375,26 @@ async fn visit(catalog: &Shared, uri: &Uri) -> Fault {
     }
     if let Some(status) = rule.status {
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut response = (status, "fault injected\n").into_response();
-        if let Some(value) = rule
-            .retry_after
-            .as_deref()
-            .and_then(|v| HeaderValue::from_str(v).ok())
-        {
-            response.headers_mut().insert(header::RETRY_AFTER, value);
-        }
-        return Fault::Respond(response);
+        return Fault::Respond(status_response(
+            status,
+            "fault injected\n",
+            rule.retry_after.as_deref(),
+        ));
     }
     if let Some(bytes) = rule.huge_body_bytes {
         let body = "x".repeat(bytes.min(MAX_HUGE_BODY));
         return Fault::Respond(([(header::CONTENT_TYPE, "text/html")], body).into_response());
     }
     Fault::None
+}
+
+/// A fault's answer: `status` with `body`, and `Retry-After` when the rule names one.
+fn status_response(status: StatusCode, body: &'static str, retry_after: Option<&str>) -> Response {
+    let mut response = (status, body).into_response();
+    if let Some(value) = retry_after.and_then(|v| HeaderValue::from_str(v).ok()) {
+        response.headers_mut().insert(header::RETRY_AFTER, value);
+    }
+    response
 }
 
 macro_rules! fault_first {

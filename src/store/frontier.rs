@@ -547,6 +547,29 @@ impl Store {
             .await
     }
 
+    /// The update that gives a leased URL back: pending again, or waiting until `not_before`,
+    /// with `reason` as its last error and `inc` applied to its counters.
+    fn give_back_update(
+        now: DateTime<Utc>,
+        not_before: DateTime<Utc>,
+        reason: &str,
+        inc: Option<Document>,
+    ) -> Document {
+        let status = if not_before <= now {
+            "pending"
+        } else {
+            "waiting"
+        };
+        let mut update = doc! { "$set": {
+            "status": status, "notBefore": date(not_before), "leaseOwner": Bson::Null,
+            "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": reason,
+        } };
+        if let Some(inc) = inc {
+            update.insert("$inc", inc);
+        }
+        update
+    }
+
     /// Gives a leased URL back for another attempt no earlier than `not_before` — only if the
     /// lease is still this worker's. A retry due later waits in the frontier (status `waiting`,
     /// `notBefore`), not in memory; [`Store::promote_due`] makes it pending when its time comes.
@@ -557,15 +580,7 @@ impl Store {
         not_before: DateTime<Utc>,
         reason: &str,
     ) -> Result<()> {
-        let status = if not_before <= now {
-            "pending"
-        } else {
-            "waiting"
-        };
-        let update = doc! { "$set": {
-            "status": status, "notBefore": date(not_before), "leaseOwner": Bson::Null,
-            "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": reason,
-        } };
+        let update = Self::give_back_update(now, not_before, reason, None);
         self.fenced_url(lease, "retry url", update).await
     }
 
@@ -578,18 +593,8 @@ impl Store {
         not_before: DateTime<Utc>,
         reason: &str,
     ) -> Result<()> {
-        let status = if not_before <= now {
-            "pending"
-        } else {
-            "waiting"
-        };
-        let update = doc! {
-            "$set": {
-                "status": status, "notBefore": date(not_before), "leaseOwner": Bson::Null,
-                "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": reason,
-            },
-            "$inc": { "attempts": -1_i64 },
-        };
+        let inc = doc! { "attempts": -1_i64 };
+        let update = Self::give_back_update(now, not_before, reason, Some(inc));
         self.fenced_url(lease, "release url", update).await
     }
 
@@ -601,19 +606,9 @@ impl Store {
         now: DateTime<Utc>,
         not_before: DateTime<Utc>,
     ) -> Result<()> {
-        let status = if not_before <= now {
-            "pending"
-        } else {
-            "waiting"
-        };
-        let update = doc! {
-            "$set": {
-                "status": status, "notBefore": date(not_before), "leaseOwner": Bson::Null,
-                "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null,
-                "lastError": "shed: its host is throttling",
-            },
-            "$inc": { "attempts": -1_i64, "sheds": 1_i64 },
-        };
+        let inc = doc! { "attempts": -1_i64, "sheds": 1_i64 };
+        let reason = "shed: its host is throttling";
+        let update = Self::give_back_update(now, not_before, reason, Some(inc));
         self.fenced_url(lease, "shed url", update).await
     }
 
