@@ -1155,18 +1155,182 @@ on_refresh_failure = "wait"
         let compose = Settings::from_toml(include_str!("../deploy/seedlock.toml"), no_env).unwrap();
         assert_eq!(compose.bots.len(), 2);
         // The README's configuration reference is a complete, valid config.
+        let s = Settings::from_toml(readme_reference(), no_env).unwrap_or_else(|e| panic!("README config: {e}"));
+        assert_eq!(s.lock.heartbeat, Duration::from_secs(10));
+        assert_eq!(
+            s.refresh.user_agent,
+            concat!("seedlock/", env!("CARGO_PKG_VERSION"))
+        );
+    }
+
+    /// The README's configuration reference, as text.
+    fn readme_reference() -> &'static str {
         let readme = include_str!("../README.md");
         let start = readme
             .find("## Configuration reference")
             .expect("README has the reference");
         let block = &readme[start..];
         let body = &block[block.find("```toml").unwrap() + 7..];
-        let body = &body[..body.find("```").unwrap()];
-        let s = Settings::from_toml(body, no_env).unwrap_or_else(|e| panic!("README config: {e}"));
-        assert_eq!(s.lock.heartbeat, Duration::from_secs(10));
-        assert_eq!(
-            s.refresh.user_agent,
-            concat!("seedlock/", env!("CARGO_PKG_VERSION"))
+        &body[..body.find("```").unwrap()]
+    }
+
+    /// Every key path of a TOML value: `crawl.workers`, `bots[].crawl.list.item`; the keys of the
+    /// free-form maps (`crawl.hosts`, `bots[].crawl.record.fields`) become `*`.
+    fn key_paths(value: &toml::Value, prefix: &str, out: &mut std::collections::BTreeSet<String>) {
+        match value {
+            toml::Value::Table(table) => {
+                let free_form = prefix.ends_with("crawl.hosts") || prefix.ends_with("record.fields");
+                for (key, child) in table {
+                    let key = if free_form { "*" } else { key.as_str() };
+                    let path = if prefix.is_empty() {
+                        key.to_owned()
+                    } else {
+                        format!("{prefix}.{key}")
+                    };
+                    out.insert(path.clone());
+                    key_paths(child, &path, out);
+                }
+            }
+            toml::Value::Array(items) => {
+                for item in items.iter().filter(|item| item.is_table()) {
+                    key_paths(item, &format!("{prefix}[]"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Every key the file format has, from a config with every optional part present. A struct
+    /// literal without `..`: a new field in any `Raw*` struct fails to compile here until it is
+    /// added, and then the test below fails until the README documents it.
+    fn every_key() -> std::collections::BTreeSet<String> {
+        let full = RawConfig {
+            mongo: RawMongo {
+                uri: "mongodb://h".into(),
+                database: "d".into(),
+                connect_timeout: "1s".into(),
+                op_timeout: "1s".into(),
+            },
+            instance: RawInstance { id: "i".into() },
+            lock: RawLock {
+                ttl: "1s".into(),
+                heartbeat: Some("1s".into()),
+                max_refresh: "1s".into(),
+                poll: "1s".into(),
+            },
+            refresh: RawRefresh {
+                timeout: "1s".into(),
+                max_bytes: 1,
+                max_seeds: 1,
+                attempts: 1,
+                backoff_base: "1s".into(),
+                backoff_max: "1s".into(),
+                sitemap_depth: 1,
+                user_agent: "u".into(),
+            },
+            crawl: RawCrawlLimits {
+                workers: 1,
+                writers: 1,
+                parsers: 1,
+                parse_queue: 1,
+                store_queue: 1,
+                store_delay: "0s".into(),
+                host_limit: 1,
+                host_limit_min: 1,
+                host_limit_max: 1,
+                politeness: "0s".into(),
+                retry_budget: 0.1,
+                retry_budget_min: 1,
+                retry_window: "1s".into(),
+                robots: true,
+                robots_ttl: "1s".into(),
+                robots_retry: "1s".into(),
+                shed_after: "1s".into(),
+                hosts: [(
+                    "h:1".to_owned(),
+                    RawHostOverride {
+                        max_limit: Some(1),
+                        min_delay: Some("1s".into()),
+                    },
+                )]
+                .into(),
+                lease: "1s".into(),
+                timeout: "1s".into(),
+                max_page_bytes: 1,
+                attempts: 1,
+                backoff_base: "1s".into(),
+                backoff_max: "1s".into(),
+                transactions: Transactions::Auto,
+                min_coverage: 0.5,
+                max_error_rate: 0.5,
+            },
+            http: RawHttp { listen: "off".into() },
+            log: RawLog {
+                format: LogFormat::Text,
+                level: "info".into(),
+            },
+            bots: vec![RawBot {
+                id: "b".into(),
+                seeds: RawSeeds::Source(RawSeedSource {
+                    url: "http://h/".into(),
+                    format: SeedFormat::Lines,
+                }),
+                refresh: "daily".into(),
+                on_refresh_failure: OnRefreshFailure::Wait,
+                crawl: Some(RawCrawl {
+                    scope: vec!["h".into()],
+                    follow: "a".into(),
+                    allow: vec!["a".into()],
+                    deny: vec!["d".into()],
+                    strip_query: vec!["s".into()],
+                    list: Some(RawList {
+                        item: "i".into(),
+                        item_id: "@id".into(),
+                        item_link: "a@href".into(),
+                        fingerprint: vec!["f".into()],
+                        updated_at: Some("@u".into()),
+                    }),
+                    record: Some(RawRecord {
+                        url_match: "/p/".into(),
+                        natural_key: ".k".into(),
+                        fields: [("f".to_owned(), "s".to_owned())].into(),
+                    }),
+                    incremental: RawIncremental {
+                        mode: "full".into(),
+                        overlap: "1s".into(),
+                    },
+                    priority: vec![RawPriority {
+                        url_match: "/".into(),
+                        priority: 1,
+                    }],
+                }),
+            }],
+        };
+        let mut keys = std::collections::BTreeSet::new();
+        key_paths(&toml::Value::try_from(&full).unwrap(), "", &mut keys);
+        keys
+    }
+
+    #[test]
+    fn every_config_key_is_documented_in_the_readme() {
+        let known = every_key();
+        assert!(known.contains("crawl.hosts.*.min_delay"), "{known:?}");
+        assert!(known.contains("bots[].crawl.priority[].match"), "{known:?}");
+        let mut documented = std::collections::BTreeSet::new();
+        key_paths(
+            &readme_reference().parse::<toml::Value>().unwrap(),
+            "",
+            &mut documented,
+        );
+        let undocumented: Vec<_> = known.difference(&documented).collect();
+        assert!(
+            undocumented.is_empty(),
+            "config keys missing from the README's configuration reference: {undocumented:?}"
+        );
+        let unknown: Vec<_> = documented.difference(&known).collect();
+        assert!(
+            unknown.is_empty(),
+            "the README documents keys the config does not have: {unknown:?}"
         );
     }
 

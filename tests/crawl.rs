@@ -9,46 +9,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use bson::{doc, Bson, Document};
+use common::crawl::*;
 use common::{test_db, TestDb};
 use futures_util::TryStreamExt;
-use seedlock::config::Settings;
-use seedlock::daemon::{run, BotSummary, Mode};
-use seedlock::demo_site::{serve, SiteOptions};
+use seedlock::daemon::{run, Mode};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
-
-async fn shop(lists: u32, per_list: u32) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let options = SiteOptions {
-        lists,
-        per_list,
-        seed: 11,
-        ..SiteOptions::default()
-    };
-    tokio::spawn(async move {
-        serve(listener, options, CancellationToken::new())
-            .await
-            .unwrap()
-    });
-    base
-}
-
-async fn post(url: &str, body: Value) -> Value {
-    reqwest::Client::new()
-        .post(url)
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
-async fn get_json(url: &str) -> Value {
-    reqwest::get(url).await.unwrap().json().await.unwrap()
-}
 
 /// Requests per path since the last call (the counters are reset).
 struct Requests(BTreeMap<String, u64>);
@@ -147,114 +113,6 @@ async fn frontier(db: &TestDb, filter: Document) -> Vec<Document> {
         .try_collect()
         .await
         .unwrap()
-}
-
-struct Setup<'a> {
-    mode: &'a str,
-    transactions: &'a str,
-    workers: u32,
-    /// Extra lines for `[crawl]`.
-    crawl: &'a str,
-    /// Extra lines for `[bots.crawl.incremental]`.
-    incremental: &'a str,
-    natural_key: &'a str,
-    /// The seed source's URL (default: the shop's `/seeds.txt`).
-    seeds: Option<&'a str>,
-    /// More `host:port`s in scope besides the shop's.
-    scope: &'a [&'a str],
-    /// `[http] listen` (default "off").
-    listen: &'a str,
-}
-
-impl Default for Setup<'_> {
-    fn default() -> Self {
-        Setup {
-            mode: "fingerprint",
-            transactions: "auto",
-            workers: 4,
-            crawl: "",
-            incremental: "",
-            natural_key: ".sku",
-            seeds: None,
-            scope: &[],
-            listen: "off",
-        }
-    }
-}
-
-fn settings(db: &TestDb, base: &str, setup: &Setup<'_>, instance: &str) -> Settings {
-    let mut scope = vec![format!("{:?}", base.trim_start_matches("http://"))];
-    scope.extend(setup.scope.iter().map(|h| format!("{h:?}")));
-    let scope = scope.join(", ");
-    let seeds = setup
-        .seeds
-        .map_or_else(|| format!("{base}/seeds.txt"), str::to_owned);
-    let text = format!(
-        r#"
-[mongo]
-uri = "{uri}"
-database = "{database}"
-[instance]
-id = "{instance}"
-[lock]
-ttl = "5s"
-poll = "100ms"
-[refresh]
-attempts = 1
-[crawl]
-workers = {workers}
-lease = "5s"
-timeout = "2s"
-transactions = "{transactions}"
-backoff_base = "20ms"
-backoff_max = "100ms"
-{crawl}
-[http]
-listen = "{listen}"
-[[bots]]
-id = "shop"
-seeds = {{ url = "{seeds}", format = "lines" }}
-refresh = "1h"
-[bots.crawl]
-scope = [{scope}]
-[bots.crawl.list]
-item = ".item"
-item_id = "@data-id"
-item_link = "a@href"
-fingerprint = [".price", ".status", ".title"]
-updated_at = "@data-updated"
-[bots.crawl.record]
-match = "/product/"
-natural_key = "{natural_key}"
-fields = {{ title = "h1", price = ".price", status = ".status" }}
-[bots.crawl.incremental]
-mode = "{mode}"
-{incremental}
-"#,
-        uri = db.uri,
-        database = db.name,
-        workers = setup.workers,
-        transactions = setup.transactions,
-        crawl = setup.crawl,
-        mode = setup.mode,
-        incremental = setup.incremental,
-        natural_key = setup.natural_key,
-        listen = setup.listen,
-    );
-    Settings::from_toml(&text, |_| None).unwrap_or_else(|e| panic!("{e}\n{text}"))
-}
-
-/// `seedlock run --once`, in-process: Ready, then the current pass finished.
-async fn once(settings: Settings) -> Vec<BotSummary> {
-    run(
-        settings,
-        Mode::Once {
-            timeout: Duration::from_secs(60),
-        },
-        CancellationToken::new(),
-    )
-    .await
-    .expect("run --once finishes the pass")
 }
 
 async fn request_refresh(db: &TestDb) {
@@ -905,23 +763,6 @@ async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
 
 // ---- flow control ------------------------------------------------------------------------------
 
-async fn shop_named(lists: u32, per_list: u32, prefix: &str) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let options = SiteOptions {
-        lists,
-        per_list,
-        seed: 11,
-        sku_prefix: prefix.to_owned(),
-    };
-    tokio::spawn(async move {
-        serve(listener, options, CancellationToken::new())
-            .await
-            .unwrap()
-    });
-    base
-}
-
 /// A seed source listing the first listing page of each shop.
 async fn seeds_of(bases: &[&str]) -> String {
     let body: String = bases.iter().map(|b| format!("{b}/list/1\n")).collect();
@@ -947,25 +788,6 @@ async fn request_log(base: &str) -> Vec<(String, i64)> {
         .iter()
         .map(|e| (e[0].as_str().unwrap().to_owned(), e[1].as_i64().unwrap()))
         .collect()
-}
-
-fn free_addr() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().to_string()
-}
-
-/// A sample of one series from `/metrics` (`None` until it exists).
-async fn metric(addr: &str, series: &str) -> Option<f64> {
-    let text = reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    text.lines()
-        .find(|l| l.starts_with(series))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,6 +3,8 @@
 //! `eventually` for awaiting a condition with a deadline.
 #![allow(dead_code)]
 
+pub mod crawl;
+
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
