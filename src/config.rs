@@ -1155,7 +1155,8 @@ on_refresh_failure = "wait"
         let compose = Settings::from_toml(include_str!("../deploy/seedlock.toml"), no_env).unwrap();
         assert_eq!(compose.bots.len(), 2);
         // The README's configuration reference is a complete, valid config.
-        let s = Settings::from_toml(readme_reference(), no_env).unwrap_or_else(|e| panic!("README config: {e}"));
+        let s = Settings::from_toml(readme_reference(), no_env)
+            .unwrap_or_else(|e| panic!("README config: {e}"));
         assert_eq!(s.lock.heartbeat, Duration::from_secs(10));
         assert_eq!(
             s.refresh.user_agent,
@@ -1179,7 +1180,8 @@ on_refresh_failure = "wait"
     fn key_paths(value: &toml::Value, prefix: &str, out: &mut std::collections::BTreeSet<String>) {
         match value {
             toml::Value::Table(table) => {
-                let free_form = prefix.ends_with("crawl.hosts") || prefix.ends_with("record.fields");
+                let free_form =
+                    prefix.ends_with("crawl.hosts") || prefix.ends_with("record.fields");
                 for (key, child) in table {
                     let key = if free_form { "*" } else { key.as_str() };
                     let path = if prefix.is_empty() {
@@ -1264,7 +1266,9 @@ on_refresh_failure = "wait"
                 min_coverage: 0.5,
                 max_error_rate: 0.5,
             },
-            http: RawHttp { listen: "off".into() },
+            http: RawHttp {
+                listen: "off".into(),
+            },
             log: RawLog {
                 format: LogFormat::Text,
                 level: "info".into(),

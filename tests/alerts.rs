@@ -121,7 +121,11 @@ fn bdate(t: chrono::DateTime<Utc>) -> Bson {
 }
 
 /// A bot document locked by "ghost", its refresh started at `started`, expiring at `expires`.
-fn locked_doc(epoch: i64, started: chrono::DateTime<Utc>, expires: chrono::DateTime<Utc>) -> Document {
+fn locked_doc(
+    epoch: i64,
+    started: chrono::DateTime<Utc>,
+    expires: chrono::DateTime<Utc>,
+) -> Document {
     doc! {
         "_id": "shop", "isReady": false, "isEditing": true, "seeds": ["http://old/"],
         "lastUpdateStartedAt": bdate(started), "lastSeedUpdatedAt": bdate(started),
@@ -305,13 +309,25 @@ async fn a_holder_fenced_by_an_unlock_counts_a_lost_lease() {
         i.metric(r#"seedlock_leases_lost_total{bot="shop"}"#),
         Some(1.0)
     );
-    assert_eq!(i.db.doc("shop").await.unwrap().get_array("seeds").map(|s| s.len()).unwrap_or(0), 0);
+    assert_eq!(
+        i.db.doc("shop")
+            .await
+            .unwrap()
+            .get_array("seeds")
+            .map(|s| s.len())
+            .unwrap_or(0),
+        0
+    );
 }
 
 // ---- crawl alerts: the daemon in-process, its /metrics scraped --------------------------------
 
 /// Samples `series` from the daemon at `addr` every 20 ms until `stop`; returns every value.
-fn sampler(addr: String, series: String, stop: CancellationToken) -> tokio::task::JoinHandle<Vec<f64>> {
+fn sampler(
+    addr: String,
+    series: String,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<Vec<f64>> {
     tokio::spawn(async move {
         let mut seen = Vec::new();
         while !stop.is_cancelled() {
@@ -362,9 +378,12 @@ async fn pages_stored_after_their_lease_went_to_another_worker_are_counted() {
         "the slow instance holds pages in its store stage",
         Duration::from_secs(20),
         || async {
-            metric(&slow_addr, r#"seedlock_crawl_stage_depth{bot="shop",stage="store"}"#)
-                .await
-                .unwrap_or(0.0)
+            metric(
+                &slow_addr,
+                r#"seedlock_crawl_stage_depth{bot="shop",stage="store"}"#,
+            )
+            .await
+            .unwrap_or(0.0)
                 >= 1.0
         },
     )
@@ -374,9 +393,12 @@ async fn pages_stored_after_their_lease_went_to_another_worker_are_counted() {
         "the slow instance finds its late pages taken over",
         Duration::from_secs(20),
         || async {
-            metric(&slow_addr, r#"seedlock_crawl_url_leases_lost_total{bot="shop"}"#)
-                .await
-                .unwrap_or(0.0)
+            metric(
+                &slow_addr,
+                r#"seedlock_crawl_url_leases_lost_total{bot="shop"}"#,
+            )
+            .await
+            .unwrap_or(0.0)
                 >= 1.0
         },
     )
@@ -415,7 +437,11 @@ async fn a_host_answering_503_raises_its_retry_ratio_above_the_alert_threshold()
     );
     once(settings(&db, &base, &setup, "a")).await;
     // Sampled once more after the pass: the ratio is over the retry window, not the pass.
-    let after = metric(&listen, &format!(r#"seedlock_host_retry_ratio{{host="{host}"}}"#)).await;
+    let after = metric(
+        &listen,
+        &format!(r#"seedlock_host_retry_ratio{{host="{host}"}}"#),
+    )
+    .await;
     stop.cancel();
     let seen = ratios.await.unwrap();
     // The rule: max by (host) (seedlock_host_retry_ratio) > 0.5.

@@ -32,7 +32,11 @@ async fn under_kills_stops_a_database_restart_and_unlocks_every_invariant_holds(
     })
     .await;
     println!("{}", report.render());
-    assert!(report.kills >= 5, "faults were injected:\n{}", report.render());
+    assert!(
+        report.kills >= 5,
+        "faults were injected:\n{}",
+        report.render()
+    );
     assert!(
         report.passed(),
         "reproduce with SEEDLOCK_CHAOS_SEED={seed}; logs in {}\n{}",
@@ -47,7 +51,10 @@ fn entry(event: &str, by: &str, epoch: i64) -> Document {
 
 fn violations(entries: Vec<Document>) -> Vec<String> {
     let mut report = chaos::ChaosReport::default();
-    chaos::check_history(&HashMap::from([("shop-a".to_owned(), entries)]), &mut report);
+    chaos::check_history(
+        &HashMap::from([("shop-a".to_owned(), entries)]),
+        &mut report,
+    );
     report.violations
 }
 

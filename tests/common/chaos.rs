@@ -489,7 +489,11 @@ impl Run {
             if d.get_bool("isReady").unwrap_or(false) {
                 let seeds: Vec<String> = d
                     .get_array("seeds")
-                    .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_owned)).collect())
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|s| s.as_str().map(str::to_owned))
+                            .collect()
+                    })
                     .unwrap_or_default();
                 let seen = self.seen_seeds.entry(bot.clone()).or_default();
                 if seen.last() != Some(&seeds) {
@@ -502,8 +506,7 @@ impl Run {
     fn live(&mut self) -> Vec<usize> {
         (0..self.instances.len())
             .filter(|&i| {
-                matches!(self.instances[i].child.try_wait(), Ok(None))
-                    && !self.instances[i].stopped
+                matches!(self.instances[i].child.try_wait(), Ok(None)) && !self.instances[i].stopped
             })
             .collect()
     }
@@ -595,7 +598,11 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
     ]
     .into();
     let sources = SeedSources::start(shops).await;
-    let database_name = format!("chaos_{}_{:06x}", cfg.seed, rand::random::<u32>() & 0xff_ffff);
+    let database_name = format!(
+        "chaos_{}_{:06x}",
+        cfg.seed,
+        rand::random::<u32>() & 0xff_ffff
+    );
     let config_path = cfg.dir.join("seedlock.toml");
     std::fs::write(
         &config_path,
@@ -671,7 +678,8 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
                 d.get_bool("isEditing").ok()?.then_some(by.to_owned())
             });
             if let Some(i) = holder.and_then(|by| {
-                (0..run.instances.len()).find(|&i| run.instances[i].name == by && !run.instances[i].stopped)
+                (0..run.instances.len())
+                    .find(|&i| run.instances[i].name == by && !run.instances[i].stopped)
             }) {
                 run.instances[i].signal(Signal::SIGSTOP);
                 run.instances[i].stopped = true;
@@ -762,7 +770,10 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
             run.observe(&bots);
             // A quiet moment: no bot editing and no seed answer sent meanwhile, so the last
             // answer each source sent belongs to a refresh that has ended.
-            let mut done = BOTS.iter().map(|b| sources.served(b).len()).collect::<Vec<_>>()
+            let mut done = BOTS
+                .iter()
+                .map(|b| sources.served(b).len())
+                .collect::<Vec<_>>()
                 == served_before;
             for bot in BOTS {
                 let Some(d) = bots.get(bot) else {
@@ -929,7 +940,9 @@ async fn get_json(url: &str) -> Option<serde_json::Value> {
 /// 2. Every product has exactly one record, equal to the shop's final state.
 async fn check_records(run: &Run, bot: &str, base: &str, report: &mut ChaosReport) {
     let Some(truth) = get_json(&format!("{base}/__truth")).await else {
-        report.violations.push(format!("{bot}: the shop's truth could not be read"));
+        report
+            .violations
+            .push(format!("{bot}: the shop's truth could not be read"));
         return;
     };
     let truth: HashMap<String, [String; 3]> = truth["products"]
@@ -949,7 +962,9 @@ async fn check_records(run: &Run, bot: &str, base: &str, report: &mut ChaosRepor
     {
         Ok(cursor) => cursor.try_collect().await.unwrap_or_default(),
         Err(e) => {
-            report.violations.push(format!("{bot}: records unreadable: {e}"));
+            report
+                .violations
+                .push(format!("{bot}: records unreadable: {e}"));
             return;
         }
     };
@@ -981,8 +996,10 @@ async fn check_records(run: &Run, bot: &str, base: &str, report: &mut ChaosRepor
                 "{bot}: {n} {what} (of {} products){}",
                 truth.len(),
                 match what {
-                    "records not equal to the shop" => format!(", e.g. {:?}", &wrong[..wrong.len().min(3)]),
-                    "records marked removed" => format!(", e.g. {:?}", &removed[..removed.len().min(3)]),
+                    "records not equal to the shop" =>
+                        format!(", e.g. {:?}", &wrong[..wrong.len().min(3)]),
+                    "records marked removed" =>
+                        format!(", e.g. {:?}", &removed[..removed.len().min(3)]),
                     _ => String::new(),
                 }
             ));
@@ -994,7 +1011,9 @@ async fn check_records(run: &Run, bot: &str, base: &str, report: &mut ChaosRepor
 ///    listing page is read once per pass and each product page once in all: the rest repeat.
 async fn check_requests(run: &Run, bot: &str, shop: &Shop, report: &mut ChaosReport) {
     let Some(stats) = get_json(&format!("{}/__stats", shop.base)).await else {
-        report.violations.push(format!("{bot}: the shop's stats could not be read"));
+        report
+            .violations
+            .push(format!("{bot}: the shop's stats could not be read"));
         return;
     };
     let passes = run
@@ -1052,11 +1071,17 @@ fn check_seeds(
             continue;
         };
         if !d.get_bool("isReady").unwrap_or(false) {
-            report.violations.push(format!("{bot}: not ready at the end"));
+            report
+                .violations
+                .push(format!("{bot}: not ready at the end"));
         }
         let seeds: Vec<String> = d
             .get_array("seeds")
-            .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_owned)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect()
+            })
             .unwrap_or_default();
         if answers.last().map(|a| same_set(a, &seeds)) != Some(true) {
             report.violations.push(format!(
@@ -1076,7 +1101,10 @@ fn check_seeds(
 
 fn same_set(a: &[String], b: &[String]) -> bool {
     let norm = |v: &[String]| {
-        let mut v: Vec<String> = v.iter().map(|s| s.trim_end_matches('/').to_owned()).collect();
+        let mut v: Vec<String> = v
+            .iter()
+            .map(|s| s.trim_end_matches('/').to_owned())
+            .collect();
         v.sort();
         v.dedup();
         v
@@ -1096,9 +1124,10 @@ fn check_logs(run: &Run, report: &mut ChaosReport) {
                         .violations
                         .push(format!("{}: panicked: {line}", inst.name));
                 } else if !line.trim().is_empty() {
-                    report
-                        .violations
-                        .push(format!("{}: a log line that is not JSON: {line}", inst.name));
+                    report.violations.push(format!(
+                        "{}: a log line that is not JSON: {line}",
+                        inst.name
+                    ));
                 }
                 continue;
             };
@@ -1119,5 +1148,7 @@ fn check_logs(run: &Run, report: &mut ChaosReport) {
 
 /// Where a run keeps its files: `target/chaos/seed-N` under the crate.
 pub fn default_dir(root: &Path, seed: u64) -> PathBuf {
-    root.join("target").join("chaos").join(format!("seed-{seed}"))
+    root.join("target")
+        .join("chaos")
+        .join(format!("seed-{seed}"))
 }

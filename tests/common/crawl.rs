@@ -44,7 +44,6 @@ pub async fn get_json(url: &str) -> Value {
     reqwest::get(url).await.unwrap().json().await.unwrap()
 }
 
-
 pub struct Setup<'a> {
     pub mode: &'a str,
     pub transactions: &'a str,
@@ -160,7 +159,6 @@ pub async fn once(settings: Settings) -> Vec<BotSummary> {
     .expect("run --once finishes the pass")
 }
 
-
 pub async fn shop_named(lists: u32, per_list: u32, prefix: &str) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -177,7 +175,6 @@ pub async fn shop_named(lists: u32, per_list: u32, prefix: &str) -> String {
     });
     base
 }
-
 
 pub fn free_addr() -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -197,4 +194,3 @@ pub async fn metric(addr: &str, series: &str) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
-
