@@ -43,6 +43,9 @@ async fn main() {
         }
         i += 2;
     }
+    if per_list == 0 || products < per_list || instances == 0 {
+        usage("need --instances ≥ 1, --per-list ≥ 1 and --products-per-shop ≥ --per-list");
+    }
     if seeds.is_empty() {
         seeds = (0..runs).map(|_| rand::random::<u32>() as u64).collect();
     }

@@ -1031,8 +1031,19 @@ impl Crawler {
                 active.extend(queues.keys());
                 self.limits.workers.div_ceil(active.len().max(1))
             };
+            let server_now = self.clock.now();
             'hosts: for (host, queue) in queues.iter_mut() {
                 while let Some(front) = queue.front() {
+                    // A lease that ran out while its URL waited here (a stopped process, a long
+                    // Crawl-delay) may be another worker's now: drop the URL unfetched, before
+                    // it takes a slot, and write nothing about it. Whoever leases it next
+                    // fetches it.
+                    if server_now >= front.lease.expires_at {
+                        let item = queue.pop_front().expect("front exists");
+                        debug!(bot = %self.bot, url = %item.lease.url, "lease expired while queued; not fetched");
+                        self.metrics.url_lease_lost(&self.bot);
+                        continue;
+                    }
                     let held = holding
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())

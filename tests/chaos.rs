@@ -17,7 +17,13 @@ async fn under_kills_stops_a_database_restart_and_unlocks_every_invariant_holds(
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(rand::random::<u32>) as u64;
-    let dir = tempfile::tempdir().unwrap();
+    // Printed first, so a run that hangs or panics can still be replayed.
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("chaos-seed-{seed}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "chaos seed {seed} (SEEDLOCK_CHAOS_SEED={seed} replays it); logs in {}",
+        dir.display()
+    );
     let report = chaos::run(chaos::ChaosConfig {
         seed,
         instances: 3,
@@ -28,7 +34,7 @@ async fn under_kills_stops_a_database_restart_and_unlocks_every_invariant_holds(
         seedlock_bin: PathBuf::from(env!("CARGO_BIN_EXE_seedlock")),
         server_bin: std::env::var_os("SEEDLOCK_TEST_SERVER_BIN").map(PathBuf::from),
         uri: std::env::var("MONGODB_URI").ok(),
-        dir: dir.path().to_owned(),
+        dir: dir.clone(),
     })
     .await;
     println!("{}", report.render());
@@ -40,9 +46,10 @@ async fn under_kills_stops_a_database_restart_and_unlocks_every_invariant_holds(
     assert!(
         report.passed(),
         "reproduce with SEEDLOCK_CHAOS_SEED={seed}; logs in {}\n{}",
-        dir.keep().display(),
+        dir.display(),
         report.render()
     );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn entry(event: &str, by: &str, epoch: i64) -> Document {

@@ -21,7 +21,16 @@ struct Requests(BTreeMap<String, u64>);
 
 impl Requests {
     async fn take(base: &str) -> Requests {
-        let stats = get_json(&format!("{base}/__stats?reset=true")).await;
+        Self::read(base, true).await
+    }
+
+    /// Without resetting the counters.
+    async fn peek(base: &str) -> Requests {
+        Self::read(base, false).await
+    }
+
+    async fn read(base: &str, reset: bool) -> Requests {
+        let stats = get_json(&format!("{base}/__stats?reset={reset}")).await;
         let paths = stats["paths"].as_object().unwrap();
         Requests(
             paths
@@ -719,6 +728,73 @@ async fn sigkilled_crawlers_end_with_one_correct_record_per_product_and_few_repe
         requests.repeated(),
         requests.0
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_crawler_resumes_without_fetching_the_urls_whose_lease_ran_out_while_queued() {
+    use common::{Proc, ProcConfig};
+    use nix::sys::signal::Signal;
+    let db = test_db("crawl_stopped").await;
+    let base = shop(1, 4).await;
+    // One request a second: the stopped instance has URLs queued behind the spacing.
+    reqwest::Client::new()
+        .post(format!("{base}/__robots"))
+        .body("User-agent: *\nCrawl-delay: 1\n")
+        .send()
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = ProcConfig::new(&db, crawl_bot_toml(&base));
+    // Ordered commits: a process stopped inside a transaction would hold its page's commit
+    // open on the server for up to a minute (see the kill test).
+    config.extra =
+        "[crawl]\nworkers = 4\nlease = \"2s\"\ntimeout = \"1s\"\ntransactions = \"off\"\n";
+    // Crawl slices of 20 s (10 × poll): a is still inside its slice when it resumes, with its
+    // queued URLs' leases long gone.
+    config.poll = "2s";
+    let config = config.write(dir.path());
+    let mut a = Proc::spawn(dir.path(), &config, "a", &["run"], &[]);
+    // Once it has fetched the listing page, its product URLs wait for their turn.
+    common::eventually(
+        "a fetched the listing page",
+        Duration::from_secs(30),
+        || async { Requests::peek(&base).await.under("/product/") >= 1 },
+    )
+    .await;
+    a.signal(Signal::SIGSTOP);
+    let before = Requests::peek(&base).await;
+    // b finishes the pass while a is stopped (a's leases run out after 2 s).
+    let mut b = Proc::spawn(dir.path(), &config, "b", &["run", "--once"], &[]);
+    let status = b.wait(Duration::from_secs(60)).await;
+    assert!(status.success(), "{}", b.log());
+    a.signal(Signal::SIGCONT);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !a.log().contains("lease expired while queued; not fetched") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a did not drop the URLs whose lease ran out:\n{}",
+            a.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A request a already sent before the stop may be repeated by b; nothing a had queued.
+    let requests = Requests::take(&base).await;
+    let in_flight_at_stop = 1;
+    assert!(
+        requests.repeated() <= in_flight_at_stop,
+        "{} repeated; before the stop {:?}, at the end {:?}",
+        requests.repeated(),
+        before.0,
+        requests.0
+    );
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    a.signal(Signal::SIGTERM);
+    assert!(
+        a.wait(Duration::from_secs(20)).await.success(),
+        "{}",
+        a.log()
+    );
+    a.assert_clean();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
