@@ -1,6 +1,6 @@
 //! `scripts/chaos`: the full chaos run (tests/common/chaos.rs), once per seed.
 //!   chaos [--seed N]… [--runs N] [--instances 5] [--products-per-shop 2500] [--per-list 100]
-//!         [--for 60] [--settle 300]
+//!         [--for 60] [--settle 300] [--transactions off]
 //! Needs SEEDLOCK_BIN (the seedlock binary) and SEEDLOCK_TEST_SERVER_BIN (a restartable
 //! database) or MONGODB_URI (then the database restart is skipped). Exit 1 if any run failed.
 #[path = "../tests/common/chaos.rs"]
@@ -11,7 +11,7 @@ use std::time::Duration;
 
 fn usage(message: &str) -> ! {
     eprintln!("chaos: {message}");
-    eprintln!("usage: chaos [--seed N]… [--runs N] [--instances N] [--products-per-shop N] [--per-list N] [--for SECONDS] [--settle SECONDS]");
+    eprintln!("usage: chaos [--seed N]… [--runs N] [--instances N] [--products-per-shop N] [--per-list N] [--for SECONDS] [--settle SECONDS] [--transactions off|auto|on]");
     std::process::exit(2);
 }
 
@@ -19,6 +19,7 @@ fn usage(message: &str) -> ! {
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut seeds = Vec::new();
+    let mut transactions = "off".to_owned();
     let (mut runs, mut instances, mut products, mut per_list, mut chaos_for, mut settle) =
         (3_usize, 5_usize, 2500_u32, 100_u32, 60_u64, 300_u64);
     let mut i = 0;
@@ -33,6 +34,7 @@ async fn main() {
         };
         match args[i].as_str() {
             "--seed" => seeds.push(number()),
+            "--transactions" => transactions = value.clone(),
             "--runs" => runs = number() as usize,
             "--instances" => instances = number() as usize,
             "--products-per-shop" => products = number() as u32,
@@ -71,6 +73,7 @@ async fn main() {
             server_bin: server_bin.clone(),
             uri: uri.clone(),
             dir,
+            transactions: transactions.clone(),
         })
         .await;
         println!("{}", report.render());

@@ -35,6 +35,7 @@ async fn under_kills_stops_a_database_restart_and_unlocks_every_invariant_holds(
         server_bin: std::env::var_os("SEEDLOCK_TEST_SERVER_BIN").map(PathBuf::from),
         uri: std::env::var("MONGODB_URI").ok(),
         dir: dir.clone(),
+        transactions: std::env::var("SEEDLOCK_CHAOS_TRANSACTIONS").unwrap_or_else(|_| "off".into()),
     })
     .await;
     println!("{}", report.render());

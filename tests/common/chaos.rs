@@ -45,6 +45,9 @@ pub struct ChaosConfig {
     pub uri: Option<String>,
     /// Logs and the server's storage go here.
     pub dir: PathBuf,
+    /// `crawl.transactions` of the instances: "off" by default (see `scripts/chaos`), "auto"
+    /// or "on" to put the transaction path under the same faults.
+    pub transactions: String,
 }
 
 /// One instance's pipeline sizes: a kill can lose at most this many fetched, uncommitted pages
@@ -571,7 +574,13 @@ fn seeds_of(d: &Document) -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn config_toml(uri: &str, database: &str, sources: &SeedSources, shops: &[&Shop; 2]) -> String {
+fn config_toml(
+    uri: &str,
+    database: &str,
+    transactions: &str,
+    sources: &SeedSources,
+    shops: &[&Shop; 2],
+) -> String {
     let mut s = format!(
         r#"[mongo]
 uri = "{uri}"
@@ -598,6 +607,7 @@ timeout = "4s"
 attempts = 10
 backoff_base = "100ms"
 backoff_max = "1s"
+transactions = "{transactions}"
 [http]
 listen = "127.0.0.1:0"
 [log]
@@ -753,7 +763,13 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
     let config_path = cfg.dir.join("seedlock.toml");
     std::fs::write(
         &config_path,
-        config_toml(&database.uri, &database_name, &sources, &shops),
+        config_toml(
+            &database.uri,
+            &database_name,
+            &cfg.transactions,
+            &sources,
+            &shops,
+        ),
     )
     .unwrap();
     let client = Client::with_uri_str(&database.uri).await.unwrap();
