@@ -1053,6 +1053,11 @@ impl Crawler {
                     if held >= share {
                         break;
                     }
+                    // Until its robots.txt is read, one request at a time: its Crawl-delay must
+                    // space the first requests too (an instance joining a running pass).
+                    if held > 0 && !self.robots.known(&front.lease.url) {
+                        break;
+                    }
                     let Ok(slot) = slots.clone().try_acquire_owned() else {
                         break 'hosts;
                     };

@@ -72,6 +72,22 @@ impl RobotsCache {
         }
     }
 
+    /// Whether the rules for `url`'s host are read (or not needed): until they are, the
+    /// dispatcher admits one request to the host at a time, so a `Crawl-delay` applies from the
+    /// first requests on, not after a burst.
+    pub fn known(&self, url: &NormalizedUrl) -> bool {
+        if !self.enabled {
+            return true;
+        }
+        let slot = self
+            .hosts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&url.origin())
+            .cloned();
+        slot.is_some_and(|slot| slot.try_lock().is_ok_and(|rules| rules.is_some()))
+    }
+
     /// Whether `url` may be fetched, reading the host's robots.txt first if it is not cached.
     /// Concurrent checks on one host wait for a single fetch.
     pub async fn check(&self, fetcher: &PageFetcher, url: &NormalizedUrl) -> Verdict {

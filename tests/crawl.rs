@@ -777,6 +777,19 @@ async fn a_stopped_crawler_resumes_without_fetching_the_urls_whose_lease_ran_out
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // b joined a running pass: its Crawl-delay spaced its very first requests too.
+    let times: Vec<i64> = request_log(&base)
+        .await
+        .into_iter()
+        .filter(|(p, _)| p.starts_with("/product/"))
+        .map(|(_, at)| at)
+        .collect();
+    assert!(times.len() >= 4, "every product was requested: {times:?}");
+    let gaps: Vec<i64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(
+        gaps.iter().all(|g| *g >= 950),
+        "product requests were at least Crawl-delay (1 s) apart: {gaps:?}"
+    );
     // A request a already sent before the stop may be repeated by b; nothing a had queued.
     let requests = Requests::take(&base).await;
     let in_flight_at_stop = 1;
