@@ -166,12 +166,7 @@ async fn instance(hint: &str) -> Instance {
 
 impl Instance {
     async fn put(&self, d: Document) {
-        self.db
-            .bots()
-            .replace_one(doc! {"_id": "shop"}, d)
-            .upsert(true)
-            .await
-            .unwrap();
+        self.db.put_bot(d).await;
     }
 
     async fn step(&self) -> StepOutcome {
@@ -494,17 +489,7 @@ async fn a_killed_instance_stops_answering_scrapes() {
         &["run"],
         &[("SEEDLOCK_HTTP_LISTEN", "127.0.0.1:0")],
     );
-    eventually("the endpoint is up", Duration::from_secs(20), || async {
-        a.log().contains("serving /healthz")
-    })
-    .await;
-    let log = a.log();
-    let addr = log
-        .split("addr=")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .expect("the log names the address")
-        .to_owned();
+    let addr = a.http_addr().await;
     let scrape = |addr: String| async move {
         reqwest::Client::new()
             .get(format!("http://{addr}/metrics"))

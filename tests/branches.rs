@@ -63,12 +63,7 @@ async fn fixture(hint: &str, refresh: RefreshSchedule, on_failure: OnRefreshFail
 
 impl Fixture {
     async fn put(&self, d: Document) {
-        self.db
-            .bots()
-            .replace_one(doc! {"_id": "shop"}, d)
-            .upsert(true)
-            .await
-            .unwrap();
+        self.db.put_bot(d).await;
     }
 
     async fn step(&self) -> StepOutcome {

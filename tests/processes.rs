@@ -501,19 +501,7 @@ async fn the_daemon_serves_health_and_metrics() {
         &["run"],
         &[("SEEDLOCK_HTTP_LISTEN", "127.0.0.1:0")],
     );
-    eventually("the endpoint is up", Duration::from_secs(20), || async {
-        a.log().contains("serving /healthz")
-    })
-    .await;
-    let log = a.log();
-    let addr = log
-        .split("addr=")
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_owned();
+    let addr = a.http_addr().await;
     eventually("the bot is ready", Duration::from_secs(20), || async {
         s.is_ready().await
     })

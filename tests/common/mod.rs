@@ -76,6 +76,16 @@ impl TestDb {
             .expect("integer epoch")
     }
 
+    /// Writes the bot document `d` (its `_id` names the bot) as it is, replacing any.
+    pub async fn put_bot(&self, d: Document) {
+        let id = d.get("_id").cloned().expect("a bot document has an _id");
+        self.bots()
+            .replace_one(doc! {"_id": id}, d)
+            .upsert(true)
+            .await
+            .unwrap();
+    }
+
     pub async fn history(&self, bot: &str) -> Vec<Document> {
         let doc = self.doc(bot).await.expect("bot document exists");
         doc.get_array("history")
@@ -371,6 +381,21 @@ impl Proc {
                 self.log()
             ),
         }
+    }
+
+    /// The `/healthz` + `/metrics` address of a process started with
+    /// `SEEDLOCK_HTTP_LISTEN=127.0.0.1:0`, once its log says it serves them.
+    pub async fn http_addr(&self) -> String {
+        eventually("the endpoint is up", Duration::from_secs(20), || async {
+            self.log().contains("serving /healthz")
+        })
+        .await;
+        let log = self.log();
+        log.split("addr=")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .expect("the log names the address")
+            .to_owned()
     }
 
     pub fn log(&self) -> String {
