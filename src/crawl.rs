@@ -142,6 +142,10 @@ enum Ready {
 
 /// Lease queries a leaser keeps in flight at once.
 const LEASES_AT_ONCE: usize = 4;
+/// The shortest and longest pause between lease queries that keep finding nothing while pages
+/// are in flight (the wait doubles from one to the other; a lease or a settled page ends it).
+const DRY_SPELL_MIN: Duration = Duration::from_millis(20);
+const DRY_SPELL_MAX: Duration = Duration::from_millis(500);
 
 /// A fetch slot, counted for its host while held.
 struct HostSlot {
@@ -514,6 +518,7 @@ impl Crawler {
                 &tried,
             )
             .await?;
+        self.metrics.lease_query(&self.bot, lease.is_some());
         {
             let leased = lease.as_ref().map_or(i64::MIN, |l| l.priority);
             let mut empty = self.empty_levels.lock().unwrap_or_else(|p| p.into_inner());
@@ -987,9 +992,16 @@ impl Crawler {
         // The leaser and dispatcher: this task.
         let mut queues: HashMap<String, VecDeque<Item<()>>> = HashMap::new();
         let mut fetches = tokio::task::JoinSet::new();
-        // Hosts avoided by the last lease that found nothing, and when: no new query until a
-        // host leaves that set or a second has passed.
+        // The last lease that found nothing: the hosts it avoided, and until when no new query
+        // goes out unless one of those hosts leaves the avoided set or a page settles here (its
+        // links may be new work). With no host avoided — the frontier has nothing pending while
+        // pages are in flight, e.g. every product leased and the next listing page not yet
+        // read — the wait grows from `DRY_SPELL_MIN` to `DRY_SPELL_MAX` while queries keep
+        // coming back empty: without it every instance re-queries in a tight loop, and the
+        // database spends itself answering "nothing" (measured: 5 instances, 600 ops/s, 7
+        // pages/s on the test server).
         let mut fruitless: Option<(Vec<String>, Instant)> = None;
+        let mut dry_spell = Duration::ZERO;
         let mut leasing = futures_util::stream::FuturesUnordered::new();
         // A lease found the pass idle here: no new lease query until something wakes the loop;
         // once the other queries are back and nothing is in flight, the slice ends idle.
@@ -1134,9 +1146,12 @@ impl Crawler {
                 }
                 avoid.sort();
                 avoid.dedup();
-                let skip = fruitless.as_ref().is_some_and(|(hosts, at)| {
-                    at.elapsed() < Duration::from_secs(1) && hosts.iter().all(|h| avoid.contains(h))
+                let skip = fruitless.as_ref().is_some_and(|(hosts, until)| {
+                    now < *until && hosts.iter().all(|h| avoid.contains(h))
                 });
+                if let (true, Some((_, until))) = (skip, &fruitless) {
+                    wake = wake.min(*until);
+                }
                 if !skip {
                     // Other lease queries in flight do not count: one that finds a URL leaves it
                     // leased in the database, which the pass's end counts.
@@ -1155,7 +1170,10 @@ impl Crawler {
                 _ = shutdown.cancelled() => None,
                 _ = failed.cancelled() => None,
                 Some(step) = futures_util::StreamExt::next(&mut leasing), if !leasing.is_empty() => Some(step),
-                _ = progressed.notified() => None,
+                _ = progressed.notified() => {
+                    fruitless = None;
+                    None
+                }
                 _ = self.flow.changed() => None,
                 _ = tokio::time::sleep_until(wake.min(deadline)) => None,
             };
@@ -1175,6 +1193,7 @@ impl Crawler {
                 }
                 Ok(LeaseStep::Leased(lease)) => {
                     fruitless = None;
+                    dry_spell = Duration::ZERO;
                     quiet = false;
                     let host = lease.url.host_port();
                     let ticket = self.stages.host_queue.enter();
@@ -1185,9 +1204,13 @@ impl Crawler {
                     });
                 }
                 Ok(LeaseStep::Busy) => {
-                    if !avoid.is_empty() {
-                        fruitless = Some((avoid, Instant::now()));
-                    }
+                    let wait = if avoid.is_empty() {
+                        dry_spell = (dry_spell * 2).clamp(DRY_SPELL_MIN, DRY_SPELL_MAX);
+                        dry_spell
+                    } else {
+                        Duration::from_secs(1)
+                    };
+                    fruitless = Some((avoid, Instant::now() + wait));
                 }
                 // With other leases still out, "idle" may be stale: the slice ends idle once
                 // they are back with nothing (checked at the top of the loop).

@@ -181,6 +181,7 @@ pub struct Metrics {
     pages: Family<KindLabels, Counter>,
     records: Family<KindLabels, Counter>,
     url_leases_lost: Family<BotLabel, Counter>,
+    lease_queries: Family<KindLabels, Counter>,
     crawl_pass: Family<BotLabel, Gauge>,
     passes_finished: Family<BotLabel, Counter>,
     flow: FlowMetrics,
@@ -280,6 +281,12 @@ impl Metrics {
             "Pages whose lease went to another worker before this instance committed them",
             url_leases_lost.clone(),
         );
+        let lease_queries = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "crawl_lease_queries",
+            "Frontier lease attempts by this instance, by result (leased, empty)",
+            lease_queries.clone(),
+        );
         let crawl_pass = Family::<BotLabel, Gauge>::default();
         registry.register(
             "crawl_pass",
@@ -299,6 +306,7 @@ impl Metrics {
             pages,
             records,
             url_leases_lost,
+            lease_queries,
             crawl_pass,
             passes_finished,
             registry,
@@ -340,6 +348,14 @@ impl Metrics {
 
     pub fn url_lease_lost(&self, bot: &BotId) {
         self.url_leases_lost.get_or_create(&Self::bot(bot)).inc();
+    }
+
+    /// One lease attempt (a turn of the leaser, one or more queries): `leased` or `empty`.
+    pub fn lease_query(&self, bot: &BotId, leased: bool) {
+        let result = if leased { "leased" } else { "empty" };
+        self.lease_queries
+            .get_or_create(&Self::kind(bot, result))
+            .inc();
     }
 
     pub fn crawling(&self, bot: &BotId, pass: i64) {

@@ -358,11 +358,6 @@ async fn pages_stored_after_their_lease_went_to_another_worker_are_counted() {
         ..Setup::default()
     };
     let stop = CancellationToken::new();
-    let lost = sampler(
-        slow_addr.clone(),
-        r#"seedlock_crawl_url_leases_lost_total{bot="shop"}"#.into(),
-        stop.clone(),
-    );
     let slow = tokio::spawn(run(
         settings(&db, &base, &slow, "slow"),
         Mode::Daemon,
@@ -398,13 +393,9 @@ async fn pages_stored_after_their_lease_went_to_another_worker_are_counted() {
         },
     )
     .await;
+    // (The wait above read the counter from /metrics: it is exported, at 1 or more.)
     stop.cancel();
     let _ = slow.await;
-    let seen = lost.await.unwrap();
-    assert!(
-        seen.iter().any(|&v| v >= 1.0),
-        "the counter was exported: {seen:?}"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
