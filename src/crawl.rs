@@ -565,6 +565,7 @@ impl Crawler {
         self.requests
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let started = Instant::now();
+        self.flow.sending(&host, started);
         let outcome = tokio::select! {
             biased;
             _ = shutdown.cancelled() => {

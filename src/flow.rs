@@ -389,6 +389,16 @@ impl Flow {
         }
     }
 
+    /// The admitted request to `host` goes out now (robots.txt read, if it had to be): the
+    /// spacing counts from here, so time spent between admission and sending (a robots.txt
+    /// fetch, a busy runtime) does not shorten the gap the host sees.
+    pub fn sending(&self, host: &str, now: Instant) {
+        let mut hosts = self.lock();
+        let h = self.host(&mut hosts, host);
+        h.last_start = Some(now);
+        h.next_start = h.next_start.max(Some(now + h.spacing()));
+    }
+
     /// Whether `host`'s retry budget has room for one more retry now.
     pub fn may_retry(&self, host: &str, now: Instant) -> bool {
         let second = self.second(now);
@@ -659,6 +669,24 @@ mod tests {
         admit(&flow, "b:80").finish(Signal::Neutral);
         tokio::time::advance(Duration::from_millis(100)).await;
         admit(&flow, "b:80");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_spacing_counts_from_when_the_request_is_sent_not_from_its_admission() {
+        let flow = Flow::new(FlowSettings::default());
+        flow.set_crawl_delay("a:80", Duration::from_millis(500));
+        let permit = admit(&flow, "a:80");
+        // robots.txt (or a busy runtime) takes 300 ms before the request goes out.
+        tokio::time::advance(Duration::from_millis(300)).await;
+        flow.sending("a:80", Instant::now());
+        permit.finish(Signal::Neutral);
+        tokio::time::advance(Duration::from_millis(499)).await;
+        assert!(
+            flow.is_busy("a:80", Instant::now()),
+            "500 ms after the send, not after the admission"
+        );
+        tokio::time::advance(Duration::from_millis(1)).await;
+        admit(&flow, "a:80");
     }
 
     #[tokio::test]
