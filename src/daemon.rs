@@ -66,14 +66,43 @@ pub async fn connect(settings: &Settings) -> Result<(Store, Arc<ServerClock>), R
         .await
         .map_err(|e| RunError::Startup(e.to_string()))?;
     let clock = Arc::new(ServerClock::new(local));
+    let patience = settings.mongo.connect_timeout;
     // Three samples: the one with the shortest round trip sets the offset.
     for _ in 0..3 {
-        store
-            .sync_clock(&clock)
-            .await
-            .map_err(|e| RunError::Startup(format!("cannot read the server's time: {e}")))?;
+        with_patience("read the server's time", patience, || {
+            store.sync_clock(&clock)
+        })
+        .await
+        .map_err(|e| RunError::Startup(format!("cannot read the server's time: {e}")))?;
     }
     Ok((store, clock))
+}
+
+/// Start-up database work, retried while it fails transiently — the server restarting just as
+/// this instance starts (its ping answered, the next operation's connection was reset) — until
+/// `patience` (`mongo.connect_timeout`) runs out; then the last error. Each retry logs a warning.
+async fn with_patience<T, F, Fut>(
+    what: &str,
+    patience: Duration,
+    mut op: F,
+) -> crate::error::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = crate::error::Result<T>>,
+{
+    let deadline = tokio::time::Instant::now() + patience;
+    let mut wait = Duration::from_millis(100);
+    loop {
+        match op().await {
+            Ok(value) => return Ok(value),
+            Err(e) if e.is_transient() && tokio::time::Instant::now() + wait < deadline => {
+                warn!(error = %e, ?wait, "start-up: could not {what}; the database may be restarting, retrying");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 pub async fn run(
@@ -226,13 +255,27 @@ async fn crawl_context(
         .map_err(RunError::Startup)?;
     let startup = |e: crate::error::Error| RunError::Startup(e.to_string());
     info!("ensuring the frontier and records indexes (building one on a large collection takes a while)");
-    store.ensure_frontier_indexes().await.map_err(startup)?;
-    store.ensure_record_indexes().await.map_err(startup)?;
+    let patience = settings.mongo.connect_timeout;
+    with_patience("create the frontier indexes", patience, || {
+        store.ensure_frontier_indexes()
+    })
+    .await
+    .map_err(startup)?;
+    with_patience("create the records index", patience, || {
+        store.ensure_record_indexes()
+    })
+    .await
+    .map_err(startup)?;
+    let supports_transactions = || {
+        with_patience("ask whether the server runs transactions", patience, || {
+            store.supports_transactions()
+        })
+    };
     let transactions = match limits.transactions {
         Transactions::Off => false,
-        Transactions::Auto => store.supports_transactions().await.map_err(startup)?,
+        Transactions::Auto => supports_transactions().await.map_err(startup)?,
         Transactions::On => {
-            if !store.supports_transactions().await.map_err(startup)? {
+            if !supports_transactions().await.map_err(startup)? {
                 return Err(RunError::Startup(
                     "key `crawl.transactions`: \"on\", but this server does not run transactions (a replica set or sharded cluster does); use \"auto\" or \"off\"".into(),
                 ));
@@ -348,5 +391,65 @@ async fn resync_clock(store: Store, clock: Arc<ServerClock>, stop: CancellationT
         if let Err(e) = store.sync_clock(&clock).await {
             tracing::debug!(error = %e, "clock sync failed; keeping the last offset");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    fn transient() -> Error {
+        Error::Timeout {
+            what: "ping",
+            after: Duration::from_secs(1),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn start_up_work_is_retried_while_the_database_is_transiently_away() {
+        let calls = AtomicU32::new(0);
+        let got = with_patience("ping", Duration::from_secs(20), || async {
+            match calls.fetch_add(1, Ordering::SeqCst) {
+                0 | 1 => Err(transient()),
+                _ => Ok(7),
+            }
+        })
+        .await;
+        assert_eq!(got.unwrap(), 7);
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn start_up_work_gives_up_when_patience_runs_out_or_the_error_is_not_transient() {
+        let started = tokio::time::Instant::now();
+        let always = with_patience("ping", Duration::from_secs(5), || async {
+            Err::<(), _>(transient())
+        })
+        .await;
+        assert!(matches!(always, Err(Error::Timeout { .. })));
+        let waited = started.elapsed();
+        assert!(
+            waited <= Duration::from_secs(5),
+            "gave up within the patience: {waited:?}"
+        );
+        assert!(waited >= Duration::from_secs(2), "it did retry: {waited:?}");
+
+        let calls = AtomicU32::new(0);
+        let fatal = with_patience("ping", Duration::from_secs(5), || async {
+            calls.fetch_add(1, Ordering::SeqCst);
+            Err::<(), _>(Error::Protocol {
+                what: "ping",
+                detail: "not a database".into(),
+            })
+        })
+        .await;
+        assert!(matches!(fatal, Err(Error::Protocol { .. })));
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "no retry of a permanent error"
+        );
     }
 }

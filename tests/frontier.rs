@@ -286,7 +286,7 @@ async fn the_lease_query_uses_its_index() {
         .unwrap();
     // The lease queries exactly as `lease_next` sends them.
     let filters = seedlock::store::frontier::lease_filters(&bot(), 1, 7, Utc::now(), &[2, 1]);
-    assert_eq!(filters.len(), 5);
+    assert_eq!(filters.len(), 6);
     for filter in filters {
         let explain = db
             .db
