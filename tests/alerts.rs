@@ -317,24 +317,6 @@ async fn a_holder_fenced_by_an_unlock_counts_a_lost_lease() {
 
 // ---- crawl alerts: the daemon in-process, its /metrics scraped --------------------------------
 
-/// Samples `series` from the daemon at `addr` every 20 ms until `stop`; returns every value.
-fn sampler(
-    addr: String,
-    series: String,
-    stop: CancellationToken,
-) -> tokio::task::JoinHandle<Vec<f64>> {
-    tokio::spawn(async move {
-        let mut seen = Vec::new();
-        while !stop.is_cancelled() {
-            if let Some(v) = metric(&addr, &series).await {
-                seen.push(v);
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        seen
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pages_stored_after_their_lease_went_to_another_worker_are_counted() {
     let db = test_db("alert_url_leases").await;

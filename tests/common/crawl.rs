@@ -194,3 +194,21 @@ pub async fn metric(addr: &str, series: &str) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
+
+/// Samples `series` from the daemon at `addr` every 20 ms until `stop`; returns every value.
+pub fn sampler(
+    addr: String,
+    series: String,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<Vec<f64>> {
+    tokio::spawn(async move {
+        let mut seen = Vec::new();
+        while !stop.is_cancelled() {
+            if let Some(v) = metric(&addr, &series).await {
+                seen.push(v);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        seen
+    })
+}
