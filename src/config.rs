@@ -74,14 +74,21 @@ pub struct RefreshLimits {
 pub struct CrawlLimits {
     /// Pages one instance fetches at once per bot: the global cap above the per-host limits.
     pub workers: usize,
+    /// Leased URLs waiting for their hosts, at most, per bot (lease rounds and the links leased on
+    /// enqueue fill it).
+    pub host_queue: usize,
     /// Pages stored at once per bot (the store stage's concurrency).
     pub writers: usize,
     /// Parsers per bot (on the blocking pool).
     pub parsers: usize,
     /// Fetched pages waiting for a parser (a bounded channel).
     pub parse_queue: usize,
-    /// Parsed pages waiting for a writer (a bounded channel).
+    /// Parsed pages waiting for a commit or being committed (a writer commits what waits, up to
+    /// this many, as one batch).
     pub store_queue: usize,
+    /// At most this many pages are fetched (or being fetched) and not yet committed per bot on
+    /// this instance: what a crash can cost in repeated fetches.
+    pub max_uncommitted: usize,
     /// Added to every page's store step (to test a slow database); zero in production.
     pub store_delay: Duration,
     pub flow: crate::flow::FlowSettings,
@@ -307,10 +314,12 @@ impl Default for RawRefresh {
 #[serde(deny_unknown_fields, default)]
 struct RawCrawlLimits {
     workers: u32,
+    host_queue: u32,
     writers: u32,
     parsers: u32,
     parse_queue: u32,
     store_queue: u32,
+    max_uncommitted: u32,
     store_delay: String,
     host_limit: u32,
     host_limit_min: u32,
@@ -338,11 +347,13 @@ struct RawCrawlLimits {
 impl Default for RawCrawlLimits {
     fn default() -> Self {
         Self {
-            workers: 16,
-            writers: 4,
+            workers: 32,
+            host_queue: 128,
+            writers: 2,
             parsers: 2,
             parse_queue: 16,
-            store_queue: 32,
+            store_queue: 64,
+            max_uncommitted: 128,
             store_delay: "0s".into(),
             host_limit: 4,
             host_limit_min: 1,
@@ -362,7 +373,7 @@ impl Default for RawCrawlLimits {
             attempts: 3,
             backoff_base: "1s".into(),
             backoff_max: "5m".into(),
-            transactions: Transactions::Auto,
+            transactions: Transactions::Off,
             min_coverage: 0.95,
             max_error_rate: 0.05,
         }
@@ -373,10 +384,12 @@ impl RawCrawlLimits {
     fn validate(&self, user_agent: &str) -> Result<CrawlLimits, String> {
         for (key, value, max) in [
             ("crawl.workers", self.workers, 1024),
+            ("crawl.host_queue", self.host_queue, 100_000),
             ("crawl.writers", self.writers, 256),
             ("crawl.parsers", self.parsers, 256),
             ("crawl.parse_queue", self.parse_queue, 100_000),
             ("crawl.store_queue", self.store_queue, 100_000),
+            ("crawl.max_uncommitted", self.max_uncommitted, 100_000),
             ("crawl.host_limit", self.host_limit, 1024),
             ("crawl.host_limit_min", self.host_limit_min, 1024),
             ("crawl.host_limit_max", self.host_limit_max, 1024),
@@ -473,10 +486,12 @@ impl RawCrawlLimits {
         }
         Ok(CrawlLimits {
             workers: self.workers as usize,
+            host_queue: self.host_queue as usize,
             writers: self.writers as usize,
             parsers: self.parsers as usize,
             parse_queue: self.parse_queue as usize,
             store_queue: self.store_queue as usize,
+            max_uncommitted: self.max_uncommitted as usize,
             store_delay: bounded("crawl.store_delay", &self.store_delay)?,
             flow,
             robots: self.robots,
@@ -1232,10 +1247,12 @@ on_refresh_failure = "wait"
             },
             crawl: RawCrawlLimits {
                 workers: 1,
+                host_queue: 1,
                 writers: 1,
                 parsers: 1,
                 parse_queue: 1,
                 store_queue: 1,
+                max_uncommitted: 1,
                 store_delay: "0s".into(),
                 host_limit: 1,
                 host_limit_min: 1,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::clock::{LocalClock, ServerClock};
 use crate::config::{Settings, Transactions};
@@ -118,6 +118,13 @@ pub async fn run(
     let (store, clock) = connect(&settings).await?;
     let fetcher = SeedFetcher::new(settings.refresh.clone()).map_err(RunError::Startup)?;
     let metrics = Arc::new(Metrics::new());
+    {
+        let store = store.clone();
+        metrics.add_source(Box::new(move |m| {
+            m.observe_db_commands(&store.command_counts());
+            true
+        }));
+    }
     let started_at = clock.now();
     let crawl = if settings.bots.iter().any(|b| b.crawl.is_some()) {
         Some(crawl_context(&settings, &store, &clock, started_at, &metrics).await?)
@@ -196,6 +203,7 @@ pub async fn run(
     tracker.close();
     tracker.wait().await;
     store.shutdown().await;
+    debug!(commands = ?ctx.store.command_counts(), "database commands sent");
     info!(instance = %ctx.me, "seedlock stopped");
     result
 }

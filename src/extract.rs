@@ -143,7 +143,7 @@ pub fn parse_time(raw: &str) -> Option<chrono::DateTime<chrono::Utc>> {
 }
 
 /// Everything read from one page.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct PageData {
     /// Followable links, in scope, normalized, deduplicated, in page order.
     pub links: Vec<NormalizedUrl>,

@@ -89,6 +89,8 @@ pub enum Busy {
     Paused,
     /// Its in-flight requests are at its current limit.
     AtLimit,
+    /// It holds its fair share of the caller's fetch slots while other hosts have work.
+    AtShare,
     /// Its next request may start only at `until` (minimum delay between requests).
     Spacing,
 }
@@ -280,9 +282,45 @@ impl Flow {
         })
     }
 
+    /// The fair share of `slots` fetch slots for each host, when `queued` hosts have work
+    /// waiting and others have requests in flight: a slow host may not hold them all
+    /// (head-of-line blocking at the global cap).
+    pub fn fair_share<'a>(&self, slots: usize, queued: impl IntoIterator<Item = &'a str>) -> usize {
+        let mut active: std::collections::HashSet<String> =
+            queued.into_iter().map(str::to_owned).collect();
+        active.extend(
+            self.lock()
+                .iter()
+                .filter(|(_, h)| h.in_flight > 0)
+                .map(|(name, _)| name.clone()),
+        );
+        slots.div_ceil(active.len().max(1))
+    }
+
+    /// How many leased URLs `host` should have waiting for it: enough to keep it busy for
+    /// `horizon` at its current limit and latency (a fast host needs many; a slow one, one
+    /// round of its limit), at least its limit within `share`.
+    pub fn queue_target(&self, host: &str, share: usize, horizon: Duration) -> usize {
+        let mut hosts = self.lock();
+        let h = self.host(&mut hosts, host);
+        let round = (h.limit.floor() as usize).min(share).max(1);
+        let per_second = h
+            .fast_latency
+            .filter(|ms| *ms > 0.0)
+            .map_or(0.0, |ms| h.limit.floor() * 1000.0 / ms);
+        round.max((per_second * horizon.as_secs_f64()).ceil() as usize)
+    }
+
     /// Admits one request on `host` now, or says why not and until when (if known). `retry`
-    /// counts the request against the host's retry budget window.
-    pub fn try_admit(self: &Arc<Self>, host: &str, retry: bool, now: Instant) -> Admission {
+    /// counts the request against the host's retry budget window; `share` is the most requests
+    /// the host may have in flight (see [`Flow::fair_share`]).
+    pub fn try_admit(
+        self: &Arc<Self>,
+        host: &str,
+        retry: bool,
+        now: Instant,
+        share: usize,
+    ) -> Admission {
         let second = self.second(now);
         let mut hosts = self.lock();
         let h = self.host(&mut hosts, host);
@@ -290,6 +328,8 @@ impl Flow {
             Some((Busy::Paused, Some(until)))
         } else if f64::from(h.in_flight) + 1.0 > h.limit.floor() {
             Some((Busy::AtLimit, None))
+        } else if h.in_flight as usize >= share.max(1) {
+            Some((Busy::AtShare, None))
         } else {
             h.next_start
                 .filter(|at| *at > now)
@@ -319,6 +359,11 @@ impl Flow {
             started: now,
             finished: false,
         })
+    }
+
+    /// Requests in flight to `host` now.
+    pub fn in_flight(&self, host: &str) -> u32 {
+        self.lock().get(host).map_or(0, |h| h.in_flight)
     }
 
     /// `host`'s current limit, as a whole number of requests.
@@ -523,7 +568,7 @@ mod tests {
     use super::*;
 
     fn admit(flow: &Arc<Flow>, host: &str) -> HostPermit {
-        match flow.try_admit(host, false, Instant::now()) {
+        match flow.try_admit(host, false, Instant::now(), usize::MAX) {
             Admission::Admitted(p) => p,
             Admission::Wait { why, .. } => panic!("{host} not admitted: {why:?}"),
         }
@@ -533,7 +578,7 @@ mod tests {
     /// successes, the last of them admitted at the limit.
     fn round(flow: &Arc<Flow>, host: &str) {
         let mut permits = Vec::new();
-        while let Admission::Admitted(p) = flow.try_admit(host, false, Instant::now()) {
+        while let Admission::Admitted(p) = flow.try_admit(host, false, Instant::now(), usize::MAX) {
             permits.push(p);
         }
         for p in permits {
@@ -556,7 +601,7 @@ mod tests {
         let flow = Flow::new(FlowSettings::default());
         let permits: Vec<_> = (0..4).map(|_| admit(&flow, "a:80")).collect();
         assert!(matches!(
-            flow.try_admit("a:80", false, Instant::now()),
+            flow.try_admit("a:80", false, Instant::now(), usize::MAX),
             Admission::Wait {
                 why: Busy::AtLimit,
                 ..
@@ -566,6 +611,32 @@ mod tests {
         let _b = admit(&flow, "b:80");
         drop(permits);
         let _again = admit(&flow, "a:80");
+    }
+
+    #[tokio::test]
+    async fn a_host_at_its_fair_share_waits_while_others_have_work() {
+        let flow = Flow::new(FlowSettings::default());
+        // 4 slots among two hosts with work: 2 each.
+        let share = flow.fair_share(4, ["a:80", "b:80"]);
+        assert_eq!(share, 2);
+        let _a: Vec<_> = (0..2)
+            .map(
+                |_| match flow.try_admit("a:80", false, Instant::now(), share) {
+                    Admission::Admitted(p) => p,
+                    other => panic!("{other:?}"),
+                },
+            )
+            .collect();
+        assert!(matches!(
+            flow.try_admit("a:80", false, Instant::now(), share),
+            Admission::Wait {
+                why: Busy::AtShare,
+                ..
+            }
+        ));
+        // A host with requests in flight counts as contending even with nothing queued.
+        assert_eq!(flow.fair_share(4, ["b:80"]), 2);
+        assert_eq!(flow.fair_share(4, ["a:80"]), 4);
     }
 
     #[tokio::test]
@@ -637,7 +708,7 @@ mod tests {
         });
         let now = Instant::now();
         assert!(matches!(
-            flow.try_admit("a:80", false, now),
+            flow.try_admit("a:80", false, now, usize::MAX),
             Admission::Wait { why: Busy::Paused, until: Some(u) } if u == now + Duration::from_secs(2)
         ));
         assert_eq!(flow.busy_hosts(now), vec!["a:80".to_owned()]);
@@ -655,7 +726,7 @@ mod tests {
         flow.set_crawl_delay("a:80", Duration::from_millis(500));
         admit(&flow, "a:80").finish(Signal::Neutral);
         assert!(matches!(
-            flow.try_admit("a:80", false, Instant::now()),
+            flow.try_admit("a:80", false, Instant::now(), usize::MAX),
             Admission::Wait {
                 why: Busy::Spacing,
                 ..
@@ -715,20 +786,20 @@ mod tests {
         // A quiet host still gets the floor of 2 retries per window.
         for _ in 0..2 {
             assert!(flow.may_retry("a:80", now));
-            if let Admission::Admitted(p) = flow.try_admit("a:80", true, now) {
+            if let Admission::Admitted(p) = flow.try_admit("a:80", true, now, usize::MAX) {
                 p.finish(Signal::Neutral);
             }
         }
         assert!(!flow.may_retry("a:80", now));
         // 40 first attempts make room for 4 retries.
         for _ in 0..40 {
-            if let Admission::Admitted(p) = flow.try_admit("a:80", false, now) {
+            if let Admission::Admitted(p) = flow.try_admit("a:80", false, now, usize::MAX) {
                 p.finish(Signal::Neutral);
             }
         }
         assert!(flow.may_retry("a:80", now));
         for _ in 0..2 {
-            if let Admission::Admitted(p) = flow.try_admit("a:80", true, now) {
+            if let Admission::Admitted(p) = flow.try_admit("a:80", true, now, usize::MAX) {
                 p.finish(Signal::Neutral);
             }
         }

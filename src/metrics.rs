@@ -55,6 +55,11 @@ pub type Source = Box<dyn Fn(&Metrics) -> bool + Send + Sync>;
 type Ratio = Gauge<f64, std::sync::atomic::AtomicU64>;
 
 /// Pressure, not only throughput: per stage and per host.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CommandLabel {
+    command: String,
+}
+
 struct FlowMetrics {
     stage_depth: Family<StageLabels, Gauge>,
     stage_oldest: Family<StageLabels, Ratio>,
@@ -69,6 +74,9 @@ struct FlowMetrics {
     retry_deferred: Family<BotLabel, Counter>,
     shed: Family<BotLabel, Counter>,
     requests_per_record: Family<BotLabel, Ratio>,
+    db_commands: Family<CommandLabel, Counter>,
+    /// The last command counts, so the counters advance by the difference.
+    last_commands: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
     /// The last snapshot per host, so counters advance by the difference.
     last: std::sync::Mutex<std::collections::HashMap<String, crate::flow::HostSnapshot>>,
 }
@@ -89,8 +97,15 @@ impl FlowMetrics {
             retry_deferred: Default::default(),
             shed: Default::default(),
             requests_per_record: Default::default(),
+            db_commands: Default::default(),
+            last_commands: Default::default(),
             last: Default::default(),
         };
+        registry.register(
+            "db_commands",
+            "Database commands (round trips) this instance sent, by command name",
+            m.db_commands.clone(),
+        );
         registry.register(
             "crawl_stage_depth",
             "Items in each crawl pipeline stage (host_queue, fetch, parse, store)",
@@ -489,6 +504,25 @@ impl Metrics {
                 .get_or_create(&kind("retry"))
                 .inc_by(delta(h.retries, |b| b.retries));
             last.insert(h.host.clone(), h.clone());
+        }
+    }
+
+    /// The database commands sent so far, by name (from [`crate::store::Store::command_counts`]).
+    pub fn observe_db_commands(&self, counts: &std::collections::BTreeMap<String, u64>) {
+        let mut last = self
+            .flow
+            .last_commands
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for (name, n) in counts {
+            let before = last.get(name).copied().unwrap_or(0);
+            self.flow
+                .db_commands
+                .get_or_create(&CommandLabel {
+                    command: name.clone(),
+                })
+                .inc_by(n.saturating_sub(before));
+            last.insert(name.clone(), *n);
         }
     }
 

@@ -34,7 +34,14 @@ struct Rules {
     fetched: Instant,
 }
 
-type Slot = Arc<tokio::sync::Mutex<Option<Rules>>>;
+/// One origin's rules: read without waiting (every fetch asks), fetched by one task at a time.
+#[derive(Default)]
+struct Origin {
+    rules: std::sync::RwLock<Option<Rules>>,
+    fetching: tokio::sync::Mutex<()>,
+}
+
+type Slot = Arc<Origin>;
 
 pub struct RobotsCache {
     agent: String,
@@ -85,7 +92,27 @@ impl RobotsCache {
             .unwrap_or_else(|p| p.into_inner())
             .get(&url.origin())
             .cloned();
-        slot.is_some_and(|slot| slot.try_lock().is_ok_and(|rules| rules.is_some()))
+        slot.is_some_and(|slot| {
+            slot.rules
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some()
+        })
+    }
+
+    /// The verdict for `url` from `rules`, if they are fresh.
+    fn verdict(&self, rules: &Option<Rules>, url: &NormalizedUrl) -> Option<Verdict> {
+        let rules = rules.as_ref().filter(|r| r.fetched.elapsed() < self.ttl)?;
+        Some(match rules.robot.as_ref() {
+            None => Verdict::Allowed { crawl_delay: None },
+            Some(robot) if robot.allowed(url.as_str()) => Verdict::Allowed {
+                crawl_delay: robot
+                    .delay
+                    .filter(|d| d.is_finite() && *d > 0.0)
+                    .map(|d| Duration::from_secs_f32(d.min(60.0))),
+            },
+            Some(_) => Verdict::Disallowed,
+        })
     }
 
     /// Whether `url` may be fetched, reading the host's robots.txt first if it is not cached.
@@ -102,42 +129,42 @@ impl RobotsCache {
             .entry(origin.clone())
             .or_default()
             .clone();
-        let mut rules = slot.lock().await;
-        if rules
-            .as_ref()
-            .is_none_or(|r| r.fetched.elapsed() >= self.ttl)
-        {
-            let robot = match fetcher.fetch_robots(&origin).await {
-                RobotsFetch::Found(body) => match Robot::new(&self.agent, &body) {
-                    Ok(robot) => Some(Arc::new(robot)),
-                    // Unparsable rules are no rules (as a 4xx), not a reason to stop crawling.
-                    Err(e) => {
-                        tracing::warn!(%origin, error = %e, "robots.txt unparsable; treating it as empty");
-                        None
-                    }
-                },
-                RobotsFetch::Missing { .. } => None,
-                RobotsFetch::Unavailable(reason) => {
-                    return Verdict::Unavailable {
-                        reason: format!("robots.txt unavailable: {reason}"),
-                    }
+        let fresh = |slot: &Origin| {
+            self.verdict(&slot.rules.read().unwrap_or_else(|p| p.into_inner()), url)
+        };
+        if let Some(verdict) = fresh(&slot) {
+            return verdict;
+        }
+        let _fetching = slot.fetching.lock().await;
+        // Another task may have read it meanwhile.
+        if let Some(verdict) = fresh(&slot) {
+            return verdict;
+        }
+        let robot = match fetcher.fetch_robots(&origin).await {
+            RobotsFetch::Found(body) => match Robot::new(&self.agent, &body) {
+                Ok(robot) => Some(Arc::new(robot)),
+                // Unparsable rules are no rules (as a 4xx), not a reason to stop crawling.
+                Err(e) => {
+                    tracing::warn!(%origin, error = %e, "robots.txt unparsable; treating it as empty");
+                    None
                 }
-            };
-            *rules = Some(Rules {
-                robot,
-                fetched: Instant::now(),
-            });
-        }
-        match rules.as_ref().and_then(|r| r.robot.as_ref()) {
-            None => Verdict::Allowed { crawl_delay: None },
-            Some(robot) if robot.allowed(url.as_str()) => Verdict::Allowed {
-                crawl_delay: robot
-                    .delay
-                    .filter(|d| d.is_finite() && *d > 0.0)
-                    .map(|d| Duration::from_secs_f32(d.min(60.0))),
             },
-            Some(_) => Verdict::Disallowed,
-        }
+            RobotsFetch::Missing { .. } => None,
+            RobotsFetch::Unavailable(reason) => {
+                return Verdict::Unavailable {
+                    reason: format!("robots.txt unavailable: {reason}"),
+                }
+            }
+        };
+        let rules = Some(Rules {
+            robot,
+            fetched: Instant::now(),
+        });
+        let verdict = self
+            .verdict(&rules, url)
+            .unwrap_or(Verdict::Allowed { crawl_delay: None });
+        *slot.rules.write().unwrap_or_else(|p| p.into_inner()) = rules;
+        verdict
     }
 }
 

@@ -1234,7 +1234,7 @@ async fn a_slow_store_bounds_the_urls_leased_by_the_queue_sizes() {
     let bound = 4 + 4 + 3 + 3;
     let setup = Setup {
         workers: 4,
-        crawl: "writers = 1\nparsers = 1\nparse_queue = 2\nstore_queue = 2\nstore_delay = \"30ms\"",
+        crawl: "host_queue = 4\nwriters = 1\nparsers = 1\nparse_queue = 2\nstore_queue = 2\nstore_delay = \"30ms\"",
         ..Setup::default()
     };
     let stop = CancellationToken::new();

@@ -12,7 +12,8 @@ use common::*;
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId};
 use seedlock::store::frontier::{
-    url_id, PageKind, PassProgress, LEASE_INDEX, PRIORITY_INDEX, SLOT_INDEX,
+    candidate_filter, status_filter, url_id, CandidateQuery, PageKind, PassProgress, Priority,
+    UrlStatus, FRONTIER_INDEX,
 };
 use seedlock::urls::NormalizedUrl;
 
@@ -284,8 +285,24 @@ async fn the_lease_query_uses_its_index() {
         .enqueue(&bot(), 1, PageKind::Detail, &urls(50), Utc::now())
         .await
         .unwrap();
-    // The lease queries exactly as `lease_next` sends them.
-    let filters = seedlock::store::frontier::lease_filters(&bot(), 1, 7, Utc::now(), &[2, 1]);
+    // The lease queries exactly as the leaser sends them: a host's priorities above the lowest
+    // (a range), a level in some slots, a sparse level whole; and the reads of a pass's leased
+    // and waiting entries.
+    let host = "shop.test:80".to_owned();
+    let query = |priority, slots| CandidateQuery {
+        host: host.clone(),
+        priority,
+        slots,
+        limit: 50,
+    };
+    let filters = vec![
+        candidate_filter(&bot(), 1, &query(Priority::Above(0), None)),
+        candidate_filter(&bot(), 1, &query(Priority::Exactly(0), Some(vec![7, 8, 9]))),
+        candidate_filter(&bot(), 1, &query(Priority::Exactly(0), None)),
+        candidate_filter(&bot(), 1, &query(Priority::Exactly(2), Some(vec![1023, 0]))),
+        status_filter(&bot(), 1, UrlStatus::Leased),
+        status_filter(&bot(), 1, UrlStatus::Waiting),
+    ];
     assert_eq!(filters.len(), 6);
     for filter in filters {
         let explain = db
@@ -303,14 +320,11 @@ async fn the_lease_query_uses_its_index() {
         let text = plan.to_string();
         eprintln!("winning plan for {filter}: {text}");
         assert!(
-            (text.contains(LEASE_INDEX)
-                || text.contains(SLOT_INDEX)
-                || text.contains(PRIORITY_INDEX))
-                && !text.contains("COLLSCAN"),
+            text.contains(FRONTIER_INDEX) && !text.contains("COLLSCAN"),
             "the lease query {filter} should use an index: {text}"
         );
         if filter.contains_key("priority") {
-            assert!(text.contains(PRIORITY_INDEX), "{filter}: {text}");
+            assert!(text.contains(FRONTIER_INDEX), "{filter}: {text}");
         }
         // The status is an index bound, not a residual filter: a lease never scans the pass's
         // done entries.
@@ -325,4 +339,260 @@ async fn the_lease_query_uses_its_index() {
             "{text}"
         );
     }
+}
+
+/// A store on a client of its own (as another instance has).
+async fn other_store(db: &TestDb) -> seedlock::store::Store {
+    let client = mongodb::Client::with_uri_str(&db.uri).await.unwrap();
+    seedlock::store::Store::new(client.database(&db.name))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_leasers_racing_for_one_batch_never_get_the_same_url() {
+    use seedlock::store::frontier::Takes;
+    let db = test_db("fr_batch_race").await;
+    let (a, b) = (db.store(), other_store(&db).await);
+    a.ensure_frontier_indexes().await.unwrap();
+    a.enqueue(&bot(), 1, PageKind::Detail, &urls(300), Utc::now())
+        .await
+        .unwrap();
+    let query = CandidateQuery {
+        host: "shop.test:80".into(),
+        priority: Priority::Exactly(0),
+        slots: None,
+        limit: 1000,
+    };
+    let mut leased: Vec<(String, String)> = Vec::new();
+    // Both find the same pending URLs, and both try to take the same batch of them at once.
+    for round in 0..10 {
+        let found = a
+            .lease_candidates(&bot(), 1, std::slice::from_ref(&query))
+            .await
+            .unwrap()
+            .remove(0);
+        let batch: Vec<_> = found.into_iter().take(30).collect();
+        assert_eq!(batch.len(), 30, "round {round}: candidates left");
+        let takes = Takes {
+            pending: &batch,
+            ..Takes::default()
+        };
+        let now = Utc::now();
+        let (bot, ma, mb) = (bot(), me("a"), me("b"));
+        let (got_a, got_b) = tokio::join!(
+            a.take_leases(&bot, 1, &ma, now, LEASE, takes.clone()),
+            b.take_leases(&bot, 1, &mb, now, LEASE, takes.clone()),
+        );
+        let (got_a, got_b) = (got_a.unwrap(), got_b.unwrap());
+        assert_eq!(
+            got_a.len() + got_b.len(),
+            30,
+            "round {round}: every URL of the batch went to exactly one of them"
+        );
+        for lease in got_a.iter().chain(&got_b) {
+            leased.push((lease.id.clone(), lease.token.clone()));
+            assert_eq!(lease.attempt, 1);
+        }
+    }
+    let distinct: HashSet<&String> = leased.iter().map(|(id, _)| id).collect();
+    assert_eq!(
+        (leased.len(), distinct.len()),
+        (300, 300),
+        "no URL leased twice"
+    );
+    // Each lease carries the token the frontier holds for it: the fences match.
+    for (id, token) in &leased {
+        let doc = db
+            .db
+            .collection::<bson::Document>("frontier")
+            .find_one(doc! { "_id": id })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(doc.get_str("leaseToken").unwrap(), token);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_enqueued_leased_go_to_the_enqueuer_alone() {
+    use seedlock::store::frontier::{LeaseTo, NewUrl};
+    let db = test_db("fr_lease_on_enqueue").await;
+    let (a, b) = (db.store(), other_store(&db).await);
+    a.ensure_frontier_indexes().await.unwrap();
+    let links: Vec<NewUrl> = urls(10)
+        .into_iter()
+        .map(|url| NewUrl {
+            url,
+            kind: PageKind::Detail,
+            fingerprint: None,
+            priority: 0,
+        })
+        .collect();
+    let no_known = std::collections::HashMap::new();
+    let lease_to = |who: &'static str, first| {
+        Some(LeaseTo {
+            me: Box::leak(Box::new(me(who))),
+            lease_for: LEASE,
+            first,
+        })
+    };
+    let from_a = a
+        .enqueue_links(&bot(), 1, &links, &no_known, lease_to("a", 3), Utc::now())
+        .await
+        .unwrap();
+    assert_eq!(from_a.added, 10);
+    assert_eq!(from_a.leased.len(), 3, "the first three, leased to a");
+    // b finds the same page a moment later: every link is in the pass already, none is its.
+    let from_b = b
+        .enqueue_links(&bot(), 1, &links, &no_known, lease_to("b", 10), Utc::now())
+        .await
+        .unwrap();
+    assert_eq!((from_b.added, from_b.leased.len()), (0, 0));
+    assert_eq!(
+        a.pass_progress(&bot(), 1).await.unwrap(),
+        PassProgress {
+            pending: 7,
+            waiting: 0,
+            leased: 3,
+            done: 0,
+            failed: 0
+        }
+    );
+    // a's leases are fenced like any other: its marks land.
+    for lease in &from_a.leased {
+        assert_eq!(lease.attempt, 1);
+        a.complete_url(lease, Utc::now()).await.unwrap();
+    }
+    // In the next pass the same links come back from the earlier one, leased to whoever
+    // enqueues them first (an update, not an insert).
+    let known = a
+        .known_pages(&bot(), &links.iter().map(|l| &l.url).collect::<Vec<_>>())
+        .await
+        .unwrap();
+    let shop = bot();
+    let (again_a, again_b) = tokio::join!(
+        a.enqueue_links(&shop, 2, &links, &known, lease_to("a", 5), Utc::now()),
+        b.enqueue_links(&shop, 2, &links, &known, lease_to("b", 5), Utc::now()),
+    );
+    let (again_a, again_b) = (again_a.unwrap(), again_b.unwrap());
+    let mut ids: Vec<&str> = again_a
+        .leased
+        .iter()
+        .chain(&again_b.leased)
+        .map(|l| l.id.as_str())
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(
+        ids.len(),
+        again_a.leased.len() + again_b.leased.len(),
+        "no link leased to both"
+    );
+    assert_eq!(again_a.added + again_b.added, 10);
+    let progress = a.pass_progress(&bot(), 2).await.unwrap();
+    assert_eq!(progress.leased as usize, ids.len());
+    assert_eq!(progress.pending as usize, 10 - ids.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_marks_lands_for_every_lease_still_held_and_not_for_a_lost_one() {
+    use seedlock::store::frontier::{Mark, Takes};
+    let db = test_db("fr_settle_batch").await;
+    let store = db.store();
+    store.ensure_frontier_indexes().await.unwrap();
+    store
+        .enqueue(&bot(), 1, PageKind::Detail, &urls(5), Utc::now())
+        .await
+        .unwrap();
+    let found = store
+        .lease_candidates(
+            &bot(),
+            1,
+            &[CandidateQuery {
+                host: "shop.test:80".into(),
+                priority: Priority::Exactly(0),
+                slots: None,
+                limit: 10,
+            }],
+        )
+        .await
+        .unwrap()
+        .remove(0);
+    let t0 = Utc::now();
+    let leases = store
+        .take_leases(
+            &bot(),
+            1,
+            &me("w"),
+            t0,
+            Duration::from_secs(5),
+            Takes {
+                pending: &found,
+                ..Takes::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(leases.len(), 5);
+    // One lease runs out and another worker takes the URL.
+    let later = t0 + chrono::Duration::seconds(6);
+    let lost = &leases[2];
+    let other = store
+        .take_leases(
+            &bot(),
+            1,
+            &me("other"),
+            later,
+            LEASE,
+            Takes {
+                expired: std::slice::from_ref(&lost.id),
+                ..Takes::default()
+            },
+        )
+        .await
+        .unwrap()
+        .pop()
+        .expect("the expired lease is leased again");
+    assert_eq!(other.id, lost.id);
+    let marks: Vec<_> = leases
+        .iter()
+        .map(|l| {
+            (
+                l,
+                Mark::Done {
+                    validators: Default::default(),
+                    record_id: Some(format!("record-{}", l.id)),
+                },
+            )
+        })
+        .collect();
+    let applied = store.settle_urls(&marks, later).await.unwrap();
+    assert_eq!(applied, vec![true, true, false, true, true]);
+    let frontier = db.db.collection::<bson::Document>("frontier");
+    for lease in &leases {
+        let doc = frontier
+            .find_one(doc! { "_id": &lease.id })
+            .await
+            .unwrap()
+            .unwrap();
+        if lease.id == lost.id {
+            assert_eq!(doc.get_str("status").unwrap(), "leased");
+            assert_eq!(doc.get_str("leaseToken").unwrap(), other.token);
+            assert!(
+                doc.get_str("recordId").is_err(),
+                "nothing of the stale mark"
+            );
+        } else {
+            assert_eq!(doc.get_str("status").unwrap(), "done");
+            assert_eq!(
+                doc.get_str("recordId").unwrap(),
+                format!("record-{}", lease.id),
+                "each URL got its own value out of the batch"
+            );
+        }
+    }
+    // Marking again changes nothing and says so.
+    assert_eq!(
+        store.settle_urls(&marks, later).await.unwrap(),
+        vec![false; 5]
+    );
 }

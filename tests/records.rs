@@ -336,3 +336,205 @@ async fn an_unchanged_newer_fetch_still_fences_out_an_older_different_one() {
         "$1.00"
     );
 }
+
+/// Leases `n` products of pass `pass` to `who` (one batch).
+async fn lease_many(
+    store: &Store,
+    n: usize,
+    pass: i64,
+    who: &str,
+    at: chrono::DateTime<Utc>,
+) -> Vec<UrlLease> {
+    let urls: Vec<NormalizedUrl> = (0..n)
+        .map(|i| NormalizedUrl::parse(&format!("http://shop.test/product/SKU-{i}")).unwrap())
+        .collect();
+    store
+        .enqueue(&bot(), pass, PageKind::Detail, &urls, at)
+        .await
+        .unwrap();
+    let mut leases = Vec::new();
+    while let Some(lease) = store
+        .lease_url(
+            &bot(),
+            pass,
+            &InstanceId::parse(who).unwrap(),
+            at,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+    {
+        leases.push(lease);
+    }
+    leases.sort_by(|a, b| a.url.as_str().cmp(b.url.as_str()));
+    leases
+}
+
+fn item_n(i: usize, price: &str) -> Extracted {
+    Extracted {
+        bot: bot(),
+        natural_key: format!("SKU-{i}"),
+        data: doc! { "title": format!("Lamp {i}"), "price": price },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_commit_marks_done_only_pages_whose_record_was_written_and_whose_lease_holds() {
+    use seedlock::store::frontier::Mark;
+    use seedlock::store::records::{Committed, PageCommit};
+    for transaction in [false, true] {
+        let db = test_db(if transaction {
+            "rec_group_txn"
+        } else {
+            "rec_group"
+        })
+        .await;
+        let store = db.store();
+        let t0 = Utc::now();
+        let leases = lease_many(&store, 4, 1, "w", t0).await;
+        assert_eq!(leases.len(), 4);
+        // Page 1's lease runs out and another worker takes it before the batch commits.
+        let later = t0 + chrono::Duration::seconds(6);
+        let newer = store
+            .take_leases(
+                &bot(),
+                1,
+                &InstanceId::parse("newer").unwrap(),
+                later,
+                Duration::from_secs(5),
+                seedlock::store::frontier::Takes {
+                    expired: std::slice::from_ref(&leases[1].id),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap()
+            .pop()
+            .unwrap();
+        assert_eq!(newer.id, leases[1].id);
+        let items: Vec<Extracted> = (0..4).map(|i| item_n(i, "$1.00")).collect();
+        let pages: Vec<PageCommit<'_>> = leases
+            .iter()
+            .zip(&items)
+            .map(|(lease, item)| PageCommit {
+                lease,
+                record: Some(item),
+                seen: Vec::new(),
+                removed: None,
+                mark: Mark::Done {
+                    validators: Default::default(),
+                    record_id: None,
+                },
+            })
+            .collect();
+        let committed = store
+            .commit_batch(&pages, later, transaction)
+            .await
+            .unwrap();
+        let ok = Committed::Settled(Some(RecordWrite::Inserted));
+        assert_eq!(committed[0], ok, "transaction={transaction}");
+        assert_eq!(committed[2], ok, "transaction={transaction}");
+        assert_eq!(committed[3], ok, "transaction={transaction}");
+        assert!(
+            matches!(committed[1], Committed::LeaseLost(_)),
+            "transaction={transaction}: {:?}",
+            committed[1]
+        );
+        let progress = store.pass_progress(&bot(), 1).await.unwrap();
+        assert_eq!(
+            (progress.done, progress.leased),
+            (3, 1),
+            "transaction={transaction}: the lost page is not marked done, the rest of the batch is"
+        );
+        let stored: Vec<String> = records(&db)
+            .await
+            .iter()
+            .map(|r| r.get_str("naturalKey").unwrap().to_owned())
+            .collect();
+        // Ordered, the lost page's record was written before its mark failed (the newer lease's
+        // result replaces it); in a transaction, nothing of it was kept.
+        let expected = if transaction { 3 } else { 4 };
+        assert_eq!(
+            stored.len(),
+            expected,
+            "transaction={transaction}: {stored:?}"
+        );
+        // Every mark carries the id of the record its page wrote.
+        let frontier = db.db.collection::<Document>("frontier");
+        for (lease, item) in leases.iter().zip(&items) {
+            if lease.id == newer.id {
+                continue;
+            }
+            let doc = frontier
+                .find_one(doc! { "_id": &lease.id })
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(doc.get_str("recordId").unwrap(), item.id());
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_that_conflicts_keeps_its_pages_and_commits_once_the_conflict_is_gone() {
+    use seedlock::store::frontier::Mark;
+    use seedlock::store::records::{Committed, PageCommit};
+    let db = test_db("rec_txn_retry").await;
+    let store = db.store();
+    let first = lease(&store, 1, "w", Utc::now()).await;
+    store
+        .commit_page(&first, Some(&item("$1.00")), Utc::now(), true)
+        .await
+        .unwrap();
+    // Another transaction holds the record (as a killed worker's open commit would) and lets go
+    // after a while.
+    let client = mongodb::Client::with_uri_str(&db.uri).await.unwrap();
+    let mut holder = client.start_session().await.unwrap();
+    holder.start_transaction().await.unwrap();
+    client
+        .database(&db.name)
+        .collection::<Document>("records")
+        .update_one(
+            doc! { "_id": record_id("shop", "SKU-1") },
+            doc! { "$set": { "heldBy": "another transaction" } },
+        )
+        .session(&mut holder)
+        .await
+        .unwrap();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        holder.abort_transaction().await.unwrap();
+    });
+    let second = lease(&store, 2, "w", Utc::now()).await;
+    let changed = item("$2.00");
+    let page = PageCommit {
+        lease: &second,
+        record: Some(&changed),
+        seen: Vec::new(),
+        removed: None,
+        mark: Mark::Done {
+            validators: Default::default(),
+            record_id: None,
+        },
+    };
+    let committed = store
+        .commit_batch(std::slice::from_ref(&page), Utc::now(), true)
+        .await
+        .unwrap();
+    release.await.unwrap();
+    assert_eq!(
+        committed,
+        vec![Committed::Settled(Some(RecordWrite::Changed))],
+        "the commit was retried with the page it had, not given up"
+    );
+    let stored = records(&db).await.remove(0);
+    assert_eq!(
+        stored
+            .get_document("data")
+            .unwrap()
+            .get_str("price")
+            .unwrap(),
+        "$2.00"
+    );
+    assert!(store.pass_progress(&bot(), 2).await.unwrap().is_finished());
+}

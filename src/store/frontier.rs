@@ -1,41 +1,95 @@
 //! The crawl frontier (collection `frontier`): one document per (bot, normalized URL), shared by
-//! every instance. Workers pull work with leases: one `find_one_and_update` hands a URL to one
-//! worker with a fresh lease token and an expiry on the server's clock; completion is fenced on
-//! that token, so a worker whose lease expired (and was re-leased) cannot mark the URL done.
+//! every instance. Work is handed out by leases, **in batches**: one round trip finds candidates,
+//! one `update` takes them (filtered on `status: pending`, so two leasers racing for a batch
+//! never both get a URL), each batch with a fresh lease token and an expiry on the server's
+//! clock. Every later write about a URL filters on its `_id` **and** its lease token, so a worker
+//! whose lease expired (and was re-leased) cannot mark the URL done.
 //!
 //! Passes: each crawl pass has a number. Enqueuing a URL for pass `p` is a no-op when the URL is
 //! already in pass `p` (rediscovered links are harmless) and resets it to pending when it was last
-//! crawled in an earlier pass.
+//! crawled in an earlier pass. URLs this instance will fetch next can be enqueued **already
+//! leased** to it ([`Store::enqueue_links`]), so a pagination hop needs no lease query.
+//!
+//! Writes are paid per batch: new URLs go in one `insert`, resets and settle marks in one
+//! `update` command whose statements each cover many documents (per-document values — a page's
+//! validators, its record id, a retry time — are picked from a literal array by `_id` inside an
+//! update pipeline). The test server applies every statement under one collection lock with its
+//! own storage transaction, so statements, not documents, are what a write costs.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
-use mongodb::options::{IndexOptions, ReturnDocument};
+use futures_util::TryStreamExt;
+use mongodb::options::IndexOptions;
 use mongodb::{Collection, IndexModel};
 
 use super::Store;
 use crate::error::{Error, Result};
+use crate::fetch::Validators;
 use crate::ids::{BotId, InstanceId};
 use crate::urls::NormalizedUrl;
 
 pub const FRONTIER: &str = "frontier";
 
-/// The index of expired-lease lookups and progress counts; `ensure_frontier_indexes` creates it.
-pub const LEASE_INDEX: &str = "bot_pass_status_expiry";
-/// The index of the pending-URL lookup: equality on (bot, pass, status, slot).
-pub const SLOT_INDEX: &str = "bot_pass_status_slot";
-/// The index of the pending-URL lookup by priority: equality on (bot, pass, status, priority,
-/// slot).
-pub const PRIORITY_INDEX: &str = "bot_pass_status_priority_slot";
-/// Pending URLs are spread over this many random slots, and a worker leases from a random slot
-/// first: every lookup is an equality on the whole index key and meets a few hundred entries even
-/// in a pass of 200,000 URLs (a server that reads every entry matching a key prefix — as the test
-/// server does — would otherwise pay for the whole pass on every lease).
+/// The frontier's one index: `{botId, pass, status, host, priority, slot}`. It serves the lease
+/// queries (equalities down to `host`, then a range on `priority` or equalities down to
+/// `priority` and an `$in` on `slot`), the reads of a pass's leased and waiting entries, the
+/// progress counts and the pass's end (prefixes of it).
+pub const FRONTIER_INDEX: &str = "bot_pass_status_host_priority_slot";
+/// Indexes of earlier versions, dropped at start-up: every index is paid on every status change.
+pub const RETIRED_INDEXES: [&str; 3] = [
+    "bot_pass_status_expiry",
+    "bot_pass_status_slot",
+    "bot_pass_status_priority_slot",
+];
+/// Pending URLs are spread over this many random slots; a leaser asks for a few slots of a host
+/// (an `$in` on the index's last field) so that every lease query reads about as many entries as
+/// it wants, whatever the pass's size — a server that reads every entry inside a query's bounds
+/// (the test server does) would otherwise pay for the whole pass on every lease.
 pub const SLOTS: u32 = 1024;
+/// Statements or documents per command: well under the servers' limits (100,000 statements,
+/// 16 MiB).
+const CHUNK: usize = 1000;
+
+/// Frontier document field names.
+pub mod field {
+    pub const ID: &str = "_id";
+    pub const BOT: &str = "botId";
+    pub const URL: &str = "url";
+    pub const KIND: &str = "kind";
+    pub const PASS: &str = "pass";
+    pub const STATUS: &str = "status";
+    pub const ATTEMPTS: &str = "attempts";
+    pub const SHEDS: &str = "sheds";
+    pub const NOT_BEFORE: &str = "notBefore";
+    pub const SLOT: &str = "slot";
+    pub const HOST: &str = "host";
+    pub const PRIORITY: &str = "priority";
+    pub const LEASE_OWNER: &str = "leaseOwner";
+    pub const LEASE_TOKEN: &str = "leaseToken";
+    pub const LEASED_AT: &str = "leasedAt";
+    pub const LEASE_EXPIRES_AT: &str = "leaseExpiresAt";
+    /// The token of the lease whose result settled the entry (done, failed, given back).
+    pub const LAST_LEASE_TOKEN: &str = "lastLeaseToken";
+    /// The settle write that did it (a random id per write: a repeated settle matches nothing).
+    pub const SETTLED_BY: &str = "settledBy";
+    pub const LAST_ERROR: &str = "lastError";
+    pub const ETAG: &str = "etag";
+    pub const LAST_MODIFIED: &str = "lastModified";
+    pub const LIST_FINGERPRINT: &str = "listFingerprint";
+    pub const FINGERPRINT: &str = "fingerprint";
+    pub const RECORD_ID: &str = "recordId";
+    pub const ENQUEUED_AT: &str = "enqueuedAt";
+    pub const DISCOVERED_AT: &str = "discoveredAt";
+    pub const DONE_AT: &str = "doneAt";
+}
+
+use field as f;
 
 /// What a page is to the crawl.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PageKind {
     Seed,
     List,
@@ -68,16 +122,61 @@ impl PageKind {
             _ => None,
         }
     }
+
+    /// Seeds and listing pages: read every pass, their links are the pass's evidence.
+    pub fn is_listing(self) -> bool {
+        matches!(self, PageKind::Seed | PageKind::List)
+    }
+}
+
+/// A frontier entry's `status`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UrlStatus {
+    /// Waiting to be leased.
+    Pending,
+    /// A retry (or a deferral) whose `notBefore` has not come yet.
+    Waiting,
+    /// Some worker's until `leaseExpiresAt`.
+    Leased,
+    Done,
+    Failed,
+}
+
+impl UrlStatus {
+    pub const ALL: [UrlStatus; 5] = [
+        UrlStatus::Pending,
+        UrlStatus::Waiting,
+        UrlStatus::Leased,
+        UrlStatus::Done,
+        UrlStatus::Failed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UrlStatus::Pending => "pending",
+            UrlStatus::Waiting => "waiting",
+            UrlStatus::Leased => "leased",
+            UrlStatus::Done => "done",
+            UrlStatus::Failed => "failed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        UrlStatus::ALL.into_iter().find(|st| st.as_str() == s)
+    }
 }
 
 /// A URL leased to this worker until `expires_at`. Times here are the caller's estimate of the
 /// server's time (`ServerClock::now`, as for the bot lock). Every write about it carries `token`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct UrlLease {
+    pub bot: BotId,
     pub id: String,
     pub url: NormalizedUrl,
     pub kind: PageKind,
     pub pass: i64,
+    /// The lease's token: shared by the URLs leased in one round trip, and every write about this
+    /// URL filters on its `_id` and this token.
     pub token: String,
     pub expires_at: DateTime<Utc>,
     /// How many times this URL has been leased in this pass, this lease included.
@@ -87,7 +186,7 @@ pub struct UrlLease {
     pub leased_at: DateTime<Utc>,
     /// The page's validators for a conditional GET: as stored when leased; the crawl replaces
     /// them with the fetched page's before the done mark stores them.
-    pub validators: crate::fetch::Validators,
+    pub validators: Validators,
     /// The listing fingerprint this URL was enqueued with (stored as `fingerprint` when done).
     pub list_fingerprint: Option<String>,
     /// The record this page produced last time it was crawled, if any.
@@ -101,6 +200,12 @@ pub struct UrlLease {
     pub eligible_since: Option<DateTime<Utc>>,
 }
 
+impl UrlLease {
+    pub fn host(&self) -> String {
+        self.url.host_port()
+    }
+}
+
 /// A URL to add to a pass.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NewUrl {
@@ -112,15 +217,16 @@ pub struct NewUrl {
     pub priority: i64,
 }
 
-/// What the frontier remembers of a detail page from earlier passes (fingerprint mode decides
-/// from it whether the page needs fetching).
+/// What the frontier remembers of a URL from any pass (the incremental modes decide from it
+/// whether a detail page needs fetching; an enqueue, whether to insert or reset it).
 #[derive(Clone, Debug, PartialEq)]
 pub struct KnownPage {
     pub pass: i64,
-    pub status: String,
+    pub status: Option<UrlStatus>,
     /// The listing fingerprint the page was last stored with.
     pub fingerprint: Option<String>,
     pub record_id: Option<String>,
+    pub validators: Validators,
 }
 
 /// Counts of a pass's URLs by status.
@@ -141,6 +247,96 @@ impl PassProgress {
     }
 }
 
+/// How a leased URL ends its lease.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Mark {
+    /// Done: its validators, listing fingerprint (`listFingerprint` → `fingerprint`) and the
+    /// record it produced (if any; else the one it had) are kept for the next pass.
+    Done {
+        validators: Validators,
+        record_id: Option<String>,
+    },
+    /// Failed for good, with the reason.
+    Failed { reason: String },
+    /// Another attempt no earlier than `not_before` (the attempt counts).
+    Retry {
+        not_before: DateTime<Utc>,
+        reason: String,
+    },
+    /// Given back unfetched or uncounted (shutdown, a paused host, a slice's end): the attempt
+    /// does not count.
+    Release {
+        not_before: DateTime<Utc>,
+        reason: String,
+    },
+    /// Deferred by load shedding (counted in `sheds`, not in `attempts`).
+    Shed { not_before: DateTime<Utc> },
+}
+
+impl Mark {
+    fn group(&self) -> u8 {
+        match self {
+            Mark::Done { .. } => 0,
+            Mark::Failed { .. } => 1,
+            Mark::Retry { .. } => 2,
+            Mark::Release { .. } => 3,
+            Mark::Shed { .. } => 4,
+        }
+    }
+}
+
+/// A pending URL found by [`Store::lease_candidates`], not leased yet.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub id: String,
+    pub host: String,
+    pub priority: i64,
+    pub slot: u32,
+    doc: Document,
+}
+
+/// Which pending URLs of one host a lease query looks for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CandidateQuery {
+    pub host: String,
+    pub priority: Priority,
+    /// The slots to look in (`None`: all of them).
+    pub slots: Option<Vec<u32>>,
+    pub limit: usize,
+}
+
+/// The priority part of a [`CandidateQuery`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Priority {
+    /// Every priority above this one (a range on the index's `priority`).
+    Above(i64),
+    Exactly(i64),
+}
+
+/// A leased entry of a pass, as [`Store::leased_entries`] reads it.
+#[derive(Clone, Debug)]
+pub struct LeasedEntry {
+    pub id: String,
+    pub host: String,
+    pub owner: Option<String>,
+    pub token: Option<String>,
+    pub leased_at: Option<DateTime<Utc>>,
+    pub expires_at: Option<DateTime<Utc>>,
+}
+
+/// What [`Store::take_leases`] should take: pending candidates, leases past their expiry, and
+/// leases a dead predecessor of this instance id still holds (by their token).
+#[derive(Clone, Debug, Default)]
+pub struct Takes<'a> {
+    pub pending: &'a [Candidate],
+    pub expired: &'a [String],
+    pub reclaim: &'a [(String, String)],
+}
+
+/// A link of an earlier pass being enqueued again: the link, its frontier id, whether it is
+/// leased on enqueue, what the frontier knew of it.
+type Reset<'a> = (&'a NewUrl, String, bool, &'a KnownPage);
+
 /// The frontier `_id`: a hash of (bot, normalized URL), the same on every instance and every run.
 pub fn url_id(bot: &BotId, url: &NormalizedUrl) -> String {
     crate::ids::sha256_hex(
@@ -149,44 +345,190 @@ pub fn url_id(bot: &BotId, url: &NormalizedUrl) -> String {
     )
 }
 
-/// The filters of [`Store::lease_next`], tried in this order: a pending URL of each of
-/// `priorities` (highest first) in slot `slot`; a pending URL in slot `slot`; when that slot is
-/// empty (then few are pending), one in slot `slot` or above, then any pending URL; a lease past
-/// its expiry. Leasers draw `slot` at random, so concurrent leasers look at different points of
-/// the index and rarely race for the same document (a lost race is a write conflict the server
-/// retries; on the test server, with few URLs pending and a dozen leasers all asking for "any",
-/// those retries took seconds). The exact slot comes first because the test server reads every
-/// index entry inside a query's bounds: a range over many pending entries costs in proportion
-/// (a `$gte` first made a 10,000-entry frontier crawl at a third of the speed). Each is
-/// equalities on an index's leading fields (and a range on its last), which every server answers
-/// from the index alone; a range on a field outside the index would make the test server scan
-/// the collection. Public for the `explain` test, so the test checks the queries the code sends.
-pub fn lease_filters(
-    bot: &BotId,
-    pass: i64,
-    slot: u32,
-    now: DateTime<Utc>,
-    priorities: &[i64],
-) -> Vec<Document> {
-    let mut filters: Vec<Document> = priorities
-        .iter()
-        .map(|p| doc! { "botId": bot.as_str(), "pass": pass, "status": "pending", "priority": p, "slot": i64::from(slot) })
-        .collect();
-    filters.extend([
-        doc! { "botId": bot.as_str(), "pass": pass, "status": "pending", "slot": i64::from(slot) },
-        doc! { "botId": bot.as_str(), "pass": pass, "status": "pending", "slot": { "$gte": i64::from(slot) } },
-        doc! { "botId": bot.as_str(), "pass": pass, "status": "pending" },
-        doc! { "botId": bot.as_str(), "pass": pass, "status": "leased", "leaseExpiresAt": { "$lte": date(now) } },
-    ]);
-    filters
+/// The filter of one lease query ([`CandidateQuery`]): equalities down to `host`, then a range
+/// on `priority`, or equalities down to `priority` and an `$in` on `slot`. Every server answers
+/// it from the index alone (the test server only when the one non-equality is on the field after
+/// the equalities). Public for the `explain` test, so the test checks the queries the code sends.
+pub fn candidate_filter(bot: &BotId, pass: i64, query: &CandidateQuery) -> Document {
+    let mut filter = doc! {
+        f::BOT: bot.as_str(), f::PASS: pass, f::STATUS: UrlStatus::Pending.as_str(),
+        f::HOST: query.host.as_str(),
+    };
+    match query.priority {
+        Priority::Above(p) => {
+            // Priorities are whole numbers; `$gte` (not `$gt`, which the test server answers by
+            // reading every entry of the host) keeps the range on the index.
+            filter.insert(f::PRIORITY, doc! { "$gte": p.saturating_add(1) });
+        }
+        Priority::Exactly(p) => {
+            filter.insert(f::PRIORITY, p);
+            if let Some(slots) = &query.slots {
+                let slots: Vec<i64> = slots.iter().map(|s| i64::from(*s)).collect();
+                filter.insert(f::SLOT, doc! { "$in": slots });
+            }
+        }
+    }
+    filter
+}
+
+/// The filter that reads a pass's entries of one status (a prefix of the index).
+pub fn status_filter(bot: &BotId, pass: i64, status: UrlStatus) -> Document {
+    doc! { f::BOT: bot.as_str(), f::PASS: pass, f::STATUS: status.as_str() }
 }
 
 fn date(at: DateTime<Utc>) -> Bson {
     Bson::DateTime(bson::DateTime::from_chrono(at))
 }
 
-fn new_token() -> String {
+fn text(v: Option<&str>) -> Bson {
+    v.map_or(Bson::Null, |s| Bson::String(s.to_owned()))
+}
+
+pub(super) fn new_token() -> String {
     format!("{:032x}", rand::random::<u128>())
+}
+
+fn get_date(doc: &Document, name: &str) -> Option<DateTime<Utc>> {
+    match doc.get(name) {
+        Some(Bson::DateTime(t)) => Some(t.to_chrono()),
+        _ => None,
+    }
+}
+
+fn get_text(doc: &Document, name: &str) -> Option<String> {
+    doc.get_str(name).ok().map(str::to_owned)
+}
+
+fn get_int(doc: &Document, name: &str) -> Option<i64> {
+    doc.get(name).and_then(crate::document::integer)
+}
+
+/// Inside an update pipeline: this document's value out of `values`, by the position of its
+/// `_id` in `ids` (both literal, so no value is read as a field path or an operator).
+fn pick(ids: &[Bson], values: Vec<Bson>) -> Bson {
+    Bson::Document(doc! {
+        "$arrayElemAt": [
+            { "$literal": values },
+            { "$indexOfArray": [ { "$literal": ids }, "$_id" ] },
+        ]
+    })
+}
+
+/// A pipeline value that is literally `value` (a string starting with `$` stays a string).
+fn literal(value: impl Into<Bson>) -> Bson {
+    Bson::Document(doc! { "$literal": value.into() })
+}
+
+/// The `writeErrors` of a write command's reply, by statement index: duplicate keys (E11000) are
+/// returned, anything else is an error.
+fn duplicate_indexes(what: &'static str, reply: &Document) -> Result<Vec<usize>> {
+    let mut duplicates = Vec::new();
+    if let Ok(errors) = reply.get_array("writeErrors") {
+        for error in errors {
+            let error = error.as_document();
+            let code = error
+                .and_then(|e| e.get("code"))
+                .and_then(crate::document::integer);
+            let index = error
+                .and_then(|e| e.get("index"))
+                .and_then(crate::document::integer);
+            match (code, index) {
+                (Some(11000), Some(i)) => duplicates.push(i as usize),
+                _ => {
+                    return Err(Error::Protocol {
+                        what,
+                        detail: format!("{error:?}"),
+                    })
+                }
+            }
+        }
+    }
+    Ok(duplicates)
+}
+
+fn reply_count(reply: &Document, name: &str) -> u64 {
+    reply
+        .get(name)
+        .and_then(crate::document::integer)
+        .unwrap_or(0)
+        .max(0) as u64
+}
+
+impl KnownPage {
+    fn from_doc(doc: &Document) -> KnownPage {
+        KnownPage {
+            pass: get_int(doc, f::PASS).unwrap_or(0),
+            status: doc.get_str(f::STATUS).ok().and_then(UrlStatus::parse),
+            fingerprint: get_text(doc, f::FINGERPRINT),
+            record_id: get_text(doc, f::RECORD_ID),
+            validators: Validators {
+                etag: get_text(doc, f::ETAG),
+                last_modified: get_text(doc, f::LAST_MODIFIED),
+            },
+        }
+    }
+}
+
+/// The lease this worker took of `doc` (as read before the take; `attempts` before it).
+fn lease_of(
+    bot: &BotId,
+    doc: &Document,
+    pass: i64,
+    token: &str,
+    now: DateTime<Utc>,
+    expires_at: DateTime<Utc>,
+    reclaimed: bool,
+) -> Result<UrlLease> {
+    let bad = |what: &str| Error::Protocol {
+        what: "lease url",
+        detail: format!("frontier document without a valid {what}: {doc}"),
+    };
+    let url = doc
+        .get_str(f::URL)
+        .ok()
+        .and_then(|u| NormalizedUrl::parse(u).ok())
+        .ok_or_else(|| bad("url"))?;
+    let kind = doc
+        .get_str(f::KIND)
+        .ok()
+        .and_then(PageKind::parse)
+        .ok_or_else(|| bad("kind"))?;
+    let attempts = get_int(doc, f::ATTEMPTS).unwrap_or(0);
+    Ok(UrlLease {
+        bot: bot.clone(),
+        id: doc.get_str(f::ID).map_err(|_| bad("_id"))?.to_owned(),
+        validators: Validators {
+            etag: get_text(doc, f::ETAG),
+            last_modified: get_text(doc, f::LAST_MODIFIED),
+        },
+        list_fingerprint: get_text(doc, f::LIST_FINGERPRINT),
+        record_id: get_text(doc, f::RECORD_ID),
+        reclaimed,
+        priority: get_int(doc, f::PRIORITY).unwrap_or_else(|| kind.default_priority()),
+        sheds: get_int(doc, f::SHEDS).unwrap_or(0),
+        eligible_since: get_date(doc, f::NOT_BEFORE),
+        url,
+        kind,
+        pass,
+        token: token.to_owned(),
+        expires_at,
+        leased_at: now,
+        // A reclaimed lease is the same attempt as the one its predecessor took.
+        attempt: if reclaimed {
+            attempts.max(1)
+        } else {
+            attempts + 1
+        },
+    })
+}
+
+/// The fields a lease read needs.
+fn lease_projection() -> Document {
+    doc! {
+        f::URL: 1, f::KIND: 1, f::ATTEMPTS: 1, f::ETAG: 1, f::LAST_MODIFIED: 1,
+        f::LIST_FINGERPRINT: 1, f::RECORD_ID: 1, f::PRIORITY: 1, f::SHEDS: 1, f::NOT_BEFORE: 1,
+        f::HOST: 1, f::SLOT: 1, f::LEASE_TOKEN: 1, f::STATUS: 1,
+    }
 }
 
 impl Store {
@@ -194,31 +536,34 @@ impl Store {
         self.database().collection(FRONTIER)
     }
 
-    /// Creates the frontier's indexes (idempotent).
+    /// Creates the frontier's index and drops those of earlier versions (idempotent).
     pub async fn ensure_frontier_indexes(&self) -> Result<()> {
-        let indexes = [
-            IndexModel::builder()
-                .keys(doc! { "botId": 1, "pass": 1, "status": 1, "leaseExpiresAt": 1 })
-                .options(IndexOptions::builder().name(LEASE_INDEX.to_owned()).build())
-                .build(),
-            IndexModel::builder()
-                .keys(doc! { "botId": 1, "pass": 1, "status": 1, "slot": 1 })
-                .options(IndexOptions::builder().name(SLOT_INDEX.to_owned()).build())
-                .build(),
-            IndexModel::builder()
-                .keys(doc! { "botId": 1, "pass": 1, "status": 1, "priority": 1, "slot": 1 })
-                .options(
-                    IndexOptions::builder()
-                        .name(PRIORITY_INDEX.to_owned())
-                        .build(),
+        let index = IndexModel::builder()
+            .keys(doc! { f::BOT: 1, f::PASS: 1, f::STATUS: 1, f::HOST: 1, f::PRIORITY: 1, f::SLOT: 1 })
+            .options(
+                IndexOptions::builder()
+                    .name(FRONTIER_INDEX.to_owned())
+                    .build(),
+            )
+            .build();
+        self.index_build("create frontier index", self.frontier().create_index(index))
+            .await?;
+        let present = self
+            .bounded("list frontier indexes", self.frontier().list_index_names())
+            .await?;
+        for retired in RETIRED_INDEXES {
+            if present.iter().any(|n| n == retired) {
+                self.index_build(
+                    "drop a retired frontier index",
+                    self.frontier().drop_index(retired),
                 )
-                .build(),
-        ];
-        self.index_build(
-            "create frontier indexes",
-            self.frontier().create_indexes(indexes),
-        )
-        .await?;
+                .await?;
+                tracing::info!(
+                    index = retired,
+                    "dropped a frontier index this version does not use"
+                );
+            }
+        }
         Ok(())
     }
 
@@ -243,9 +588,9 @@ impl Store {
         self.enqueue_urls(bot, pass, &urls, now).await
     }
 
-    /// Adds `urls` to pass `pass`, one round trip per 1,000 URLs: new URLs are inserted pending;
-    /// URLs last crawled in an earlier pass become pending again (keeping their validators and
-    /// record id); URLs already in this pass are left alone. Returns how many were added or reset.
+    /// Adds `urls` to pass `pass`: new URLs are inserted pending; URLs last crawled in an earlier
+    /// pass become pending again (keeping their validators and record id); URLs already in this
+    /// pass are left alone. Returns how many were added or reset.
     pub async fn enqueue_urls(
         &self,
         bot: &BotId,
@@ -253,78 +598,435 @@ impl Store {
         urls: &[NewUrl],
         now: DateTime<Utc>,
     ) -> Result<u64> {
-        // A page may carry many links: send them in chunks well under the server's limits
-        // (100,000 statements, 16 MiB) so no page is too large to enqueue.
-        let mut total = 0;
-        for chunk in urls.chunks(1000) {
-            total += self.enqueue_chunk(bot, pass, chunk, now).await?;
-        }
-        Ok(total)
+        let ids: Vec<String> = urls.iter().map(|n| url_id(bot, &n.url)).collect();
+        let known = self.known_by_id(bot, &ids).await?;
+        Ok(self
+            .enqueue_links(bot, pass, urls, &known, None, now)
+            .await?
+            .added)
     }
 
-    async fn enqueue_chunk(
+    /// Adds `links` to pass `pass` as [`Store::enqueue_urls`] does, given what the frontier
+    /// already holds of them (`known`, by frontier `_id`, as [`Store::known_pages`] read it; a
+    /// link missing from it is taken to be new). With `lease`, the first `lease.first` links are
+    /// enqueued **leased** to `lease.me` — in the same write, so nobody else can take them — and
+    /// returned as leases (those another instance enqueued first are not).
+    ///
+    /// Round trips: one `insert` for the new links, one `update` for those of earlier passes
+    /// (none when there are none).
+    pub async fn enqueue_links(
         &self,
         bot: &BotId,
         pass: i64,
-        urls: &[NewUrl],
+        links: &[NewUrl],
+        known: &HashMap<String, KnownPage>,
+        lease: Option<LeaseTo<'_>>,
         now: DateTime<Utc>,
-    ) -> Result<u64> {
-        let updates: Vec<Document> = urls
-            .iter()
-            .map(|new| {
-                let url = &new.url;
-                doc! {
-                    "q": { "_id": url_id(bot, url), "pass": { "$lt": pass } },
-                    "u": {
-                        "$set": {
-                            "botId": bot.as_str(), "url": url.as_str(), "kind": new.kind.as_str(),
-                            "pass": pass, "status": "pending", "attempts": 0_i64, "sheds": 0_i64,
-                            "leaseOwner": Bson::Null, "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null,
-                            "lastError": Bson::Null, "enqueuedAt": date(now), "notBefore": date(now),
-                            "slot": i64::from(rand::random_range(0..SLOTS)),
-                            "host": url.host_port(),
-                            "priority": new.priority,
-                            "listFingerprint": new.fingerprint.as_deref().map_or(Bson::Null, |f| Bson::String(f.to_owned())),
-                        },
-                        "$setOnInsert": { "discoveredAt": date(now) },
-                    },
-                    "upsert": true,
-                }
-            })
-            .collect();
-        let command = doc! { "update": FRONTIER, "updates": updates, "ordered": false };
-        let reply = self
-            .bounded("enqueue", self.database().run_command(command))
-            .await?;
-        // Duplicate keys mean "already in this pass": the no-op enqueue is meant to be.
-        if let Ok(errors) = reply.get_array("writeErrors") {
-            for error in errors {
-                let code = error
-                    .as_document()
-                    .and_then(|e| e.get("code"))
-                    .and_then(crate::document::integer);
-                if code != Some(11000) {
-                    return Err(Error::Protocol {
-                        what: "enqueue",
-                        detail: format!("{error}"),
-                    });
+    ) -> Result<Enqueued> {
+        let token = new_token();
+        let expires_at = lease.as_ref().map(|l| super::plus(now, l.lease_for));
+        let first = lease.as_ref().map_or(0, |l| l.first);
+        let owner = lease.as_ref().map(|l| l.me.as_str());
+        let mut seen = std::collections::HashSet::with_capacity(links.len());
+        // (link, id, leased, known)
+        let mut inserts: Vec<(&NewUrl, String, bool)> = Vec::new();
+        let mut resets: Vec<Reset<'_>> = Vec::new();
+        for (i, link) in links.iter().enumerate() {
+            let id = url_id(bot, &link.url);
+            if !seen.insert(id.clone()) {
+                continue;
+            }
+            let leased = i < first && owner.is_some();
+            match known.get(&id) {
+                Some(k) if k.pass >= pass => {}
+                Some(k) => resets.push((link, id, leased, k)),
+                None => inserts.push((link, id, leased)),
+            }
+        }
+        let lease_fields = |leased: bool| -> (Bson, Bson, Bson, Bson, Bson) {
+            match (leased, owner, expires_at) {
+                (true, Some(owner), Some(expires)) => (
+                    Bson::String(UrlStatus::Leased.as_str().into()),
+                    Bson::String(owner.into()),
+                    Bson::String(token.clone()),
+                    date(expires),
+                    date(now),
+                ),
+                _ => (
+                    Bson::String(UrlStatus::Pending.as_str().into()),
+                    Bson::Null,
+                    Bson::Null,
+                    Bson::Null,
+                    Bson::Null,
+                ),
+            }
+        };
+        let mut out = Enqueued::default();
+        let lease_for_new = |link: &NewUrl, id: &str, known: Option<&KnownPage>| UrlLease {
+            bot: bot.clone(),
+            id: id.to_owned(),
+            url: link.url.clone(),
+            kind: link.kind,
+            pass,
+            token: token.clone(),
+            expires_at: expires_at.unwrap_or(now),
+            attempt: 1,
+            leased_at: now,
+            validators: known.map(|k| k.validators.clone()).unwrap_or_default(),
+            list_fingerprint: link.fingerprint.clone(),
+            record_id: known.and_then(|k| k.record_id.clone()),
+            reclaimed: false,
+            priority: link.priority,
+            sheds: 0,
+            eligible_since: Some(now),
+        };
+
+        for chunk in inserts.chunks(CHUNK) {
+            let docs: Vec<Document> = chunk
+                .iter()
+                .map(|(link, id, leased)| {
+                    let (status, owner, token, expires, leased_at) = lease_fields(*leased);
+                    doc! {
+                        f::ID: id.as_str(), f::BOT: bot.as_str(), f::URL: link.url.as_str(),
+                        f::KIND: link.kind.as_str(), f::PASS: pass, f::STATUS: status,
+                        f::ATTEMPTS: i64::from(*leased), f::SHEDS: 0_i64,
+                        f::LEASE_OWNER: owner, f::LEASE_TOKEN: token, f::LEASE_EXPIRES_AT: expires,
+                        f::LEASED_AT: leased_at, f::LAST_ERROR: Bson::Null,
+                        f::ENQUEUED_AT: date(now), f::NOT_BEFORE: date(now),
+                        f::SLOT: i64::from(rand::random_range(0..SLOTS)),
+                        f::HOST: link.url.host_port(), f::PRIORITY: link.priority,
+                        f::LIST_FINGERPRINT: text(link.fingerprint.as_deref()),
+                        f::DISCOVERED_AT: date(now),
+                    }
+                })
+                .collect();
+            let reply = self
+                .bounded(
+                    "enqueue",
+                    self.database().run_command(
+                        doc! { "insert": FRONTIER, "documents": docs, "ordered": false },
+                    ),
+                )
+                .await?;
+            // A duplicate key: another instance enqueued the URL into this pass first (it is
+            // there, and not ours to fetch).
+            let duplicates = duplicate_indexes("enqueue", &reply)?;
+            out.added += reply_count(&reply, "n");
+            for (i, (link, id, leased)) in chunk.iter().enumerate() {
+                if *leased && !duplicates.contains(&i) {
+                    out.leased.push(lease_for_new(link, id, None));
                 }
             }
         }
-        let upserted = reply
-            .get_array("upserted")
-            .map(|a| a.len() as u64)
-            .unwrap_or(0);
-        let modified = reply
-            .get("nModified")
-            .and_then(crate::document::integer)
-            .unwrap_or(0)
-            .max(0) as u64;
-        Ok(upserted + modified)
+
+        for chunk in resets.chunks(CHUNK) {
+            let ids: Vec<Bson> = chunk
+                .iter()
+                .map(|(_, id, _, _)| Bson::String(id.clone()))
+                .collect();
+            let column =
+                |value: &dyn Fn(&Reset<'_>) -> Bson| pick(&ids, chunk.iter().map(value).collect());
+            let any_leased = chunk.iter().any(|(_, _, leased, _)| *leased);
+            let mut set = doc! {
+                f::KIND: column(&|(l, _, _, _)| Bson::String(l.kind.as_str().into())),
+                f::PASS: pass,
+                f::ATTEMPTS: column(&|(_, _, leased, _)| Bson::Int64(i64::from(*leased))),
+                f::SHEDS: 0_i64,
+                f::LAST_ERROR: Bson::Null,
+                f::ENQUEUED_AT: date(now),
+                f::NOT_BEFORE: date(now),
+                f::SLOT: column(&|_| Bson::Int64(i64::from(rand::random_range(0..SLOTS)))),
+                f::PRIORITY: column(&|(l, _, _, _)| Bson::Int64(l.priority)),
+                f::LIST_FINGERPRINT: column(&|(l, _, _, _)| text(l.fingerprint.as_deref())),
+            };
+            if any_leased {
+                set.insert(
+                    f::STATUS,
+                    column(&|(_, _, leased, _)| lease_fields(*leased).0),
+                );
+                set.insert(
+                    f::LEASE_OWNER,
+                    column(&|(_, _, leased, _)| lease_fields(*leased).1),
+                );
+                set.insert(
+                    f::LEASE_TOKEN,
+                    column(&|(_, _, leased, _)| lease_fields(*leased).2),
+                );
+                set.insert(
+                    f::LEASE_EXPIRES_AT,
+                    column(&|(_, _, leased, _)| lease_fields(*leased).3),
+                );
+                set.insert(
+                    f::LEASED_AT,
+                    column(&|(_, _, leased, _)| lease_fields(*leased).4),
+                );
+            } else {
+                set.insert(f::STATUS, UrlStatus::Pending.as_str());
+                set.insert(f::LEASE_OWNER, Bson::Null);
+                set.insert(f::LEASE_TOKEN, Bson::Null);
+                set.insert(f::LEASE_EXPIRES_AT, Bson::Null);
+            }
+            let statement = doc! {
+                "q": { f::ID: { "$in": &ids }, f::BOT: bot.as_str(), f::PASS: { "$lt": pass } },
+                "u": [ { "$set": set } ],
+                "multi": true,
+            };
+            let reply = self
+                .bounded(
+                    "enqueue again",
+                    self.database().run_command(
+                        doc! { "update": FRONTIER, "updates": [statement], "ordered": false },
+                    ),
+                )
+                .await?;
+            duplicate_indexes("enqueue again", &reply)?;
+            let matched = reply_count(&reply, "n");
+            out.added += matched;
+            let leased: Vec<&Reset<'_>> =
+                chunk.iter().filter(|(_, _, leased, _)| *leased).collect();
+            if leased.is_empty() {
+                continue;
+            }
+            // Every reset matched: every leased one is ours. Otherwise another instance reset
+            // some first: read which carry our token.
+            let ours: Option<std::collections::HashSet<String>> = if matched as usize == chunk.len()
+            {
+                None
+            } else {
+                let ids: Vec<&str> = leased.iter().map(|(_, id, _, _)| id.as_str()).collect();
+                let found: Vec<Document> = self
+                    .bounded("read enqueued leases", async {
+                        self.frontier()
+                            .find(doc! { f::ID: { "$in": ids }, f::BOT: bot.as_str() })
+                            .projection(doc! { f::LEASE_TOKEN: 1 })
+                            .await?
+                            .try_collect()
+                            .await
+                    })
+                    .await?;
+                Some(
+                    found
+                        .iter()
+                        .filter(|d| d.get_str(f::LEASE_TOKEN).ok() == Some(token.as_str()))
+                        .filter_map(|d| get_text(d, f::ID))
+                        .collect(),
+                )
+            };
+            for (link, id, _, k) in leased {
+                if ours.as_ref().is_none_or(|o| o.contains(id)) {
+                    out.leased.push(lease_for_new(link, id, Some(k)));
+                }
+            }
+        }
+        Ok(out)
     }
 
-    /// Leases one URL of pass `pass`: a pending one, or one whose lease expired (its worker died).
-    /// `None` when there is nothing to lease right now (which does not mean the pass is over).
+    /// Pending URLs that `queries` find (one round trip each, all at once), highest priority
+    /// first, at most `limit` of each query. None of them is leased yet: see
+    /// [`Store::take_leases`].
+    pub async fn lease_candidates(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        queries: &[CandidateQuery],
+    ) -> Result<Vec<Vec<Candidate>>> {
+        let reads = queries.iter().map(|query| {
+            let filter = candidate_filter(bot, pass, query);
+            let limit = i64::try_from(query.limit.max(1)).unwrap_or(i64::MAX);
+            self.bounded("find lease candidates", async move {
+                self.frontier()
+                    .find(filter)
+                    .projection(lease_projection())
+                    .limit(limit)
+                    .await?
+                    .try_collect::<Vec<Document>>()
+                    .await
+            })
+        });
+        let found = futures_util::future::try_join_all(reads).await?;
+        Ok(found
+            .into_iter()
+            .map(|docs| {
+                let mut candidates: Vec<Candidate> = docs
+                    .into_iter()
+                    .filter_map(|doc| {
+                        Some(Candidate {
+                            id: get_text(&doc, f::ID)?,
+                            host: get_text(&doc, f::HOST).unwrap_or_default(),
+                            priority: get_int(&doc, f::PRIORITY).unwrap_or(0),
+                            slot: get_int(&doc, f::SLOT)
+                                .unwrap_or(0)
+                                .clamp(0, i64::from(SLOTS - 1))
+                                as u32,
+                            doc,
+                        })
+                    })
+                    .collect();
+                candidates.sort_by_key(|c| std::cmp::Reverse(c.priority));
+                candidates
+            })
+            .collect())
+    }
+
+    /// The pass's leased entries (few: at most every instance's pipeline), for finding leases
+    /// past their expiry and a dead predecessor's.
+    pub async fn leased_entries(&self, bot: &BotId, pass: i64) -> Result<Vec<LeasedEntry>> {
+        let docs: Vec<Document> = self
+            .bounded("read leases", async {
+                self.frontier()
+                    .find(status_filter(bot, pass, UrlStatus::Leased))
+                    .projection(doc! {
+                        f::HOST: 1, f::LEASE_OWNER: 1, f::LEASE_TOKEN: 1, f::LEASED_AT: 1,
+                        f::LEASE_EXPIRES_AT: 1,
+                    })
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        Ok(docs
+            .iter()
+            .filter_map(|d| {
+                Some(LeasedEntry {
+                    id: get_text(d, f::ID)?,
+                    host: get_text(d, f::HOST).unwrap_or_default(),
+                    owner: get_text(d, f::LEASE_OWNER),
+                    token: get_text(d, f::LEASE_TOKEN),
+                    leased_at: get_date(d, f::LEASED_AT),
+                    expires_at: get_date(d, f::LEASE_EXPIRES_AT),
+                })
+            })
+            .collect())
+    }
+
+    /// Leases what `takes` names to `me` until `now + lease_for`, in one `update` command (one
+    /// statement per kind of take, each conditional: pending URLs only while pending, expired
+    /// leases only while expired, a predecessor's only under its token) — so racing leasers never
+    /// share a URL. When fewer than all were taken, one read finds which carry this lease's
+    /// token. Returns the leases taken, highest priority first.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn take_leases(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        me: &InstanceId,
+        now: DateTime<Utc>,
+        lease_for: Duration,
+        takes: Takes<'_>,
+    ) -> Result<Vec<UrlLease>> {
+        let wanted = takes.pending.len() + takes.expired.len() + takes.reclaim.len();
+        if wanted == 0 {
+            return Ok(Vec::new());
+        }
+        let expires_at = super::plus(now, lease_for);
+        let token = new_token();
+        let set = doc! {
+            f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_OWNER: me.as_str(),
+            f::LEASE_TOKEN: token.as_str(), f::LEASE_EXPIRES_AT: date(expires_at), f::LEASED_AT: date(now),
+        };
+        let take = doc! { "$set": set.clone(), "$inc": { f::ATTEMPTS: 1_i64 } };
+        let mut statements = Vec::new();
+        if !takes.pending.is_empty() {
+            let ids: Vec<&str> = takes.pending.iter().map(|c| c.id.as_str()).collect();
+            statements.push(doc! {
+                "q": { f::ID: { "$in": ids }, f::BOT: bot.as_str(), f::PASS: pass, f::STATUS: UrlStatus::Pending.as_str() },
+                "u": take.clone(), "multi": true,
+            });
+        }
+        if !takes.expired.is_empty() {
+            statements.push(doc! {
+                "q": {
+                    f::ID: { "$in": takes.expired }, f::BOT: bot.as_str(), f::PASS: pass,
+                    f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_EXPIRES_AT: { "$lte": date(now) },
+                },
+                "u": take.clone(), "multi": true,
+            });
+        }
+        for (id, old) in takes.reclaim {
+            // The same attempt the predecessor counted.
+            statements.push(doc! {
+                "q": { f::ID: id.as_str(), f::BOT: bot.as_str(), f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_TOKEN: old.as_str() },
+                "u": { "$set": set.clone() },
+            });
+        }
+        let reply = self
+            .bounded(
+                "lease urls",
+                self.database().run_command(
+                    doc! { "update": FRONTIER, "updates": statements, "ordered": false },
+                ),
+            )
+            .await;
+        let reply = match reply {
+            Ok(reply) => reply,
+            // A candidate is held by an open transaction (a killed worker's commit, until the
+            // server ends it): take nothing this time.
+            Err(e) if crate::error::is_write_conflict(&e) => {
+                tracing::debug!(bot = %bot, error = %e, "lease candidates are busy");
+                return Ok(Vec::new());
+            }
+            Err(e) => return Err(e),
+        };
+        duplicate_indexes("lease urls", &reply)?;
+        let taken = reply_count(&reply, "n") as usize;
+        // Which are ours: all, or (after a race) those that carry our token now — read back
+        // with everything a lease needs for the expired and reclaimed ones, which were not read.
+        let mut leases = Vec::with_capacity(taken);
+        let reclaimed: std::collections::HashSet<&str> =
+            takes.reclaim.iter().map(|(id, _)| id.as_str()).collect();
+        let must_read = taken < wanted || !takes.expired.is_empty() || !takes.reclaim.is_empty();
+        if must_read {
+            let ids: Vec<&str> = takes
+                .pending
+                .iter()
+                .map(|c| c.id.as_str())
+                .chain(takes.expired.iter().map(String::as_str))
+                .chain(takes.reclaim.iter().map(|(id, _)| id.as_str()))
+                .collect();
+            let docs: Vec<Document> = self
+                .bounded("read leases taken", async {
+                    self.frontier()
+                        .find(doc! { f::ID: { "$in": ids }, f::BOT: bot.as_str() })
+                        .projection(lease_projection())
+                        .await?
+                        .try_collect()
+                        .await
+                })
+                .await?;
+            for doc in docs {
+                if doc.get_str(f::LEASE_TOKEN).ok() != Some(token.as_str()) {
+                    continue;
+                }
+                let id = doc.get_str(f::ID).unwrap_or_default();
+                let reclaimed = reclaimed.contains(id);
+                let mut lease = lease_of(bot, &doc, pass, &token, now, expires_at, reclaimed)?;
+                // Read after the take: `attempts` already counts it.
+                if !reclaimed {
+                    lease.attempt -= 1;
+                }
+                leases.push(lease);
+            }
+        } else {
+            for candidate in takes.pending {
+                leases.push(lease_of(
+                    bot,
+                    &candidate.doc,
+                    pass,
+                    &token,
+                    now,
+                    expires_at,
+                    false,
+                )?);
+            }
+        }
+        leases.sort_by_key(|l| std::cmp::Reverse(l.priority));
+        Ok(leases)
+    }
+
+    /// Leases one URL of pass `pass` on any host: a pending one (highest priority first), or one
+    /// whose lease expired (its worker died). `None` when there is nothing to lease right now
+    /// (which does not mean the pass is over). A simple form of the crawl's batched leasing, for
+    /// tools and tests: it reads the whole pending set of the pass.
     pub async fn lease_url(
         &self,
         bot: &BotId,
@@ -333,192 +1035,316 @@ impl Store {
         now: DateTime<Utc>,
         lease_for: Duration,
     ) -> Result<Option<UrlLease>> {
-        self.lease_next(bot, pass, me, None, now, lease_for, &[], &[])
-            .await
-    }
-
-    /// As [`Store::lease_url`], and with `reclaim_before` also the leases this instance id took
-    /// before that time — a previous run of this instance that died holding them — without
-    /// waiting for them to expire. (Instance ids must be unique among live processes.) URLs on
-    /// the hosts in `avoid` (`host:port`; paused or at their limit) are left for later; URLs of
-    /// `priorities` (highest first) are looked for before any other.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn lease_next(
-        &self,
-        bot: &BotId,
-        pass: i64,
-        me: &InstanceId,
-        reclaim_before: Option<DateTime<Utc>>,
-        now: DateTime<Utc>,
-        lease_for: Duration,
-        avoid: &[String],
-        priorities: &[i64],
-    ) -> Result<Option<UrlLease>> {
-        let expires_at = super::plus(now, lease_for);
-        let token = new_token();
-        let update = doc! {
-            "$set": {
-                "status": "leased", "leaseOwner": me.as_str(), "leaseToken": token.as_str(),
-                "leaseExpiresAt": date(expires_at), "leasedAt": date(now),
-            },
-            "$inc": { "attempts": 1_i64 },
-        };
-        let mut filters = lease_filters(bot, pass, rand::random_range(0..SLOTS), now, priorities);
-        if !avoid.is_empty() {
-            for filter in &mut filters {
-                filter.insert("host", doc! { "$nin": avoid });
-            }
-        }
-        let mut reclaiming = false;
-        if let Some(before) = reclaim_before {
-            if let Some(token) = self.dead_lease(bot, pass, me, before).await? {
-                reclaiming = true;
-                filters.insert(
-                    0,
-                    doc! { "botId": bot.as_str(), "pass": pass, "status": "leased", "leaseToken": token },
-                );
-            }
-        }
-        let mut leased = None;
-        let mut reclaimed = false;
-        for (i, filter) in filters.into_iter().enumerate() {
-            let attempt = self
-                .bounded(
-                    "lease url",
+        for _ in 0..20 {
+            let mut pending: Vec<Candidate> = self
+                .bounded("find a pending url", async {
                     self.frontier()
-                        .find_one_and_update(filter, update.clone())
-                        .return_document(ReturnDocument::After),
-                )
-                .await;
-            leased = match attempt {
-                Ok(found) => found,
-                // The candidate is held by an open transaction (a killed worker's commit, until
-                // the server ends it): leave it, lease something else.
-                Err(e) if crate::error::is_write_conflict(&e) => {
-                    tracing::debug!(bot = %bot, error = %e, "a lease candidate is busy; trying the next");
-                    None
-                }
-                Err(e) => return Err(e),
-            };
-            if leased.is_some() {
-                reclaimed = reclaiming && i == 0;
-                break;
+                        .find(status_filter(bot, pass, UrlStatus::Pending))
+                        .projection(lease_projection())
+                        .await?
+                        .try_collect::<Vec<Document>>()
+                        .await
+                })
+                .await?
+                .into_iter()
+                .filter_map(|doc| {
+                    Some(Candidate {
+                        id: get_text(&doc, f::ID)?,
+                        host: get_text(&doc, f::HOST).unwrap_or_default(),
+                        priority: get_int(&doc, f::PRIORITY).unwrap_or(0),
+                        slot: 0,
+                        doc,
+                    })
+                })
+                .collect();
+            let expired: Vec<String> = self
+                .leased_entries(bot, pass)
+                .await?
+                .into_iter()
+                .filter(|e| e.expires_at.is_some_and(|t| t <= now))
+                .map(|e| e.id)
+                .collect();
+            if pending.is_empty() && expired.is_empty() {
+                return Ok(None);
             }
+            // Racing leasers pick different ones among the highest priority.
+            let top = pending.iter().map(|c| c.priority).max();
+            pending.retain(|c| Some(c.priority) == top);
+            let takes = if pending.is_empty() {
+                let one = expired[rand::random_range(0..expired.len())].clone();
+                (Vec::new(), vec![one])
+            } else {
+                let one = pending.swap_remove(rand::random_range(0..pending.len()));
+                (vec![one], Vec::new())
+            };
+            let taken = self
+                .take_leases(
+                    bot,
+                    pass,
+                    me,
+                    now,
+                    lease_for,
+                    Takes {
+                        pending: &takes.0,
+                        expired: &takes.1,
+                        reclaim: &[],
+                    },
+                )
+                .await?;
+            if let Some(lease) = taken.into_iter().next() {
+                return Ok(Some(lease));
+            }
+            // Another worker took it first: look again.
         }
-        let Some(doc) = leased else { return Ok(None) };
-        let bad = |what: &str| Error::Protocol {
-            what: "lease url",
-            detail: format!("frontier document without a valid {what}: {doc}"),
-        };
-        let url = doc
-            .get_str("url")
-            .ok()
-            .and_then(|u| NormalizedUrl::parse(u).ok())
-            .ok_or_else(|| bad("url"))?;
-        let kind = doc
-            .get_str("kind")
-            .ok()
-            .and_then(PageKind::parse)
-            .ok_or_else(|| bad("kind"))?;
-        let text = |name: &str| doc.get_str(name).ok().map(str::to_owned);
-        Ok(Some(UrlLease {
-            validators: crate::fetch::Validators {
-                etag: text("etag"),
-                last_modified: text("lastModified"),
-            },
-            list_fingerprint: text("listFingerprint"),
-            record_id: text("recordId"),
-            reclaimed,
-            priority: doc
-                .get("priority")
-                .and_then(crate::document::integer)
-                .unwrap_or_else(|| kind.default_priority()),
-            sheds: doc
-                .get("sheds")
-                .and_then(crate::document::integer)
-                .unwrap_or(0),
-            eligible_since: match doc.get("notBefore") {
-                Some(Bson::DateTime(t)) => Some(t.to_chrono()),
-                _ => None,
-            },
-            id: doc.get_str("_id").map_err(|_| bad("_id"))?.to_owned(),
-            url,
-            kind,
-            pass,
-            token,
-            expires_at,
-            leased_at: now,
-            attempt: doc
-                .get("attempts")
-                .and_then(crate::document::integer)
-                .unwrap_or(1),
-        }))
+        Ok(None)
     }
 
-    /// The token of a lease this instance id took before `before` (a dead predecessor's), if the
-    /// pass has one: the pass's few leased entries are read and filtered here.
-    async fn dead_lease(
-        &self,
-        bot: &BotId,
-        pass: i64,
-        me: &InstanceId,
-        before: DateTime<Utc>,
-    ) -> Result<Option<String>> {
-        use futures_util::TryStreamExt;
-        let leased: Vec<Document> = self
-            .bounded("read leases", async {
-                self.frontier()
-                    .find(doc! { "botId": bot.as_str(), "pass": pass, "status": "leased" })
-                    .projection(doc! { "leaseOwner": 1, "leasedAt": 1, "leaseToken": 1 })
-                    .await?
-                    .try_collect()
-                    .await
-            })
-            .await?;
-        let dead: Vec<String> = leased
-            .into_iter()
-            .filter_map(|d| {
-                let mine = d.get_str("leaseOwner").ok() == Some(me.as_str());
-                let old =
-                    matches!(d.get("leasedAt"), Some(Bson::DateTime(t)) if t.to_chrono() < before);
-                (mine && old)
-                    .then(|| d.get_str("leaseToken").ok().map(str::to_owned))
-                    .flatten()
-            })
-            .collect();
-        // A random one: concurrent leasers of this instance then rarely race for the same.
-        Ok((!dead.is_empty()).then(|| dead[rand::random_range(0..dead.len())].clone()))
-    }
-
-    /// Whether this instance id holds leases of pass `pass` taken before `before` (a dead
-    /// predecessor's, left to reclaim).
-    pub async fn has_dead_leases(
-        &self,
-        bot: &BotId,
-        pass: i64,
-        me: &InstanceId,
-        before: DateTime<Utc>,
-    ) -> Result<bool> {
-        Ok(self.dead_lease(bot, pass, me, before).await?.is_some())
-    }
-
-    pub(super) fn lease_fence(lease: &UrlLease) -> Document {
-        doc! { "_id": lease.id.as_str(), "status": "leased", "leaseToken": lease.token.as_str() }
-    }
-
-    pub(super) async fn fenced_url(
-        &self,
-        lease: &UrlLease,
-        what: &'static str,
-        update: Document,
-    ) -> Result<()> {
-        let result = self
+    /// The hosts (`host:port`) with pending URLs in pass `pass` (one `distinct`).
+    pub async fn hosts_with_work(&self, bot: &BotId, pass: i64) -> Result<Vec<String>> {
+        let found = self
             .bounded(
-                what,
-                self.frontier().update_one(Self::lease_fence(lease), update),
+                "hosts with pending urls",
+                self.frontier()
+                    .distinct(f::HOST, status_filter(bot, pass, UrlStatus::Pending)),
             )
             .await?;
-        if result.matched_count == 1 {
+        Ok(found
+            .into_iter()
+            .filter_map(|h| h.as_str().map(str::to_owned))
+            .collect())
+    }
+
+    /// Settles leased URLs: each one's [`Mark`], **only while its lease is this worker's** (the
+    /// filter holds its `_id` and its token). One `update` command: a statement per kind of mark
+    /// and lease token, per-URL values picked by `_id` in an update pipeline. Returns, per mark,
+    /// whether it was applied (false: the lease went to another worker, whose result wins).
+    pub async fn settle_urls(
+        &self,
+        marks: &[(&UrlLease, Mark)],
+        now: DateTime<Utc>,
+    ) -> Result<Vec<bool>> {
+        if marks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut matched = 0;
+        let nonce = new_token();
+        for chunk in settle_statements(marks, now, &nonce).chunks(CHUNK) {
+            let reply = self
+                .command(
+                    "settle urls",
+                    doc! { "update": FRONTIER, "updates": chunk, "ordered": false },
+                    None,
+                )
+                .await?;
+            duplicate_indexes("settle urls", &reply)?;
+            matched += reply_count(&reply, "n") as usize;
+        }
+        self.applied_marks(marks, matched, &nonce, None).await
+    }
+
+    /// Which of `marks` were applied, given that `matched` entries matched their statements: all,
+    /// or (when some leases were lost) those whose entry carries the mark's lease token now.
+    pub(super) async fn applied_marks(
+        &self,
+        marks: &[(&UrlLease, Mark)],
+        matched: usize,
+        nonce: &str,
+        session: Option<&mut mongodb::ClientSession>,
+    ) -> Result<Vec<bool>> {
+        if matched == marks.len() {
+            return Ok(vec![true; marks.len()]);
+        }
+        let ids: Vec<&str> = marks.iter().map(|(l, _)| l.id.as_str()).collect();
+        let bot = &marks[0].0.bot;
+        let find = doc! {
+            "find": FRONTIER,
+            "filter": { f::ID: { "$in": ids }, f::BOT: bot.as_str() },
+            "projection": { f::LAST_LEASE_TOKEN: 1, f::SETTLED_BY: 1 },
+            "batchSize": i64::try_from(marks.len()).unwrap_or(i64::MAX).max(1),
+        };
+        let reply = self.command("read settled urls", find, session).await?;
+        let docs: Vec<Document> = reply
+            .get_document("cursor")
+            .and_then(|c| c.get_array("firstBatch"))
+            .map(|a| a.iter().filter_map(|d| d.as_document().cloned()).collect())
+            .unwrap_or_default();
+        let settled: HashMap<&str, (Option<&str>, Option<&str>)> = docs
+            .iter()
+            .filter_map(|d| {
+                Some((
+                    d.get_str(f::ID).ok()?,
+                    (
+                        d.get_str(f::LAST_LEASE_TOKEN).ok(),
+                        d.get_str(f::SETTLED_BY).ok(),
+                    ),
+                ))
+            })
+            .collect();
+        Ok(marks
+            .iter()
+            .map(|(lease, _)| {
+                settled.get(lease.id.as_str()).is_some_and(|(token, by)| {
+                    *token == Some(lease.token.as_str()) && *by == Some(nonce)
+                })
+            })
+            .collect())
+    }
+}
+
+/// The `update` statements that settle `marks`: one per kind of mark and lease token (each
+/// filtered on the entries' `_id`s, `status: leased` and that token), per-URL values picked by
+/// `_id` in an update pipeline.
+pub(super) fn settle_statements(
+    marks: &[(&UrlLease, Mark)],
+    now: DateTime<Utc>,
+    nonce: &str,
+) -> Vec<Document> {
+    {
+        let mut groups: Vec<((u8, &str), Vec<usize>)> = Vec::new();
+        for (i, (lease, mark)) in marks.iter().enumerate() {
+            let key = (mark.group(), lease.token.as_str());
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((key, vec![i])),
+            }
+        }
+        let mut statements = Vec::new();
+        for ((group, token), members) in &groups {
+            for chunk in members.chunks(CHUNK) {
+                let ids: Vec<Bson> = chunk
+                    .iter()
+                    .map(|i| Bson::String(marks[*i].0.id.clone()))
+                    .collect();
+                let bot = &marks[chunk[0]].0.bot;
+                let column = |value: &dyn Fn(&Mark) -> Bson| {
+                    pick(&ids, chunk.iter().map(|i| value(&marks[*i].1)).collect())
+                };
+                let mut set = doc! {
+                    f::LEASE_OWNER: Bson::Null, f::LEASE_TOKEN: Bson::Null,
+                    f::LEASE_EXPIRES_AT: Bson::Null, f::LAST_LEASE_TOKEN: literal(*token),
+                    f::SETTLED_BY: literal(nonce),
+                };
+                let give_back = |set: &mut Document| {
+                    set.insert(
+                        f::STATUS,
+                        column(&|m| match m {
+                            Mark::Retry { not_before, .. }
+                            | Mark::Release { not_before, .. }
+                            | Mark::Shed { not_before } => Bson::String(
+                                if *not_before <= now {
+                                    UrlStatus::Pending
+                                } else {
+                                    UrlStatus::Waiting
+                                }
+                                .as_str()
+                                .into(),
+                            ),
+                            _ => Bson::Null,
+                        }),
+                    );
+                    set.insert(
+                        f::NOT_BEFORE,
+                        column(&|m| match m {
+                            Mark::Retry { not_before, .. }
+                            | Mark::Release { not_before, .. }
+                            | Mark::Shed { not_before } => date(*not_before),
+                            _ => Bson::Null,
+                        }),
+                    );
+                    set.insert(
+                        f::LAST_ERROR,
+                        column(&|m| match m {
+                            Mark::Retry { reason, .. } | Mark::Release { reason, .. } => {
+                                Bson::String(reason.clone())
+                            }
+                            Mark::Shed { .. } => {
+                                Bson::String("shed: its host is throttling".into())
+                            }
+                            _ => Bson::Null,
+                        }),
+                    );
+                };
+                match group {
+                    0 => {
+                        set.insert(f::STATUS, UrlStatus::Done.as_str());
+                        set.insert(f::DONE_AT, date(now));
+                        set.insert(f::LAST_ERROR, Bson::Null);
+                        set.insert(
+                            f::FINGERPRINT,
+                            doc! { "$ifNull": [format!("${}", f::LIST_FINGERPRINT), Bson::Null] },
+                        );
+                        set.insert(
+                            f::ETAG,
+                            column(&|m| match m {
+                                Mark::Done { validators, .. } => text(validators.etag.as_deref()),
+                                _ => Bson::Null,
+                            }),
+                        );
+                        set.insert(
+                            f::LAST_MODIFIED,
+                            column(&|m| match m {
+                                Mark::Done { validators, .. } => {
+                                    text(validators.last_modified.as_deref())
+                                }
+                                _ => Bson::Null,
+                            }),
+                        );
+                        set.insert(
+                            f::RECORD_ID,
+                            doc! { "$ifNull": [
+                                column(&|m| match m {
+                                    Mark::Done { record_id, .. } => text(record_id.as_deref()),
+                                    _ => Bson::Null,
+                                }),
+                                format!("${}", f::RECORD_ID),
+                            ] },
+                        );
+                    }
+                    1 => {
+                        set.insert(f::STATUS, UrlStatus::Failed.as_str());
+                        set.insert(f::DONE_AT, date(now));
+                        set.insert(
+                            f::LAST_ERROR,
+                            column(&|m| match m {
+                                Mark::Failed { reason } => Bson::String(reason.clone()),
+                                _ => Bson::Null,
+                            }),
+                        );
+                    }
+                    2 => give_back(&mut set),
+                    3 => {
+                        give_back(&mut set);
+                        set.insert(
+                            f::ATTEMPTS,
+                            doc! { "$subtract": [format!("${}", f::ATTEMPTS), 1_i64] },
+                        );
+                    }
+                    _ => {
+                        give_back(&mut set);
+                        set.insert(
+                            f::ATTEMPTS,
+                            doc! { "$subtract": [format!("${}", f::ATTEMPTS), 1_i64] },
+                        );
+                        set.insert(f::SHEDS, doc! { "$add": [format!("${}", f::SHEDS), 1_i64] });
+                    }
+                }
+                statements.push(doc! {
+                    "q": {
+                        f::ID: { "$in": &ids }, f::BOT: bot.as_str(),
+                        f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_TOKEN: *token,
+                    },
+                    "u": [ { "$set": set } ],
+                    "multi": true,
+                });
+            }
+        }
+        statements
+    }
+}
+
+impl Store {
+    async fn settle_one(&self, lease: &UrlLease, mark: Mark, now: DateTime<Utc>) -> Result<()> {
+        if self.settle_urls(&[(lease, mark)], now).await?[0] {
             Ok(())
         } else {
             Err(Error::UrlLeaseLost {
@@ -527,54 +1353,21 @@ impl Store {
         }
     }
 
-    /// The update that marks a leased URL done, keeping what the next pass needs: the page's
-    /// validators, its listing fingerprint and the record it produced.
-    pub(super) fn done_update(
-        lease: &UrlLease,
-        record_id: Option<&str>,
-        now: DateTime<Utc>,
-    ) -> Document {
-        let text = |v: Option<&str>| v.map_or(Bson::Null, |s| Bson::String(s.to_owned()));
-        let mut set = doc! {
-            "status": "done", "doneAt": date(now), "leaseOwner": Bson::Null,
-            "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": Bson::Null,
-            "etag": text(lease.validators.etag.as_deref()),
-            "lastModified": text(lease.validators.last_modified.as_deref()),
-            "fingerprint": text(lease.list_fingerprint.as_deref()),
-        };
-        if let Some(id) = record_id.or(lease.record_id.as_deref()) {
-            set.insert("recordId", id);
-        }
-        doc! { "$set": set }
-    }
-
     /// Marks a leased URL done — only if the lease is still this worker's.
     pub async fn complete_url(&self, lease: &UrlLease, now: DateTime<Utc>) -> Result<()> {
-        self.fenced_url(lease, "complete url", Self::done_update(lease, None, now))
-            .await
+        let mark = Mark::Done {
+            validators: lease.validators.clone(),
+            record_id: None,
+        };
+        self.settle_one(lease, mark, now).await
     }
 
-    /// The update that gives a leased URL back: pending again, or waiting until `not_before`,
-    /// with `reason` as its last error and `inc` applied to its counters.
-    fn give_back_update(
-        now: DateTime<Utc>,
-        not_before: DateTime<Utc>,
-        reason: &str,
-        inc: Option<Document>,
-    ) -> Document {
-        let status = if not_before <= now {
-            "pending"
-        } else {
-            "waiting"
+    /// Marks a leased URL failed with its reason — only if the lease is still this worker's.
+    pub async fn fail_url(&self, lease: &UrlLease, now: DateTime<Utc>, reason: &str) -> Result<()> {
+        let mark = Mark::Failed {
+            reason: reason.to_owned(),
         };
-        let mut update = doc! { "$set": {
-            "status": status, "notBefore": date(not_before), "leaseOwner": Bson::Null,
-            "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": reason,
-        } };
-        if let Some(inc) = inc {
-            update.insert("$inc", inc);
-        }
-        update
+        self.settle_one(lease, mark, now).await
     }
 
     /// Gives a leased URL back for another attempt no earlier than `not_before` — only if the
@@ -587,8 +1380,11 @@ impl Store {
         not_before: DateTime<Utc>,
         reason: &str,
     ) -> Result<()> {
-        let update = Self::give_back_update(now, not_before, reason, None);
-        self.fenced_url(lease, "retry url", update).await
+        let mark = Mark::Retry {
+            not_before,
+            reason: reason.to_owned(),
+        };
+        self.settle_one(lease, mark, now).await
     }
 
     /// Gives a leased URL back without counting the attempt (shutdown, a paused host): pending
@@ -600,34 +1396,21 @@ impl Store {
         not_before: DateTime<Utc>,
         reason: &str,
     ) -> Result<()> {
-        let inc = doc! { "attempts": -1_i64 };
-        let update = Self::give_back_update(now, not_before, reason, Some(inc));
-        self.fenced_url(lease, "release url", update).await
-    }
-
-    /// Defers a leased URL unfetched (load shedding) until `not_before`, counting the deferral
-    /// (a URL is shed at most once a pass) and not the attempt.
-    pub async fn shed_url(
-        &self,
-        lease: &UrlLease,
-        now: DateTime<Utc>,
-        not_before: DateTime<Utc>,
-    ) -> Result<()> {
-        let inc = doc! { "attempts": -1_i64, "sheds": 1_i64 };
-        let reason = "shed: its host is throttling";
-        let update = Self::give_back_update(now, not_before, reason, Some(inc));
-        self.fenced_url(lease, "shed url", update).await
+        let mark = Mark::Release {
+            not_before,
+            reason: reason.to_owned(),
+        };
+        self.settle_one(lease, mark, now).await
     }
 
     /// Makes the pass's waiting retries whose `notBefore` has come pending again (one write).
     pub async fn promote_due(&self, bot: &BotId, pass: i64, now: DateTime<Utc>) -> Result<u64> {
-        use futures_util::TryStreamExt;
         // The waiting entries are few: read them by the index, pick the due ones here.
         let waiting: Vec<Document> = self
             .bounded("read waiting retries", async {
                 self.frontier()
-                    .find(doc! { "botId": bot.as_str(), "pass": pass, "status": "waiting" })
-                    .projection(doc! { "notBefore": 1 })
+                    .find(status_filter(bot, pass, UrlStatus::Waiting))
+                    .projection(doc! { f::NOT_BEFORE: 1 })
                     .await?
                     .try_collect()
                     .await
@@ -635,18 +1418,16 @@ impl Store {
             .await?;
         let due: Vec<Bson> = waiting
             .iter()
-            .filter(
-                |d| matches!(d.get("notBefore"), Some(Bson::DateTime(t)) if t.to_chrono() <= now),
-            )
-            .filter_map(|d| d.get("_id").cloned())
+            .filter(|d| get_date(d, f::NOT_BEFORE).is_some_and(|t| t <= now))
+            .filter_map(|d| d.get(f::ID).cloned())
             .collect();
         if due.is_empty() {
             return Ok(0);
         }
         let frontier = self.frontier();
         let update = frontier.update_many(
-            doc! { "_id": { "$in": due }, "status": "waiting" },
-            doc! { "$set": { "status": "pending" } },
+            doc! { f::ID: { "$in": due }, f::BOT: bot.as_str(), f::STATUS: UrlStatus::Waiting.as_str() },
+            doc! { "$set": { f::STATUS: UrlStatus::Pending.as_str() } },
         );
         Ok(self
             .bounded("promote due retries", update)
@@ -659,37 +1440,36 @@ impl Store {
         &self,
         bot: &BotId,
         urls: &[&NormalizedUrl],
-    ) -> Result<std::collections::HashMap<String, KnownPage>> {
-        use futures_util::TryStreamExt;
+    ) -> Result<HashMap<String, KnownPage>> {
         let ids: Vec<String> = urls.iter().map(|u| url_id(bot, u)).collect();
-        let mut known = std::collections::HashMap::with_capacity(ids.len());
-        for chunk in ids.chunks(1000) {
+        self.known_by_id(bot, &ids).await
+    }
+
+    /// As [`Store::known_pages`], by frontier `_id`.
+    pub async fn known_by_id(
+        &self,
+        bot: &BotId,
+        ids: &[String],
+    ) -> Result<HashMap<String, KnownPage>> {
+        let mut known = HashMap::with_capacity(ids.len());
+        for chunk in ids.chunks(CHUNK) {
             let found: Vec<Document> = self
                 .bounded("read known pages", async {
                     self.frontier()
-                        .find(doc! { "_id": { "$in": chunk } })
-                        .projection(
-                            doc! { "pass": 1, "status": 1, "fingerprint": 1, "recordId": 1 },
-                        )
+                        .find(doc! { f::ID: { "$in": chunk }, f::BOT: bot.as_str() })
+                        .projection(doc! {
+                            f::PASS: 1, f::STATUS: 1, f::FINGERPRINT: 1, f::RECORD_ID: 1,
+                            f::ETAG: 1, f::LAST_MODIFIED: 1,
+                        })
                         .await?
                         .try_collect()
                         .await
                 })
                 .await?;
             for doc in found {
-                let Ok(id) = doc.get_str("_id") else { continue };
-                known.insert(
-                    id.to_owned(),
-                    KnownPage {
-                        pass: doc
-                            .get("pass")
-                            .and_then(crate::document::integer)
-                            .unwrap_or(0),
-                        status: doc.get_str("status").unwrap_or_default().to_owned(),
-                        fingerprint: doc.get_str("fingerprint").ok().map(str::to_owned),
-                        record_id: doc.get_str("recordId").ok().map(str::to_owned),
-                    },
-                );
+                if let Some(id) = get_text(&doc, f::ID) {
+                    known.insert(id, KnownPage::from_doc(&doc));
+                }
             }
         }
         Ok(known)
@@ -701,35 +1481,24 @@ impl Store {
             .bounded(
                 "highest pass",
                 self.frontier()
-                    .find_one(doc! { "botId": bot.as_str() })
-                    .sort(doc! { "botId": 1, "pass": -1 })
-                    .projection(doc! { "pass": 1 }),
+                    .find_one(doc! { f::BOT: bot.as_str() })
+                    .sort(doc! { f::BOT: 1, f::PASS: -1 })
+                    .projection(doc! { f::PASS: 1 }),
             )
             .await?;
-        Ok(top
-            .and_then(|d| d.get("pass").and_then(crate::document::integer))
-            .unwrap_or(0))
+        Ok(top.and_then(|d| get_int(&d, f::PASS)).unwrap_or(0))
     }
 
-    /// Marks a leased URL failed with its reason — only if the lease is still this worker's.
-    pub async fn fail_url(&self, lease: &UrlLease, now: DateTime<Utc>, reason: &str) -> Result<()> {
-        let update = doc! { "$set": {
-            "status": "failed", "doneAt": date(now), "leaseOwner": Bson::Null,
-            "leaseToken": Bson::Null, "leaseExpiresAt": Bson::Null, "lastError": reason,
-        } };
-        self.fenced_url(lease, "fail url", update).await
-    }
-
-    /// True while any URL of the pass is pending or leased (by anyone): two bounded index
+    /// True while any URL of the pass is pending, waiting or leased (by anyone): bounded index
     /// lookups, cheap enough for every idle worker, where [`Store::pass_progress`] counts all.
     pub async fn pass_has_work(&self, bot: &BotId, pass: i64) -> Result<bool> {
-        for status in ["pending", "leased", "waiting"] {
+        for status in [UrlStatus::Pending, UrlStatus::Leased, UrlStatus::Waiting] {
             let found = self
                 .bounded(
                     "pass has work",
                     self.frontier()
-                        .find_one(doc! { "botId": bot.as_str(), "pass": pass, "status": status })
-                        .projection(doc! { "_id": 1 }),
+                        .find_one(status_filter(bot, pass, status))
+                        .projection(doc! { f::ID: 1 }),
                 )
                 .await?;
             if found.is_some() {
@@ -739,8 +1508,6 @@ impl Store {
         Ok(false)
     }
 
-    /// Counts pass `pass`'s URLs by status (leases past their expiry still count as leased until
-    /// someone re-leases them: the pass waits for them).
     /// Up to `limit` failed URLs of a pass with their reasons (for `seedlock crawl`'s summary).
     pub async fn failed_urls(
         &self,
@@ -748,12 +1515,11 @@ impl Store {
         pass: i64,
         limit: i64,
     ) -> Result<Vec<(String, String)>> {
-        use futures_util::TryStreamExt;
         let failed: Vec<Document> = self
             .bounded("read failed urls", async {
                 self.frontier()
-                    .find(doc! { "botId": bot.as_str(), "pass": pass, "status": "failed" })
-                    .projection(doc! { "url": 1, "lastError": 1 })
+                    .find(status_filter(bot, pass, UrlStatus::Failed))
+                    .projection(doc! { f::URL: 1, f::LAST_ERROR: 1 })
                     .limit(limit)
                     .await?
                     .try_collect()
@@ -764,15 +1530,34 @@ impl Store {
             .iter()
             .map(|d| {
                 (
-                    d.get_str("url").unwrap_or("?").to_owned(),
-                    d.get_str("lastError").unwrap_or("").to_owned(),
+                    d.get_str(f::URL).unwrap_or("?").to_owned(),
+                    d.get_str(f::LAST_ERROR).unwrap_or("").to_owned(),
                 )
             })
             .collect())
     }
 
+    /// Counts pass `pass`'s URLs by status (leases past their expiry still count as leased until
+    /// someone re-leases them: the pass waits for them).
     pub async fn pass_progress(&self, bot: &BotId, pass: i64) -> Result<PassProgress> {
         // The same one aggregation that ends a pass; its coverage figures are not needed here.
         Ok(self.pass_coverage(bot, pass).await?.0)
     }
+}
+
+/// Leasing on enqueue ([`Store::enqueue_links`]): the first `first` links go to `me`.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseTo<'a> {
+    pub me: &'a InstanceId,
+    pub lease_for: Duration,
+    pub first: usize,
+}
+
+/// What [`Store::enqueue_links`] did.
+#[derive(Clone, Debug, Default)]
+pub struct Enqueued {
+    /// URLs inserted or reset into the pass.
+    pub added: u64,
+    /// The links leased to the caller as they were enqueued.
+    pub leased: Vec<UrlLease>,
 }

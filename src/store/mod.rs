@@ -70,9 +70,32 @@ pub struct ConnectError {
     pub reason: String,
 }
 
+/// Database commands this process sent, by command name (the driver's command monitoring): the
+/// round trips the crawl pays, for `seedlock_db_commands_total` and the benchmarks.
+#[derive(Debug, Default)]
+pub struct CommandCounts(std::sync::Mutex<std::collections::BTreeMap<String, u64>>);
+
+impl CommandCounts {
+    fn add(&self, name: &str) {
+        let mut counts = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match counts.get_mut(name) {
+            Some(n) => *n += 1,
+            None => {
+                counts.insert(name.to_owned(), 1);
+            }
+        }
+    }
+
+    /// Commands sent so far, by name.
+    pub fn snapshot(&self) -> std::collections::BTreeMap<String, u64> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Store {
     db: Database,
+    commands: std::sync::Arc<CommandCounts>,
     bots: Collection<Document>,
     /// Every operation is abandoned (as a transient failure) after this: a hung server must not
     /// hang a heartbeat or a shutdown.
@@ -130,6 +153,16 @@ impl Store {
             .await
             .map_err(|e| fail(format!("invalid URI: {e}")))?;
         options.app_name = Some("seedlock".into());
+        let commands = std::sync::Arc::new(CommandCounts::default());
+        {
+            let commands = commands.clone();
+            options.command_event_handler =
+                Some(mongodb::event::EventHandler::callback(move |event| {
+                    if let mongodb::event::command::CommandEvent::Started(started) = event {
+                        commands.add(&started.command_name);
+                    }
+                }));
+        }
         options.server_selection_timeout = Some(settings.connect_timeout);
         options.connect_timeout = Some(settings.connect_timeout);
         let client = Client::with_options(options).map_err(|e| fail(e.to_string()))?;
@@ -144,7 +177,15 @@ impl Store {
                 )),
                 _ => fail(e.to_string()),
             })?;
-        Ok(Store::new(db).with_op_timeout(settings.op_timeout))
+        let mut store = Store::new(db).with_op_timeout(settings.op_timeout);
+        store.commands = commands;
+        Ok(store)
+    }
+
+    /// The database commands this store's client sent, by name (empty for a store made from a
+    /// database handle of its caller's, [`Store::new`]).
+    pub fn command_counts(&self) -> std::collections::BTreeMap<String, u64> {
+        self.commands.snapshot()
     }
 
     pub fn new(db: Database) -> Store {
@@ -152,6 +193,7 @@ impl Store {
         Store {
             db,
             bots,
+            commands: Default::default(),
             op_timeout: DEFAULT_OP_TIMEOUT,
         }
     }
@@ -172,6 +214,23 @@ impl Store {
                 what,
                 after: self.op_timeout,
             }),
+        }
+    }
+
+    /// Runs one database command under the operation timeout, inside `session` when there is
+    /// one (a transaction).
+    pub(crate) async fn command(
+        &self,
+        what: &'static str,
+        command: Document,
+        session: Option<&mut mongodb::ClientSession>,
+    ) -> Result<Document> {
+        match session {
+            Some(session) => {
+                self.bounded(what, self.db.run_command(command).session(session))
+                    .await
+            }
+            None => self.bounded(what, self.db.run_command(command)).await,
         }
     }
 

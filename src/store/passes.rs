@@ -17,7 +17,7 @@
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
 
-use super::frontier::{NewUrl, PageKind, PassProgress};
+use super::frontier::{NewUrl, PageKind, PassProgress, UrlStatus};
 use super::Store;
 use crate::document::field;
 use crate::error::Result;
@@ -160,22 +160,22 @@ impl Store {
                 .max(0) as u64;
             let key = row.get_document("_id").cloned().unwrap_or_default();
             let kind = key.get_str("kind").ok().and_then(PageKind::parse);
-            let status = key.get_str("status").unwrap_or_default();
+            let status = key.get_str("status").ok().and_then(UrlStatus::parse);
             all += n;
             match status {
-                "pending" => progress.pending += n,
-                "waiting" => progress.waiting += n,
-                "leased" => progress.leased += n,
-                "done" => progress.done += n,
-                "failed" => {
+                Some(UrlStatus::Pending) => progress.pending += n,
+                Some(UrlStatus::Waiting) => progress.waiting += n,
+                Some(UrlStatus::Leased) => progress.leased += n,
+                Some(UrlStatus::Done) => progress.done += n,
+                Some(UrlStatus::Failed) => {
                     progress.failed += n;
                     failed += n;
                 }
-                _ => {}
+                None => {}
             }
-            if matches!(kind, Some(PageKind::List | PageKind::Seed)) {
+            if kind.is_some_and(PageKind::is_listing) {
                 lists += n;
-                if status == "done" {
+                if status == Some(UrlStatus::Done) {
                     lists_done += n;
                 }
             }
@@ -296,7 +296,7 @@ impl Store {
         since: DateTime<Utc>,
     ) -> Result<u64> {
         let filter = doc! {
-            "botId": bot.as_str(), "pass": { "$lt": pass }, "status": "done",
+            "botId": bot.as_str(), "pass": { "$lt": pass }, "status": UrlStatus::Done.as_str(),
             "kind": { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] },
             "doneAt": { "$gte": date(since) },
         };
@@ -318,7 +318,7 @@ impl Store {
     ) -> Result<Vec<NormalizedUrl>> {
         use futures_util::TryStreamExt;
         let filter = doc! {
-            "botId": bot.as_str(), "pass": { "$lt": pass }, "status": "done",
+            "botId": bot.as_str(), "pass": { "$lt": pass }, "status": UrlStatus::Done.as_str(),
             "kind": { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] },
             "doneAt": { "$gte": date(since) },
         };
@@ -402,7 +402,11 @@ impl Store {
             .bounded(
                 "oldest pending",
                 self.frontier()
-                    .find_one(doc! { "botId": bot.as_str(), "pass": pass, "status": "pending" })
+                    .find_one(super::frontier::status_filter(
+                        bot,
+                        pass,
+                        UrlStatus::Pending,
+                    ))
                     .sort(doc! { "enqueuedAt": 1 })
                     .projection(doc! { "enqueuedAt": 1 }),
             )

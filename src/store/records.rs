@@ -4,36 +4,55 @@
 //! A record is rewritten only when its content hash changes (`lastChanged` keeps its meaning).
 //! A fetched page whose content is unchanged costs one small `$set` (`lastSeenPass`, `lastSeen`,
 //! `fetchedAt`) in the same commit; items a pass sees without fetching them (listing pages, in
-//! fingerprint mode) are marked in batches ([`Store::mark_seen`]).
+//! fingerprint mode) are marked seen in one statement per commit.
 //!
-//! [`Store::commit_page`] stores a page's record and marks its URL done **together**: in one
-//! transaction where the server has them, or else record first (guarded by the lease time, so a
-//! stale worker cannot overwrite a newer result), then the fenced done mark. Either way a crash at
-//! any line leaves exactly one correct record per item: at worst the URL is fetched again and the
+//! [`Store::commit_batch`] is the **group commit**: the pages waiting in the store queue are
+//! committed together, the record of each and its URL's settle mark — on the ordered path, in
+//! three round trips for the whole batch: one read of the stored records, one write of the new
+//! and changed ones (new records in one `insert`, the rest in one `update` command whose every
+//! statement is a compare-and-swap on the stored version), one `update` with every fenced done /
+//! failed / retry mark. Only pages whose record write succeeded are marked; a page whose lease
+//! was lost keeps nothing but a record the newer lease's result supersedes, and the rest of the
+//! batch commits. With transactions, the batch is one transaction instead. Either way a crash at
+//! any line leaves exactly one correct record per item: at worst a URL is fetched again and its
 //! record rewritten with the same content, which is a no-op.
+
+use std::collections::{HashMap, HashSet};
 
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
 use mongodb::options::IndexOptions;
 use mongodb::{ClientSession, Collection, IndexModel};
 
-use super::frontier::UrlLease;
+use super::frontier::{settle_statements, Mark, UrlLease, FRONTIER};
 use super::Store;
-use crate::error::{is_duplicate_key, Error, Result};
+use crate::error::{Error, Result};
 use crate::ids::BotId;
 
 pub const RECORDS: &str = "records";
 
-/// Runs a driver action inside `session` when there is one (the transaction path), plainly
-/// otherwise.
-macro_rules! in_session {
-    ($action:expr, $session:expr) => {
-        match $session.as_deref_mut() {
-            Some(s) => $action.session(s).await,
-            None => $action.await,
-        }
-    };
+/// How many times a batch's records are read and written again when they change under concurrent
+/// writers (each time only the pages whose compare-and-swap lost).
+const ROUNDS: usize = 5;
+
+/// Record document field names.
+pub mod field {
+    pub const ID: &str = "_id";
+    pub const BOT: &str = "botId";
+    pub const NATURAL_KEY: &str = "naturalKey";
+    pub const URL: &str = "url";
+    pub const DATA: &str = "data";
+    pub const CONTENT_HASH: &str = "contentHash";
+    pub const FIRST_SEEN: &str = "firstSeen";
+    pub const LAST_CHANGED: &str = "lastChanged";
+    pub const LAST_SEEN: &str = "lastSeen";
+    pub const LAST_SEEN_PASS: &str = "lastSeenPass";
+    pub const FETCHED_AT: &str = "fetchedAt";
+    pub const REMOVED_AT: &str = "removedAt";
+    pub const REMOVED_IN_PASS: &str = "removedInPass";
 }
+
+use field as f;
 
 /// `records._id`: the same item gets the same id on every instance, every run.
 pub fn record_id(source: &str, natural_key: &str) -> String {
@@ -65,6 +84,12 @@ pub struct Extracted {
     pub data: Document,
 }
 
+impl Extracted {
+    pub fn id(&self) -> String {
+        record_id(self.bot.as_str(), &self.natural_key)
+    }
+}
+
 /// What storing a record did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecordWrite {
@@ -76,6 +101,245 @@ pub enum RecordWrite {
     Superseded,
 }
 
+/// One page of a group commit: its record (if it produced one), the records it shows exist or
+/// are gone, and how its URL's lease ends.
+#[derive(Clone, Debug)]
+pub struct PageCommit<'a> {
+    pub lease: &'a UrlLease,
+    pub record: Option<&'a Extracted>,
+    /// Records this page shows exist without a fetch of their own (a listing page's items that
+    /// were not fetched, a `304`'s record, a failed detail page's record): marked seen in the
+    /// lease's pass, so deletion detection leaves them alone.
+    pub seen: Vec<String>,
+    /// A record whose detail page answered 404/410: marked removed.
+    pub removed: Option<String>,
+    /// How the URL's lease ends. A `Done` carries the id of the record written here.
+    pub mark: Mark,
+}
+
+/// What a group commit did with one page.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Committed {
+    /// The record (if any) is stored and the URL's lease ended as marked.
+    Settled(Option<RecordWrite>),
+    /// The URL's lease went to another worker before the mark: its result wins. On the ordered
+    /// path this page's record may have been written (`Some`) — a newer lease's write replaces
+    /// it, and never the other way round (`fetchedAt`).
+    LeaseLost(Option<RecordWrite>),
+    /// Not committed (the record kept changing under concurrent writers): the URL stays leased
+    /// and is fetched again after its lease.
+    Failed(String),
+}
+
+/// A record write decided from the stored version.
+enum Plan {
+    Insert(Document),
+    /// A compare-and-swap on the version read: the statement, and what it does when it matches.
+    Swap(Document, RecordWrite),
+    Superseded,
+}
+
+fn date(at: DateTime<Utc>) -> Bson {
+    Bson::DateTime(bson::DateTime::from_chrono(at))
+}
+
+/// Decides a record's write from the stored version (`stored`: its `contentHash`, `fetchedAt`,
+/// `removedAt`). A compare-and-swap statement filters on exactly the version read; with
+/// `report_misses` it is an upsert, so that a swap that misses (the record changed since it was
+/// read) fails with a duplicate `_id` at its own index in the reply instead of passing silently.
+fn plan(
+    record: &Extracted,
+    lease: &UrlLease,
+    stored: Option<&Document>,
+    now: DateTime<Utc>,
+    report_misses: bool,
+) -> Plan {
+    let id = record.id();
+    let hash = content_hash(&record.data);
+    let fetched_at = date(lease.leased_at);
+    let now_b = date(now);
+    let Some(old) = stored else {
+        return Plan::Insert(doc! {
+            f::ID: &id, f::BOT: record.bot.as_str(), f::NATURAL_KEY: &record.natural_key,
+            f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: &hash,
+            f::FIRST_SEEN: now_b.clone(), f::LAST_CHANGED: now_b.clone(), f::LAST_SEEN: now_b.clone(),
+            f::LAST_SEEN_PASS: lease.pass, f::REMOVED_AT: Bson::Null, f::FETCHED_AT: fetched_at,
+        });
+    };
+    let newer_stored = matches!(old.get(f::FETCHED_AT), Some(Bson::DateTime(t)) if t.to_chrono() > lease.leased_at);
+    if newer_stored {
+        return Plan::Superseded;
+    }
+    let old_hash = old.get_str(f::CONTENT_HASH).unwrap_or_default().to_owned();
+    let read_at = old.get(f::FETCHED_AT).cloned().unwrap_or(Bson::Null);
+    let removed = !old
+        .get(f::REMOVED_AT)
+        .is_none_or(|v| matches!(v, Bson::Null));
+    // Equalities only, which every server answers from the `_id` lookup.
+    let filter = doc! { f::ID: &id, f::CONTENT_HASH: &old_hash, f::FETCHED_AT: read_at };
+    // What an upsert that only reports a miss would need to create a whole record (it never
+    // does: the `_id` exists, so the insert fails — unless the record was deleted meanwhile).
+    let mut on_insert = doc! {
+        f::BOT: record.bot.as_str(), f::NATURAL_KEY: &record.natural_key, f::FIRST_SEEN: now_b.clone(),
+    };
+    let (update, write) = if old_hash == hash && !removed {
+        // Same content: no rewrite, but record that this pass saw it (deletion detection) and
+        // move `fetchedAt` on, so an older lease cannot write over it. `$max`: a late commit from
+        // an older pass never moves `lastSeenPass` back.
+        on_insert.insert(f::URL, lease.url.as_str());
+        on_insert.insert(f::DATA, record.data.clone());
+        on_insert.insert(f::LAST_CHANGED, now_b.clone());
+        on_insert.insert(f::REMOVED_AT, Bson::Null);
+        (
+            doc! {
+                "$set": { f::FETCHED_AT: fetched_at, f::LAST_SEEN: now_b },
+                "$max": { f::LAST_SEEN_PASS: lease.pass },
+            },
+            RecordWrite::Unchanged,
+        )
+    } else {
+        let changed = old_hash != hash;
+        let mut set = doc! {
+            f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: &hash,
+            f::LAST_SEEN: now_b.clone(), f::REMOVED_AT: Bson::Null, f::FETCHED_AT: fetched_at,
+        };
+        if changed {
+            set.insert(f::LAST_CHANGED, now_b);
+        } else {
+            on_insert.insert(f::LAST_CHANGED, now_b);
+        }
+        (
+            doc! { "$set": set, "$max": { f::LAST_SEEN_PASS: lease.pass } },
+            if changed {
+                RecordWrite::Changed
+            } else {
+                RecordWrite::Unchanged
+            },
+        )
+    };
+    let mut update = update;
+    if report_misses {
+        update.insert("$setOnInsert", on_insert);
+    }
+    let mut statement = doc! { "q": filter, "u": update };
+    if report_misses {
+        statement.insert("upsert", true);
+    }
+    Plan::Swap(statement, write)
+}
+
+/// Splits a batch's pages (their indexes; `ids`: each one's record id) into waves in which no record id appears twice: two pages of
+/// one batch that produced the same item are written one after the other.
+fn waves(ids: &[Option<String>]) -> Vec<Vec<usize>> {
+    let mut waves: Vec<(HashSet<&str>, Vec<usize>)> = Vec::new();
+    for (i, id) in ids.iter().enumerate() {
+        match id.as_deref() {
+            None => match waves.first_mut() {
+                Some((_, members)) => members.push(i),
+                None => waves.push((HashSet::new(), vec![i])),
+            },
+            Some(id) => match waves.iter_mut().find(|(seen, _)| !seen.contains(id)) {
+                Some((seen, members)) => {
+                    seen.insert(id);
+                    members.push(i);
+                }
+                None => waves.push((HashSet::from([id]), vec![i])),
+            },
+        }
+    }
+    waves.into_iter().map(|(_, members)| members).collect()
+}
+
+/// The statements that mark the `seen` records of `pages` seen in their pass and the `removed`
+/// ones removed (idempotent: filtered on `lastSeenPass < pass` and `removedAt: null`).
+fn seen_and_removed(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Document> {
+    let mut by_pass: HashMap<i64, Vec<&str>> = HashMap::new();
+    let mut statements = Vec::new();
+    for page in pages {
+        by_pass
+            .entry(page.lease.pass)
+            .or_default()
+            .extend(page.seen.iter().map(String::as_str));
+        if let Some(id) = &page.removed {
+            statements.push(doc! {
+                "q": { f::ID: id.as_str(), f::REMOVED_AT: Bson::Null },
+                "u": { "$set": { f::REMOVED_AT: date(now), f::REMOVED_IN_PASS: page.lease.pass } },
+            });
+        }
+    }
+    for (pass, ids) in by_pass {
+        for chunk in ids.chunks(1000).filter(|c| !c.is_empty()) {
+            statements.push(doc! {
+                "q": { f::ID: { "$in": chunk }, f::LAST_SEEN_PASS: { "$lt": pass } },
+                "u": { "$set": { f::LAST_SEEN_PASS: pass, f::LAST_SEEN: date(now) } },
+                "multi": true,
+            });
+        }
+    }
+    statements
+}
+
+fn write_error_indexes(what: &'static str, reply: &Document) -> Result<HashSet<usize>> {
+    let mut duplicates = HashSet::new();
+    if let Ok(errors) = reply.get_array("writeErrors") {
+        for error in errors {
+            let error = error.as_document();
+            let code = error
+                .and_then(|e| e.get("code"))
+                .and_then(crate::document::integer);
+            let index = error
+                .and_then(|e| e.get("index"))
+                .and_then(crate::document::integer);
+            match (code, index) {
+                (Some(11000), Some(i)) => {
+                    duplicates.insert(i as usize);
+                }
+                _ => {
+                    return Err(Error::Protocol {
+                        what,
+                        detail: format!("{error:?}"),
+                    })
+                }
+            }
+        }
+    }
+    Ok(duplicates)
+}
+
+fn reply_count(reply: &Document) -> usize {
+    reply
+        .get("n")
+        .and_then(crate::document::integer)
+        .unwrap_or(0)
+        .max(0) as usize
+}
+
+fn cursor_docs(reply: &Document) -> Vec<Document> {
+    reply
+        .get_document("cursor")
+        .and_then(|c| c.get_array("firstBatch"))
+        .map(|a| a.iter().filter_map(|d| d.as_document().cloned()).collect())
+        .unwrap_or_default()
+}
+
+/// Why a transaction attempt stopped.
+enum Abort {
+    /// Try the whole batch again (a conflict, a record that changed, a lease lost meanwhile).
+    Again,
+    Fail(Error),
+}
+
+impl From<Error> for Abort {
+    fn from(e: Error) -> Self {
+        match &e {
+            Error::Db(db) if db.contains_label("TransientTransactionError") => Abort::Again,
+            _ if crate::error::is_write_conflict(&e) => Abort::Again,
+            Error::Db(db) if crate::error::is_duplicate_key(db) => Abort::Again,
+            _ => Abort::Fail(e),
+        }
+    }
+}
+
 impl Store {
     pub(super) fn records(&self) -> Collection<Document> {
         self.database().collection(RECORDS)
@@ -84,7 +348,7 @@ impl Store {
     /// Creates the records' indexes (idempotent): deletion detection scans by bot and pass.
     pub async fn ensure_record_indexes(&self) -> Result<()> {
         let index = IndexModel::builder()
-            .keys(doc! { "botId": 1, "lastSeenPass": 1 })
+            .keys(doc! { f::BOT: 1, f::LAST_SEEN_PASS: 1 })
             .options(
                 IndexOptions::builder()
                     .name("bot_last_seen_pass".to_owned())
@@ -96,8 +360,8 @@ impl Store {
         Ok(())
     }
 
-    /// Stores the page's record (if any) and marks its URL done, together. `transaction` chooses
-    /// the path (see the module comment). `UrlLeaseLost` when the lease went to another worker:
+    /// Stores the page's record (if any) and marks its URL done, together: a group commit of one
+    /// page (see [`Store::commit_batch`]). `UrlLeaseLost` when the lease went to another worker:
     /// then nothing of this page was kept on the transaction path, and on the other path only a
     /// record the newer worker's result supersedes.
     pub async fn commit_page(
@@ -107,217 +371,426 @@ impl Store {
         now: DateTime<Utc>,
         transaction: bool,
     ) -> Result<Option<RecordWrite>> {
-        let record_id = record.map(|r| record_id(r.bot.as_str(), &r.natural_key));
-        let done = Self::done_update(lease, record_id.as_deref(), now);
-        if transaction {
-            if let Some(result) = self.commit_in_transaction(lease, record, &done, now).await {
-                return result;
-            }
-            // The transaction kept conflicting — with one a killed process left open, say, which
-            // the server ends only at its transaction lifetime limit. The ordered path gives the
-            // same guarantee without waiting for it, and keeps the page already fetched.
-            tracing::warn!(url = %lease.url, "transactions keep conflicting; committing this page in order instead");
-        }
-        let write = match record {
-            Some(r) => Some(self.upsert_record(r, lease, now, None).await?),
-            None => None,
+        let page = PageCommit {
+            lease,
+            record,
+            seen: Vec::new(),
+            removed: None,
+            mark: Mark::Done {
+                validators: lease.validators.clone(),
+                record_id: None,
+            },
         };
-        self.fenced_url(lease, "complete url", done).await?;
-        Ok(write)
-    }
-
-    /// The transaction path of [`Store::commit_page`]; `None` when it conflicted on every attempt.
-    async fn commit_in_transaction(
-        &self,
-        lease: &UrlLease,
-        record: Option<&Extracted>,
-        done: &Document,
-        now: DateTime<Utc>,
-    ) -> Option<Result<Option<RecordWrite>>> {
-        // A transaction that fails with a transient label is retried from the start, a few times.
-        for attempt in 1..=5 {
-            let mut session = match self
-                .bounded("start session", self.database().client().start_session())
-                .await
-            {
-                Ok(session) => session,
-                Err(e) => return Some(Err(e)),
-            };
-            if let Err(e) = self
-                .bounded("start transaction", session.start_transaction())
-                .await
-            {
-                return Some(Err(e));
-            }
-            // The record first, the fenced done mark last: when the fence matches nothing the
-            // transaction is aborted and the record write rolls back with it.
-            let result = async {
-                let write = match record {
-                    Some(r) => Some(
-                        self.upsert_record(r, lease, now, Some(&mut session))
-                            .await?,
-                    ),
-                    None => None,
-                };
-                let fenced = self
-                    .frontier()
-                    .update_one(Self::lease_fence(lease), done.clone())
-                    .session(&mut session)
-                    .await?;
-                if fenced.matched_count != 1 {
-                    return Err(Error::UrlLeaseLost {
-                        url: lease.url.to_string(),
-                    });
-                }
-                // A commit whose outcome is unknown (a network blip) is retried as it is: the
-                // server applies a transaction's commit at most once.
-                let mut unknown = 0;
-                loop {
-                    match session.commit_transaction().await {
-                        Ok(()) => break,
-                        Err(e)
-                            if e.contains_label("UnknownTransactionCommitResult")
-                                && unknown < 3 =>
-                        {
-                            unknown += 1;
-                        }
-                        Err(e) => return Err(e.into()),
-                    }
-                }
-                Ok(write)
-            };
-            let result = self.bounded_result("commit page", result).await;
-            if result.is_err() {
-                // Best effort: the server also aborts a transaction whose session goes away.
-                let _ = tokio::time::timeout(self.op_timeout, session.abort_transaction()).await;
-            }
-            match result {
-                Err(Error::Db(e)) if e.contains_label("TransientTransactionError") => {
-                    // Another transaction holds a document this one writes: back off a little.
-                    tokio::time::sleep(crate::backoff::full_jitter(
-                        std::time::Duration::from_millis(10),
-                        std::time::Duration::from_millis(500),
-                        attempt,
-                    ))
-                    .await;
-                }
-                other => return Some(other),
-            }
-        }
-        None
-    }
-
-    /// Runs a multi-step future under the operation timeout.
-    async fn bounded_result<T>(
-        &self,
-        what: &'static str,
-        work: impl std::future::Future<Output = Result<T>>,
-    ) -> Result<T> {
-        match tokio::time::timeout(self.op_timeout * 3, work).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::Timeout {
-                what,
-                after: self.op_timeout * 3,
+        match self
+            .commit_batch(std::slice::from_ref(&page), now, transaction)
+            .await?
+            .remove(0)
+        {
+            Committed::Settled(write) => Ok(write),
+            Committed::LeaseLost(_) => Err(Error::UrlLeaseLost {
+                url: lease.url.to_string(),
+            }),
+            Committed::Failed(detail) => Err(Error::Protocol {
+                what: "store record",
+                detail,
             }),
         }
     }
 
-    /// Inserts, changes or leaves a record, guarded so a result from an older lease never
-    /// replaces one from a newer lease (`fetchedAt` is the lease time).
-    async fn upsert_record(
+    /// The group commit: every page's record, the records it shows seen or gone, and its URL's
+    /// settle mark — fenced on its lease — for the whole batch at once. `transaction` chooses the
+    /// path: one transaction for the batch (retried as a whole on a conflict, the pages kept;
+    /// after five conflicts in a row the batch is committed in order instead), or in order —
+    /// records first (guarded by the lease time, so an older lease's result never replaces a
+    /// newer one), then the marks. Returns what became of each page, in order.
+    pub async fn commit_batch(
         &self,
-        record: &Extracted,
-        lease: &UrlLease,
+        pages: &[PageCommit<'_>],
         now: DateTime<Utc>,
-        mut session: Option<&mut ClientSession>,
-    ) -> Result<RecordWrite> {
-        let id = record_id(record.bot.as_str(), &record.natural_key);
-        let hash = content_hash(&record.data);
-        let fetched_at = Bson::DateTime(bson::DateTime::from_chrono(lease.leased_at));
-        let now_b = Bson::DateTime(bson::DateTime::from_chrono(now));
-        let records = self.records();
-        for _ in 0..5 {
-            let find = records.find_one(doc! { "_id": &id });
-            let existing = in_session!(find, session)?;
-            match existing {
-                None => {
-                    let full = doc! {
-                        "_id": &id, "botId": record.bot.as_str(), "naturalKey": &record.natural_key,
-                        "url": lease.url.as_str(), "data": record.data.clone(), "contentHash": &hash,
-                        "firstSeen": now_b.clone(), "lastChanged": now_b.clone(), "lastSeen": now_b.clone(),
-                        "lastSeenPass": lease.pass, "removedAt": Bson::Null, "fetchedAt": fetched_at.clone(),
-                    };
-                    let insert = records.insert_one(full);
-                    let inserted = in_session!(insert, session);
-                    match inserted {
-                        Ok(_) => return Ok(RecordWrite::Inserted),
-                        // Another worker inserted it first: read it and decide again.
-                        Err(e) if is_duplicate_key(&e) && session.is_none() => continue,
-                        Err(e) => return Err(e.into()),
+        transaction: bool,
+    ) -> Result<Vec<Committed>> {
+        if pages.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<Option<String>> = pages.iter().map(|p| p.record.map(Extracted::id)).collect();
+        let mut out = vec![None; pages.len()];
+        for wave in waves(&ids) {
+            let committed = if transaction {
+                match self.commit_in_transaction(pages, &ids, &wave, now).await? {
+                    Some(done) => done,
+                    None => {
+                        // A transaction a killed process left open holds a document until the
+                        // server ends it: the ordered path gives the same guarantee without
+                        // waiting, and keeps the pages already fetched.
+                        tracing::warn!(
+                            pages = wave.len(),
+                            "transactions keep conflicting; committing this batch in order instead"
+                        );
+                        self.commit_ordered(pages, &ids, &wave, now).await?
                     }
                 }
-                Some(old) => {
-                    let old_hash = old.get_str("contentHash").unwrap_or_default().to_owned();
-                    let newer_stored = matches!(old.get("fetchedAt"), Some(Bson::DateTime(t)) if t.to_chrono() > lease.leased_at);
-                    if newer_stored {
-                        return Ok(RecordWrite::Superseded);
+            } else {
+                self.commit_ordered(pages, &ids, &wave, now).await?
+            };
+            for (i, c) in wave.iter().zip(committed) {
+                out[*i] = Some(c);
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|c| c.unwrap_or_else(|| Committed::Failed("not committed".into())))
+            .collect())
+    }
+
+    /// The stored versions of `ids` (their `contentHash`, `fetchedAt`, `removedAt`).
+    async fn stored_versions(
+        &self,
+        bot: &BotId,
+        ids: &[&str],
+        session: Option<&mut ClientSession>,
+    ) -> Result<HashMap<String, Document>> {
+        if ids.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let find = doc! {
+            "find": RECORDS,
+            "filter": { f::ID: { "$in": ids }, f::BOT: bot.as_str() },
+            "projection": { f::CONTENT_HASH: 1, f::FETCHED_AT: 1, f::REMOVED_AT: 1 },
+            "batchSize": i64::try_from(ids.len()).unwrap_or(i64::MAX),
+        };
+        let reply = self.command("read records", find, session).await?;
+        Ok(cursor_docs(&reply)
+            .into_iter()
+            .filter_map(|d| Some((d.get_str(f::ID).ok()?.to_owned(), d)))
+            .collect())
+    }
+
+    /// The ordered path for one wave: records (rounds of read + write while compare-and-swaps
+    /// lose), then the marks of the pages whose record is settled.
+    async fn commit_ordered(
+        &self,
+        pages: &[PageCommit<'_>],
+        ids: &[Option<String>],
+        wave: &[usize],
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Committed>> {
+        let mut writes: HashMap<usize, RecordWrite> = HashMap::new();
+        let mut todo: Vec<usize> = wave
+            .iter()
+            .copied()
+            .filter(|i| pages[*i].record.is_some())
+            .collect();
+        let members: Vec<&PageCommit<'_>> = wave.iter().map(|i| &pages[*i]).collect();
+        let mut extra = seen_and_removed(&members, now);
+        for _ in 0..ROUNDS {
+            if todo.is_empty() && extra.is_empty() {
+                break;
+            }
+            let bot = &pages[wave[0]].lease.bot;
+            let wanted: Vec<&str> = todo.iter().filter_map(|i| ids[*i].as_deref()).collect();
+            let stored = self.stored_versions(bot, &wanted, None).await?;
+            let mut inserts: Vec<(usize, Document)> = Vec::new();
+            let mut swaps: Vec<(usize, Document, RecordWrite)> = Vec::new();
+            for i in &todo {
+                let page = &pages[*i];
+                let record = page.record.expect("pages to write have records");
+                let id = ids[*i].as_deref().unwrap_or_default();
+                match plan(record, page.lease, stored.get(id), now, true) {
+                    Plan::Insert(doc) => inserts.push((*i, doc)),
+                    Plan::Swap(statement, write) => swaps.push((*i, statement, write)),
+                    Plan::Superseded => {
+                        writes.insert(*i, RecordWrite::Superseded);
                     }
-                    // Compare-and-swap on the version read: its hash and its `fetchedAt`
-                    // (equalities only, which every server answers from the `_id` lookup).
-                    let read_at = old.get("fetchedAt").cloned().unwrap_or(Bson::Null);
-                    let guard = doc! { "fetchedAt": read_at.clone() };
-                    if old_hash == hash
-                        && old.get("removedAt").is_none_or(|v| matches!(v, Bson::Null))
-                    {
-                        // Same content: no rewrite, but record that this pass saw it (deletion
-                        // detection) and move `fetchedAt` on, so an older lease cannot write over it.
-                        let mut filter = doc! { "_id": &id, "contentHash": &hash };
-                        filter.extend(guard.clone());
-                        // `$max`: a late commit from an older pass never moves `lastSeenPass` back.
-                        let seen = doc! {
-                            "$set": { "fetchedAt": fetched_at.clone(), "lastSeen": now_b.clone() },
-                            "$max": { "lastSeenPass": lease.pass },
-                        };
-                        let update = records.update_one(filter, seen);
-                        let result = in_session!(update, session)?;
-                        if result.matched_count == 1 {
-                            return Ok(RecordWrite::Unchanged);
+                }
+            }
+            let mut statements: Vec<Document> = swaps.iter().map(|(_, s, _)| s.clone()).collect();
+            statements.append(&mut extra);
+            let insert = async {
+                if inserts.is_empty() {
+                    return Ok(HashSet::new());
+                }
+                let docs: Vec<&Document> = inserts.iter().map(|(_, d)| d).collect();
+                let reply = self
+                    .command(
+                        "insert records",
+                        doc! { "insert": RECORDS, "documents": docs, "ordered": false },
+                        None,
+                    )
+                    .await?;
+                write_error_indexes("insert records", &reply)
+            };
+            let update = async {
+                if statements.is_empty() {
+                    return Ok(HashSet::new());
+                }
+                let reply = self
+                    .command(
+                        "write records",
+                        doc! { "update": RECORDS, "updates": &statements, "ordered": false },
+                        None,
+                    )
+                    .await?;
+                write_error_indexes("write records", &reply)
+            };
+            let (lost_inserts, lost_swaps) = tokio::try_join!(insert, update)?;
+            let mut again = Vec::new();
+            // A duplicate `_id` on an insert: another worker stored the item first. On a swap: the
+            // record changed since it was read. Either way, read it and decide again.
+            for (n, (i, _)) in inserts.iter().enumerate() {
+                if lost_inserts.contains(&n) {
+                    again.push(*i);
+                } else {
+                    writes.insert(*i, RecordWrite::Inserted);
+                }
+            }
+            for (n, (i, _, write)) in swaps.iter().enumerate() {
+                if lost_swaps.contains(&n) {
+                    again.push(*i);
+                } else {
+                    writes.insert(*i, *write);
+                }
+            }
+            todo = again;
+        }
+        let mut marks: Vec<(&UrlLease, Mark)> = Vec::new();
+        let mut marked: Vec<usize> = Vec::new();
+        for i in wave {
+            if todo.contains(i) {
+                continue;
+            }
+            marks.push((pages[*i].lease, mark_of(&pages[*i], ids[*i].as_deref())));
+            marked.push(*i);
+        }
+        let applied = self.settle_urls(&marks, now).await?;
+        let by_page: HashMap<usize, bool> = marked.into_iter().zip(applied).collect();
+        Ok(wave
+            .iter()
+            .map(|i| match by_page.get(i) {
+                Some(true) => Committed::Settled(writes.get(i).copied()),
+                Some(false) => Committed::LeaseLost(writes.get(i).copied()),
+                None => Committed::Failed(format!(
+                    "record {} kept changing under concurrent writers",
+                    ids[*i].as_deref().unwrap_or("?")
+                )),
+            })
+            .collect())
+    }
+
+    /// The transaction path for one wave: `None` when it conflicted on every attempt.
+    async fn commit_in_transaction(
+        &self,
+        pages: &[PageCommit<'_>],
+        ids: &[Option<String>],
+        wave: &[usize],
+        now: DateTime<Utc>,
+    ) -> Result<Option<Vec<Committed>>> {
+        for attempt in 1..=ROUNDS as u32 {
+            let mut session = self
+                .bounded("start session", self.database().client().start_session())
+                .await?;
+            self.bounded("start transaction", session.start_transaction())
+                .await?;
+            let result = self
+                .bounded_result(
+                    "commit batch",
+                    self.transaction_attempt(&mut session, pages, ids, wave, now),
+                )
+                .await;
+            match result {
+                Ok(committed) => return Ok(Some(committed)),
+                Err(abort) => {
+                    // Best effort: the server also aborts a transaction whose session goes away.
+                    let _ =
+                        tokio::time::timeout(self.op_timeout, session.abort_transaction()).await;
+                    match abort {
+                        Abort::Again => {
+                            tokio::time::sleep(crate::backoff::full_jitter(
+                                std::time::Duration::from_millis(10),
+                                std::time::Duration::from_millis(500),
+                                attempt,
+                            ))
+                            .await;
                         }
-                        continue;
+                        Abort::Fail(e) => return Err(e),
                     }
-                    let filter = doc! {
-                        "_id": &id, "contentHash": &old_hash,
-                        "fetchedAt": read_at,
-                    };
-                    let changed = old_hash != hash;
-                    let mut set = doc! {
-                        "url": lease.url.as_str(), "data": record.data.clone(), "contentHash": &hash,
-                        "lastSeen": now_b.clone(), "removedAt": Bson::Null,
-                        "fetchedAt": fetched_at.clone(),
-                    };
-                    if changed {
-                        set.insert("lastChanged", now_b.clone());
-                    }
-                    let update = records.update_one(
-                        filter,
-                        doc! { "$set": set, "$max": { "lastSeenPass": lease.pass } },
-                    );
-                    let result = in_session!(update, session)?;
-                    if result.matched_count == 1 {
-                        return Ok(if changed {
-                            RecordWrite::Changed
-                        } else {
-                            RecordWrite::Unchanged
-                        });
-                    }
-                    // The record changed between our read and our write: decide again.
                 }
             }
         }
-        Err(Error::Protocol {
-            what: "store record",
-            detail: format!("record {id} kept changing under concurrent writers"),
-        })
+        Ok(None)
+    }
+
+    /// One attempt of a batch's transaction: read the leases (a lost one is left out), read and
+    /// write the records, mark the URLs, commit.
+    async fn transaction_attempt(
+        &self,
+        session: &mut ClientSession,
+        pages: &[PageCommit<'_>],
+        ids: &[Option<String>],
+        wave: &[usize],
+        now: DateTime<Utc>,
+    ) -> std::result::Result<Vec<Committed>, Abort> {
+        let bot = &pages[wave[0]].lease.bot;
+        let urls: Vec<&str> = wave.iter().map(|i| pages[*i].lease.id.as_str()).collect();
+        let fences = self
+            .command(
+                "read leases",
+                doc! {
+                    "find": FRONTIER,
+                    "filter": { "_id": { "$in": &urls }, "botId": bot.as_str() },
+                    "projection": { "status": 1, "leaseToken": 1 },
+                    "batchSize": i64::try_from(urls.len()).unwrap_or(i64::MAX),
+                },
+                Some(session),
+            )
+            .await?;
+        let tokens: HashMap<String, Option<String>> = cursor_docs(&fences)
+            .into_iter()
+            .filter_map(|d| {
+                let leased = d.get_str("status").ok() == Some("leased");
+                let token = leased
+                    .then(|| d.get_str("leaseToken").ok().map(str::to_owned))
+                    .flatten();
+                Some((d.get_str("_id").ok()?.to_owned(), token))
+            })
+            .collect();
+        let alive: Vec<usize> = wave
+            .iter()
+            .copied()
+            .filter(|i| {
+                let lease = pages[*i].lease;
+                tokens.get(&lease.id).and_then(|t| t.as_deref()) == Some(lease.token.as_str())
+            })
+            .collect();
+        let with_records: Vec<usize> = alive
+            .iter()
+            .copied()
+            .filter(|i| pages[*i].record.is_some())
+            .collect();
+        let wanted: Vec<&str> = with_records
+            .iter()
+            .filter_map(|i| ids[*i].as_deref())
+            .collect();
+        let stored = self.stored_versions(bot, &wanted, Some(session)).await?;
+        let mut writes: HashMap<usize, RecordWrite> = HashMap::new();
+        let mut inserts = Vec::new();
+        let mut swaps = Vec::new();
+        for i in &with_records {
+            let page = &pages[*i];
+            let record = page.record.expect("filtered on records");
+            match plan(
+                record,
+                page.lease,
+                stored.get(ids[*i].as_deref().unwrap_or_default()),
+                now,
+                false,
+            ) {
+                Plan::Insert(doc) => {
+                    inserts.push(doc);
+                    writes.insert(*i, RecordWrite::Inserted);
+                }
+                Plan::Swap(statement, write) => {
+                    swaps.push(statement);
+                    writes.insert(*i, write);
+                }
+                Plan::Superseded => {
+                    writes.insert(*i, RecordWrite::Superseded);
+                }
+            }
+        }
+        if !inserts.is_empty() {
+            let reply = self
+                .command(
+                    "insert records",
+                    doc! { "insert": RECORDS, "documents": inserts, "ordered": true },
+                    Some(session),
+                )
+                .await?;
+            if !write_error_indexes("insert records", &reply)?.is_empty() {
+                return Err(Abort::Again);
+            }
+        }
+        if !swaps.is_empty() {
+            let expected = swaps.len();
+            let reply = self
+                .command(
+                    "write records",
+                    doc! { "update": RECORDS, "updates": swaps, "ordered": true },
+                    Some(session),
+                )
+                .await?;
+            write_error_indexes("write records", &reply)?;
+            // A swap that matched nothing: the record changed since this transaction read it.
+            if reply_count(&reply) != expected {
+                return Err(Abort::Again);
+            }
+        }
+        let members: Vec<&PageCommit<'_>> = alive.iter().map(|i| &pages[*i]).collect();
+        let extra = seen_and_removed(&members, now);
+        if !extra.is_empty() {
+            self.command(
+                "mark records",
+                doc! { "update": RECORDS, "updates": extra, "ordered": true },
+                Some(session),
+            )
+            .await?;
+        }
+        let marks: Vec<(&UrlLease, Mark)> = alive
+            .iter()
+            .map(|i| (pages[*i].lease, mark_of(&pages[*i], ids[*i].as_deref())))
+            .collect();
+        if !marks.is_empty() {
+            let statements = settle_statements(&marks, now, &super::frontier::new_token());
+            let reply = self
+                .command(
+                    "settle urls",
+                    doc! { "update": FRONTIER, "updates": statements, "ordered": true },
+                    Some(session),
+                )
+                .await?;
+            write_error_indexes("settle urls", &reply)?;
+            // A lease lost since this transaction read it.
+            if reply_count(&reply) != marks.len() {
+                return Err(Abort::Again);
+            }
+        }
+        // A commit whose outcome is unknown (a network blip) is retried as it is: the server
+        // applies a transaction's commit at most once.
+        let mut unknown = 0;
+        loop {
+            match session.commit_transaction().await {
+                Ok(()) => break,
+                Err(e) if e.contains_label("UnknownTransactionCommitResult") && unknown < 3 => {
+                    unknown += 1;
+                }
+                Err(e) => return Err(Error::from(e).into()),
+            }
+        }
+        let alive: HashSet<usize> = alive.into_iter().collect();
+        Ok(wave
+            .iter()
+            .map(|i| {
+                if alive.contains(i) {
+                    Committed::Settled(writes.get(i).copied())
+                } else {
+                    Committed::LeaseLost(None)
+                }
+            })
+            .collect())
+    }
+
+    /// Runs a multi-step future under the operation timeout.
+    async fn bounded_result<T, E: From<Error>>(
+        &self,
+        what: &'static str,
+        work: impl std::future::Future<Output = std::result::Result<T, E>>,
+    ) -> std::result::Result<T, E> {
+        match tokio::time::timeout(self.op_timeout * 3, work).await {
+            Ok(result) => result,
+            Err(_) => Err(E::from(Error::Timeout {
+                what,
+                after: self.op_timeout * 3,
+            })),
+        }
     }
 
     /// Whether the server runs multi-document transactions (`crawl.transactions = "auto"`): one
@@ -327,7 +800,7 @@ impl Store {
             let mut session = self.database().client().start_session().await?;
             session.start_transaction().await?;
             self.records()
-                .find_one(doc! { "_id": "__seedlock_probe" })
+                .find_one(doc! { f::ID: "__seedlock_probe" })
                 .session(&mut session)
                 .await?;
             session.abort_transaction().await
@@ -346,9 +819,20 @@ impl Store {
         }
         let records = self.records();
         let update = records.update_many(
-            doc! { "_id": { "$in": ids }, "lastSeenPass": { "$lt": pass } },
-            doc! { "$set": { "lastSeenPass": pass, "lastSeen": Bson::DateTime(bson::DateTime::from_chrono(now)) } },
+            doc! { f::ID: { "$in": ids }, f::LAST_SEEN_PASS: { "$lt": pass } },
+            doc! { "$set": { f::LAST_SEEN_PASS: pass, f::LAST_SEEN: date(now) } },
         );
         Ok(self.bounded("mark seen", update).await?.modified_count)
+    }
+}
+
+/// A page's mark, with the id of the record it wrote on a `Done`.
+fn mark_of(page: &PageCommit<'_>, record_id: Option<&str>) -> Mark {
+    match (&page.mark, record_id) {
+        (Mark::Done { validators, .. }, Some(id)) => Mark::Done {
+            validators: validators.clone(),
+            record_id: Some(id.to_owned()),
+        },
+        (mark, _) => mark.clone(),
     }
 }

@@ -1,0 +1,424 @@
+//! Dispatch and fetch: leased URLs wait in per-host queues (seeds and listing pages at the
+//! front) until their host's limiter admits them ([`Flow::try_admit`], with the host's fair
+//! share of the fetch slots) and a fetch slot and an uncommitted-page permit are free; then one
+//! task per URL reads robots.txt (once per host) and fetches the page.
+//!
+//! [`HostQueues`] is shared with the settle stage, which puts the links it leased on enqueue
+//! straight into it: room is counted here, per host ([`Flow::queue_target`]) and in all (at most
+//! `crawl.host_queue` URLs waiting), with room *reserved* for links whose enqueue is on its way.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::Crawler;
+use crate::fetch::{FetchOutcome, Validators};
+use crate::flow::{Admission, Busy, HostPermit, Signal};
+use crate::robots::Verdict;
+use crate::stages::Ticket;
+use crate::store::frontier::{PageKind, UrlLease};
+
+/// How far ahead a host's queue is filled: enough URLs for this long at its pace.
+const QUEUE_HORIZON: Duration = Duration::from_millis(100);
+
+/// A fetch stage's answer for one leased URL.
+#[derive(Debug)]
+pub enum Fetched {
+    Outcome(FetchOutcome),
+    /// robots.txt disallows the URL.
+    Disallowed,
+    /// robots.txt could not be read: the host is paused and the URL goes back without an
+    /// attempt counted.
+    HostPaused {
+        wait: Duration,
+        reason: String,
+    },
+    /// Shutdown came first: the URL goes back.
+    Released,
+}
+
+/// A leased URL waiting for its host.
+#[derive(Debug)]
+pub struct Queued {
+    pub lease: UrlLease,
+    pub ticket: Ticket,
+}
+
+#[derive(Debug, Default)]
+struct HostQueue {
+    items: VecDeque<Queued>,
+    /// Links being enqueued leased to this instance (on their way here).
+    reserved: usize,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    hosts: HashMap<String, HostQueue>,
+    queued: usize,
+    reserved: usize,
+}
+
+/// The per-host queues of one crawl slice.
+#[derive(Debug)]
+pub struct HostQueues {
+    inner: Mutex<Inner>,
+    /// At most this many URLs wait for their hosts (`crawl.host_queue`).
+    capacity: usize,
+}
+
+/// What one dispatch turn did.
+#[derive(Debug, Default)]
+pub struct DispatchStep {
+    /// URLs admitted and handed to fetch tasks.
+    pub started: Vec<(
+        Queued,
+        HostPermit,
+        OwnedSemaphorePermit,
+        OwnedSemaphorePermit,
+    )>,
+    /// URLs whose lease ran out while they waited: dropped unfetched.
+    pub expired: usize,
+    /// Paused hosts' queued URLs, to give back until the pause ends.
+    pub paused: Vec<(Queued, Duration)>,
+    /// The next moment a host's spacing or pause ends.
+    pub wake: Option<Instant>,
+}
+
+impl HostQueues {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            capacity: capacity.max(1),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// URLs waiting for their hosts.
+    pub fn len(&self) -> usize {
+        self.lock().queued
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Hosts with URLs waiting.
+    pub fn hosts(&self) -> Vec<String> {
+        self.lock()
+            .hosts
+            .iter()
+            .filter(|(_, q)| !q.items.is_empty())
+            .map(|(h, _)| h.clone())
+            .collect()
+    }
+
+    /// Whether a lease round is worth its round trips: the queues are empty, or at least a
+    /// quarter of them is free (a round per freed slot would cost three round trips a URL).
+    pub fn wants_more(&self) -> bool {
+        let inner = self.lock();
+        let free = self.capacity.saturating_sub(inner.queued + inner.reserved);
+        free > 0 && (inner.queued == 0 || free * 4 >= self.capacity)
+    }
+
+    /// Room for more URLs in all (`crawl.host_queue` minus those waiting or on their way).
+    pub fn room(&self) -> usize {
+        let inner = self.lock();
+        self.capacity.saturating_sub(inner.queued + inner.reserved)
+    }
+
+    /// Room for `host`, given its target queue length (and the room in all).
+    pub fn room_for(&self, host: &str, target: usize) -> usize {
+        let inner = self.lock();
+        let all = self.capacity.saturating_sub(inner.queued + inner.reserved);
+        let mine = inner
+            .hosts
+            .get(host)
+            .map_or(0, |q| q.items.len() + q.reserved);
+        all.min(target.saturating_sub(mine))
+    }
+
+    /// Reserves room for up to `want` URLs of `host` (target queue length `target`); returns how
+    /// many were granted. Give back what did not arrive with [`HostQueues::unreserve`].
+    pub fn reserve(&self, host: &str, want: usize, target: usize) -> usize {
+        let mut inner = self.lock();
+        let all = self.capacity.saturating_sub(inner.queued + inner.reserved);
+        let q = inner.hosts.entry(host.to_owned()).or_default();
+        let mine = q.items.len() + q.reserved;
+        let granted = want.min(target.saturating_sub(mine)).min(all);
+        q.reserved += granted;
+        inner.reserved += granted;
+        granted
+    }
+
+    /// Reserves room for `n` URLs of `host` whatever the room (the next listing page is always
+    /// leased on enqueue).
+    pub fn reserve_beyond_room(&self, host: &str, n: usize) -> usize {
+        let mut inner = self.lock();
+        inner.hosts.entry(host.to_owned()).or_default().reserved += n;
+        inner.reserved += n;
+        n
+    }
+
+    pub fn unreserve(&self, host: &str, n: usize) {
+        let mut inner = self.lock();
+        let n = match inner.hosts.get_mut(host) {
+            Some(q) => {
+                let n = n.min(q.reserved);
+                q.reserved -= n;
+                n
+            }
+            None => 0,
+        };
+        inner.reserved = inner.reserved.saturating_sub(n);
+    }
+
+    /// Queues a leased URL: seeds and listing pages before the rest of their host's queue.
+    pub fn push(&self, queued: Queued) {
+        let mut inner = self.lock();
+        let q = inner.hosts.entry(queued.lease.host()).or_default();
+        if queued.lease.kind.is_listing() {
+            q.items.push_front(queued);
+        } else {
+            q.items.push_back(queued);
+        }
+        inner.queued += 1;
+    }
+
+    /// Everything still queued (the slice is ending).
+    pub fn drain(&self) -> Vec<Queued> {
+        let mut inner = self.lock();
+        inner.queued = 0;
+        inner
+            .hosts
+            .values_mut()
+            .flat_map(|q| q.items.drain(..))
+            .collect()
+    }
+}
+
+impl Crawler {
+    /// One dispatch turn: for each host with URLs waiting, while its limiter admits (within its
+    /// fair share of the fetch slots) and a fetch slot and an uncommitted-page permit are free,
+    /// the front URL goes to a fetch. A URL whose lease ran out while it waited (a stopped
+    /// process, a long Crawl-delay) is dropped unfetched before it takes a slot — it may be
+    /// another worker's already; whoever leases it next fetches it. A paused host's URLs are
+    /// taken out, to be given back until the pause ends.
+    pub fn dispatch_step(
+        &self,
+        queues: &HostQueues,
+        slots: &std::sync::Arc<tokio::sync::Semaphore>,
+        uncommitted: &std::sync::Arc<tokio::sync::Semaphore>,
+        server_now: DateTime<Utc>,
+        now: Instant,
+    ) -> DispatchStep {
+        let mut step = DispatchStep::default();
+        let hosts = queues.hosts();
+        let share = self
+            .flow
+            .fair_share(self.limits.workers, hosts.iter().map(String::as_str));
+        let mut inner = queues.lock();
+        let mut removed = 0;
+        'hosts: for host in hosts {
+            let Some(queue) = inner.hosts.get_mut(&host) else {
+                continue;
+            };
+            while let Some(front) = queue.items.front() {
+                if server_now >= front.lease.expires_at {
+                    let item = queue.items.pop_front().expect("front exists");
+                    debug!(bot = %self.bot, url = %item.lease.url, "lease expired while queued; not fetched");
+                    self.metrics.url_lease_lost(&self.bot);
+                    step.expired += 1;
+                    removed += 1;
+                    continue;
+                }
+                // Until its robots.txt is read, one request at a time: its Crawl-delay must
+                // space the first requests too (an instance joining a running pass).
+                if !self.robots.known(&front.lease.url) && self.flow.in_flight(&host) > 0 {
+                    break;
+                }
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    break 'hosts;
+                };
+                let Ok(permit) = uncommitted.clone().try_acquire_owned() else {
+                    break 'hosts;
+                };
+                match self
+                    .flow
+                    .try_admit(&host, front.lease.attempt > 1, now, share)
+                {
+                    Admission::Admitted(admitted) => {
+                        let item = queue.items.pop_front().expect("front exists");
+                        removed += 1;
+                        step.started.push((item, admitted, slot, permit));
+                    }
+                    Admission::Wait { why, until } => {
+                        if why == Busy::Paused {
+                            let wait =
+                                until.map_or(Duration::ZERO, |u| u.saturating_duration_since(now));
+                            removed += queue.items.len();
+                            step.paused
+                                .extend(queue.items.drain(..).map(|item| (item, wait)));
+                        }
+                        if let Some(until) = until {
+                            step.wake = Some(step.wake.map_or(until, |w| w.min(until)));
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        inner.queued = inner.queued.saturating_sub(removed);
+        debug_assert_eq!(
+            inner.queued,
+            inner.hosts.values().map(|q| q.items.len()).sum::<usize>(),
+            "the queued count matches the queues"
+        );
+        inner
+            .hosts
+            .retain(|_, q| !q.items.is_empty() || q.reserved > 0);
+        step
+    }
+
+    /// The fetch stage for one admitted URL: robots.txt, then the page (raced against
+    /// shutdown). The host's limiter learns from the answer.
+    pub async fn fetch(
+        &self,
+        lease: &UrlLease,
+        permit: HostPermit,
+        shutdown: &CancellationToken,
+    ) -> Fetched {
+        let host = permit.host().to_owned();
+        match self.robots.check(&self.fetcher, &lease.url).await {
+            Verdict::Allowed { crawl_delay } => {
+                if let Some(delay) = crawl_delay {
+                    self.flow.set_crawl_delay(&host, delay);
+                }
+            }
+            Verdict::Disallowed => {
+                permit.finish(Signal::Neutral);
+                return Fetched::Disallowed;
+            }
+            Verdict::Unavailable { reason } => {
+                let wait = self.limits.robots_retry;
+                self.flow.pause(&host, Instant::now() + wait);
+                permit.finish(Signal::Neutral);
+                warn!(bot = %self.bot, %host, %reason, ?wait, "host paused");
+                return Fetched::HostPaused { wait, reason };
+            }
+        }
+        // Listing pages are read every pass (their items are the pass's evidence of what
+        // exists); only detail pages are fetched conditionally.
+        let validators = match lease.kind {
+            PageKind::Detail => lease.validators.clone(),
+            PageKind::List | PageKind::Seed => Validators::default(),
+        };
+        self.requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let started = Instant::now();
+        self.flow.sending(&host, started);
+        let outcome = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => {
+                permit.finish(Signal::Neutral);
+                return Fetched::Released;
+            }
+            outcome = self.fetcher.fetch(&lease.url, &validators) => outcome,
+        };
+        permit.finish(match &outcome {
+            FetchOutcome::Throttled { retry_after, .. } => Signal::Throttled {
+                retry_after: *retry_after,
+            },
+            FetchOutcome::Timeout => Signal::Timeout,
+            // A connection refused or reset says nothing about how much the host can take.
+            FetchOutcome::Transient { reason } if !reason.starts_with("HTTP ") => Signal::Neutral,
+            _ => Signal::Answered {
+                latency: started.elapsed(),
+            },
+        });
+        Fetched::Outcome(outcome)
+    }
+
+    /// The target queue length of `host` (see [`Flow::queue_target`]).
+    pub(super) fn queue_target(&self, host: &str, queues: &HostQueues) -> usize {
+        let share = self.flow.fair_share(
+            self.limits.workers,
+            queues.hosts().iter().map(String::as_str).chain([host]),
+        );
+        self.flow.queue_target(host, share, QUEUE_HORIZON)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::BotId;
+    use crate::stages::Stages;
+    use crate::urls::NormalizedUrl;
+
+    fn queued(stages: &Stages, url: &str, kind: PageKind) -> Queued {
+        let url = NormalizedUrl::parse(url).unwrap();
+        Queued {
+            lease: UrlLease {
+                bot: BotId::parse("b").unwrap(),
+                id: url.as_str().into(),
+                url,
+                kind,
+                pass: 1,
+                token: "t".into(),
+                expires_at: Utc::now(),
+                attempt: 1,
+                leased_at: Utc::now(),
+                validators: Validators::default(),
+                list_fingerprint: None,
+                record_id: None,
+                reclaimed: false,
+                priority: 0,
+                sheds: 0,
+                eligible_since: None,
+            },
+            ticket: stages.host_queue.enter(),
+        }
+    }
+
+    #[test]
+    fn room_counts_what_waits_and_what_is_reserved_per_host_and_in_all() {
+        let stages = Stages::default();
+        let queues = HostQueues::new(10);
+        assert!(queues.wants_more());
+        // A host's target bounds its share; the capacity bounds all.
+        assert_eq!(queues.reserve("a:80", 100, 6), 6);
+        assert_eq!(queues.room_for("a:80", 6), 0);
+        assert_eq!(queues.reserve("b:80", 100, 6), 4, "only 4 left in all");
+        assert_eq!(queues.room(), 0);
+        assert!(!queues.wants_more());
+        // What arrives takes the room its reservation held.
+        for i in 0..3 {
+            queues.push(queued(&stages, &format!("http://a/{i}"), PageKind::Detail));
+        }
+        queues.unreserve("a:80", 6);
+        assert_eq!(queues.len(), 3);
+        assert_eq!(queues.room_for("a:80", 6), 3);
+        queues.unreserve("b:80", 4);
+        assert_eq!(queues.room(), 7);
+        // The next listing page is leased whatever the room.
+        assert_eq!(queues.reserve_beyond_room("a:80", 1), 1);
+        queues.unreserve("a:80", 1);
+        // Listing pages wait before the host's detail pages.
+        queues.push(queued(&stages, "http://a/list/2", PageKind::List));
+        let drained = queues.drain();
+        assert_eq!(drained[0].lease.kind, PageKind::List);
+        assert_eq!((drained.len(), queues.len()), (4, 0));
+        assert_eq!(stages.host_queue.depth(), 4, "tickets travel with the URLs");
+        drop(drained);
+        assert_eq!(stages.host_queue.depth(), 0);
+    }
+}

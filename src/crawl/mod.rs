@@ -1,0 +1,760 @@
+//! The crawl of one bot on this instance, as a pipeline of stages with bounded queues between
+//! them ([`Crawler::crawl_for`]); each stage is a step function in a file of its own that
+//! returns what it came to:
+//!
+//! - [`lease`]: a batched lease round trip fills the host queues ([`LeaseStep`]);
+//! - [`dispatch`]: per-host queues, admission by the host's limiter, the fetch ([`Fetched`]);
+//! - [`parse`]: HTML read off the async runtime ([`Parsed`]);
+//! - [`settle`]: the page's links enqueued at once — leased to this instance where it has room —
+//!   and what the page came to ([`Settled`]);
+//! - [`commit`]: group commit of what waits in the store queue ([`Committed`]).
+//!
+//! Database work is paid per batch, not per page: a lease round trip hands out many URLs, a
+//! listing page's links go into the frontier in one write (the ones this instance will fetch
+//! next already leased to it), and a commit round trip carries many pages' records and marks.
+//!
+//! Incremental passes: listing pages are fetched every pass; a detail page only when it is new,
+//! when its listing fingerprint changed (`fingerprint`), when its item changed since the last
+//! run minus the overlap (`updated_at`), or — in every mode — when a conditional GET with the
+//! stored ETag / Last-Modified says it changed. `watermark` stops paginating at the first
+//! listing page that shows an item already stored. Items a pass sees on a listing page without
+//! fetching their detail page are marked seen with that page's commit.
+
+use std::collections::{BTreeSet, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::clock::ServerClock;
+use crate::config::{CrawlLimits, CrawlSettings, IncrementalMode};
+use crate::error::{Error, Result};
+use crate::fetch::PageFetcher;
+use crate::flow::Flow;
+use crate::ids::{BotId, InstanceId};
+use crate::metrics::Metrics;
+use crate::robots::RobotsCache;
+use crate::stages::{Stages, Ticket};
+use crate::store::frontier::{Mark, PageKind, UrlLease};
+use crate::store::passes::{DeletionRules, PassEnd};
+use crate::store::records::RecordWrite;
+use crate::store::Store;
+use crate::urls::NormalizedUrl;
+
+pub mod commit;
+pub mod dispatch;
+pub mod lease;
+pub mod parse;
+pub mod queue;
+pub mod settle;
+
+pub use crate::store::records::Committed;
+pub use dispatch::{Fetched, HostQueues};
+pub use lease::LeaseStep;
+pub use parse::Parsed;
+pub use settle::{Followed, Settled};
+
+use queue::Queue;
+
+/// The pass a crawl works on, as the bot document shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pass {
+    pub number: i64,
+    pub started_at: Option<DateTime<Utc>>,
+    /// When the last completed pass started (`updated_at` mode reads from here − overlap).
+    pub last_run_at: Option<DateTime<Utc>>,
+}
+
+/// A crawling bot's pass as its document shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PassState {
+    /// No pass has run yet (`crawlPass` unset or 0), or none since a repair.
+    NotStarted {
+        current: i64,
+        seeds: Vec<String>,
+    },
+    Running(Pass),
+    Finished {
+        number: i64,
+    },
+}
+
+impl PassState {
+    pub fn of(doc: &crate::document::BotDoc) -> PassState {
+        if doc.crawl_pass == 0 || doc.crawl_pass_started_at.is_none() {
+            PassState::NotStarted {
+                current: doc.crawl_pass,
+                seeds: doc.seeds.clone(),
+            }
+        } else if doc.crawl_pass_ended_at.is_some() {
+            PassState::Finished {
+                number: doc.crawl_pass,
+            }
+        } else {
+            PassState::Running(Pass {
+                number: doc.crawl_pass,
+                started_at: doc.crawl_pass_started_at,
+                last_run_at: doc.crawl_last_run_at,
+            })
+        }
+    }
+}
+
+/// What one page came to.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PageResult {
+    /// A detail page's record was stored (or found unchanged).
+    Stored(RecordWrite),
+    /// A page without a record (a listing page), done.
+    Done,
+    /// `304`: the stored record still holds; marked seen.
+    NotModified,
+    /// Not HTML: done, nothing read.
+    Skipped,
+    /// `404`/`410` on a detail page: its record is marked removed.
+    Gone,
+    /// Given back to the frontier for a later attempt.
+    Retry,
+    /// Recorded failed with this reason.
+    Failed(String),
+}
+
+/// How a [`Crawler::crawl_for`] slice ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SliceEnd {
+    Finished(PassEnd),
+    Idle,
+    TimeUp,
+    Shutdown,
+}
+
+/// The shortest and longest pause between lease rounds that keep finding nothing while pages
+/// are in flight (the wait doubles from one to the other; a lease, a settled page or new work
+/// ends it).
+const DRY_SPELL_MIN: Duration = Duration::from_millis(20);
+const DRY_SPELL_MAX: Duration = Duration::from_millis(500);
+
+pub struct Crawler {
+    bot: BotId,
+    rules: Arc<CrawlSettings>,
+    limits: CrawlLimits,
+    store: Store,
+    clock: Arc<ServerClock>,
+    me: InstanceId,
+    /// Leases this instance id took before this are a dead predecessor's: reclaimed at once.
+    started_at: DateTime<Utc>,
+    fetcher: PageFetcher,
+    transactions: bool,
+    metrics: Arc<Metrics>,
+    /// Held by the worker that is ending a pass.
+    finishing: tokio::sync::Mutex<()>,
+    /// The leaser's memory (one lease round at a time).
+    leaser: tokio::sync::Mutex<lease::Leaser>,
+    /// Hosts with work in a pass, as far as this instance knows.
+    hosts: std::sync::Mutex<(i64, BTreeSet<String>)>,
+    /// Frontier ids of links this instance enqueued in a pass (bounded; cleared when full).
+    enqueued: std::sync::Mutex<(i64, HashSet<String>)>,
+    flow: Arc<Flow>,
+    robots: Arc<RobotsCache>,
+    stages: Arc<Stages>,
+    /// Page requests sent and records stored by this crawler (requests per stored record is
+    /// seed 000's health signal).
+    requests: std::sync::atomic::AtomicU64,
+    records: std::sync::atomic::AtomicU64,
+    /// The priorities above the lowest, highest first.
+    levels: Vec<i64>,
+    lowest: i64,
+}
+
+/// Everything a crawler needs besides its bot.
+#[derive(Clone)]
+pub struct CrawlContext {
+    pub store: Store,
+    pub clock: Arc<ServerClock>,
+    pub me: InstanceId,
+    pub started_at: DateTime<Utc>,
+    pub limits: CrawlLimits,
+    pub fetcher: PageFetcher,
+    /// Resolved `crawl.transactions`.
+    pub transactions: bool,
+    pub metrics: Arc<Metrics>,
+    /// Per-host limits, shared by every bot this instance crawls.
+    pub flow: Arc<Flow>,
+    pub robots: Arc<RobotsCache>,
+}
+
+/// A page between stages: its lease, the permit it holds as fetched-and-uncommitted, and the
+/// ticket of the stage it is in.
+struct Item<T> {
+    lease: UrlLease,
+    what: T,
+    uncommitted: OwnedSemaphorePermit,
+    _ticket: Ticket,
+}
+
+/// A settled page in the store stage.
+struct Storing {
+    settled: Settled,
+    _uncommitted: OwnedSemaphorePermit,
+    _ticket: Ticket,
+}
+
+/// What the stages of one slice share.
+struct Slice {
+    queues: HostQueues,
+    parse: Queue<Item<Fetched>>,
+    store: Queue<Storing>,
+    /// Fetches in flight (`crawl.workers`).
+    slots: Arc<Semaphore>,
+    /// Pages fetched (or being fetched) and not yet committed (`crawl.max_uncommitted`).
+    uncommitted: Arc<Semaphore>,
+    /// A page was committed or work was queued here: the leaser and dispatcher look again.
+    progressed: tokio::sync::Notify,
+    /// How often `progressed` was notified (a lease round that found nothing while this moved
+    /// may be stale).
+    progress: std::sync::atomic::AtomicU64,
+    failed: CancellationToken,
+    failure: std::sync::Mutex<Option<Error>>,
+}
+
+impl Slice {
+    fn progressed(&self) {
+        self.progress
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.progressed.notify_one();
+    }
+
+    fn progress(&self) -> u64 {
+        self.progress.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn fail(&self, e: Error) {
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(e);
+        self.failed.cancel();
+    }
+}
+
+impl Crawler {
+    pub fn new(bot: BotId, rules: CrawlSettings, ctx: &CrawlContext) -> Arc<Self> {
+        let crawler = Arc::new(Self::build(bot, rules, ctx));
+        let weak = Arc::downgrade(&crawler);
+        ctx.metrics
+            .add_source(Box::new(move |m| match weak.upgrade() {
+                Some(c) => {
+                    m.observe_stages(&c.bot, &c.stages);
+                    if let Some(ratio) = c.requests_per_record() {
+                        m.requests_per_record(&c.bot, ratio);
+                    }
+                    true
+                }
+                None => false,
+            }));
+        crawler
+    }
+
+    fn build(bot: BotId, rules: CrawlSettings, ctx: &CrawlContext) -> Self {
+        let mut all: Vec<i64> = [PageKind::Seed, PageKind::List, PageKind::Detail]
+            .iter()
+            .map(|k| k.default_priority())
+            .chain(rules.priorities.iter().map(|(_, p)| *p))
+            .collect();
+        all.sort_unstable_by(|a, b| b.cmp(a));
+        all.dedup();
+        let lowest = all.pop().unwrap_or(0);
+        Self {
+            levels: all,
+            lowest,
+            bot,
+            rules: Arc::new(rules),
+            limits: ctx.limits.clone(),
+            store: ctx.store.clone(),
+            clock: ctx.clock.clone(),
+            me: ctx.me.clone(),
+            started_at: ctx.started_at,
+            fetcher: ctx.fetcher.clone(),
+            transactions: ctx.transactions,
+            metrics: ctx.metrics.clone(),
+            finishing: tokio::sync::Mutex::new(()),
+            leaser: Default::default(),
+            hosts: std::sync::Mutex::new((0, BTreeSet::new())),
+            enqueued: std::sync::Mutex::new((0, HashSet::new())),
+            flow: ctx.flow.clone(),
+            robots: ctx.robots.clone(),
+            stages: Arc::new(Stages::default()),
+            requests: Default::default(),
+            records: Default::default(),
+        }
+    }
+
+    pub fn stages(&self) -> &Arc<Stages> {
+        &self.stages
+    }
+
+    /// Page requests sent per record stored, so far (`None` before the first record).
+    pub fn requests_per_record(&self) -> Option<f64> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let records = self.records.load(Relaxed);
+        (records > 0).then(|| self.requests.load(Relaxed) as f64 / records as f64)
+    }
+
+    pub fn bot(&self) -> &BotId {
+        &self.bot
+    }
+
+    /// Parses stored seed strings for a pass; the unparsable are skipped (refresh stored only
+    /// valid URLs, so this drops nothing in practice).
+    pub fn seed_urls(&self, seeds: &[String]) -> Vec<NormalizedUrl> {
+        seeds
+            .iter()
+            .filter_map(|s| NormalizedUrl::parse_with(s, &self.rules.links.strip).ok())
+            .collect()
+    }
+
+    /// The first `[bots.crawl] priority` pattern that matches, else the kind's default.
+    fn priority_of(&self, url: &NormalizedUrl, kind: PageKind) -> i64 {
+        self.rules
+            .priorities
+            .iter()
+            .find(|(pattern, _)| pattern.is_match(url.as_str()))
+            .map_or_else(|| kind.default_priority(), |(_, p)| *p)
+    }
+
+    /// Load shedding: a lowest-priority URL that waited longer than `crawl.shed_after` for a
+    /// host that throttled us within the last minute is deferred (once a pass), before it costs
+    /// a fetch.
+    fn should_shed(&self, lease: &UrlLease, now: DateTime<Utc>) -> bool {
+        lease.sheds == 0
+            && should_shed(
+                lease.priority,
+                self.lowest,
+                !self.levels.is_empty(),
+                lease
+                    .eligible_since
+                    .and_then(|t| (now - t).to_std().ok())
+                    .unwrap_or_default(),
+                self.limits.shed_after,
+                self.flow
+                    .throttled_within(&lease.host(), Duration::from_secs(60)),
+            )
+    }
+
+    fn deletion_rules(&self, pass: &Pass) -> DeletionRules {
+        DeletionRules {
+            known_since: pass.last_run_at,
+            enabled: self.rules.incremental.mode != IncrementalMode::Watermark,
+            min_coverage: self.limits.min_coverage,
+            max_error_rate: self.limits.max_error_rate,
+        }
+    }
+
+    /// At most this many pages are fetched (or being fetched) and not yet committed here at
+    /// once: `crawl.max_uncommitted`, and never more than the stages can hold.
+    pub fn uncommitted_cap(&self) -> usize {
+        let l = &self.limits;
+        l.max_uncommitted
+            .min(l.workers + l.parse_queue + l.parsers + l.store_queue)
+            .max(1)
+    }
+
+    /// Crawls `pass` through the pipeline until the pass is over, there is nothing to lease,
+    /// `slice` has passed, or shutdown:
+    ///
+    /// lease (batched) → host queues (≤ `crawl.host_queue` URLs) → fetch (≤ `crawl.workers` at
+    /// once, each admitted by its host's limiter) → parse queue (`crawl.parse_queue`, listing
+    /// pages first) → `crawl.parsers` (each follows its page's links at once) → store queue
+    /// (`crawl.store_queue`, waiting or being committed) → `crawl.writers` group commits.
+    ///
+    /// Every stage pulls from the one before, and each queue is bounded: a full store queue
+    /// stalls the parsers, a full parse queue keeps fetches holding their slots, and without
+    /// room in the host queues nothing is leased. At most `crawl.max_uncommitted` pages are
+    /// fetched and uncommitted at once. At the end of the slice the pages in flight are finished
+    /// (fetched pages are committed); URLs still waiting for their host are given back. Only
+    /// `shutdown` interrupts fetches (their URLs are given back too).
+    pub async fn crawl_for(
+        self: &Arc<Self>,
+        pass: &Pass,
+        slice: Duration,
+        shutdown: &CancellationToken,
+    ) -> Result<SliceEnd> {
+        let deadline = Instant::now() + slice;
+        let run = Arc::new(Slice {
+            queues: HostQueues::new(self.limits.host_queue),
+            parse: Queue::new(self.limits.parse_queue),
+            store: Queue::new(self.limits.store_queue),
+            slots: Arc::new(Semaphore::new(self.limits.workers.max(1))),
+            uncommitted: Arc::new(Semaphore::new(self.uncommitted_cap())),
+            progressed: tokio::sync::Notify::new(),
+            progress: Default::default(),
+            failed: CancellationToken::new(),
+            failure: Default::default(),
+        });
+        let mut parsers = tokio::task::JoinSet::new();
+        for _ in 0..self.limits.parsers.max(1) {
+            let (crawler, run, pass) = (self.clone(), run.clone(), pass.clone());
+            parsers.spawn(async move { crawler.parser(&run, &pass).await });
+        }
+        let mut writers = tokio::task::JoinSet::new();
+        for _ in 0..self.limits.writers.max(1) {
+            let (crawler, run) = (self.clone(), run.clone());
+            writers.spawn(async move { crawler.writer(&run).await });
+        }
+
+        let mut fetches = tokio::task::JoinSet::new();
+        let mut leasing: Option<futures_util::future::BoxFuture<'static, Result<LeaseStep>>> = None;
+        // `progress` when the lease round out now was sent.
+        let mut leasing_since = 0;
+        // No new lease round before this (a dry spell: the last ones found nothing while pages
+        // were in flight — every pending URL taken, the next listing page not read yet). Without
+        // it every instance re-queries as fast as the database answers, and the database spends
+        // itself answering "nothing" (measured: 5 instances, 600 ops/s, 7 pages/s on the test
+        // server). A lease, a settled page or new work ends it.
+        let mut dry: Option<Instant> = None;
+        let mut dry_spell = Duration::ZERO;
+        // A lease round found the pass idle here: none again until something wakes the loop;
+        // once nothing is in flight, the slice ends idle.
+        let mut quiet = false;
+        let mut end = SliceEnd::TimeUp;
+        loop {
+            if shutdown.is_cancelled() {
+                end = SliceEnd::Shutdown;
+                break;
+            }
+            if run.failed.is_cancelled() || Instant::now() >= deadline {
+                break;
+            }
+            if quiet && leasing.is_none() && self.stages.in_pipeline() == 0 {
+                end = SliceEnd::Idle;
+                break;
+            }
+            while let Some(joined) = fetches.try_join_next() {
+                if let Err(e) = joined {
+                    run.fail(Error::Protocol {
+                        what: "fetch task",
+                        detail: e.to_string(),
+                    });
+                }
+            }
+            let now = Instant::now();
+            let step = self.dispatch_step(
+                &run.queues,
+                &run.slots,
+                &run.uncommitted,
+                self.clock.now(),
+                now,
+            );
+            for (queued, admitted, slot, uncommitted) in step.started {
+                let (crawler, run, shutdown) = (self.clone(), run.clone(), shutdown.clone());
+                let fetching = self.stages.fetch.enter();
+                drop(queued.ticket);
+                fetches.spawn(async move {
+                    let lease = queued.lease;
+                    let fetched = crawler.fetch(&lease, admitted, &shutdown).await;
+                    let fast = lease.kind.is_listing();
+                    let item = Item {
+                        lease,
+                        what: fetched,
+                        uncommitted,
+                        _ticket: crawler.stages.parse.enter(),
+                    };
+                    drop(fetching);
+                    // Waits while the parse queue is full, holding the fetch slot: slow parsing
+                    // stops fetching, and then leasing.
+                    let _ = run.parse.push(item, fast).await;
+                    drop(slot);
+                });
+            }
+            if !step.paused.is_empty() {
+                // A paused host's waiting URLs go back to the frontier until the pause ends.
+                let now = self.clock.now();
+                let marks: Vec<_> = step
+                    .paused
+                    .iter()
+                    .map(|(q, wait)| {
+                        let mark = Mark::Release {
+                            not_before: crate::store::plus(now, *wait),
+                            reason: "host paused".into(),
+                        };
+                        (&q.lease, mark)
+                    })
+                    .collect();
+                if let Err(e) = self.store.settle_urls(&marks, now).await {
+                    run.fail(e);
+                }
+            }
+            let mut wake = step.wake.unwrap_or(now + Duration::from_millis(250));
+            // Lease: one round at a time, while the host queues have room.
+            if leasing.is_none()
+                && !quiet
+                && run.queues.room() > 0
+                && run.queues.wants_more()
+                && dry.is_none_or(|until| now >= until)
+            {
+                let in_pipeline = self.stages.in_pipeline() > 0;
+                leasing_since = run.progress();
+                let (crawler, run, pass) = (self.clone(), run.clone(), pass.clone());
+                leasing = Some(Box::pin(async move {
+                    crawler.lease_step(&pass, &run.queues, in_pipeline).await
+                }));
+            }
+            if let Some(until) = dry {
+                wake = wake.min(until);
+            }
+            let leased = tokio::select! {
+                _ = shutdown.cancelled() => None,
+                _ = run.failed.cancelled() => None,
+                step = async { leasing.as_mut().expect("checked").await }, if leasing.is_some() => Some(step),
+                _ = run.progressed.notified() => {
+                    dry = None;
+                    None
+                }
+                _ = self.flow.changed() => None,
+                _ = tokio::time::sleep_until(wake.min(deadline)) => None,
+            };
+            let Some(step) = leased else {
+                quiet = false;
+                continue;
+            };
+            leasing = None;
+            match step {
+                Ok(LeaseStep::Leased(_)) => {
+                    dry = None;
+                    dry_spell = Duration::ZERO;
+                    quiet = false;
+                }
+                // Pages settled while the round was out: what it found may be stale already.
+                Ok(LeaseStep::Busy) if run.progress() != leasing_since => dry = None,
+                Ok(LeaseStep::Busy) => {
+                    dry_spell = (dry_spell * 2).clamp(DRY_SPELL_MIN, DRY_SPELL_MAX);
+                    dry = Some(Instant::now() + dry_spell);
+                }
+                // With pages still in flight, "idle" may be stale: the slice ends idle once they
+                // are done (checked at the top of the loop).
+                Ok(LeaseStep::Idle) => quiet = true,
+                Ok(LeaseStep::PassFinished(pass_end)) => {
+                    end = SliceEnd::Finished(pass_end);
+                    break;
+                }
+                Err(e) => {
+                    run.fail(e);
+                    break;
+                }
+            }
+        }
+        // A lease round still out lands in the host queues, given back below.
+        if let Some(round) = leasing.take() {
+            if let Err(e) = round.await {
+                run.fail(e);
+            }
+        }
+        // Fetches finish (or, at shutdown, give their URLs back); then the parsers and the
+        // writers drain; then what still waits for its host goes back.
+        while let Some(joined) = fetches.join_next().await {
+            if let Err(e) = joined {
+                run.fail(Error::Protocol {
+                    what: "fetch task",
+                    detail: e.to_string(),
+                });
+            }
+        }
+        run.parse.close();
+        while let Some(joined) = parsers.join_next().await {
+            if let Err(e) = joined {
+                run.fail(Error::Protocol {
+                    what: "parse task",
+                    detail: e.to_string(),
+                });
+            }
+        }
+        run.store.close();
+        while let Some(joined) = writers.join_next().await {
+            if let Err(e) = joined {
+                run.fail(Error::Protocol {
+                    what: "commit task",
+                    detail: e.to_string(),
+                });
+            }
+        }
+        let left = run.queues.drain();
+        if !left.is_empty() {
+            let now = self.clock.now();
+            let marks: Vec<_> = left
+                .iter()
+                .map(|q| {
+                    let mark = Mark::Release {
+                        not_before: now,
+                        reason: "slice ended before its host admitted it".into(),
+                    };
+                    (&q.lease, mark)
+                })
+                .collect();
+            if let Err(e) = self.store.settle_urls(&marks, now).await {
+                run.fail(e);
+            }
+        }
+        if shutdown.is_cancelled() && !matches!(end, SliceEnd::Finished(_)) {
+            end = SliceEnd::Shutdown;
+        }
+        debug!(bot = %self.bot, pass = pass.number, ?end, "crawl slice ended");
+        let error = run.failure.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match error {
+            Some(e) if !matches!(end, SliceEnd::Finished(_)) => Err(e),
+            _ => Ok(end),
+        }
+    }
+
+    /// A parser: takes fetched pages (listing pages first), parses them, follows their links at
+    /// once and hands them to the store queue.
+    async fn parser(&self, run: &Slice, pass: &Pass) {
+        while let Some(slot) = run.parse.pop().await {
+            let Item {
+                lease,
+                what,
+                uncommitted,
+                _ticket: parsing,
+            } = slot.item;
+            drop(slot.room);
+            let settled = match self.parse(what).await {
+                Ok(parsed) => self.settle_retrying(lease, parsed, pass, &run.queues).await,
+                Err(e) => Err(e),
+            };
+            match settled {
+                Ok(settled) => {
+                    let storing = Storing {
+                        settled,
+                        _uncommitted: uncommitted,
+                        _ticket: self.stages.store.enter(),
+                    };
+                    drop(parsing);
+                    // Links queued here wake the dispatcher; new pending work, the leaser.
+                    run.progressed();
+                    // Waits while the store queue is full: slow commits slow parsing.
+                    if run.store.push(storing, false).await.is_err() {
+                        return;
+                    }
+                }
+                // The URL's lease runs out and another worker retries it.
+                Err(e) => run.fail(e),
+            }
+        }
+    }
+
+    /// [`Crawler::settle`], again after a transient database failure (following is
+    /// idempotent), up to three times.
+    async fn settle_retrying(
+        &self,
+        lease: UrlLease,
+        parsed: Parsed,
+        pass: &Pass,
+        queues: &HostQueues,
+    ) -> Result<Settled> {
+        let Parsed::Page { data, validators } = parsed else {
+            return self.settle(lease, parsed, pass, queues).await;
+        };
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let parsed = Parsed::Page {
+                data: data.clone(),
+                validators: validators.clone(),
+            };
+            match self.settle(lease.clone(), parsed, pass, queues).await {
+                Err(e) if e.is_transient() && attempt < 3 => {
+                    tokio::time::sleep(crate::backoff::full_jitter(
+                        Duration::from_millis(50),
+                        Duration::from_secs(1),
+                        attempt,
+                    ))
+                    .await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// A writer: takes what waits in the store queue and commits it as one batch.
+    async fn writer(&self, run: &Slice) {
+        loop {
+            let batch = run.store.pop_up_to(self.limits.store_queue).await;
+            if batch.is_empty() {
+                return;
+            }
+            let settled: Vec<&Settled> = batch.iter().map(|s| &s.item.settled).collect();
+            let t0 = Instant::now();
+            let result = self.commit_step(&settled).await;
+            tracing::trace!(pages = settled.len(), took = ?t0.elapsed(), "commit");
+            match result {
+                Ok(committed) => {
+                    for (s, c) in settled.iter().zip(&committed) {
+                        self.account(s, c);
+                    }
+                }
+                Err(e) => run.fail(e),
+            }
+            drop(settled);
+            drop(batch);
+            run.progressed();
+        }
+    }
+}
+
+/// Whether to defer a leased URL rather than fetch it: only the lowest priority class (and only
+/// when there is a higher one), only once it has waited past `shed_after`, and only for a host
+/// that is pushing back.
+pub fn should_shed(
+    priority: i64,
+    lowest: i64,
+    has_higher: bool,
+    waited: Duration,
+    shed_after: Duration,
+    host_throttling: bool,
+) -> bool {
+    has_higher && priority <= lowest && waited > shed_after && host_throttling
+}
+
+fn page_result_label(result: &PageResult) -> &'static str {
+    match result {
+        PageResult::Stored(_) => "stored",
+        PageResult::Done => "done",
+        PageResult::NotModified => "not_modified",
+        PageResult::Skipped => "skipped",
+        PageResult::Gone => "gone",
+        PageResult::Retry => "retry",
+        PageResult::Failed(_) => "failed",
+    }
+}
+
+fn write_label(write: RecordWrite) -> &'static str {
+    match write {
+        RecordWrite::Inserted => "inserted",
+        RecordWrite::Changed => "changed",
+        RecordWrite::Unchanged => "unchanged",
+        RecordWrite::Superseded => "superseded",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_old_lowest_priority_work_of_a_throttling_host_is_shed() {
+        let (after, long, short) = (
+            Duration::from_secs(600),
+            Duration::from_secs(601),
+            Duration::from_secs(599),
+        );
+        assert!(should_shed(0, 0, true, long, after, true));
+        // Not a higher priority, not fresh work, not a calm host, not when all work is alike.
+        assert!(!should_shed(1, 0, true, long, after, true));
+        assert!(!should_shed(0, 0, true, short, after, true));
+        assert!(!should_shed(0, 0, true, long, after, false));
+        assert!(!should_shed(0, 0, false, long, after, true));
+    }
+}

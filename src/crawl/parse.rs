@@ -1,0 +1,52 @@
+//! The parse stage: a fetched page's HTML is read on the blocking pool, off the runtime's
+//! workers (CSS selectors with `scraper`; see `extract`). Everything else a fetch can come to
+//! passes through unchanged.
+
+use super::dispatch::Fetched;
+use super::Crawler;
+use crate::error::{Error, Result};
+use crate::extract::{extract, PageData};
+use crate::fetch::{FetchOutcome, Validators};
+
+/// What the settle stage receives: an extracted page, or any other answer as it came.
+#[derive(Debug)]
+pub enum Parsed {
+    Page {
+        data: Box<PageData>,
+        validators: Validators,
+    },
+    Other(Fetched),
+}
+
+impl Crawler {
+    /// The parse step for one fetched URL.
+    pub async fn parse(&self, fetched: Fetched) -> Result<Parsed> {
+        let Fetched::Outcome(FetchOutcome::Ok(page)) = fetched else {
+            return Ok(Parsed::Other(fetched));
+        };
+        let validators = Validators {
+            etag: page.etag.clone(),
+            last_modified: page.last_modified.clone(),
+        };
+        let rules = self.rules.clone();
+        let page_url = page.url.to_url();
+        let data = tokio::task::spawn_blocking(move || {
+            extract(
+                &page_url,
+                &page.body,
+                &rules.links,
+                rules.list.as_ref(),
+                rules.record.as_ref(),
+            )
+        })
+        .await
+        .map_err(|e| Error::Protocol {
+            what: "extract",
+            detail: format!("the extraction task failed: {e}"),
+        })?;
+        Ok(Parsed::Page {
+            data: Box::new(data),
+            validators,
+        })
+    }
+}

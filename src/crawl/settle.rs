@@ -1,0 +1,405 @@
+//! Settle and follow: what a parsed page came to, and what it leads to.
+//!
+//! [`Crawler::follow`] runs as soon as a page is parsed — the listing fast lane: a listing
+//! page's links are enqueued right away, not behind the pages waiting to be committed — and
+//! enqueues the links this instance has room for **leased to it** (always the next listing page),
+//! straight into the host queues: a pagination hop is fetch + parse + one write. On listing
+//! pages the incremental mode decides which items' detail pages this pass fetches; the others
+//! are marked seen with the page's commit.
+//!
+//! [`Crawler::settle`] turns a page into a [`Settled`] for the group commit: its record, the
+//! records it shows seen or gone, and how its URL's lease ends ([`Mark`]) — done, failed with the
+//! reason, or back to the frontier for a retry after max(`Retry-After`, jittered backoff) within
+//! the host's retry budget.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::time::Instant;
+use tracing::debug;
+
+use super::dispatch::{Fetched, HostQueues, Queued};
+use super::parse::Parsed;
+use super::{Crawler, PageResult, Pass};
+use crate::backoff::full_jitter;
+use crate::config::IncrementalMode;
+use crate::error::Result;
+use crate::extract::PageData;
+use crate::fetch::FetchOutcome;
+use crate::store::frontier::{url_id, LeaseTo, Mark, NewUrl, PageKind, UrlLease, UrlStatus};
+use crate::store::records::Extracted;
+use crate::urls::NormalizedUrl;
+
+/// Links remembered per pass as already enqueued (about 100 bytes each).
+pub(super) const ENQUEUED_CACHE: usize = 100_000;
+
+/// A page ready for the group commit.
+#[derive(Debug)]
+pub struct Settled {
+    pub lease: UrlLease,
+    pub record: Option<Extracted>,
+    /// Records the page shows exist without their own fetch (marked seen in the pass).
+    pub seen: Vec<String>,
+    /// A record whose detail page is gone (marked removed).
+    pub removed: Option<String>,
+    pub mark: Mark,
+    /// What the page counts as (`None`: given back, not counted). A `Stored` learns its record
+    /// write from the commit.
+    pub result: Option<PageResult>,
+}
+
+/// What following a page's links did.
+#[derive(Debug, Default, PartialEq)]
+pub struct Followed {
+    /// Records of listing items this pass does not fetch (seen without a fetch).
+    pub seen: Vec<String>,
+    /// Links added to the pass (new, or back from an earlier pass).
+    pub added: u64,
+    /// Of those, leased to this instance as they were enqueued (now in its host queues).
+    pub leased: usize,
+}
+
+impl Crawler {
+    /// Enqueues what a fetched page leads to, leasing to this instance the links it has room
+    /// for (see the module comment). Returns the records of the listing items seen without a
+    /// fetch, for the page's commit.
+    pub async fn follow(
+        &self,
+        lease: &UrlLease,
+        pass: &Pass,
+        data: &PageData,
+        queues: &HostQueues,
+        now: DateTime<Utc>,
+    ) -> Result<Followed> {
+        let mode = self.rules.incremental.mode;
+        let mut item_urls: HashSet<&NormalizedUrl> = HashSet::new();
+        let items: Vec<_> = if lease.kind == PageKind::Detail {
+            Vec::new()
+        } else {
+            data.items
+                .iter()
+                .filter_map(|item| item.url.as_ref().map(|url| (item, url)))
+                .filter(|(_, url)| item_urls.insert(url))
+                .collect()
+        };
+        // Links this instance already put into this pass (every product page links back to the
+        // first listing page, say) need no round trip: enqueuing them again would be a no-op.
+        let plain: Vec<(&NormalizedUrl, String)> = {
+            let cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
+            data.links
+                .iter()
+                .filter(|link| !item_urls.contains(link))
+                .map(|link| (link, url_id(&self.bot, link)))
+                .filter(|(_, id)| cache.0 != lease.pass || !cache.1.contains(id))
+                .collect()
+        };
+        if items.is_empty() && plain.is_empty() {
+            return Ok(Followed::default());
+        }
+        let ids: Vec<String> = items
+            .iter()
+            .map(|(_, url)| url_id(&self.bot, url))
+            .chain(plain.iter().map(|(_, id)| id.clone()))
+            .collect();
+        let known = self.store.known_by_id(&self.bot, &ids).await?;
+
+        let since = pass.last_run_at.map(|t| {
+            t - chrono::Duration::from_std(self.rules.incremental.overlap).unwrap_or_default()
+        });
+        let mut new: Vec<NewUrl> = Vec::new();
+        let mut seen = Vec::new();
+        let mut stop_paginating = false;
+        for (item, url) in &items {
+            // Known: stored by an earlier fetch (done, with a record).
+            let stored = known
+                .get(&url_id(&self.bot, url))
+                .filter(|k| k.status == Some(UrlStatus::Done) && k.record_id.is_some());
+            let fetch = match (mode, stored) {
+                (IncrementalMode::Full, _) | (_, None) => true,
+                (IncrementalMode::Fingerprint, Some(k)) => {
+                    k.fingerprint.as_deref() != Some(item.fingerprint.as_str())
+                }
+                (IncrementalMode::Watermark, Some(_)) => {
+                    stop_paginating = true;
+                    false
+                }
+                (IncrementalMode::UpdatedAt, Some(_)) => match (item.updated_at, since) {
+                    (Some(updated), Some(since)) => updated >= since,
+                    _ => true,
+                },
+            };
+            if fetch {
+                new.push(NewUrl {
+                    url: (*url).clone(),
+                    kind: PageKind::Detail,
+                    fingerprint: Some(item.fingerprint.clone()),
+                    priority: self.priority_of(url, PageKind::Detail),
+                });
+            } else if let Some(id) = stored.and_then(|k| k.record_id.clone()) {
+                seen.push(id);
+            }
+        }
+        for (link, _) in &plain {
+            let kind = match &self.rules.record {
+                Some(r) if r.url_match.is_match(link.as_str()) => PageKind::Detail,
+                _ => PageKind::List,
+            };
+            if stop_paginating && kind == PageKind::List {
+                continue;
+            }
+            new.push(NewUrl {
+                url: (*link).clone(),
+                kind,
+                fingerprint: None,
+                priority: self.priority_of(link, kind),
+            });
+        }
+        for n in &new {
+            self.note_host(lease.pass, n.url.host_port());
+        }
+        // Only links that are new to this pass can be leased here.
+        let fresh = |n: &NewUrl| {
+            known
+                .get(&url_id(&self.bot, &n.url))
+                .is_none_or(|k| k.pass < lease.pass)
+        };
+        // Listing pages first (the next one is always leased here), then the highest priority.
+        new.sort_by_key(|n| (!n.kind.is_listing(), -n.priority));
+        let mut wishes: HashMap<String, usize> = HashMap::new();
+        for n in new.iter().filter(|n| fresh(n)) {
+            *wishes.entry(n.url.host_port()).or_default() += 1;
+        }
+        let mut granted: HashMap<String, usize> = HashMap::new();
+        for (host, want) in &wishes {
+            let target = self.queue_target(host, queues);
+            let mut got = queues.reserve(host, *want, target);
+            let listing = new
+                .iter()
+                .any(|n| n.kind.is_listing() && fresh(n) && n.url.host_port() == *host);
+            if got == 0 && listing {
+                // Always the next listing page: the pass's pagination never waits for a lease.
+                got = queues.reserve_beyond_room(host, 1);
+            }
+            granted.insert(host.clone(), got);
+        }
+        // The granted links go first (enqueued leased), in the order above.
+        let mut left = granted.clone();
+        let (mut first, mut rest): (Vec<NewUrl>, Vec<NewUrl>) = (Vec::new(), Vec::new());
+        for n in new {
+            let slot = left.get_mut(&n.url.host_port());
+            match slot {
+                Some(k) if *k > 0 && fresh(&n) => {
+                    *k -= 1;
+                    first.push(n);
+                }
+                _ => rest.push(n),
+            }
+        }
+        let leased_here = first.len();
+        tracing::trace!(
+            links = first.len() + rest.len(),
+            leased_here,
+            queued = queues.len(),
+            "follow"
+        );
+        first.extend(rest);
+        let result = self
+            .store
+            .enqueue_links(
+                &self.bot,
+                lease.pass,
+                &first,
+                &known,
+                Some(LeaseTo {
+                    me: &self.me,
+                    lease_for: self.limits.lease,
+                    first: leased_here,
+                }),
+                now,
+            )
+            .await;
+        let enqueued = match result {
+            Ok(enqueued) => enqueued,
+            Err(e) => {
+                for (host, n) in &granted {
+                    queues.unreserve(host, *n);
+                }
+                return Err(e);
+            }
+        };
+        // What arrived takes the room reserved for it; the rest of the reservation is returned.
+        let leased = enqueued.leased.len();
+        for lease in enqueued.leased {
+            queues.push(Queued {
+                ticket: self.stages.host_queue.enter(),
+                lease,
+            });
+        }
+        for (host, n) in &granted {
+            queues.unreserve(host, *n);
+        }
+        let plain_ids: Vec<String> = plain.into_iter().map(|(_, id)| id).collect();
+        let mut cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.0 != lease.pass || cache.1.len() + plain_ids.len() > ENQUEUED_CACHE {
+            *cache = (lease.pass, HashSet::new());
+        }
+        cache.1.extend(plain_ids);
+        Ok(Followed {
+            seen,
+            added: enqueued.added,
+            leased,
+        })
+    }
+
+    /// The settle step: what the page came to, as the group commit will store it. A parsed page
+    /// is followed first (its links enqueued).
+    pub async fn settle(
+        &self,
+        mut lease: UrlLease,
+        parsed: Parsed,
+        pass: &Pass,
+        queues: &HostQueues,
+    ) -> Result<Settled> {
+        let now = self.clock.now();
+        let settled = |lease: UrlLease, mark: Mark, result: Option<PageResult>| Settled {
+            lease,
+            record: None,
+            seen: Vec::new(),
+            removed: None,
+            mark,
+            result,
+        };
+        let outcome = match parsed {
+            Parsed::Page { data, validators } => {
+                lease.validators = validators;
+                let followed = self.follow(&lease, pass, &data, queues, now).await?;
+                let done = Mark::Done {
+                    validators: lease.validators.clone(),
+                    record_id: None,
+                };
+                let mut page = match data.record {
+                    Some(Ok((natural_key, fields))) => {
+                        let record = Extracted {
+                            bot: self.bot.clone(),
+                            natural_key,
+                            data: fields,
+                        };
+                        let mut s = settled(
+                            lease,
+                            done,
+                            Some(PageResult::Stored(
+                                crate::store::records::RecordWrite::Unchanged,
+                            )),
+                        );
+                        s.record = Some(record);
+                        s
+                    }
+                    Some(Err(reason)) => self.fail(lease, &reason),
+                    None => settled(lease, done, Some(PageResult::Done)),
+                };
+                page.seen.extend(followed.seen);
+                return Ok(page);
+            }
+            Parsed::Other(Fetched::Released) => {
+                let mark = Mark::Release {
+                    not_before: now,
+                    reason: "given back at shutdown".into(),
+                };
+                return Ok(settled(lease, mark, None));
+            }
+            Parsed::Other(Fetched::HostPaused { wait, reason }) => {
+                let mark = Mark::Release {
+                    not_before: crate::store::plus(now, wait),
+                    reason,
+                };
+                return Ok(settled(lease, mark, None));
+            }
+            Parsed::Other(Fetched::Disallowed) => {
+                return Ok(self.fail(lease, "disallowed by robots.txt"));
+            }
+            Parsed::Other(Fetched::Outcome(outcome)) => outcome,
+        };
+        let done = |lease: &UrlLease| Mark::Done {
+            validators: lease.validators.clone(),
+            record_id: None,
+        };
+        Ok(match outcome {
+            FetchOutcome::Ok(_) => unreachable!("pages are parsed before they are settled"),
+            FetchOutcome::NotModified => {
+                let mut s = settled(lease.clone(), done(&lease), Some(PageResult::NotModified));
+                s.seen.extend(lease.record_id.clone());
+                s
+            }
+            FetchOutcome::Skipped { reason } => {
+                debug!(bot = %self.bot, url = %lease.url, %reason, "skipped");
+                settled(lease.clone(), done(&lease), Some(PageResult::Skipped))
+            }
+            FetchOutcome::Gone { status } if lease.kind == PageKind::Detail => {
+                debug!(bot = %self.bot, url = %lease.url, status, "detail page gone; record marked removed");
+                let mut s = settled(lease.clone(), done(&lease), Some(PageResult::Gone));
+                s.removed = lease.record_id.clone();
+                s
+            }
+            FetchOutcome::Gone { status } => self.fail(lease, &format!("HTTP {status}")),
+            FetchOutcome::Permanent { reason } => self.fail(lease, &reason),
+            FetchOutcome::Throttled {
+                status,
+                retry_after,
+            } => self.retry_or_fail(lease, now, &format!("HTTP {status}"), retry_after),
+            FetchOutcome::Timeout => self.retry_or_fail(lease, now, "timed out", None),
+            FetchOutcome::Transient { reason } => self.retry_or_fail(lease, now, &reason, None),
+        })
+    }
+
+    /// Failed with its reason. A detail page that failed is no evidence its item is gone: its
+    /// record is marked seen, so deletion detection leaves it alone.
+    fn fail(&self, lease: UrlLease, reason: &str) -> Settled {
+        debug!(bot = %self.bot, url = %lease.url, %reason, "page failed");
+        Settled {
+            seen: lease.record_id.iter().cloned().collect(),
+            record: None,
+            removed: None,
+            mark: Mark::Failed {
+                reason: reason.to_owned(),
+            },
+            result: Some(PageResult::Failed(reason.to_owned())),
+            lease,
+        }
+    }
+
+    /// Another attempt later (after `Retry-After` when the site sent one, else a jittered
+    /// backoff), or failed once `crawl.attempts` are used.
+    fn retry_or_fail(
+        &self,
+        lease: UrlLease,
+        now: DateTime<Utc>,
+        reason: &str,
+        retry_after: Option<Duration>,
+    ) -> Settled {
+        if lease.attempt >= i64::from(self.limits.attempts) {
+            let why = format!("{reason} (after {} attempts)", lease.attempt);
+            return self.fail(lease, &why);
+        }
+        let attempt = u32::try_from(lease.attempt.max(1)).unwrap_or(u32::MAX);
+        let backoff = full_jitter(self.limits.backoff_base, self.limits.backoff_max, attempt);
+        let mut wait = retry_after.map_or(backoff, |r| r.max(backoff));
+        // Retries are load: past the host's budget, the retry waits out the budget's window.
+        if !self.flow.may_retry(&lease.host(), Instant::now()) {
+            wait = wait.max(self.flow.settings().retry_window);
+            self.metrics.retry_deferred(&self.bot);
+        }
+        debug!(bot = %self.bot, url = %lease.url, %reason, ?wait, "will retry");
+        Settled {
+            mark: Mark::Retry {
+                not_before: crate::store::plus(now, wait),
+                reason: reason.to_owned(),
+            },
+            record: None,
+            seen: Vec::new(),
+            removed: None,
+            result: Some(PageResult::Retry),
+            lease,
+        }
+    }
+}
