@@ -154,30 +154,21 @@ fn repeated(stats: &BTreeMap<String, u64>) -> u64 {
         .sum()
 }
 
-/// The crawl settings a benchmark run varies.
+/// The crawl settings a benchmark run varies (`[crawl]` lines; empty: the defaults).
 struct Run<'a> {
-    workers: u32,
+    crawl: &'a str,
     mode: &'a str,
-    lease: &'a str,
-    transactions: &'a str,
 }
 
 fn config(dir: &Path, uri: &str, database: &str, base: &str, run: &Run<'_>) -> PathBuf {
-    let Run {
-        workers,
-        mode,
-        lease,
-        transactions,
-    } = run;
-    let crawl =
-        format!("workers = {workers}\nlease = \"{lease}\"\ntransactions = \"{transactions}\"");
+    let Run { crawl, mode } = run;
     config_with(
         dir,
         uri,
         database,
         &format!("{base}/seeds.txt"),
         &[base],
-        &crawl,
+        crawl,
         mode,
         "off",
     )
@@ -339,6 +330,9 @@ struct KillRun {
 }
 
 const KILLS: usize = 10;
+/// `crawl.max_uncommitted` in the kill test: the pages an instance may hold fetched and not yet
+/// committed, so a kill repeats at most this many.
+const KILL_TEST_CAP: u64 = 4;
 /// Per-request latency of the shop in the kill test, so a crawl outlives ten kills.
 const KILL_TEST_LATENCY_MS: u64 = 20;
 
@@ -356,10 +350,10 @@ async fn kill_seedlock(uri: &str, instances: usize, transactions: &str, dir: &Pa
         db.name(),
         &shop.base,
         &Run {
-            workers: 1,
+            crawl: &format!(
+                "workers = 1\nmax_uncommitted = {KILL_TEST_CAP}\nlease = \"10s\"\ntransactions = \"{transactions}\""
+            ),
             mode: "fingerprint",
-            lease: "10s",
-            transactions,
         },
     );
     let names: Vec<String> = (0..instances).map(|i| format!("crawler-{i}")).collect();
@@ -530,23 +524,32 @@ async fn kill(uri: &str, runs: usize) {
     let dir = tempfile::tempdir().unwrap();
     println!("## Kill test (seed 000): 25 listing pages, 500 products, {KILLS} SIGKILLs per run at a random 0.2–1.0 s of the victim's life");
     println!();
-    println!("One request in flight per instance (`crawl.workers = 1`); the shop answers every request after {KILL_TEST_LATENCY_MS} ms so a crawl outlives ten kills. A full crawl is 525 page requests (+1 for `/seeds.txt` and 1 `/robots.txt` per seedlock process, which `repeated` leaves out).");
+    println!("One request in flight per instance (`crawl.workers = 1`) and at most {KILL_TEST_CAP} pages fetched and not yet committed (`crawl.max_uncommitted = {KILL_TEST_CAP}`); the shop answers every request after {KILL_TEST_LATENCY_MS} ms so a crawl outlives ten kills. A full crawl is 525 page requests (+1 for `/seeds.txt` and 1 `/robots.txt` per seedlock process, which `repeated` leaves out). A seedlock run passes with exactly 500 correct records, repeated ≤ kills × {KILL_TEST_CAP}, and a wall under 2× the naive baseline's median.");
     println!();
     println!("| crawler | run | kills | rows | distinct | correct | requests | repeated | wall (s) | verdict |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut failures = 0;
     // BENCH_KILL_ONLY=1 or 3: only seedlock with that many instances (for investigating).
     let crawlers: &[(&str, usize, &str)] = match std::env::var("BENCH_KILL_ONLY").as_deref() {
-        Ok("1") => &[("seedlock, 1 instance", 1, "auto")],
-        Ok("3") => &[("seedlock, 3 instances", 3, "auto")],
+        Ok("1") => &[("seedlock, 1 instance", 1, "off")],
+        Ok("3") => &[("seedlock, 3 instances", 3, "off")],
         _ => &[
             ("naive (auto ids, no frontier)", 0, "-"),
-            ("seedlock, 1 instance, transactions", 1, "auto"),
-            ("seedlock, 3 instances, transactions", 3, "auto"),
-            ("seedlock, 1 instance, `transactions = \"off\"`", 1, "off"),
-            ("seedlock, 3 instances, `transactions = \"off\"`", 3, "off"),
+            (
+                "seedlock, 1 instance (default: ordered group commits)",
+                1,
+                "off",
+            ),
+            (
+                "seedlock, 3 instances (default: ordered group commits)",
+                3,
+                "off",
+            ),
+            ("seedlock, 1 instance, `transactions = \"on\"`", 1, "on"),
+            ("seedlock, 3 instances, `transactions = \"on\"`", 3, "on"),
         ],
     };
+    let mut naive_walls: Vec<f64> = Vec::new();
     for &(label, instances, transactions) in crawlers {
         for run in 1..=runs {
             let r = if instances == 0 {
@@ -555,20 +558,33 @@ async fn kill(uri: &str, runs: usize) {
                 kill_seedlock(uri, instances, transactions, dir.path()).await
             };
             let verdict = if instances == 0 {
+                naive_walls.push(r.wall.as_secs_f64());
                 "baseline".to_owned()
             } else {
-                // Each kill repeats at most the one page its victim had in flight.
-                let ok = r.rows == 500
-                    && r.distinct == 500
-                    && r.correct == 500
-                    && r.repeated <= r.kills as u64;
-                if !ok {
-                    failures += 1;
+                let bound = r.kills as u64 * KILL_TEST_CAP;
+                let wall_bound = naive_walls
+                    .get(naive_walls.len() / 2)
+                    .map(|median| 2.0 * median);
+                let exact = r.rows == 500 && r.distinct == 500 && r.correct == 500;
+                let mut problems = Vec::new();
+                if !exact {
+                    problems.push("records not exact".to_owned());
                 }
-                if ok {
-                    "ok: 500 correct, repeated ≤ kills".into()
+                if r.repeated > bound {
+                    problems.push(format!("repeated > {bound}"));
+                }
+                if let Some(w) = wall_bound.filter(|w| r.wall.as_secs_f64() > *w) {
+                    problems.push(format!("wall > {w:.1} s"));
+                }
+                if problems.is_empty() {
+                    format!("ok: 500 correct, repeated ≤ {bound}, wall ≤ 2× naive")
                 } else {
-                    "FAILED".into()
+                    // The transaction path is not the default; its misses are reported, not
+                    // counted against the default's guarantee.
+                    if transactions != "on" {
+                        failures += 1;
+                    }
+                    format!("FAILED: {}", problems.join(", "))
                 }
             };
             println!(
@@ -582,6 +598,9 @@ async fn kill(uri: &str, runs: usize) {
                 r.wall.as_secs_f64()
             );
         }
+        if instances == 0 {
+            naive_walls.sort_by(f64::total_cmp);
+        }
     }
     if failures > 0 {
         eprintln!("kill test: {failures} seedlock run(s) broke the guarantee");
@@ -591,6 +610,144 @@ async fn kill(uri: &str, runs: usize) {
 
 // ---- throughput -------------------------------------------------------------------------------
 
+/// What one `run --once` of one or more instances cost.
+struct Crawl {
+    /// From the first process start to the last exit.
+    wall: Duration,
+    /// The pass in the bot document: `crawlPassStartedAt` to `crawlPassEndedAt` (server time).
+    pass: Duration,
+    peak_kib: u64,
+    /// Database commands of every instance over the whole run (command monitoring).
+    commands: u64,
+    /// Commands per stored detail page while 20–80% of them were stored (`/metrics` samples).
+    steady: Option<f64>,
+}
+
+/// Sums every series of `name` in a Prometheus / OpenMetrics text (all labels), or the series
+/// whose labels contain `labels`.
+fn sum_series(text: &str, name: &str, labels: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{') && l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// The last `database commands sent` line of an instance's log, summed over commands.
+fn commands_in_log(log: &Path) -> u64 {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines()
+        .rev()
+        .find(|l| l.contains("database commands sent"))
+        .and_then(|l| l.split("commands=").nth(1))
+        .and_then(|json| serde_json::from_str::<BTreeMap<String, u64>>(json.trim()).ok())
+        .map_or(0, |m| m.values().sum())
+}
+
+fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+/// Runs `instances` × `run --once` on `config` together, sampling their `/metrics`.
+async fn crawl_measured(config: &Path, db: &Database, instances: usize) -> Crawl {
+    let logs = tempfile::tempdir().unwrap();
+    let addrs: Vec<String> = (0..instances).map(|_| free_addr()).collect();
+    let started = Instant::now();
+    let mut children: Vec<Child> = (0..instances)
+        .map(|i| {
+            let bin = std::env::var("SEEDLOCK_BIN").expect("SEEDLOCK_BIN");
+            let log = std::fs::File::create(logs.path().join(format!("{i}.log"))).unwrap();
+            Command::new(bin)
+                .arg("-c")
+                .arg(config)
+                .args(["run", "--once", "--timeout", "3600s"])
+                .env("SEEDLOCK_INSTANCE_ID", format!("bench-{i}"))
+                .env("SEEDLOCK_HTTP_LISTEN", &addrs[i])
+                .env("SEEDLOCK_LOG", "info,seedlock::daemon=debug")
+                .env_remove("MONGODB_URI")
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::from(log))
+                .kill_on_drop(true)
+                .spawn()
+                .expect("spawn seedlock")
+        })
+        .collect();
+    let stop = CancellationToken::new();
+    let sampler = {
+        let (stop, addrs) = (stop.clone(), addrs.clone());
+        tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            let mut samples: Vec<(f64, f64)> = Vec::new();
+            while !stop.is_cancelled() {
+                let mut sample = Some((0.0, 0.0));
+                for addr in &addrs {
+                    let text = match http.get(format!("http://{addr}/metrics")).send().await {
+                        Ok(r) => r.text().await.unwrap_or_default(),
+                        Err(_) => String::new(),
+                    };
+                    if text.is_empty() {
+                        sample = None;
+                        break;
+                    }
+                    if let Some((commands, stored)) = sample.as_mut() {
+                        *commands += sum_series(&text, "seedlock_db_commands_total", "");
+                        *stored +=
+                            sum_series(&text, "seedlock_crawl_pages_total", "kind=\"stored\"");
+                    }
+                }
+                if let Some(sample) = sample {
+                    samples.push(sample);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            samples
+        })
+    };
+    let mut peak = 0;
+    for child in &mut children {
+        let (ok, rss) = wait_with_rss(child).await;
+        assert!(ok, "an instance failed");
+        peak = peak.max(rss);
+    }
+    let wall = started.elapsed();
+    stop.cancel();
+    let samples = sampler.await.unwrap();
+    let commands = (0..instances)
+        .map(|i| commands_in_log(&logs.path().join(format!("{i}.log"))))
+        .sum();
+    let stored = samples.iter().map(|s| s.1).fold(0.0, f64::max);
+    let steady = {
+        let from = samples.iter().find(|s| s.1 >= 0.2 * stored);
+        let to = samples.iter().rev().find(|s| s.1 <= 0.8 * stored);
+        match (from, to) {
+            (Some(a), Some(b)) if b.1 > a.1 => Some((b.0 - a.0) / (b.1 - a.1)),
+            _ => None,
+        }
+    };
+    let bot = db
+        .collection::<Document>("bots")
+        .find_one(doc! { "_id": "shop" })
+        .await
+        .unwrap()
+        .unwrap_or_default();
+    let pass = match (
+        bot.get_datetime("crawlPassStartedAt"),
+        bot.get_datetime("crawlPassEndedAt"),
+    ) {
+        (Ok(a), Ok(b)) => {
+            Duration::from_millis((b.timestamp_millis() - a.timestamp_millis()).max(0) as u64)
+        }
+        _ => wall,
+    };
+    Crawl {
+        wall,
+        pass,
+        peak_kib: peak,
+        commands,
+        steady,
+    }
+}
+
 async fn crawl_once(
     uri: &str,
     dir: &Path,
@@ -598,37 +755,10 @@ async fn crawl_once(
     db: &Database,
     instances: usize,
     mode: &str,
-    transactions: &str,
-) -> (Duration, u64) {
-    let config = config(
-        dir,
-        uri,
-        db.name(),
-        &shop.base,
-        &Run {
-            workers: 16,
-            mode,
-            lease: "60s",
-            transactions,
-        },
-    );
-    let started = Instant::now();
-    let mut children: Vec<Child> = (0..instances)
-        .map(|i| {
-            seedlock(
-                &config,
-                &format!("bench-{i}"),
-                &["run", "--once", "--timeout", "3600s"],
-            )
-        })
-        .collect();
-    let mut peak = 0;
-    for child in &mut children {
-        let (ok, rss) = wait_with_rss(child).await;
-        assert!(ok, "an instance failed");
-        peak = peak.max(rss);
-    }
-    (started.elapsed(), peak)
+    crawl: &str,
+) -> Crawl {
+    let config = config(dir, uri, db.name(), &shop.base, &Run { crawl, mode });
+    crawl_measured(&config, db, instances).await
 }
 
 async fn request_refresh(db: &Database) {
@@ -641,59 +771,311 @@ async fn request_refresh(db: &Database) {
         .unwrap();
 }
 
+/// The database's ceiling: the least database work a crawl of `pages` detail pages needs with
+/// nothing else in the way — a minimal loop of batched leases (one `find` of a host's pending
+/// URLs in a few slots, one `update` of them), one read of their records, one `insert` of them,
+/// one `update` marking the batch done — on seedlock's own frontier index (plus `extra` indexes,
+/// to measure what an index costs). Returns (pages/s, lease time, commit time).
+async fn db_ceiling(
+    uri: &str,
+    pages: u32,
+    batch: usize,
+    extra: &[Document],
+) -> (f64, Duration, Duration) {
+    let client = Client::with_uri_str(uri).await.unwrap();
+    let db = fresh_db(uri, "ceiling").await;
+    let store = seedlock::store::Store::new(client.database(db.name()));
+    store.ensure_frontier_indexes().await.unwrap();
+    store.ensure_record_indexes().await.unwrap();
+    let frontier = db.collection::<Document>("frontier");
+    for keys in extra {
+        frontier
+            .create_index(mongodb::IndexModel::builder().keys(keys.clone()).build())
+            .await
+            .unwrap();
+    }
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    let urls: Vec<seedlock::urls::NormalizedUrl> = (0..pages)
+        .map(|i| {
+            seedlock::urls::NormalizedUrl::parse(&format!("http://shop.test/product/{i}")).unwrap()
+        })
+        .collect();
+    store
+        .enqueue(
+            &bot,
+            1,
+            seedlock::store::frontier::PageKind::Detail,
+            &urls,
+            chrono::Utc::now(),
+        )
+        .await
+        .unwrap();
+    let records = db.collection::<Document>("records");
+    let (mut lease, mut commit) = (Duration::ZERO, Duration::ZERO);
+    let started = Instant::now();
+    let mut done = 0_u32;
+    loop {
+        let t0 = Instant::now();
+        let remaining = f64::from((pages - done).max(1));
+        let k = ((batch as f64 * 1024.0 / remaining).ceil() as i64).clamp(1, 1024);
+        let first = rand::rng().random_range(0..1024_i64);
+        let slots: Vec<i64> = (0..k).map(|i| (first + i) % 1024).collect();
+        let filter = |slots: Option<Vec<i64>>| {
+            let mut f = doc! { "botId": "shop", "pass": 1_i64, "status": "pending", "host": "shop.test:80", "priority": 0_i64 };
+            if let Some(slots) = slots {
+                f.insert("slot", doc! { "$in": slots });
+            }
+            f
+        };
+        let mut found: Vec<Document> = frontier
+            .find(filter(Some(slots)))
+            .limit(batch as i64)
+            .await
+            .unwrap()
+            .try_collect()
+            .await
+            .unwrap();
+        if found.is_empty() {
+            found = frontier
+                .find(filter(None))
+                .limit(batch as i64)
+                .await
+                .unwrap()
+                .try_collect()
+                .await
+                .unwrap();
+        }
+        if found.is_empty() {
+            break;
+        }
+        let ids: Vec<bson::Bson> = found
+            .iter()
+            .map(|d| d.get("_id").unwrap().clone())
+            .collect();
+        let token = format!("{:032x}", rand::random::<u128>());
+        let now = bson::DateTime::now();
+        frontier
+            .update_many(
+                doc! { "_id": { "$in": &ids }, "botId": "shop", "status": "pending" },
+                doc! { "$set": { "status": "leased", "leaseToken": &token, "leaseExpiresAt": now, "leasedAt": now }, "$inc": { "attempts": 1_i64 } },
+            )
+            .await
+            .unwrap();
+        lease += t0.elapsed();
+        let t0 = Instant::now();
+        let record_ids: Vec<String> = ids
+            .iter()
+            .map(|id| format!("r{}", id.as_str().unwrap()))
+            .collect();
+        let _stored: Vec<Document> = records
+            .find(doc! { "_id": { "$in": &record_ids }, "botId": "shop" })
+            .projection(doc! { "contentHash": 1, "fetchedAt": 1, "removedAt": 1 })
+            .await
+            .unwrap()
+            .try_collect()
+            .await
+            .unwrap();
+        let new: Vec<Document> = record_ids
+            .iter()
+            .map(|id| {
+                doc! {
+                    "_id": id, "botId": "shop", "naturalKey": id, "url": "http://shop.test/",
+                    "data": { "title": "Lamp", "price": "$1.00", "status": "in stock" },
+                    "contentHash": "h", "firstSeen": now, "lastChanged": now, "lastSeen": now,
+                    "lastSeenPass": 1_i64, "removedAt": bson::Bson::Null, "fetchedAt": now,
+                }
+            })
+            .collect();
+        records.insert_many(new).await.unwrap();
+        frontier
+            .update_many(
+                doc! { "_id": { "$in": &ids }, "botId": "shop", "status": "leased", "leaseToken": &token },
+                doc! { "$set": { "status": "done", "doneAt": now, "leaseOwner": bson::Bson::Null, "leaseToken": bson::Bson::Null, "leaseExpiresAt": bson::Bson::Null } },
+            )
+            .await
+            .unwrap();
+        commit += t0.elapsed();
+        done += ids.len() as u32;
+    }
+    let rate = f64::from(done) / started.elapsed().as_secs_f64();
+    let _ = db.drop().await;
+    (rate, lease / done.max(1), commit / done.max(1))
+}
+
+/// The HTTP ceiling: every page of the shop fetched, nothing parsed (beyond finding the links)
+/// or stored — listing pages one after the other, each one's product pages `concurrency` at a
+/// time.
+async fn http_ceiling(base: &str, concurrency: usize) -> (u64, f64) {
+    use futures_util::StreamExt;
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    let mut fetched = 0_u64;
+    let mut next = Some(format!("{base}/list/1"));
+    while let Some(list) = next.take() {
+        let body = client
+            .get(&list)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        fetched += 1;
+        let products: Vec<String> = body
+            .split("href=\"/product/")
+            .skip(1)
+            .filter_map(|s| s.split('"').next())
+            .map(|sku| format!("{base}/product/{sku}"))
+            .collect();
+        next = body
+            .split("class=\"next\" href=\"")
+            .nth(1)
+            .and_then(|s| s.split('"').next())
+            .map(|path| format!("{base}{path}"));
+        let got: Vec<()> = futures_util::stream::iter(products)
+            .map(|url| {
+                let client = client.clone();
+                async move {
+                    let _ = client.get(url).send().await.unwrap().bytes().await.unwrap();
+                }
+            })
+            .buffer_unordered(concurrency)
+            .collect()
+            .await;
+        fetched += got.len() as u64;
+    }
+    (fetched, fetched as f64 / started.elapsed().as_secs_f64())
+}
+
 async fn throughput(uri: &str) {
     let dir = tempfile::tempdir().unwrap();
-    println!("## Throughput: one full pass (`run --once`, `crawl.workers = 16`, `writers = 4` per instance)");
+    println!("## Throughput: one full pass (`run --once`, default `[crawl]` unless the row says otherwise)");
     println!();
-    println!("| products | instances | transactions | pages | wall (s) | pages/s | records/s | peak RSS per instance (MiB) | correct records |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("`pass` is the bot document's `crawlPassStartedAt` → `crawlPassEndedAt`; `wall` is the first process start to the last exit. Database commands are the driver's command monitoring (`seedlock_db_commands_total`), summed over the instances, per detail page stored: over the whole run, and in the steady state (while 20–80% of the detail pages were stored).");
+    println!();
+    println!("| products | instances | `[crawl]` | pages | pass (s) | pages/s (pass) | wall (s) | db commands / detail page (run) | (steady) | peak RSS per instance (MiB) | correct records |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let only: Option<Vec<usize>> = std::env::var("BENCH_ROWS")
         .ok()
         .map(|v| v.split(',').filter_map(|n| n.parse().ok()).collect());
     let runs: Vec<_> = [
-        (25, 20, 1, "auto"),
-        (25, 20, 3, "auto"),
-        (25, 20, 1, "off"),
-        (25, 20, 3, "off"),
-        (100, 100, 1, "auto"),
-        (100, 100, 3, "auto"),
-        (100, 100, 1, "off"),
-        (100, 100, 3, "off"),
+        (25, 20, 1, ""),
+        (25, 20, 3, ""),
+        (100, 100, 1, ""),
+        (100, 100, 3, ""),
+        (100, 100, 1, "transactions = \"on\""),
     ]
     .into_iter()
     .enumerate()
     .filter(|(i, _)| only.as_ref().is_none_or(|o| o.contains(i)))
     .map(|(_, r)| r)
     .collect();
-    {
-        for (lists, per_list, instances, transactions) in runs {
-            let shop = Shop::start(lists, per_list).await;
-            let db = fresh_db(uri, "throughput").await;
-            let (wall, peak) = crawl_once(
-                uri,
-                dir.path(),
-                &shop,
-                &db,
-                instances,
-                "fingerprint",
-                transactions,
-            )
-            .await;
-            let stats = shop.stats().await;
-            let pages = under(&stats, "/list/") + under(&stats, "/product/");
-            let truth = shop.truth().await;
-            let (rows, _, correct) = judge_records(&db, &truth).await;
-            println!(
-                "| {} | {instances} | {transactions} | {pages} | {:.2} | {:.0} | {:.0} | {:.1} | {correct}/{} |",
-                lists * per_list,
-                wall.as_secs_f64(),
-                pages as f64 / wall.as_secs_f64(),
-                rows as f64 / wall.as_secs_f64(),
-                peak as f64 / 1024.0,
-                truth.len()
-            );
-            let _ = db.drop().await;
+    for (lists, per_list, instances, crawl) in runs {
+        let shop = Shop::start(lists, per_list).await;
+        let db = fresh_db(uri, "throughput").await;
+        let c = crawl_once(uri, dir.path(), &shop, &db, instances, "fingerprint", crawl).await;
+        let stats = shop.stats().await;
+        let pages = under(&stats, "/list/") + under(&stats, "/product/");
+        let details = under(&stats, "/product/");
+        let truth = shop.truth().await;
+        let (_, _, correct) = judge_records(&db, &truth).await;
+        println!(
+            "| {} | {instances} | {} | {pages} | {:.3} | {:.0} | {:.3} | {:.2} | {} | {:.1} | {correct}/{} |",
+            lists * per_list,
+            if crawl.is_empty() { "defaults".into() } else { format!("`{crawl}`") },
+            c.pass.as_secs_f64(),
+            pages as f64 / c.pass.as_secs_f64(),
+            c.wall.as_secs_f64(),
+            c.commands as f64 / details.max(1) as f64,
+            c.steady.map_or("-".into(), |s| format!("{s:.2}")),
+            c.peak_kib as f64 / 1024.0,
+            truth.len()
+        );
+        let _ = db.drop().await;
+    }
+}
+
+/// The two ceilings and seedlock, side by side in one run: the database's (no HTTP), the HTTP
+/// one (no database), and one seedlock instance on the same 10,000-product shop.
+async fn ceilings(uri: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    println!("## Ceilings: the same work with nothing else in the way, next to seedlock (10,000 products)");
+    println!();
+    let (db_rate, lease, commit) = db_ceiling(uri, 10_000, 50, &[]).await;
+    let shop = Shop::start(100, 100).await;
+    let (http_pages, http_rate) = http_ceiling(&shop.base, 32).await;
+    shop.stats().await;
+    let db = fresh_db(uri, "ceilings").await;
+    let c = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "").await;
+    let stats = shop.stats().await;
+    let pages = under(&stats, "/list/") + under(&stats, "/product/");
+    let rate = pages as f64 / c.pass.as_secs_f64();
+    let _ = db.drop().await;
+    println!("| what | pages | pages/s |");
+    println!("|---|---|---|");
+    println!(
+        "| database ceiling: batched lease + record + done loop, 50 a batch, no HTTP (lease {:.0} µs + commit {:.0} µs a page) | 10000 | {db_rate:.0} |",
+        lease.as_secs_f64() * 1e6,
+        commit.as_secs_f64() * 1e6
+    );
+    println!(
+        "| HTTP ceiling: fetch-only, 32 at a time, no database | {http_pages} | {http_rate:.0} |"
+    );
+    println!("| seedlock, 1 instance, defaults (pass) | {pages} | {rate:.0} |");
+    println!();
+    println!(
+        "seedlock at {:.0}% of the lower ceiling ({}).",
+        100.0 * rate / db_rate.min(http_rate),
+        if db_rate <= http_rate {
+            "the database's"
+        } else {
+            "HTTP's"
         }
+    );
+}
+
+/// What each frontier index costs the lease and commit paths: the database ceiling's loop with
+/// seedlock's one index, and with each index of earlier versions added.
+async fn indexes(uri: &str) {
+    println!("## Frontier indexes: what each one costs (the database ceiling's loop, 10,000 pages, 50 a batch)");
+    println!();
+    println!("| indexes | lease µs / page | commit µs / page | pages/s |");
+    println!("|---|---|---|---|");
+    let retired = [
+        (
+            "+ `{botId, pass, status, leaseExpiresAt}`",
+            doc! { "botId": 1, "pass": 1, "status": 1, "leaseExpiresAt": 1 },
+        ),
+        (
+            "+ `{botId, pass, status, slot}`",
+            doc! { "botId": 1, "pass": 1, "status": 1, "slot": 1 },
+        ),
+        (
+            "+ `{botId, pass, status, priority, slot}`",
+            doc! { "botId": 1, "pass": 1, "status": 1, "priority": 1, "slot": 1 },
+        ),
+    ];
+    let sets: Vec<(String, Vec<Document>)> = std::iter::once((
+        "`bot_pass_status_host_priority_slot` alone".to_owned(),
+        Vec::new(),
+    ))
+    .chain(
+        retired
+            .iter()
+            .map(|(name, keys)| (name.to_string(), vec![keys.clone()])),
+    )
+    .chain(std::iter::once((
+        "+ all three (the indexes before this version)".to_owned(),
+        retired.iter().map(|(_, k)| k.clone()).collect(),
+    )))
+    .collect();
+    for (name, extra) in sets {
+        let (rate, lease, commit) = db_ceiling(uri, 10_000, 50, &extra).await;
+        println!(
+            "| {name} | {:.0} | {:.0} | {rate:.0} |",
+            lease.as_secs_f64() * 1e6,
+            commit.as_secs_f64() * 1e6
+        );
     }
 }
 
@@ -720,7 +1102,7 @@ async fn incremental(uri: &str, items: u32) {
     println!();
     let shop = Shop::start(lists, 100).await;
     let db = fresh_db(uri, "incremental").await;
-    let (full, full_rss) = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "auto").await;
+    let full = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "").await;
     let stats = shop.stats().await;
     // The shop's per-path table keeps 100,000 paths (the rest count as "(other)"): past that,
     // the full pass's pages are counted in the frontier, which holds one done entry per page.
@@ -741,32 +1123,36 @@ async fn incremental(uri: &str, items: u32) {
         .await;
     let before = bson::DateTime::now();
     request_refresh(&db).await;
-    let (second, second_rss) =
-        crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "auto").await;
+    let second = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "").await;
     let stats = shop.stats().await;
     let details = under(&stats, "/product/");
     let writes = records_written_since(&db, before).await;
     let truth = shop.truth().await;
     let (_, _, correct) = judge_records(&db, &truth).await;
     println!(
-        "| pass | listing pages | detail requests | record writes | wall (s) | peak RSS (MiB) |"
+        "| pass | listing pages | detail requests | record writes | pass (s) | pages/s | wall (s) | peak RSS (MiB) |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     println!(
-        "| full | {full_lists} | {full_details} | {full_writes} | {:.1} | {:.1} |",
-        full.as_secs_f64(),
-        full_rss as f64 / 1024.0
+        "| full | {full_lists} | {full_details} | {full_writes} | {:.1} | {:.0} | {:.1} | {:.1} |",
+        full.pass.as_secs_f64(),
+        (full_lists + full_details) as f64 / full.pass.as_secs_f64(),
+        full.wall.as_secs_f64(),
+        full.peak_kib as f64 / 1024.0
     );
     println!(
-        "| after 500 changed + 200 added (fingerprint) | {} | {details} | {writes} | {:.1} | {:.1} |",
+        "| after 500 changed + 200 added (fingerprint) | {} | {details} | {writes} | {:.1} | {:.0} | {:.1} | {:.1} |",
         under(&stats, "/list/"),
-        second.as_secs_f64(),
-        second_rss as f64 / 1024.0
+        second.pass.as_secs_f64(),
+        (under(&stats, "/list/") + details) as f64 / second.pass.as_secs_f64(),
+        second.wall.as_secs_f64(),
+        second.peak_kib as f64 / 1024.0
     );
     println!();
     println!(
-        "Second pass: {details} detail requests and {writes} record writes (expected 700 and 700); wall {:.1}% of the full pass; records correct: {correct}/{}.",
-        100.0 * second.as_secs_f64() / full.as_secs_f64(),
+        "Second pass: {details} detail requests and {writes} record writes (expected 700 and 700); {:.1} s, {:.1}% of the full pass; records correct: {correct}/{}.",
+        second.pass.as_secs_f64(),
+        100.0 * second.pass.as_secs_f64() / full.pass.as_secs_f64(),
         truth.len()
     );
     let ok = details == 700 && writes == 700 && correct == truth.len();
@@ -775,11 +1161,13 @@ async fn incremental(uri: &str, items: u32) {
     // Watermark mode on an append-only catalogue: 200 new items.
     let shop = Shop::start(lists.min(50), 100).await;
     let db = fresh_db(uri, "watermark").await;
-    crawl_once(uri, dir.path(), &shop, &db, 1, "watermark", "auto").await;
+    crawl_once(uri, dir.path(), &shop, &db, 1, "watermark", "").await;
     shop.stats().await;
     shop.post("/__mutate", json!({"add": 200})).await;
     request_refresh(&db).await;
-    let (wall, _) = crawl_once(uri, dir.path(), &shop, &db, 1, "watermark", "auto").await;
+    let wall = crawl_once(uri, dir.path(), &shop, &db, 1, "watermark", "")
+        .await
+        .pass;
     let stats = shop.stats().await;
     println!();
     println!(
@@ -832,11 +1220,11 @@ async fn run_once(config: &Path) -> Duration {
 
 async fn head_of_line(uri: &str) {
     let dir = tempfile::tempdir().unwrap();
-    println!("## Head-of-line: a slow host next to a fast one (1 instance, default `[crawl]`)");
+    println!("## Head-of-line: a slow host (1.5 s a page) next to a fast one of 1,000 products (1 instance, default `[crawl]`)");
     println!();
     println!("| run | B pages | B pages/s | A pages | wall (s) |");
     println!("|---|---|---|---|---|");
-    let b = Shop::start_named(20, 20, "B").await;
+    let b = Shop::start_named(50, 20, "B").await;
     let db = fresh_db(uri, "hol_alone").await;
     let seeds = seed_source(&[&b.base]).await;
     let config = config_with(
@@ -860,9 +1248,9 @@ async fn head_of_line(uri: &str) {
     let _ = db.drop().await;
 
     let a = Shop::start_named(5, 20, "A").await;
-    a.post("/__faults", json!([{"path": "/", "latency_ms": 2000}]))
+    a.post("/__faults", json!([{"path": "/", "latency_ms": 1500}]))
         .await;
-    let b = Shop::start_named(20, 20, "B").await;
+    let b = Shop::start_named(50, 20, "B").await;
     let db = fresh_db(uri, "hol_both").await;
     let seeds = seed_source(&[&a.base, &b.base]).await;
     let config = config_with(
@@ -879,7 +1267,7 @@ async fn head_of_line(uri: &str) {
     let with_a = b.page_times().await;
     let a_pages = a.page_times().await.len();
     println!(
-        "| B with A (2 s per page) | {} | {:.1} | {a_pages} | {:.1} |",
+        "| B with A (1.5 s per page) | {} | {:.1} | {a_pages} | {:.1} |",
         with_a.len(),
         rate(&with_a),
         wall.as_secs_f64()
@@ -1006,6 +1394,7 @@ async fn fill_frontier(db: &Database, base: &str, urls: u32) {
             "_id": format!("shop {url}"), "botId": "shop", "url": url, "kind": "detail",
             "pass": 1_i64, "status": "pending", "attempts": 0_i64, "enqueuedAt": now,
             "notBefore": now, "slot": rand::rng().random_range(0..1024_i64), "host": host,
+            "priority": 0_i64,
         });
         if batch.len() == 10_000 {
             frontier
@@ -1037,10 +1426,8 @@ async fn memory(uri: &str, urls: u32) {
             db.name(),
             &shop.base,
             &Run {
-                workers: 16,
+                crawl: "",
                 mode: "fingerprint",
-                lease: "60s",
-                transactions: "auto",
             },
         );
         let mut child = seedlock(&config, "bench-0", &["run"]);
@@ -1080,7 +1467,7 @@ async fn deletion(uri: &str) {
     let dir = tempfile::tempdir().unwrap();
     let shop = Shop::start(25, 20).await;
     let db = fresh_db(uri, "deletion").await;
-    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "auto").await;
+    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "").await;
     let report = shop.post("/__mutate", json!({"delete": 50})).await;
     let removed = || async {
         docs(&db, "records", doc! { "removedAt": { "$type": "date" } })
@@ -1096,7 +1483,7 @@ async fn deletion(uri: &str) {
     )
     .await;
     request_refresh(&db).await;
-    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "auto").await;
+    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "").await;
     let after_incomplete = removed().await.len();
     reqwest::Client::new()
         .delete(format!("{}/__faults", shop.base))
@@ -1104,7 +1491,7 @@ async fn deletion(uri: &str) {
         .await
         .unwrap();
     request_refresh(&db).await;
-    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "auto").await;
+    crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "").await;
     let after_complete = removed().await;
     let deleted: HashSet<String> = report["deleted"]
         .as_array()
@@ -1144,6 +1531,8 @@ async fn main() {
     match args.first().map(String::as_str) {
         Some("kill") => kill(&uri, number(1, 3) as usize).await,
         Some("throughput") => throughput(&uri).await,
+        Some("ceilings") => ceilings(&uri).await,
+        Some("indexes") => indexes(&uri).await,
         Some("incremental") => incremental(&uri, number(1, 200_000)).await,
         Some("deletion") => deletion(&uri).await,
         Some("head-of-line") => head_of_line(&uri).await,
@@ -1151,7 +1540,7 @@ async fn main() {
         Some("memory") => memory(&uri, number(1, 1_000_000)).await,
         _ => {
             eprintln!(
-                "usage: crawl_bench kill [RUNS] | throughput | incremental [ITEMS] | deletion | head-of-line | throttling | memory [URLS]"
+                "usage: crawl_bench kill [RUNS] | throughput | ceilings | indexes | incremental [ITEMS] | deletion | head-of-line | throttling | memory [URLS]"
             );
             std::process::exit(2);
         }

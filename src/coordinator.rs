@@ -466,7 +466,11 @@ impl BotRunner {
         let id = &self.bot.id;
         let poll = ctx.lock.poll;
         let stop_watcher = shutdown.child_token();
-        let watcher = self.spawn_watcher(stop_watcher.clone());
+        // The change stream is open only while this loop waits: during a crawl slice nothing
+        // reads its wake-ups, and every open stream makes the server read every write of the
+        // crawl (all instances' frontier and record writes) to find this document's changes.
+        let (watching, wanted) = tokio::sync::watch::channel(true);
+        let watcher = self.spawn_watcher(stop_watcher.clone(), wanted);
         let mut db_failures: u32 = 0;
         let mut waiting_since: Option<Instant> = None;
         let end = loop {
@@ -482,7 +486,10 @@ impl BotRunner {
                     if let Some(since) = waiting_since.take() {
                         ctx.metrics.waited(id, since.elapsed());
                     }
-                    match self.crawl_turn(pass, shutdown).await {
+                    watching.send_replace(false);
+                    let turn = self.crawl_turn(pass, shutdown).await;
+                    watching.send_replace(true);
+                    match turn {
                         Ok(turn) => {
                             if db_failures > 0 {
                                 info!(bot = %id, after = db_failures, "database reachable again");
@@ -631,7 +638,11 @@ impl BotRunner {
 
     /// Watches the bot's document and wakes the loop on every change. Where the server has no
     /// change streams, polling alone carries on.
-    fn spawn_watcher(&self, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
+    fn spawn_watcher(
+        &self,
+        stop: CancellationToken,
+        mut wanted: tokio::sync::watch::Receiver<bool>,
+    ) -> tokio::task::JoinHandle<()> {
         let store = self.ctx.store.clone();
         let id = self.bot.id.clone();
         let wake = self.wake.clone();
@@ -639,6 +650,11 @@ impl BotRunner {
         tokio::spawn(async move {
             let mut failures: u32 = 0;
             loop {
+                // Closed while the loop crawls; opened again when it waits.
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    changed = wanted.wait_for(|w| *w) => if changed.is_err() { return },
+                }
                 let stream = tokio::select! {
                     _ = stop.cancelled() => return,
                     s = store.watch_bot(&id) => s,
@@ -649,6 +665,7 @@ impl BotRunner {
                         loop {
                             tokio::select! {
                                 _ = stop.cancelled() => return,
+                                _ = wanted.wait_for(|w| !*w) => break,
                                 event = stream.next() => match event {
                                     Some(Ok(_)) => wake.notify_one(),
                                     Some(Err(e)) => {
@@ -658,6 +675,10 @@ impl BotRunner {
                                     None => break,
                                 },
                             }
+                        }
+                        if !*wanted.borrow() {
+                            // Paused, not failed.
+                            continue;
                         }
                     }
                     Err(e) if !e.is_transient() => {

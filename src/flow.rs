@@ -299,16 +299,20 @@ impl Flow {
 
     /// How many leased URLs `host` should have waiting for it: enough to keep it busy for
     /// `horizon` at its current limit and latency (a fast host needs many; a slow one, one
-    /// round of its limit), at least its limit within `share`.
+    /// round of its limit), at least its limit within `share` (four rounds of it while its
+    /// latency is unknown).
     pub fn queue_target(&self, host: &str, share: usize, horizon: Duration) -> usize {
         let mut hosts = self.lock();
         let h = self.host(&mut hosts, host);
         let round = (h.limit.floor() as usize).min(share).max(1);
-        let per_second = h
-            .fast_latency
-            .filter(|ms| *ms > 0.0)
-            .map_or(0.0, |ms| h.limit.floor() * 1000.0 / ms);
-        round.max((per_second * horizon.as_secs_f64()).ceil() as usize)
+        match h.fast_latency.filter(|ms| *ms > 0.0) {
+            Some(ms) => {
+                let per_second = h.limit.floor() * 1000.0 / ms;
+                round.max((per_second * horizon.as_secs_f64()).ceil() as usize)
+            }
+            // Its pace is not known yet: a few rounds of its limit.
+            None => round * 4,
+        }
     }
 
     /// Admits one request on `host` now, or says why not and until when (if known). `retry`

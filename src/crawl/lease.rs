@@ -142,9 +142,8 @@ impl Crawler {
         let mut leaser = self.leaser.lock().await;
         leaser.start(pass.number);
         let now = Instant::now();
-        // Retries that came due go back to pending about once a second, and whenever there is
-        // nothing else to lease.
-        if Leaser::due(&mut leaser.last_promotion, Duration::from_secs(1), now) || !in_pipeline {
+        // Retries that came due go back to pending about once a second.
+        if Leaser::due(&mut leaser.last_promotion, Duration::from_secs(1), now) {
             self.store
                 .promote_due(&self.bot, pass.number, self.clock.now())
                 .await?;
@@ -154,12 +153,12 @@ impl Crawler {
             hosts = self.refresh_hosts(pass.number).await?;
         }
         // Leases past their expiry, and a dead predecessor's (same instance id, taken before
-        // this process started: reclaimed at once): read about once a second, whenever nothing
-        // is in flight here, and until no predecessor's is left.
+        // this process started: reclaimed at once): read about once a second, and until no
+        // predecessor's is left. (An idle instance that asked every round would cost the busy
+        // ones a read of every lease of the pass each time.)
         let mut takeovers = Vec::new();
-        let check = !leaser.reclaimed
-            || !in_pipeline
-            || Leaser::due(&mut leaser.last_leased_check, LEASED_CHECK, now);
+        let check =
+            !leaser.reclaimed || Leaser::due(&mut leaser.last_leased_check, LEASED_CHECK, now);
         if check {
             let server_now = self.clock.now();
             let mut predecessor = false;
@@ -210,9 +209,15 @@ impl Crawler {
         if leased > 0 {
             return Ok(LeaseStep::Leased(leased));
         }
+        let refresh = Leaser::due(&mut leaser.last_hosts_refresh, HOSTS_REFRESH, now);
         drop(leaser);
-        self.nothing_to_lease(pass, in_pipeline, !paused.is_empty() || rooms.is_empty())
-            .await
+        self.nothing_to_lease(
+            pass,
+            in_pipeline,
+            !paused.is_empty() || rooms.is_empty(),
+            refresh,
+        )
+        .await
     }
 
     /// The round trips of a round: candidates of every host with room (one query per level,
@@ -392,6 +397,7 @@ impl Crawler {
         pass: &Pass,
         in_pipeline: bool,
         hosts_busy: bool,
+        refresh_hosts: bool,
     ) -> Result<LeaseStep> {
         // Pages in the pipeline may enqueue more.
         if in_pipeline {
@@ -399,8 +405,10 @@ impl Crawler {
         }
         debug!(bot = %self.bot, pass = pass.number, "nothing to lease and nothing in flight here");
         if self.store.pass_has_work(&self.bot, pass.number).await? {
-            // Work this instance does not know the host of is found by the next round.
-            self.refresh_hosts(pass.number).await?;
+            // Work on a host this instance does not know of is found by a later round.
+            if refresh_hosts {
+                self.refresh_hosts(pass.number).await?;
+            }
             // Work on a paused (or full) host waits here for the pause to end.
             return Ok(if hosts_busy {
                 LeaseStep::Busy

@@ -137,6 +137,9 @@ pub enum SliceEnd {
 /// ends it).
 const DRY_SPELL_MIN: Duration = Duration::from_millis(20);
 const DRY_SPELL_MAX: Duration = Duration::from_millis(500);
+/// A slice in which lease rounds keep finding the pass idle (and nothing is in flight) ends
+/// after this.
+const IDLE_END: Duration = Duration::from_secs(2);
 
 pub struct Crawler {
     bot: BotId,
@@ -212,24 +215,26 @@ struct Slice {
     slots: Arc<Semaphore>,
     /// Pages fetched (or being fetched) and not yet committed (`crawl.max_uncommitted`).
     uncommitted: Arc<Semaphore>,
-    /// A page was committed or work was queued here: the leaser and dispatcher look again.
+    /// A page was committed or work was queued here: the dispatcher looks again.
     progressed: tokio::sync::Notify,
-    /// How often `progressed` was notified (a lease round that found nothing while this moved
-    /// may be stale).
-    progress: std::sync::atomic::AtomicU64,
+    /// How often a page here put new pending work into the frontier (links it did not lease):
+    /// a lease round that found nothing before that may be stale, and a dry spell ends.
+    new_work: std::sync::atomic::AtomicU64,
     failed: CancellationToken,
     failure: std::sync::Mutex<Option<Error>>,
 }
 
 impl Slice {
-    fn progressed(&self) {
-        self.progress
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    fn progressed(&self, new_work: bool) {
+        if new_work {
+            self.new_work
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         self.progressed.notify_one();
     }
 
-    fn progress(&self) -> u64 {
-        self.progress.load(std::sync::atomic::Ordering::Relaxed)
+    fn new_work(&self) -> u64 {
+        self.new_work.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn fail(&self, e: Error) {
@@ -391,7 +396,7 @@ impl Crawler {
             slots: Arc::new(Semaphore::new(self.limits.workers.max(1))),
             uncommitted: Arc::new(Semaphore::new(self.uncommitted_cap())),
             progressed: tokio::sync::Notify::new(),
-            progress: Default::default(),
+            new_work: Default::default(),
             failed: CancellationToken::new(),
             failure: Default::default(),
         });
@@ -408,8 +413,9 @@ impl Crawler {
 
         let mut fetches = tokio::task::JoinSet::new();
         let mut leasing: Option<futures_util::future::BoxFuture<'static, Result<LeaseStep>>> = None;
-        // `progress` when the lease round out now was sent.
+        // `new_work` when the lease round out now was sent, and when the loop last looked.
         let mut leasing_since = 0;
+        let mut work_seen = 0;
         // No new lease round before this (a dry spell: the last ones found nothing while pages
         // were in flight — every pending URL taken, the next listing page not read yet). Without
         // it every instance re-queries as fast as the database answers, and the database spends
@@ -417,9 +423,13 @@ impl Crawler {
         // server). A lease, a settled page or new work ends it.
         let mut dry: Option<Instant> = None;
         let mut dry_spell = Duration::ZERO;
-        // A lease round found the pass idle here: none again until something wakes the loop;
-        // once nothing is in flight, the slice ends idle.
-        let mut quiet = false;
+        // Since when lease rounds have found the pass idle here (its URLs leased by others, or
+        // waiting for a retry time): they go on at the longest dry spell, and the slice ends
+        // idle after `IDLE_END` of it with nothing in flight (the coordinator looks at the bot
+        // document, then crawls on).
+        let mut idle_since: Option<Instant> = None;
+        // Pages were in flight at the last turn: when the pipeline drains, the pass may be over.
+        let mut was_busy = false;
         let mut end = SliceEnd::TimeUp;
         loop {
             if shutdown.is_cancelled() {
@@ -429,7 +439,11 @@ impl Crawler {
             if run.failed.is_cancelled() || Instant::now() >= deadline {
                 break;
             }
-            if quiet && leasing.is_none() && self.stages.in_pipeline() == 0 {
+            let busy = self.stages.in_pipeline() > 0;
+            if !busy
+                && leasing.is_none()
+                && idle_since.is_some_and(|since| since.elapsed() >= IDLE_END)
+            {
                 end = SliceEnd::Idle;
                 break;
             }
@@ -489,15 +503,22 @@ impl Crawler {
                 }
             }
             let mut wake = step.wake.unwrap_or(now + Duration::from_millis(250));
+            // New pending work here, or nothing left in flight (the pass may be over): the dry
+            // spell ends. (A committed page alone does not end it: its links were enqueued
+            // when it was parsed.)
+            if run.new_work() != work_seen || (was_busy && !busy) {
+                work_seen = run.new_work();
+                dry = None;
+            }
+            was_busy = busy;
             // Lease: one round at a time, while the host queues have room.
             if leasing.is_none()
-                && !quiet
                 && run.queues.room() > 0
                 && run.queues.wants_more()
                 && dry.is_none_or(|until| now >= until)
             {
                 let in_pipeline = self.stages.in_pipeline() > 0;
-                leasing_since = run.progress();
+                leasing_since = run.new_work();
                 let (crawler, run, pass) = (self.clone(), run.clone(), pass.clone());
                 leasing = Some(Box::pin(async move {
                     crawler.lease_step(&pass, &run.queues, in_pipeline).await
@@ -510,15 +531,11 @@ impl Crawler {
                 _ = shutdown.cancelled() => None,
                 _ = run.failed.cancelled() => None,
                 step = async { leasing.as_mut().expect("checked").await }, if leasing.is_some() => Some(step),
-                _ = run.progressed.notified() => {
-                    dry = None;
-                    None
-                }
+                _ = run.progressed.notified() => None,
                 _ = self.flow.changed() => None,
                 _ = tokio::time::sleep_until(wake.min(deadline)) => None,
             };
             let Some(step) = leased else {
-                quiet = false;
                 continue;
             };
             leasing = None;
@@ -526,17 +543,19 @@ impl Crawler {
                 Ok(LeaseStep::Leased(_)) => {
                     dry = None;
                     dry_spell = Duration::ZERO;
-                    quiet = false;
+                    idle_since = None;
                 }
                 // Pages settled while the round was out: what it found may be stale already.
-                Ok(LeaseStep::Busy) if run.progress() != leasing_since => dry = None,
+                Ok(LeaseStep::Busy) if run.new_work() != leasing_since => dry = None,
                 Ok(LeaseStep::Busy) => {
                     dry_spell = (dry_spell * 2).clamp(DRY_SPELL_MIN, DRY_SPELL_MAX);
                     dry = Some(Instant::now() + dry_spell);
                 }
-                // With pages still in flight, "idle" may be stale: the slice ends idle once they
-                // are done (checked at the top of the loop).
-                Ok(LeaseStep::Idle) => quiet = true,
+                Ok(LeaseStep::Idle) => {
+                    idle_since.get_or_insert_with(Instant::now);
+                    dry_spell = DRY_SPELL_MAX;
+                    dry = Some(Instant::now() + dry_spell);
+                }
                 Ok(LeaseStep::PassFinished(pass_end)) => {
                     end = SliceEnd::Finished(pass_end);
                     break;
@@ -626,6 +645,7 @@ impl Crawler {
             };
             match settled {
                 Ok(settled) => {
+                    let new_work = settled.new_pending > 0;
                     let storing = Storing {
                         settled,
                         _uncommitted: uncommitted,
@@ -633,7 +653,7 @@ impl Crawler {
                     };
                     drop(parsing);
                     // Links queued here wake the dispatcher; new pending work, the leaser.
-                    run.progressed();
+                    run.progressed(new_work);
                     // Waits while the store queue is full: slow commits slow parsing.
                     if run.store.push(storing, false).await.is_err() {
                         return;
@@ -699,7 +719,7 @@ impl Crawler {
             }
             drop(settled);
             drop(batch);
-            run.progressed();
+            run.progressed(false);
         }
     }
 }

@@ -47,6 +47,8 @@ pub struct Settled {
     /// What the page counts as (`None`: given back, not counted). A `Stored` learns its record
     /// write from the commit.
     pub result: Option<PageResult>,
+    /// Links this page put into the frontier pending (not leased here): work for any leaser.
+    pub new_pending: u64,
 }
 
 /// What following a page's links did.
@@ -269,6 +271,7 @@ impl Crawler {
             removed: None,
             mark,
             result,
+            new_pending: 0,
         };
         let outcome = match parsed {
             Parsed::Page { data, validators } => {
@@ -299,6 +302,7 @@ impl Crawler {
                     None => settled(lease, done, Some(PageResult::Done)),
                 };
                 page.seen.extend(followed.seen);
+                page.new_pending = followed.added.saturating_sub(followed.leased as u64);
                 return Ok(page);
             }
             Parsed::Other(Fetched::Released) => {
@@ -364,6 +368,7 @@ impl Crawler {
                 reason: reason.to_owned(),
             },
             result: Some(PageResult::Failed(reason.to_owned())),
+            new_pending: 0,
             lease,
         }
     }
@@ -399,6 +404,7 @@ impl Crawler {
             seen: Vec::new(),
             removed: None,
             result: Some(PageResult::Retry),
+            new_pending: 0,
             lease,
         }
     }
