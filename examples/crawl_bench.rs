@@ -639,6 +639,7 @@ fn commands_in_log(log: &Path) -> u64 {
         .rev()
         .find(|l| l.contains("database commands sent"))
         .and_then(|l| l.split("commands=").nth(1))
+        .and_then(|rest| rest.split(" waited_ms=").next())
         .and_then(|json| serde_json::from_str::<BTreeMap<String, u64>>(json.trim()).ok())
         .map_or(0, |m| m.values().sum())
 }

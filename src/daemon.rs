@@ -203,7 +203,7 @@ pub async fn run(
     tracker.close();
     tracker.wait().await;
     store.shutdown().await;
-    debug!(commands = ?ctx.store.command_counts(), "database commands sent");
+    debug!(commands = ?ctx.store.command_counts(), waited_ms = ?ctx.store.command_waits(), "database commands sent");
     info!(instance = %ctx.me, "seedlock stopped");
     result
 }

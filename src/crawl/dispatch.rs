@@ -70,6 +70,8 @@ pub struct HostQueues {
     inner: Mutex<Inner>,
     /// At most this many URLs wait for their hosts (`crawl.host_queue`).
     capacity: usize,
+    /// A URL was queued: the dispatcher looks at once.
+    arrived: tokio::sync::Notify,
 }
 
 /// What one dispatch turn did.
@@ -95,7 +97,13 @@ impl HostQueues {
         Self {
             inner: Mutex::new(Inner::default()),
             capacity: capacity.max(1),
+            arrived: tokio::sync::Notify::new(),
         }
+    }
+
+    /// Resolves when a URL was queued since the last call (or spuriously).
+    pub async fn arrived(&self) {
+        self.arrived.notified().await;
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -181,16 +189,18 @@ impl HostQueues {
         inner.reserved = inner.reserved.saturating_sub(n);
     }
 
-    /// Queues a leased URL: seeds and listing pages before the rest of their host's queue.
+    /// Queues a leased URL, behind the others of its host: a pagination chain advances as fast
+    /// as the pages it found are fetched, so a fast listing lane does not leave a growing backlog
+    /// of pending detail pages behind it that cost lease rounds instead of being leased on
+    /// enqueue (measured: a 200,000-item pass took 93 s this way, 128–178 s with listing pages
+    /// first).
     pub fn push(&self, queued: Queued) {
         let mut inner = self.lock();
         let q = inner.hosts.entry(queued.lease.host()).or_default();
-        if queued.lease.kind.is_listing() {
-            q.items.push_front(queued);
-        } else {
-            q.items.push_back(queued);
-        }
+        q.items.push_back(queued);
         inner.queued += 1;
+        drop(inner);
+        self.arrived.notify_one();
     }
 
     /// Everything still queued (the slice is ending).
@@ -325,6 +335,9 @@ impl Crawler {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let started = Instant::now();
         self.flow.sending(&host, started);
+        if lease.kind.is_listing() {
+            tracing::trace!(url = %lease.url, "fetching a listing page");
+        }
         let outcome = tokio::select! {
             biased;
             _ = shutdown.cancelled() => {
@@ -412,10 +425,10 @@ mod tests {
         // The next listing page is leased whatever the room.
         assert_eq!(queues.reserve_beyond_room("a:80", 1), 1);
         queues.unreserve("a:80", 1);
-        // Listing pages wait before the host's detail pages.
+        // In the order they came.
         queues.push(queued(&stages, "http://a/list/2", PageKind::List));
         let drained = queues.drain();
-        assert_eq!(drained[0].lease.kind, PageKind::List);
+        assert_eq!(drained[3].lease.kind, PageKind::List);
         assert_eq!((drained.len(), queues.len()), (4, 0));
         assert_eq!(stages.host_queue.depth(), 4, "tickets travel with the URLs");
         drop(drained);

@@ -362,6 +362,48 @@ impl Crawler {
         Ok(())
     }
 
+    /// Enqueues the listing pages the last complete pass read into `pass` at its start (where
+    /// the incremental mode reads every listing page): they are read side by side instead of one
+    /// pagination link after the other, and the chain still finds the pages that are new. (A
+    /// listing page that the chain does not reach any more is read as before, when the pass
+    /// would end — see [`Crawler::nothing_to_lease`].)
+    pub(super) async fn enqueue_known_listings(&self, pass: &Pass) -> Result<()> {
+        let (true, Some(since)) = (self.deletion_rules(pass).enabled, pass.last_run_at) else {
+            return Ok(());
+        };
+        let known = self
+            .store
+            .unreached_list_urls(&self.bot, pass.number, since)
+            .await?;
+        if known.is_empty() {
+            return Ok(());
+        }
+        for url in &known {
+            self.note_host(pass.number, url.host_port());
+        }
+        let links: Vec<crate::store::frontier::NewUrl> = known
+            .into_iter()
+            .map(|url| crate::store::frontier::NewUrl {
+                priority: self.priority_of(&url, PageKind::List),
+                url,
+                kind: PageKind::List,
+                fingerprint: None,
+            })
+            .collect();
+        let added = self
+            .store
+            .enqueue_urls(&self.bot, pass.number, &links, self.clock.now())
+            .await?;
+        debug!(bot = %self.bot, pass = pass.number, pages = links.len(), added, "the last pass's listing pages enqueued");
+        Ok(())
+    }
+
+    /// Whether this instance enqueued the last pass's listing pages into `pass` (then none can
+    /// be unreached at its end).
+    fn listings_enqueued(&self, pass: &Pass) -> bool {
+        self.listings_in.load(std::sync::atomic::Ordering::Relaxed) == pass.number
+    }
+
     /// The hosts this instance knows to have work in `pass`.
     fn pass_hosts(&self, pass: i64) -> BTreeSet<String> {
         let hosts = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
@@ -418,8 +460,13 @@ impl Crawler {
         }
         // Listing pages link one to the next: one that failed hides the rest from this pass.
         // The listing pages the last complete pass read and this one never reached are
-        // enqueued before the pass may end (not in watermark mode, which stops on purpose).
-        if let (true, Some(since)) = (self.deletion_rules(pass).enabled, pass.last_run_at) {
+        // enqueued before the pass may end (not in watermark mode, which stops on purpose) —
+        // unless this instance enqueued them all when the pass started.
+        let mut rules = self.deletion_rules(pass);
+        if self.listings_enqueued(pass) {
+            rules.known_since = None;
+        }
+        if let (true, Some(since)) = (rules.enabled, rules.known_since) {
             let missed = self
                 .store
                 .unreached_list_urls(&self.bot, pass.number, since)
@@ -454,7 +501,7 @@ impl Crawler {
                 &self.bot,
                 pass.number,
                 pass.started_at,
-                self.deletion_rules(pass),
+                rules,
                 self.clock.now(),
             )
             .await?;

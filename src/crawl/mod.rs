@@ -159,6 +159,8 @@ pub struct Crawler {
     leaser: tokio::sync::Mutex<lease::Leaser>,
     /// Hosts with work in a pass, as far as this instance knows.
     hosts: std::sync::Mutex<(i64, BTreeSet<String>)>,
+    /// The pass into which this instance enqueued the last complete pass's listing pages.
+    listings_in: std::sync::atomic::AtomicI64,
     /// Frontier ids of links this instance enqueued in a pass (bounded; cleared when full).
     enqueued: std::sync::Mutex<(i64, HashSet<String>)>,
     flow: Arc<Flow>,
@@ -222,6 +224,8 @@ struct Slice {
     new_work: std::sync::atomic::AtomicU64,
     failed: CancellationToken,
     failure: std::sync::Mutex<Option<Error>>,
+    /// Pages being settled (followed and decided), beside the parsers.
+    settling: tokio_util::task::TaskTracker,
 }
 
 impl Slice {
@@ -289,6 +293,7 @@ impl Crawler {
             finishing: tokio::sync::Mutex::new(()),
             leaser: Default::default(),
             hosts: std::sync::Mutex::new((0, BTreeSet::new())),
+            listings_in: std::sync::atomic::AtomicI64::new(0),
             enqueued: std::sync::Mutex::new((0, HashSet::new())),
             flow: ctx.flow.clone(),
             robots: ctx.robots.clone(),
@@ -399,11 +404,27 @@ impl Crawler {
             new_work: Default::default(),
             failed: CancellationToken::new(),
             failure: Default::default(),
+            settling: tokio_util::task::TaskTracker::new(),
         });
         let mut parsers = tokio::task::JoinSet::new();
         for _ in 0..self.limits.parsers.max(1) {
+            parsers.spawn(self.clone().parser(run.clone(), pass.clone()));
+        }
+        // The last complete pass's listing pages go into this one at its start, beside the
+        // crawl (see `enqueue_known_listings`).
+        if self.listings_in.load(std::sync::atomic::Ordering::Relaxed) != pass.number {
             let (crawler, run, pass) = (self.clone(), run.clone(), pass.clone());
-            parsers.spawn(async move { crawler.parser(&run, &pass).await });
+            run.clone().settling.spawn(async move {
+                match crawler.enqueue_known_listings(&pass).await {
+                    Ok(()) => {
+                        crawler
+                            .listings_in
+                            .store(pass.number, std::sync::atomic::Ordering::Relaxed);
+                        run.progressed(true);
+                    }
+                    Err(e) => run.fail(e),
+                }
+            });
         }
         let mut writers = tokio::task::JoinSet::new();
         for _ in 0..self.limits.writers.max(1) {
@@ -532,6 +553,7 @@ impl Crawler {
                 _ = run.failed.cancelled() => None,
                 step = async { leasing.as_mut().expect("checked").await }, if leasing.is_some() => Some(step),
                 _ = run.progressed.notified() => None,
+                _ = run.queues.arrived() => None,
                 _ = self.flow.changed() => None,
                 _ = tokio::time::sleep_until(wake.min(deadline)) => None,
             };
@@ -591,6 +613,8 @@ impl Crawler {
                 });
             }
         }
+        run.settling.close();
+        run.settling.wait().await;
         run.store.close();
         while let Some(joined) = writers.join_next().await {
             if let Err(e) = joined {
@@ -630,7 +654,7 @@ impl Crawler {
 
     /// A parser: takes fetched pages (listing pages first), parses them, follows their links at
     /// once and hands them to the store queue.
-    async fn parser(&self, run: &Slice, pass: &Pass) {
+    async fn parser(self: Arc<Self>, run: Arc<Slice>, pass: Pass) {
         while let Some(slot) = run.parse.pop().await {
             let Item {
                 lease,
@@ -639,29 +663,41 @@ impl Crawler {
                 _ticket: parsing,
             } = slot.item;
             drop(slot.room);
-            let settled = match self.parse(what).await {
-                Ok(parsed) => self.settle_retrying(lease, parsed, pass, &run.queues).await,
-                Err(e) => Err(e),
-            };
-            match settled {
-                Ok(settled) => {
-                    let new_work = settled.new_pending > 0;
-                    let storing = Storing {
-                        settled,
-                        _uncommitted: uncommitted,
-                        _ticket: self.stages.store.enter(),
-                    };
-                    drop(parsing);
-                    // Links queued here wake the dispatcher; new pending work, the leaser.
-                    run.progressed(new_work);
-                    // Waits while the store queue is full: slow commits slow parsing.
-                    if run.store.push(storing, false).await.is_err() {
-                        return;
-                    }
-                }
+            let parsed = match self.parse(what).await {
+                Ok(parsed) => parsed,
                 // The URL's lease runs out and another worker retries it.
-                Err(e) => run.fail(e),
-            }
+                Err(e) => {
+                    run.fail(e);
+                    continue;
+                }
+            };
+            // Settling (following the links, deciding the items) waits on the database: it goes
+            // on beside the parser, which takes the next page — the next listing page of a
+            // pagination chain never waits for the items of the one before.
+            let (crawler, run2, pass) = (self.clone(), run.clone(), pass.clone());
+            let settle = async move {
+                let settled = crawler
+                    .settle_retrying(lease, parsed, &pass, &run2.queues)
+                    .await;
+                match settled {
+                    Ok(settled) => {
+                        let new_work = settled.new_pending > 0;
+                        let storing = Storing {
+                            settled,
+                            _uncommitted: uncommitted,
+                            _ticket: crawler.stages.store.enter(),
+                        };
+                        drop(parsing);
+                        // Links queued here wake the dispatcher; new pending work, the leaser.
+                        run2.progressed(new_work);
+                        // Waits while the store queue is full: slow commits hold the pages here,
+                        // and their uncommitted permits stop fetching, then leasing.
+                        let _ = run2.store.push(storing, false).await;
+                    }
+                    Err(e) => run2.fail(e),
+                }
+            };
+            run.settling.spawn(settle);
         }
     }
 

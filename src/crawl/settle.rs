@@ -39,7 +39,8 @@ pub(super) const ENQUEUED_CACHE: usize = 100_000;
 pub struct Settled {
     pub lease: UrlLease,
     pub record: Option<Extracted>,
-    /// Records the page shows exist without their own fetch (marked seen in the pass).
+    /// Records the page shows exist without their own fetch (a listing page's unfetched items,
+    /// a 304's record, a failed page's): marked seen in the pass.
     pub seen: Vec<String>,
     /// A record whose detail page is gone (marked removed).
     pub removed: Option<String>,
@@ -87,7 +88,7 @@ impl Crawler {
         };
         // Links this instance already put into this pass (every product page links back to the
         // first listing page, say) need no round trip: enqueuing them again would be a no-op.
-        let plain: Vec<(&NormalizedUrl, String)> = {
+        let mut plain: Vec<(&NormalizedUrl, String)> = {
             let cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
             data.links
                 .iter()
@@ -96,8 +97,24 @@ impl Crawler {
                 .filter(|(_, id)| cache.0 != lease.pass || !cache.1.contains(id))
                 .collect()
         };
+        let mut followed = Followed::default();
+        // The pagination chain first, in one write, leased here: the next listing page is
+        // fetched while this page's items are decided. (Not in watermark mode, where the items
+        // decide whether pagination goes on.)
+        if mode != IncrementalMode::Watermark {
+            let (lists, rest): (Vec<_>, Vec<_>) = plain
+                .into_iter()
+                .partition(|(link, _)| self.kind_of(link) == PageKind::List);
+            plain = rest;
+            let t0 = tokio::time::Instant::now();
+            let (f, ids) = self.follow_listing(lease, &lists, queues, now).await?;
+            tracing::trace!(took = ?t0.elapsed(), leased = f.leased, "listing links enqueued");
+            followed.added += f.added;
+            followed.leased += f.leased;
+            self.remember_enqueued(lease.pass, ids);
+        }
         if items.is_empty() && plain.is_empty() {
-            return Ok(Followed::default());
+            return Ok(followed);
         }
         let ids: Vec<String> = items
             .iter()
@@ -143,10 +160,7 @@ impl Crawler {
             }
         }
         for (link, _) in &plain {
-            let kind = match &self.rules.record {
-                Some(r) if r.url_match.is_match(link.as_str()) => PageKind::Detail,
-                _ => PageKind::List,
-            };
+            let kind = self.kind_of(link);
             if stop_paginating && kind == PageKind::List {
                 continue;
             }
@@ -241,17 +255,110 @@ impl Crawler {
         for (host, n) in &granted {
             queues.unreserve(host, *n);
         }
-        let plain_ids: Vec<String> = plain.into_iter().map(|(_, id)| id).collect();
-        let mut cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
-        if cache.0 != lease.pass || cache.1.len() + plain_ids.len() > ENQUEUED_CACHE {
-            *cache = (lease.pass, HashSet::new());
+        self.remember_enqueued(lease.pass, plain.into_iter().map(|(_, id)| id).collect());
+        followed.seen = seen;
+        followed.added += enqueued.added;
+        followed.leased += leased;
+        Ok(followed)
+    }
+
+    /// A followed link's kind: a detail page when the record rules match it, else a listing
+    /// page.
+    fn kind_of(&self, link: &NormalizedUrl) -> PageKind {
+        match &self.rules.record {
+            Some(r) if r.url_match.is_match(link.as_str()) => PageKind::Detail,
+            _ => PageKind::List,
         }
-        cache.1.extend(plain_ids);
-        Ok(Followed {
-            seen,
-            added: enqueued.added,
-            leased,
-        })
+    }
+
+    /// Remembers frontier ids this instance put into `pass` (bounded: cleared when full).
+    fn remember_enqueued(&self, pass: i64, ids: Vec<String>) {
+        let mut cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.0 != pass || cache.1.len() + ids.len() > ENQUEUED_CACHE {
+            *cache = (pass, HashSet::new());
+        }
+        cache.1.extend(ids);
+    }
+
+    /// Enqueues listing links in one write ([`Store::enqueue_listing`]), the ones there is
+    /// room for — always the first — leased here and queued for their host at once. Returns
+    /// what it did and the links' frontier ids.
+    async fn follow_listing(
+        &self,
+        lease: &UrlLease,
+        lists: &[(&NormalizedUrl, String)],
+        queues: &HostQueues,
+        now: DateTime<Utc>,
+    ) -> Result<(Followed, Vec<String>)> {
+        if lists.is_empty() {
+            return Ok((Followed::default(), Vec::new()));
+        }
+        let links: Vec<NewUrl> = lists
+            .iter()
+            .map(|(url, _)| NewUrl {
+                url: (*url).clone(),
+                kind: PageKind::List,
+                fingerprint: None,
+                priority: self.priority_of(url, PageKind::List),
+            })
+            .collect();
+        // Room for the first of each host whatever the room; more if there is room.
+        let mut granted: HashMap<String, usize> = HashMap::new();
+        let mut first = 0;
+        for link in &links {
+            let host = link.url.host_port();
+            self.note_host(lease.pass, host.clone());
+            let got = if granted.contains_key(&host) {
+                queues.reserve(&host, 1, self.queue_target(&host, queues))
+            } else {
+                queues.reserve_beyond_room(&host, 1)
+            };
+            if got == 0 {
+                break;
+            }
+            *granted.entry(host).or_default() += 1;
+            first += 1;
+        }
+        let result = self
+            .store
+            .enqueue_listing(
+                &self.bot,
+                lease.pass,
+                &links,
+                &self.me,
+                self.limits.lease,
+                first,
+                now,
+            )
+            .await;
+        let enqueued = match result {
+            Ok(enqueued) => enqueued,
+            Err(e) => {
+                for (host, n) in &granted {
+                    queues.unreserve(host, *n);
+                }
+                return Err(e);
+            }
+        };
+        let leased = enqueued.leased.len();
+        for lease in enqueued.leased {
+            queues.push(Queued {
+                ticket: self.stages.host_queue.enter(),
+                lease,
+            });
+        }
+        for (host, n) in &granted {
+            queues.unreserve(host, *n);
+        }
+        let ids = lists.iter().map(|(_, id)| id.clone()).collect();
+        Ok((
+            Followed {
+                seen: Vec::new(),
+                added: enqueued.added,
+                leased,
+            },
+            ids,
+        ))
     }
 
     /// The settle step: what the page came to, as the group commit will store it. A parsed page

@@ -52,6 +52,10 @@ pub const SLOTS: u32 = 1024;
 /// Statements or documents per command: well under the servers' limits (100,000 statements,
 /// 16 MiB).
 const CHUNK: usize = 1000;
+/// `_id`s per `$in` of one multi-document statement: the test server matches a statement's
+/// `$in` against every document it updates, so a statement of 1,000 ids costs half as much
+/// again per document as ten of 100 in one command (measured: 51 against 35 µs a document).
+pub(super) const IN_CHUNK: usize = 100;
 
 /// Frontier document field names.
 pub mod field {
@@ -719,7 +723,7 @@ impl Store {
             }
         }
 
-        for chunk in resets.chunks(CHUNK) {
+        for chunk in resets.chunks(IN_CHUNK) {
             let ids: Vec<Bson> = chunk
                 .iter()
                 .map(|(_, id, _, _)| Bson::String(id.clone()))
@@ -817,6 +821,98 @@ impl Store {
                     out.leased.push(lease_for_new(link, id, Some(k)));
                 }
             }
+        }
+        Ok(out)
+    }
+
+    /// Enqueues a page's listing links (the next page of a pagination chain) in **one** round
+    /// trip, without reading what the frontier holds of them first: one upsert per link, which
+    /// inserts it, or resets it when it was last crawled in an earlier pass, and leaves it alone
+    /// when it is in this pass already (a duplicate `_id`, reported per link). The first `first`
+    /// links are enqueued leased to `me` and returned as leases (those another instance
+    /// enqueued first are not). A listing page keeps no validators: it is read every pass.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn enqueue_listing(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        links: &[NewUrl],
+        me: &InstanceId,
+        lease_for: Duration,
+        first: usize,
+        now: DateTime<Utc>,
+    ) -> Result<Enqueued> {
+        let mut out = Enqueued::default();
+        if links.is_empty() {
+            return Ok(out);
+        }
+        let token = new_token();
+        let expires_at = super::plus(now, lease_for);
+        let statements: Vec<Document> = links
+            .iter()
+            .enumerate()
+            .map(|(i, link)| {
+                let leased = i < first;
+                let mut set = doc! {
+                    f::BOT: bot.as_str(), f::URL: link.url.as_str(), f::KIND: link.kind.as_str(),
+                    f::PASS: pass, f::ATTEMPTS: i64::from(leased), f::SHEDS: 0_i64,
+                    f::LAST_ERROR: Bson::Null, f::ENQUEUED_AT: date(now), f::NOT_BEFORE: date(now),
+                    f::SLOT: i64::from(rand::random_range(0..SLOTS)), f::HOST: link.url.host_port(),
+                    f::PRIORITY: link.priority, f::LIST_FINGERPRINT: text(link.fingerprint.as_deref()),
+                };
+                if leased {
+                    set.insert(f::STATUS, UrlStatus::Leased.as_str());
+                    set.insert(f::LEASE_OWNER, me.as_str());
+                    set.insert(f::LEASE_TOKEN, token.as_str());
+                    set.insert(f::LEASE_EXPIRES_AT, date(expires_at));
+                    set.insert(f::LEASED_AT, date(now));
+                } else {
+                    set.insert(f::STATUS, UrlStatus::Pending.as_str());
+                    set.insert(f::LEASE_OWNER, Bson::Null);
+                    set.insert(f::LEASE_TOKEN, Bson::Null);
+                    set.insert(f::LEASE_EXPIRES_AT, Bson::Null);
+                }
+                doc! {
+                    "q": {
+                        f::ID: url_id(bot, &link.url), f::BOT: bot.as_str(), f::PASS: { "$lt": pass },
+                    },
+                    "u": { "$set": set, "$setOnInsert": { f::DISCOVERED_AT: date(now) } },
+                    "upsert": true,
+                }
+            })
+            .collect();
+        let reply = self
+            .command(
+                "enqueue listing pages",
+                doc! { "update": FRONTIER, "updates": statements, "ordered": false },
+                None,
+            )
+            .await?;
+        // A duplicate `_id`: the link is in this pass already (someone else's).
+        let duplicates = duplicate_indexes("enqueue listing pages", &reply)?;
+        out.added = reply_count(&reply, "n");
+        for (i, link) in links.iter().enumerate().take(first) {
+            if duplicates.contains(&i) {
+                continue;
+            }
+            out.leased.push(UrlLease {
+                bot: bot.clone(),
+                id: url_id(bot, &link.url),
+                url: link.url.clone(),
+                kind: link.kind,
+                pass,
+                token: token.clone(),
+                expires_at,
+                attempt: 1,
+                leased_at: now,
+                validators: Validators::default(),
+                list_fingerprint: link.fingerprint.clone(),
+                record_id: None,
+                reclaimed: false,
+                priority: link.priority,
+                sheds: 0,
+                eligible_since: Some(now),
+            });
         }
         Ok(out)
     }
@@ -1210,7 +1306,7 @@ pub(super) fn settle_statements(
         }
         let mut statements = Vec::new();
         for ((group, token), members) in &groups {
-            for chunk in members.chunks(CHUNK) {
+            for chunk in members.chunks(IN_CHUNK) {
                 let ids: Vec<Bson> = chunk
                     .iter()
                     .map(|i| Bson::String(marks[*i].0.id.clone()))

@@ -73,11 +73,15 @@ pub struct ConnectError {
 /// Database commands this process sent, by command name (the driver's command monitoring): the
 /// round trips the crawl pays, for `seedlock_db_commands_total` and the benchmarks.
 #[derive(Debug, Default)]
-pub struct CommandCounts(std::sync::Mutex<std::collections::BTreeMap<String, u64>>);
+pub struct CommandCounts {
+    sent: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+    /// Time from sending to the answer, summed per command name (for `debug` logs).
+    took: std::sync::Mutex<std::collections::BTreeMap<String, Duration>>,
+}
 
 impl CommandCounts {
     fn add(&self, name: &str) {
-        let mut counts = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut counts = self.sent.lock().unwrap_or_else(|p| p.into_inner());
         match counts.get_mut(name) {
             Some(n) => *n += 1,
             None => {
@@ -86,9 +90,24 @@ impl CommandCounts {
         }
     }
 
+    fn took(&self, name: &str, took: Duration) {
+        let mut times = self.took.lock().unwrap_or_else(|p| p.into_inner());
+        *times.entry(name.to_owned()).or_default() += took;
+    }
+
     /// Commands sent so far, by name.
     pub fn snapshot(&self) -> std::collections::BTreeMap<String, u64> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.sent.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Milliseconds spent waiting for each command's answers so far, by name.
+    pub fn waited_ms(&self) -> std::collections::BTreeMap<String, u64> {
+        self.took
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(name, d)| (name.clone(), d.as_millis() as u64))
+            .collect()
     }
 }
 
@@ -158,8 +177,16 @@ impl Store {
             let commands = commands.clone();
             options.command_event_handler =
                 Some(mongodb::event::EventHandler::callback(move |event| {
-                    if let mongodb::event::command::CommandEvent::Started(started) = event {
-                        commands.add(&started.command_name);
+                    use mongodb::event::command::CommandEvent;
+                    match event {
+                        CommandEvent::Started(started) => commands.add(&started.command_name),
+                        CommandEvent::Succeeded(done) => {
+                            commands.took(&done.command_name, done.duration)
+                        }
+                        CommandEvent::Failed(failed) => {
+                            commands.took(&failed.command_name, failed.duration)
+                        }
+                        _ => {}
                     }
                 }));
         }
@@ -186,6 +213,11 @@ impl Store {
     /// database handle of its caller's, [`Store::new`]).
     pub fn command_counts(&self) -> std::collections::BTreeMap<String, u64> {
         self.commands.snapshot()
+    }
+
+    /// Milliseconds this store's client waited for each command's answers, by name.
+    pub fn command_waits(&self) -> std::collections::BTreeMap<String, u64> {
+        self.commands.waited_ms()
     }
 
     pub fn new(db: Database) -> Store {

@@ -340,30 +340,34 @@ impl Store {
     }
 
     /// Marks the bot's records that pass `pass` did not see removed. The unseen are read by the
-    /// `{botId, lastSeenPass}` index, then marked by `_id` in chunks (filtered on `removedAt:
-    /// null`, so repeating this is a no-op).
+    /// `{botId, lastSeenPass}` index as a stream, then marked by `_id` in chunks (filtered on
+    /// `removedAt: null`, so repeating this is a no-op).
     async fn mark_unseen_removed(&self, bot: &BotId, pass: i64, now: DateTime<Utc>) -> Result<u64> {
         use futures_util::TryStreamExt;
         let records = self.records();
-        let unseen: Vec<Document> = self
-            .bounded("read unseen records", async {
+        let mut unseen = self
+            .bounded(
+                "read unseen records",
                 records
                     .find(doc! { "botId": bot.as_str(), "lastSeenPass": { "$lt": pass } })
-                    .projection(doc! { "removedAt": 1 })
-                    .await?
-                    .try_collect()
-                    .await
-            })
+                    .projection(doc! { "removedAt": 1 }),
+            )
             .await?;
-        let ids: Vec<Bson> = unseen
-            .into_iter()
-            .filter(|d| matches!(d.get("removedAt"), None | Some(Bson::Null)))
-            .filter_map(|d| d.get("_id").cloned())
-            .collect();
+        let mut ids: Vec<Bson> = Vec::new();
+        while let Some(record) = self
+            .bounded("read unseen records", unseen.try_next())
+            .await?
+        {
+            if matches!(record.get("removedAt"), None | Some(Bson::Null)) {
+                if let Some(id) = record.get("_id") {
+                    ids.push(id.clone());
+                }
+            }
+        }
         let mut removed = 0;
-        for chunk in ids.chunks(1000) {
+        for chunk in ids.chunks(super::frontier::IN_CHUNK) {
             let update = records.update_many(
-                doc! { "_id": { "$in": chunk }, "removedAt": Bson::Null },
+                doc! { "_id": { "$in": chunk }, "botId": bot.as_str(), "removedAt": Bson::Null },
                 doc! { "$set": { "removedAt": date(now), "removedInPass": pass } },
             );
             removed += self.bounded("mark removed", update).await?.modified_count;

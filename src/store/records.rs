@@ -4,7 +4,7 @@
 //! A record is rewritten only when its content hash changes (`lastChanged` keeps its meaning).
 //! A fetched page whose content is unchanged costs one small `$set` (`lastSeenPass`, `lastSeen`,
 //! `fetchedAt`) in the same commit; items a pass sees without fetching them (listing pages, in
-//! fingerprint mode) are marked seen in one statement per commit.
+//! fingerprint mode) are marked seen with that page's commit, in one statement per commit.
 //!
 //! [`Store::commit_batch`] is the **group commit**: the pages waiting in the store queue are
 //! committed together, the record of each and its URL's settle mark — on the ordered path, in
@@ -268,7 +268,10 @@ fn seen_and_removed(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Docume
         }
     }
     for (pass, ids) in by_pass {
-        for chunk in ids.chunks(1000).filter(|c| !c.is_empty()) {
+        for chunk in ids
+            .chunks(super::frontier::IN_CHUNK)
+            .filter(|c| !c.is_empty())
+        {
             statements.push(doc! {
                 "q": { f::ID: { "$in": chunk }, f::LAST_SEEN_PASS: { "$lt": pass } },
                 "u": { "$set": { f::LAST_SEEN_PASS: pass, f::LAST_SEEN: date(now) } },
