@@ -5,15 +5,21 @@
 //!   a random 0.2–1.0 s of its life, ten times, then let it finish. seedlock with 1 instance and
 //!   with 3 (kills spread among them), each with one request in flight, next to the naive
 //!   baseline (auto ids, no persisted frontier: every restart begins again at page 1).
-//! - `throughput`: pages/s and records/s, 500 and 10,000 products, 1 and 3 instances, peak RSS.
+//! - `throughput`: pages/s over the pass, process wall, database commands per detail page (the
+//!   whole run, and the steady state from `/metrics`), 500 and 10,000 products, 1 and 3
+//!   instances, peak RSS.
+//! - `ceilings`: the database's ceiling (a minimal batched lease + record + done loop, no HTTP)
+//!   and the HTTP ceiling (fetch-only, no database) next to one seedlock instance, in one run.
+//! - `indexes`: the database ceiling's loop with seedlock's one frontier index, and with each
+//!   index of earlier versions added: what each costs the lease and commit paths.
 //! - `incremental [ITEMS]`: a full pass of ITEMS products (100 per listing page), then 500
 //!   changed and 200 added: detail requests and record writes of the second pass, wall time
 //!   against the full pass; watermark mode: listing pages read for 200 new items.
 //! - `deletion`: 50 products deleted: exactly 50 `removedAt` after a complete pass, none after
 //!   an incomplete one.
 //!
-//! - `head-of-line`: host A answering after 2 s and host B fast, crawled together by one
-//!   instance: B's pages/s against B crawled alone.
+//! - `head-of-line`: host A answering after 1.5 s and host B fast (1,000 products), crawled
+//!   together by one instance: B's pages/s against B crawled alone.
 //! - `throttling`: a host answering 429 above 6 requests in flight: time to the first throttle,
 //!   the limit's range after it, the 429 share after it.
 //! - `memory [URLS]`: peak RSS of an instance crawling a frontier of URLS pending entries (default

@@ -34,8 +34,14 @@ const SPARSE: f64 = 256.0;
 const HOSTS_PER_ROUND: usize = 8;
 /// How often the pass's leased entries are read for expired leases while work flows.
 const LEASED_CHECK: Duration = Duration::from_secs(1);
-/// How often the hosts with pending work are read again while this instance has room.
-const HOSTS_REFRESH: Duration = Duration::from_secs(5);
+/// How often, at most, the hosts with pending work are read (a `distinct` over the pass's
+/// pending entries: the test server reads every one of them) when the pass has work this
+/// instance cannot find on the hosts it knows.
+const HOSTS_REFRESH: Duration = Duration::from_secs(30);
+/// Slots a level of unknown size is first asked for in (then as many as its density says).
+const FIRST_SLOTS: u32 = 8;
+/// The most slots one query asks for: an eighth of a level, whatever its density was.
+const MAX_SLOTS: u32 = 128;
 
 /// What one lease round found.
 #[derive(Debug)]
@@ -88,14 +94,21 @@ impl Leaser {
     /// The query for one priority level of `host`, wanting `want` URLs.
     fn query(&self, host: &str, priority: Priority, level: i64, want: usize) -> CandidateQuery {
         let density = self.density.get(&(host.to_owned(), level)).copied();
-        let slots = match (priority, density) {
-            (Priority::Exactly(_), Some(d)) if d * f64::from(SLOTS) > SPARSE => {
-                let k = ((want as f64 / d).ceil() as u32).clamp(1, SLOTS);
-                let first = rand::random_range(0..SLOTS);
-                Some((0..k).map(|i| (first + i) % SLOTS).collect())
+        let k = match (priority, density) {
+            (Priority::Above(_), _) => None,
+            // Known to be sparse: the whole level, in one read of a few entries.
+            (Priority::Exactly(_), Some(d)) if d * f64::from(SLOTS) <= SPARSE => None,
+            (Priority::Exactly(_), Some(d)) => {
+                Some(((want as f64 / d).ceil() as u32).clamp(1, MAX_SLOTS))
             }
-            _ => None,
+            // Never read: a few slots first (a level of a million entries must not be read
+            // whole to learn that it is large).
+            (Priority::Exactly(_), None) => Some(FIRST_SLOTS),
         };
+        let slots = k.map(|k| {
+            let first = rand::random_range(0..SLOTS);
+            (0..k).map(|i| (first + i) % SLOTS).collect()
+        });
         CandidateQuery {
             host: host.to_owned(),
             priority,
@@ -149,8 +162,16 @@ impl Crawler {
                 .await?;
         }
         let mut hosts = self.pass_hosts(pass.number);
-        if hosts.is_empty() || Leaser::due(&mut leaser.last_hosts_refresh, HOSTS_REFRESH, now) {
-            hosts = self.refresh_hosts(pass.number).await?;
+        if hosts.is_empty() {
+            // The hosts of the seeds and of the scope, to begin with; more are learnt from
+            // what this instance enqueues and leases, and from a `distinct` when the pass has
+            // work on none of them.
+            for host in pass.seed_hosts.iter().chain(&self.rules.links.scope) {
+                if host.contains(':') {
+                    self.note_host(pass.number, host.clone());
+                }
+            }
+            hosts = self.pass_hosts(pass.number);
         }
         // Leases past their expiry, and a dead predecessor's (same instance id, taken before
         // this process started: reclaimed at once): read about once a second, and until no
@@ -449,7 +470,15 @@ impl Crawler {
         if self.store.pass_has_work(&self.bot, pass.number).await? {
             // Work on a host this instance does not know of is found by a later round.
             if refresh_hosts {
-                self.refresh_hosts(pass.number).await?;
+                match self.refresh_hosts(pass.number).await {
+                    Ok(_) => {}
+                    // A huge pending set can take longer than an operation may: the hosts
+                    // the instance knows keep it busy meanwhile.
+                    Err(e) if e.is_transient() => {
+                        warn!(bot = %self.bot, error = %e, "could not read the hosts with pending work; trying again later");
+                    }
+                    Err(e) => return Err(e),
+                }
             }
             // Work on a paused (or full) host waits here for the pause to end.
             return Ok(if hosts_busy {

@@ -67,6 +67,8 @@ pub struct Pass {
     pub started_at: Option<DateTime<Utc>>,
     /// When the last completed pass started (`updated_at` mode reads from here − overlap).
     pub last_run_at: Option<DateTime<Utc>>,
+    /// The hosts (`host:port`) of the bot's seeds: where the pass's work starts.
+    pub seed_hosts: Vec<String>,
 }
 
 /// A crawling bot's pass as its document shows it.
@@ -95,10 +97,19 @@ impl PassState {
                 number: doc.crawl_pass,
             }
         } else {
+            let mut seed_hosts: Vec<String> = doc
+                .seeds
+                .iter()
+                .filter_map(|s| NormalizedUrl::parse(s).ok())
+                .map(|u| u.host_port())
+                .collect();
+            seed_hosts.sort();
+            seed_hosts.dedup();
             PassState::Running(Pass {
                 number: doc.crawl_pass,
                 started_at: doc.crawl_pass_started_at,
                 last_run_at: doc.crawl_last_run_at,
+                seed_hosts,
             })
         }
     }

@@ -1588,7 +1588,9 @@ impl Store {
     /// True while any URL of the pass is pending, waiting or leased (by anyone): bounded index
     /// lookups, cheap enough for every idle worker, where [`Store::pass_progress`] counts all.
     pub async fn pass_has_work(&self, bot: &BotId, pass: i64) -> Result<bool> {
-        for status in [UrlStatus::Pending, UrlStatus::Leased, UrlStatus::Waiting] {
+        // The few leased and waiting entries first: a server that reads every entry a query
+        // matches pays for the pending ones only when there are no others.
+        for status in [UrlStatus::Leased, UrlStatus::Waiting, UrlStatus::Pending] {
             let found = self
                 .bounded(
                     "pass has work",
