@@ -3,8 +3,10 @@
 //!         [--for 60] [--settle 300] [--transactions off]
 //! Needs SEEDLOCK_BIN (the seedlock binary) and SEEDLOCK_TEST_SERVER_BIN (a restartable
 //! database) or MONGODB_URI (then the database restart is skipped). Exit 1 if any run failed.
-#[path = "../tests/common/chaos.rs"]
-mod chaos;
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::chaos;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -35,108 +35,15 @@ use bson::{doc, Document};
 use futures_util::TryStreamExt;
 use mongodb::{Client, Database};
 use rand::Rng;
-use seedlock::demo_site::{serve, SiteOptions};
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
-struct Shop {
-    base: String,
-    stop: CancellationToken,
-}
+#[path = "../tests/common/mod.rs"]
+mod common;
 
-impl Shop {
-    async fn start(lists: u32, per_list: u32) -> Shop {
-        Self::start_named(lists, per_list, "SKU").await
-    }
-
-    /// A shop whose SKUs start with `prefix` (shops on several ports sell different products).
-    async fn start_named(lists: u32, per_list: u32, prefix: &str) -> Shop {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base = format!("http://{}", listener.local_addr().unwrap());
-        let stop = CancellationToken::new();
-        let options = SiteOptions {
-            lists,
-            per_list,
-            seed: 5,
-            sku_prefix: prefix.to_owned(),
-        };
-        tokio::spawn(serve(listener, options, stop.clone()));
-        Shop { base, stop }
-    }
-
-    async fn post(&self, path: &str, body: Value) -> Value {
-        reqwest::Client::new()
-            .post(format!("{}{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    }
-
-    /// Requests per path since the last call.
-    async fn stats(&self) -> BTreeMap<String, u64> {
-        let v: Value = reqwest::get(format!("{}/__stats?reset=true", self.base))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        v["paths"]
-            .as_object()
-            .unwrap()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
-            .collect()
-    }
-
-    /// Request arrival times (Unix ms) of the crawled pages (listing and product pages).
-    async fn page_times(&self) -> Vec<i64> {
-        let v: Value = reqwest::get(format!("{}/__stats?log=true", self.base))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        v["log"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|e| {
-                let p = e[0].as_str().unwrap_or_default();
-                p.starts_with("/list/") || p.starts_with("/product/")
-            })
-            .map(|e| e[1].as_i64().unwrap())
-            .collect()
-    }
-
-    async fn truth(&self) -> HashMap<String, (String, String, String)> {
-        let v: Value = reqwest::get(format!("{}/__truth", self.base))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        v["products"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| {
-                let s = |k: &str| p[k].as_str().unwrap().to_owned();
-                (s("sku"), (s("title"), s("price"), s("status")))
-            })
-            .collect()
-    }
-}
-
-impl Drop for Shop {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
+use common::crawl::{free_addr, seeds_of};
+use common::shop::Shop;
 
 fn under(stats: &BTreeMap<String, u64>, prefix: &str) -> u64 {
     stats
@@ -193,11 +100,11 @@ fn config_with(
     mode: &str,
     listen: &str,
 ) -> PathBuf {
-    let scope: Vec<String> = bases
+    let scope: Vec<&str> = bases
         .iter()
-        .map(|b| format!("{:?}", b.trim_start_matches("http://")))
+        .map(|b| b.trim_start_matches("http://"))
         .collect();
-    let scope = scope.join(", ");
+    let rules = seedlock::demo_site::crawl_rules_toml(&scope, ".sku");
     let text = format!(
         r#"
 [mongo]
@@ -217,18 +124,7 @@ level = "info"
 id = "shop"
 seeds = {{ url = "{seeds}", format = "lines" }}
 refresh = "1h"
-[bots.crawl]
-scope = [{scope}]
-[bots.crawl.list]
-item = ".item"
-item_id = "@data-id"
-item_link = "a@href"
-fingerprint = [".price", ".status", ".title"]
-[bots.crawl.record]
-match = "/product/"
-natural_key = ".sku"
-fields = {{ title = "h1", price = ".price", status = ".status" }}
-[bots.crawl.incremental]
+{rules}[bots.crawl.incremental]
 mode = "{mode}"
 "#
     );
@@ -648,11 +544,6 @@ fn commands_in_log(log: &Path) -> u64 {
         .and_then(|rest| rest.split(" waited_ms=").next())
         .and_then(|json| serde_json::from_str::<BTreeMap<String, u64>>(json.trim()).ok())
         .map_or(0, |m| m.values().sum())
-}
-
-fn free_addr() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().to_string()
 }
 
 /// Runs `instances` × `run --once` on `config` together, sampling their `/metrics`.
@@ -1193,22 +1084,6 @@ async fn incremental(uri: &str, items: u32) {
 
 // ---- flow control -----------------------------------------------------------------------------
 
-/// A seed source naming each shop's first listing page.
-async fn seed_source(bases: &[&str]) -> String {
-    let body: String = bases.iter().map(|b| format!("{b}/list/1\n")).collect();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/seeds.txt", listener.local_addr().unwrap());
-    let app = axum::Router::new().route(
-        "/seeds.txt",
-        axum::routing::get(move || {
-            let body = body.clone();
-            async move { body }
-        }),
-    );
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    url
-}
-
 /// Pages per second between the first and the last page request in `times`.
 fn rate(times: &[i64]) -> f64 {
     let (Some(first), Some(last)) = (times.iter().min(), times.iter().max()) else {
@@ -1233,7 +1108,7 @@ async fn head_of_line(uri: &str) {
     println!("|---|---|---|---|---|");
     let b = Shop::start_named(50, 20, "B").await;
     let db = fresh_db(uri, "hol_alone").await;
-    let seeds = seed_source(&[&b.base]).await;
+    let seeds = seeds_of(&[&b.base]).await;
     let config = config_with(
         dir.path(),
         uri,
@@ -1259,7 +1134,7 @@ async fn head_of_line(uri: &str) {
         .await;
     let b = Shop::start_named(50, 20, "B").await;
     let db = fresh_db(uri, "hol_both").await;
-    let seeds = seed_source(&[&a.base, &b.base]).await;
+    let seeds = seeds_of(&[&a.base, &b.base]).await;
     let config = config_with(
         dir.path(),
         uri,

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use bson::doc;
 use chrono::Utc;
 use mongodb::Client;
-use seedlock::decide::Claim;
 use seedlock::ids::{BotId, InstanceId};
+use seedlock::lock::decide::Claim;
 use seedlock::store::Store;
 use tokio::sync::Barrier;
 
@@ -48,7 +48,7 @@ async fn contention(uri: &str, n: usize) -> (usize, usize, Vec<Duration>, Vec<Du
     let mut rounds_with_one_winner = 0;
     for round in 0..ROUNDS {
         let epoch = match stores[0].load(&bot).await.unwrap() {
-            seedlock::document::Observed::Valid(d) => d.lock_epoch,
+            seedlock::lock::document::Observed::Valid(d) => d.lock_epoch,
             other => panic!("unexpected {other:?}"),
         };
         let barrier = Arc::new(Barrier::new(n));

@@ -264,7 +264,7 @@ async fn crawl(mut settings: Settings, bot: &str, timeout: Duration) -> ExitCode
     tokio::spawn(stop_on_signal(shutdown.clone()));
     let started = std::time::Instant::now();
     let done = CancellationToken::new();
-    let display = tokio::spawn(crate::progress::show(
+    let display = tokio::spawn(crate::ops::progress::show(
         store.clone(),
         id.clone(),
         done.clone(),
@@ -278,7 +278,7 @@ async fn crawl(mut settings: Settings, bot: &str, timeout: Duration) -> ExitCode
         Err(e) => return fail(EXIT_FAILED, e),
     };
     let pass = summary.map_or(0, |s| s.pass);
-    match crate::progress::summary(&store, &id, pass, started.elapsed()).await {
+    match crate::ops::progress::summary(&store, &id, pass, started.elapsed()).await {
         Ok(text) => {
             println!("{text}");
             ExitCode::SUCCESS
@@ -321,7 +321,7 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
     let now = clock.now();
     let passes: Vec<(String, i64, Option<_>, Option<_>)> = docs
         .iter()
-        .filter_map(|raw| match crate::document::BotDoc::parse(raw) {
+        .filter_map(|raw| match crate::lock::document::BotDoc::parse(raw) {
             Ok(doc) if doc.crawl_pass > 0 => Some((
                 doc.id.to_string(),
                 doc.crawl_pass,
@@ -331,7 +331,7 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
             _ => None,
         })
         .collect();
-    let mut rows = crate::admin::status_rows(docs, &configured, now);
+    let mut rows = crate::ops::admin::status_rows(docs, &configured, now);
     for (bot, pass, started, ended) in passes {
         let Ok(id) = BotId::parse(&bot) else { continue };
         let report = match store.pass_report(&id, pass, started, ended).await {
@@ -339,16 +339,16 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
             Err(e) => return fail(EXIT_FAILED, e),
         };
         if let Some(row) = rows.iter_mut().find(|r| r.bot == bot) {
-            crate::admin::with_pass(row, &report, now);
+            crate::ops::admin::with_pass(row, &report, now);
         }
     }
     if json {
-        print!("{}", crate::admin::render_json(&rows));
+        print!("{}", crate::ops::admin::render_json(&rows));
     } else {
-        print!("{}", crate::admin::render_table(&rows));
+        print!("{}", crate::ops::admin::render_table(&rows));
         let since = now - chrono::Duration::seconds(30);
         match store.recent_hosts(since).await {
-            Ok(hosts) => print!("{}", crate::admin::render_hosts(&hosts, now)),
+            Ok(hosts) => print!("{}", crate::ops::admin::render_hosts(&hosts, now)),
             Err(e) => return fail(EXIT_FAILED, e),
         }
     }
@@ -366,7 +366,7 @@ async fn inspect(settings: Settings, bot: &str) -> ExitCode {
     };
     match store.load_raw(&bot).await {
         Ok(Some(raw)) => {
-            print!("{}", crate::admin::render_inspect(&raw));
+            print!("{}", crate::ops::admin::render_inspect(&raw));
             ExitCode::SUCCESS
         }
         Ok(None) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),

@@ -101,7 +101,7 @@ pub struct CrawlLimits {
     /// throttled us within the last minute is deferred by as long, before it costs a fetch.
     pub shed_after: Duration,
     /// How long a leased URL stays this worker's: sized to the slowest normal fetch.
-    pub lease: Duration,
+    pub url_lease: Duration,
     /// Per page fetch.
     pub timeout: Duration,
     pub max_page_bytes: usize,
@@ -155,9 +155,9 @@ pub struct BotSettings {
 /// `[bots.crawl]`, validated: selectors compiled, patterns compiled.
 #[derive(Clone, Debug)]
 pub struct CrawlSettings {
-    pub links: crate::extract::LinkRules,
-    pub list: Option<crate::extract::ListRules>,
-    pub record: Option<crate::extract::RecordRules>,
+    pub links: crate::crawl::extract::LinkRules,
+    pub list: Option<crate::crawl::extract::ListRules>,
+    pub record: Option<crate::crawl::extract::RecordRules>,
     pub incremental: Incremental,
     /// URL patterns with their priority (0–9, higher is leased first; the first match wins);
     /// unmatched URLs get their kind's default (seeds 2, listing pages 1, detail pages 0).
@@ -369,7 +369,7 @@ impl Default for RawCrawlLimits {
             hosts: Default::default(),
             lease: "60s".into(),
             timeout: "30s".into(),
-            max_page_bytes: crate::fetch::DEFAULT_MAX_PAGE_BYTES as u64,
+            max_page_bytes: crate::crawl::fetch::DEFAULT_MAX_PAGE_BYTES as u64,
             attempts: 3,
             backoff_base: "1s".into(),
             backoff_max: "5m".into(),
@@ -498,7 +498,7 @@ impl RawCrawlLimits {
             robots_ttl: positive("crawl.robots_ttl", &self.robots_ttl)?,
             robots_retry: positive("crawl.robots_retry", &self.robots_retry)?,
             shed_after: positive("crawl.shed_after", &self.shed_after)?,
-            lease,
+            url_lease: lease,
             timeout,
             max_page_bytes: usize::try_from(self.max_page_bytes).unwrap_or(usize::MAX),
             attempts: self.attempts,
@@ -634,7 +634,7 @@ impl Default for RawIncremental {
 
 impl RawCrawl {
     fn validate(self, i: usize) -> Result<CrawlSettings, String> {
-        use crate::extract::{selector, LinkRules, ListRules, RecordRules, ValueSpec};
+        use crate::crawl::extract::{selector, LinkRules, ListRules, RecordRules, ValueSpec};
         let key = |k: &str| format!("bots[{i}].crawl.{k}");
         let named = |k: &str| {
             let k = key(k);

@@ -11,13 +11,13 @@ use tracing::{debug, info, warn};
 
 use crate::clock::{LocalClock, ServerClock};
 use crate::config::{Settings, Transactions};
-use crate::coordinator::{BotRunner, Context, RunEnd, Until};
+use crate::crawl::fetch::PageFetcher;
 use crate::crawl::CrawlContext;
-use crate::document::Observed;
-use crate::fetch::PageFetcher;
 use crate::ids::BotId;
-use crate::metrics::Metrics;
-use crate::seeds::SeedFetcher;
+use crate::lock::coordinator::{BotRunner, Context, RunEnd, Until};
+use crate::lock::document::Observed;
+use crate::lock::seeds::SeedFetcher;
+use crate::ops::metrics::Metrics;
 use crate::store::Store;
 
 #[derive(Clone, Copy, Debug)]
@@ -148,9 +148,10 @@ pub async fn run(
     let stop = shutdown.child_token();
     if let Some(listen) = &settings.http_listen {
         let stale_after = (settings.lock.poll * 3).max(settings.lock.ttl);
-        let (addr, server) = crate::http::bind(listen, metrics.clone(), stale_after, stop.clone())
-            .await
-            .map_err(RunError::Startup)?;
+        let (addr, server) =
+            crate::ops::http::bind(listen, metrics.clone(), stale_after, stop.clone())
+                .await
+                .map_err(RunError::Startup)?;
         info!(%addr, "serving /healthz and /metrics");
         tracker.spawn(server);
     }
@@ -167,7 +168,7 @@ pub async fn run(
 
     let until = match mode {
         Mode::Daemon => Until::Shutdown,
-        Mode::Once { .. } => Until::Ready,
+        Mode::Once { .. } => Until::Done,
     };
     let mut runs = Vec::new();
     for bot in &settings.bots {
@@ -309,7 +310,7 @@ async fn crawl_context(
             None => false,
         }));
     }
-    let robots = Arc::new(crate::robots::RobotsCache::new(
+    let robots = Arc::new(crate::flow::robots::RobotsCache::new(
         &limits.user_agent,
         limits.robots_ttl,
         limits.robots,
@@ -344,7 +345,7 @@ async fn once(
             _ = tokio::time::sleep_until(deadline) => None,
         };
         match finished {
-            Some(Some(RunEnd::Ready { .. })) => summaries.push(bot),
+            Some(Some(RunEnd::Done { .. })) => summaries.push(bot),
             Some(_) => {
                 stop.cancel();
                 pending.push(bot.to_string());

@@ -9,8 +9,8 @@ use crate::ids::{BotId, LockEpoch};
 pub enum Error {
     /// A fenced write matched nothing: another instance (or an admin) now owns the bot. The holder
     /// must stop and write nothing more.
-    #[error("lease lost: bot {bot} is no longer held at epoch {epoch} by this instance")]
-    LeaseLost { bot: BotId, epoch: LockEpoch },
+    #[error("edit lock lost: bot {bot} is no longer held at epoch {epoch} by this instance")]
+    EditLockLost { bot: BotId, epoch: LockEpoch },
     /// A fenced frontier write matched nothing: the URL's lease expired and went to another
     /// worker, whose result wins.
     #[error("url lease lost: {url} is no longer leased by this worker")]
@@ -19,6 +19,9 @@ pub enum Error {
     Db(#[from] mongodb::error::Error),
     #[error("the server's answer to {what} was not understood: {detail}")]
     Protocol { what: &'static str, detail: String },
+    /// A task of this process failed (it panicked or was cancelled): a bug, not the server's.
+    #[error("{what} failed: {detail}")]
+    Task { what: &'static str, detail: String },
     /// The operation did not finish within `mongo.op_timeout`.
     #[error("database: {what} did not finish within {}", humantime::format_duration(*.after))]
     Timeout {
@@ -52,7 +55,10 @@ impl Error {
         match self {
             Error::Db(e) => is_transient_db(e),
             Error::Timeout { .. } => true,
-            Error::LeaseLost { .. } | Error::UrlLeaseLost { .. } | Error::Protocol { .. } => false,
+            Error::EditLockLost { .. }
+            | Error::UrlLeaseLost { .. }
+            | Error::Protocol { .. }
+            | Error::Task { .. } => false,
         }
     }
 }

@@ -14,9 +14,9 @@ use common::crawl::*;
 use common::*;
 use seedlock::clock::LocalClock;
 use seedlock::config::{OnRefreshFailure, RefreshSchedule};
-use seedlock::coordinator::StepOutcome;
 use seedlock::daemon::{run, Mode};
 use seedlock::ids::BotId;
+use seedlock::lock::coordinator::StepOutcome;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -116,9 +116,7 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 
 // ---- lock alerts: an instance's state machine, in-process -----------------------------------
 
-fn bdate(t: chrono::DateTime<Utc>) -> Bson {
-    Bson::DateTime(bson::DateTime::from_chrono(t))
-}
+use seedlock::store::date as bdate;
 
 /// A bot document locked by "ghost", its refresh started at `started`, expiring at `expires`.
 fn locked_doc(
@@ -138,8 +136,8 @@ fn locked_doc(
 struct Instance {
     db: TestDb,
     source: SeedSourceServer,
-    runner: seedlock::coordinator::BotRunner,
-    ctx: std::sync::Arc<seedlock::coordinator::Context>,
+    runner: seedlock::lock::coordinator::BotRunner,
+    ctx: std::sync::Arc<seedlock::lock::coordinator::Context>,
 }
 
 /// ttl 3 s, max_refresh 10 s.
@@ -298,7 +296,7 @@ async fn a_holder_fenced_by_an_unlock_counts_a_lost_lease() {
         .await
         .expect("the holder stops")
         .unwrap();
-    assert!(matches!(outcome, StepOutcome::LeaseLost), "{outcome:?}");
+    assert!(matches!(outcome, StepOutcome::EditLockLost), "{outcome:?}");
     // The rule: increase(seedlock_leases_lost_total[30m]) > 0.
     assert_eq!(
         i.metric(r#"seedlock_leases_lost_total{bot="shop"}"#),

@@ -12,13 +12,11 @@ use chrono::Utc;
 use common::*;
 use seedlock::clock::LocalClock;
 use seedlock::config::{OnRefreshFailure, RefreshSchedule};
-use seedlock::coordinator::StepOutcome;
-use seedlock::decide::BotState;
+use seedlock::lock::coordinator::StepOutcome;
+use seedlock::lock::decide::BotState;
 use tokio_util::sync::CancellationToken;
 
-fn bdate(t: chrono::DateTime<Utc>) -> Bson {
-    Bson::DateTime(bson::DateTime::from_chrono(t))
-}
+use seedlock::store::date as bdate;
 
 /// A ready bot document with the given seeds, refreshed at `updated` (server time).
 fn ready_doc(seeds: &[&str], updated: chrono::DateTime<Utc>) -> Document {
@@ -44,8 +42,8 @@ fn locked_doc(started: chrono::DateTime<Utc>, expires: chrono::DateTime<Utc>) ->
 struct Fixture {
     db: TestDb,
     source: SeedSourceServer,
-    runner: seedlock::coordinator::BotRunner,
-    ctx: std::sync::Arc<seedlock::coordinator::Context>,
+    runner: seedlock::lock::coordinator::BotRunner,
+    ctx: std::sync::Arc<seedlock::lock::coordinator::Context>,
 }
 
 async fn fixture(hint: &str, refresh: RefreshSchedule, on_failure: OnRefreshFailure) -> Fixture {
@@ -115,7 +113,7 @@ async fn c_missing_document_is_created_then_refreshed() {
     assert_eq!(f.seeds().await, SeedSourceServer::seeds_of_hit(1));
     assert_eq!(
         f.step().await,
-        StepOutcome::Ready {
+        StepOutcome::Usable {
             seeds: 2,
             epoch: 1,
             pass: None
@@ -157,7 +155,7 @@ async fn a2_daily_refresh_on_utc_date_change() {
     ));
     assert_eq!(f.seeds().await, SeedSourceServer::seeds_of_hit(1));
     // Refreshed earlier today: not due, no fetch.
-    assert!(matches!(f.step().await, StepOutcome::Ready { .. }));
+    assert!(matches!(f.step().await, StepOutcome::Usable { .. }));
     assert_eq!(f.source.hits(), 1);
 }
 
@@ -175,7 +173,7 @@ async fn a2_interval_refresh_when_the_interval_passed() {
     ))
     .await;
     assert!(
-        matches!(f.step().await, StepOutcome::Ready { .. }),
+        matches!(f.step().await, StepOutcome::Usable { .. }),
         "30s < 60s: not due"
     );
     assert_eq!(f.source.hits(), 0);
@@ -204,7 +202,7 @@ async fn a2_interval_refresh_when_the_interval_passed() {
 async fn a2_admin_request_is_served_once() {
     let f = fixture("a2_request", daily(), OnRefreshFailure::KeepPrevious).await;
     f.put(ready_doc(&["http://old/"], f.now())).await;
-    assert!(matches!(f.step().await, StepOutcome::Ready { .. }));
+    assert!(matches!(f.step().await, StepOutcome::Usable { .. }));
     let store = f.db.store();
     assert!(store
         .request_refresh(
@@ -216,7 +214,7 @@ async fn a2_admin_request_is_served_once() {
         .unwrap());
     assert!(matches!(f.step().await, StepOutcome::Refreshed { .. }));
     assert!(
-        matches!(f.step().await, StepOutcome::Ready { .. }),
+        matches!(f.step().await, StepOutcome::Usable { .. }),
         "the request was served"
     );
     assert_eq!(f.source.hits(), 1);
@@ -367,7 +365,7 @@ async fn e_malformed_documents_are_repaired_and_refreshed() {
             "epoch as string" => 7,
             _ => bad
                 .get("lockEpoch")
-                .and_then(seedlock::document::integer)
+                .and_then(seedlock::lock::document::integer)
                 .unwrap_or(0),
         };
         f.put(bad.clone()).await;
@@ -377,7 +375,7 @@ async fn e_malformed_documents_are_repaired_and_refreshed() {
         assert!(reason.starts_with("E: malformed"), "{name}: {reason}");
         let repaired = f.db.doc("shop").await.unwrap();
         assert!(
-            seedlock::document::BotDoc::parse(&repaired).is_ok(),
+            seedlock::lock::document::BotDoc::parse(&repaired).is_ok(),
             "{name}: repaired document parses"
         );
         assert_eq!(
@@ -397,7 +395,7 @@ async fn e_malformed_documents_are_repaired_and_refreshed() {
             "{name}"
         );
         assert!(
-            matches!(f.step().await, StepOutcome::Ready { .. }),
+            matches!(f.step().await, StepOutcome::Usable { .. }),
             "{name}"
         );
     }
@@ -445,7 +443,7 @@ async fn failed_refresh_keeps_previous_seeds_and_backs_off() {
     assert!(doc.get_str("lastError").unwrap().contains("500"));
     assert!(doc.get_datetime("retryRefreshAfter").is_ok());
     // Due, but backing off: crawl on the old seeds without fetching again.
-    assert!(matches!(f.step().await, StepOutcome::Ready { .. }));
+    assert!(matches!(f.step().await, StepOutcome::Usable { .. }));
     assert_eq!(f.source.hits(), 1);
 }
 
@@ -475,7 +473,7 @@ async fn failed_refresh_with_wait_policy_is_not_ready_and_never_empty() {
         || async {
             matches!(
                 f.step().await,
-                StepOutcome::Refreshed { .. } | StepOutcome::Ready { .. }
+                StepOutcome::Refreshed { .. } | StepOutcome::Usable { .. }
             )
         },
     )

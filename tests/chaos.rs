@@ -2,8 +2,9 @@
 //! (SIGKILL + restart, SIGSTOP of a lock holder past ttl, a database restart when the suite
 //! runs its own server, an admin unlock mid-refresh, a seed source failing), then every
 //! invariant checked (tests/common/chaos.rs). `scripts/chaos` runs the full size.
-#[path = "common/chaos.rs"]
-mod chaos;
+mod common;
+
+use common::chaos;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -115,11 +115,7 @@ async fn status_inspect_refresh_and_unlock_against_the_server() {
     // Only "shop" runs; "later" is configured but has no document yet.
     let only_shop = ProcConfig::new(&db, url_bot("shop", &source.url())).write(dir.path());
     let mut run = Proc::spawn(dir.path(), &only_shop, "i1", &["run", "--once"], &[]);
-    assert!(
-        run.wait(Duration::from_secs(30)).await.success(),
-        "{}",
-        run.log()
-    );
+    run.expect_ok(Duration::from_secs(30)).await;
 
     let out = seedlock(&config, &["status"]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -157,11 +153,7 @@ async fn status_inspect_refresh_and_unlock_against_the_server() {
     let out = seedlock(&config, &["refresh", "shop"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let mut run = Proc::spawn(dir.path(), &only_shop, "i2", &["run", "--once"], &[]);
-    assert!(
-        run.wait(Duration::from_secs(30)).await.success(),
-        "{}",
-        run.log()
-    );
+    run.expect_ok(Duration::from_secs(30)).await;
     assert_eq!(
         source.hits(),
         2,

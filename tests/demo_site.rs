@@ -1,27 +1,18 @@
 //! The demo shop over real HTTP: pages, pagination, conditional GETs, mutations, faults, stats,
 //! truth, and determinism by seed.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use seedlock::demo_site::{serve, MutationReport, SiteOptions};
+use common::crawl::post;
+use seedlock::demo_site::MutationReport;
 use serde_json::Value;
-use tokio_util::sync::CancellationToken;
 
 async fn shop(lists: u32, per_list: u32, seed: u64) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let options = SiteOptions {
-        lists,
-        per_list,
-        seed,
-        ..SiteOptions::default()
-    };
-    tokio::spawn(async move {
-        serve(listener, options, CancellationToken::new())
-            .await
-            .unwrap()
-    });
-    base
+    common::shop::Shop::start_with(lists, per_list, "SKU", seed)
+        .await
+        .leak()
 }
 
 async fn get(url: &str) -> reqwest::Response {
@@ -37,18 +28,6 @@ async fn get(url: &str) -> reqwest::Response {
 
 async fn json(url: &str) -> Value {
     get(url).await.json().await.unwrap()
-}
-
-async fn post(url: &str, body: Value) -> Value {
-    reqwest::Client::new()
-        .post(url)
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
 }
 
 fn select<'a>(html: &'a scraper::Html, css: &str) -> Vec<scraper::ElementRef<'a>> {

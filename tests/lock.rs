@@ -10,9 +10,9 @@ use std::time::Duration;
 use bson::doc;
 use chrono::Utc;
 use common::*;
-use seedlock::decide::Claim;
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId, LockEpoch};
+use seedlock::lock::decide::Claim;
 use seedlock::store::UnlockOutcome;
 
 fn id(s: &str) -> BotId {
@@ -137,7 +137,7 @@ async fn a_stale_holder_cannot_write_after_a_takeover() {
         ("release", store.release(&old, later, "x").await),
     ] {
         assert!(
-            matches!(result, Err(Error::LeaseLost { .. })),
+            matches!(result, Err(Error::EditLockLost { .. })),
             "{what} by the stale holder: {result:?}"
         );
     }
@@ -255,7 +255,7 @@ async fn admin_unlock_bumps_the_epoch_and_fences_the_holder() {
     let late = store
         .complete(&holder, &["http://late/".into()], Utc::now(), None)
         .await;
-    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    assert!(matches!(late, Err(Error::EditLockLost { .. })), "{late:?}");
     let last = db.history("shop").await.pop().unwrap();
     assert_eq!(
         (

@@ -104,9 +104,7 @@ async fn ten_processes_on_a_fresh_bot_make_exactly_one_refresh() {
         .collect();
     let mut lines = Vec::new();
     for p in &mut procs {
-        let status = p.wait(Duration::from_secs(90)).await;
-        assert!(status.success(), "{} exited {status}:\n{}", p.name, p.log());
-        p.assert_clean();
+        p.expect_ok(Duration::from_secs(90)).await;
         let out = p.out();
         let line = out
             .lines()
@@ -165,9 +163,7 @@ async fn a_sigkilled_holder_is_taken_over_within_ttl_and_poll() {
         took <= ttl + poll + poll / 5 + Duration::from_millis(700),
         "takeover took {took:?}"
     );
-    let status = b.wait(Duration::from_secs(30)).await;
-    assert!(status.success(), "b: {}", b.log());
-    b.assert_clean();
+    b.expect_ok(Duration::from_secs(30)).await;
     assert!(s.is_ready().await);
     assert_eq!(s.db.epoch("shop").await, 2, "the takeover raised the epoch");
     assert_eq!(
@@ -211,13 +207,11 @@ async fn a_sigstopped_holder_resumes_and_its_writes_are_rejected() {
     eventually(
         "a notices it lost the lease",
         Duration::from_secs(20),
-        || async { a.log().contains("lease lost") },
+        || async { a.log().contains("edit lock lost") },
     )
     .await;
     a.signal(Signal::SIGTERM);
-    let status = a.wait(Duration::from_secs(20)).await;
-    assert!(status.success(), "a exits cleanly: {}", a.log());
-    a.assert_clean();
+    a.expect_ok(Duration::from_secs(20)).await;
     assert_eq!(
         s.seeds().await,
         SeedSourceServer::seeds_of_hit(2),
@@ -249,9 +243,7 @@ async fn sigterm_mid_refresh_stops_the_work_then_releases() {
     let mut a = Proc::spawn(s.dir.path(), &config, "a", &["run"], &[]);
     s.a_holds_the_lock_with_its_fetch_stalled(1).await;
     a.signal(Signal::SIGTERM);
-    let status = a.wait(Duration::from_secs(20)).await;
-    assert!(status.success(), "{}", a.log());
-    a.assert_clean();
+    a.expect_ok(Duration::from_secs(20)).await;
     let doc = s.db.doc("shop").await.unwrap();
     assert_eq!(
         doc.get_bool("isEditing").unwrap(),
@@ -271,11 +263,7 @@ async fn sigterm_mid_refresh_stops_the_work_then_releases() {
         &["run", "--once", "--timeout", "4s"],
         &[],
     );
-    assert!(
-        b.wait(Duration::from_secs(20)).await.success(),
-        "{}",
-        b.log()
-    );
+    b.expect_ok(Duration::from_secs(20)).await;
     s.source.release();
 }
 
@@ -317,17 +305,13 @@ async fn an_instance_with_a_two_hour_clock_skew_behaves_like_the_others() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     s.source.release();
-    assert!(
-        ahead.wait(Duration::from_secs(30)).await.success(),
-        "{}",
-        ahead.log()
-    );
+    ahead.expect_ok(Duration::from_secs(30)).await;
     assert_eq!(s.db.epoch("shop").await, 1, "no takeover happened");
     assert_eq!(s.source.hits(), 1);
     // And the skewed instance does take over a dead holder, on time.
     s.source.stall_first(2);
     let mut c = Proc::spawn(s.dir.path(), &config, "c", &["refresh", "shop"], &[]);
-    assert!(c.wait(Duration::from_secs(20)).await.success());
+    c.expect_ok(Duration::from_secs(20)).await;
     s.a_holds_the_lock_with_its_fetch_stalled(2).await;
     let mut ahead = Proc::spawn(
         s.dir.path(),
@@ -338,11 +322,7 @@ async fn an_instance_with_a_two_hour_clock_skew_behaves_like_the_others() {
     );
     a.kill9().await;
     let killed = Instant::now();
-    assert!(
-        ahead.wait(Duration::from_secs(30)).await.success(),
-        "{}",
-        ahead.log()
-    );
+    ahead.expect_ok(Duration::from_secs(30)).await;
     assert!(
         killed.elapsed() < Duration::from_secs(4),
         "took over after {:?}",
@@ -369,11 +349,7 @@ async fn admin_unlock_fences_the_running_holder() {
         &["unlock", "shop", "--reason", "test"],
         &[],
     );
-    assert!(
-        admin.wait(Duration::from_secs(20)).await.success(),
-        "{}",
-        admin.log()
-    );
+    admin.expect_ok(Duration::from_secs(20)).await;
     assert!(
         admin.out().contains("was held by a at epoch 1"),
         "{}",
@@ -382,7 +358,7 @@ async fn admin_unlock_fences_the_running_holder() {
     eventually(
         "a notices at its next heartbeat",
         Duration::from_secs(20),
-        || async { a.log().contains("lease lost") },
+        || async { a.log().contains("edit lock lost") },
     )
     .await;
     s.source.release();
@@ -391,8 +367,7 @@ async fn admin_unlock_fences_the_running_holder() {
     })
     .await;
     a.signal(Signal::SIGTERM);
-    assert!(a.wait(Duration::from_secs(20)).await.success());
-    a.assert_clean();
+    a.expect_ok(Duration::from_secs(20)).await;
     let events = s.events().await;
     assert!(
         events
@@ -482,12 +457,7 @@ async fn the_database_restarting_while_instances_wait_is_survived() {
     let doc = db.doc("shop").await.unwrap();
     assert_eq!(doc.get_bool("isReady").unwrap(), true);
     a.signal(Signal::SIGTERM);
-    assert!(
-        a.wait(Duration::from_secs(30)).await.success(),
-        "{}",
-        a.log()
-    );
-    a.assert_clean();
+    a.expect_ok(Duration::from_secs(30)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -538,8 +508,7 @@ async fn the_daemon_serves_health_and_metrics() {
     )
     .await;
     a.signal(Signal::SIGTERM);
-    assert!(a.wait(Duration::from_secs(20)).await.success());
-    a.assert_clean();
+    a.expect_ok(Duration::from_secs(20)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -567,18 +536,14 @@ async fn waiters_wake_on_the_change_stream_not_only_the_poll() {
     })
     .await;
     let ready = Instant::now();
-    assert!(
-        b.wait(Duration::from_secs(30)).await.success(),
-        "{}",
-        b.log()
-    );
+    b.expect_ok(Duration::from_secs(30)).await;
     let woke = ready.elapsed();
     assert!(
         woke < Duration::from_secs(3),
         "b saw the change after {woke:?}; its poll is 10 s"
     );
     a.signal(Signal::SIGTERM);
-    assert!(a.wait(Duration::from_secs(20)).await.success());
+    a.expect_ok(Duration::from_secs(20)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -592,11 +557,7 @@ async fn json_logs_are_one_object_per_line_with_bot_and_epoch() {
         &["--log-format", "json", "run", "--once"],
         &[],
     );
-    assert!(
-        a.wait(Duration::from_secs(30)).await.success(),
-        "{}",
-        a.log()
-    );
+    a.expect_ok(Duration::from_secs(30)).await;
     let log = a.log();
     let lines: Vec<serde_json::Value> = log
         .lines()
@@ -627,11 +588,7 @@ async fn a_restarted_instance_reclaims_its_own_orphaned_lock_at_once() {
         &["run", "--once", "--timeout", "20s"],
         &[],
     );
-    assert!(
-        again.wait(Duration::from_secs(30)).await.success(),
-        "{}",
-        again.log()
-    );
+    again.expect_ok(Duration::from_secs(30)).await;
     assert!(
         restarted.elapsed() < Duration::from_secs(10),
         "reclaimed after {:?}",
@@ -676,9 +633,7 @@ async fn broken_documents_are_repaired_by_real_processes_without_a_panic() {
             &["run", "--once", "--timeout", "30s"],
             &[],
         );
-        let status = p.wait(Duration::from_secs(60)).await;
-        assert!(status.success(), "case {i} {bad}: {}", p.log());
-        p.assert_clean();
+        p.expect_ok(Duration::from_secs(60)).await;
         assert!(s.is_ready().await, "case {i}: ready after the repair");
         assert_eq!(
             s.seeds().await,

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bson::{doc, Document};
 use chrono::Utc;
+use common::crawl::records;
 use common::*;
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId};
@@ -47,18 +48,6 @@ async fn lease(store: &Store, pass: i64, who: &str, at: chrono::DateTime<Utc>) -
         .await
         .unwrap()
         .expect("a URL to lease")
-}
-
-async fn records(db: &TestDb) -> Vec<Document> {
-    use futures_util::TryStreamExt;
-    db.db
-        .collection::<Document>("records")
-        .find(doc! {})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap()
 }
 
 #[test]
@@ -436,7 +425,7 @@ async fn a_group_commit_marks_done_only_pages_whose_record_was_written_and_whose
         assert_eq!(committed[2], ok, "transaction={transaction}");
         assert_eq!(committed[3], ok, "transaction={transaction}");
         assert!(
-            matches!(committed[1], Committed::LeaseLost(_)),
+            matches!(committed[1], Committed::UrlLeaseLost(_)),
             "transaction={transaction}: {:?}",
             committed[1]
         );

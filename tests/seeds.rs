@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use axum::routing::get;
 use seedlock::config::{RefreshLimits, SeedFormat, SeedSource};
-use seedlock::seeds::{SeedError, SeedFetcher};
+use seedlock::lock::seeds::{SeedError, SeedFetcher};
 use seedlock::urls::NormalizedUrl;
 use tokio_util::sync::CancellationToken;
 

@@ -89,7 +89,7 @@ impl Crawler {
                 }
                 debug!(bot = %self.bot, url = %settled.lease.url, kind = settled.lease.kind.as_str(), ?result, "page crawled");
             }
-            Committed::LeaseLost(_) => {
+            Committed::UrlLeaseLost(_) => {
                 self.metrics.url_lease_lost(&self.bot);
                 warn!(bot = %self.bot, url = %settled.lease.url, "url lease lost; the newer worker's result wins");
             }

@@ -18,10 +18,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::Crawler;
-use crate::fetch::{FetchOutcome, Validators};
+use crate::crawl::fetch::{FetchOutcome, Validators};
+use crate::crawl::stages::Ticket;
+use crate::flow::robots::Verdict;
 use crate::flow::{Admission, Busy, HostPermit, Signal};
-use crate::robots::Verdict;
-use crate::stages::Ticket;
 use crate::store::frontier::{PageKind, UrlLease};
 
 /// How far ahead a host's queue is filled: enough URLs for this long at its pace.
@@ -373,8 +373,8 @@ impl Crawler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::crawl::stages::Stages;
     use crate::ids::BotId;
-    use crate::stages::Stages;
     use crate::urls::NormalizedUrl;
 
     fn queued(stages: &Stages, url: &str, kind: PageKind) -> Queued {

@@ -338,7 +338,7 @@ impl Crawler {
                 pass.number,
                 &self.me,
                 server_now,
-                self.limits.lease,
+                self.limits.url_lease,
                 Takes {
                     pending: &pending,
                     expired: &expired,

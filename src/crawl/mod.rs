@@ -32,13 +32,13 @@ use tracing::debug;
 
 use crate::clock::ServerClock;
 use crate::config::{CrawlLimits, CrawlSettings, IncrementalMode};
+use crate::crawl::fetch::PageFetcher;
+use crate::crawl::stages::{Stages, Ticket};
 use crate::error::{Error, Result};
-use crate::fetch::PageFetcher;
+use crate::flow::robots::RobotsCache;
 use crate::flow::Flow;
 use crate::ids::{BotId, InstanceId};
-use crate::metrics::Metrics;
-use crate::robots::RobotsCache;
-use crate::stages::{Stages, Ticket};
+use crate::ops::metrics::Metrics;
 use crate::store::frontier::{Mark, PageKind, UrlLease};
 use crate::store::passes::{DeletionRules, PassEnd};
 use crate::store::records::RecordWrite;
@@ -47,10 +47,13 @@ use crate::urls::NormalizedUrl;
 
 pub mod commit;
 pub mod dispatch;
+pub mod extract;
+pub mod fetch;
 pub mod lease;
 pub mod parse;
 pub mod queue;
 pub mod settle;
+pub mod stages;
 
 pub use crate::store::records::Committed;
 pub use dispatch::{Fetched, HostQueues};
@@ -86,7 +89,7 @@ pub enum PassState {
 }
 
 impl PassState {
-    pub fn of(doc: &crate::document::BotDoc) -> PassState {
+    pub fn of(doc: &crate::lock::document::BotDoc) -> PassState {
         if doc.crawl_pass == 0 || doc.crawl_pass_started_at.is_none() {
             PassState::NotStarted {
                 current: doc.crawl_pass,
@@ -481,7 +484,7 @@ impl Crawler {
             }
             while let Some(joined) = fetches.try_join_next() {
                 if let Err(e) = joined {
-                    run.fail(Error::Protocol {
+                    run.fail(Error::Task {
                         what: "fetch task",
                         detail: e.to_string(),
                     });
@@ -609,7 +612,7 @@ impl Crawler {
         // writers drain; then what still waits for its host goes back.
         while let Some(joined) = fetches.join_next().await {
             if let Err(e) = joined {
-                run.fail(Error::Protocol {
+                run.fail(Error::Task {
                     what: "fetch task",
                     detail: e.to_string(),
                 });
@@ -618,7 +621,7 @@ impl Crawler {
         run.parse.close();
         while let Some(joined) = parsers.join_next().await {
             if let Err(e) = joined {
-                run.fail(Error::Protocol {
+                run.fail(Error::Task {
                     what: "parse task",
                     detail: e.to_string(),
                 });
@@ -629,7 +632,7 @@ impl Crawler {
         run.store.close();
         while let Some(joined) = writers.join_next().await {
             if let Err(e) = joined {
-                run.fail(Error::Protocol {
+                run.fail(Error::Task {
                     what: "commit task",
                     detail: e.to_string(),
                 });

@@ -4,9 +4,9 @@
 
 use super::dispatch::Fetched;
 use super::Crawler;
+use crate::crawl::extract::{extract, PageData};
+use crate::crawl::fetch::{FetchOutcome, Validators};
 use crate::error::{Error, Result};
-use crate::extract::{extract, PageData};
-use crate::fetch::{FetchOutcome, Validators};
 
 /// What the settle stage receives: an extracted page, or any other answer as it came.
 #[derive(Debug)]
@@ -40,7 +40,7 @@ impl Crawler {
             )
         })
         .await
-        .map_err(|e| Error::Protocol {
+        .map_err(|e| Error::Task {
             what: "extract",
             detail: format!("the extraction task failed: {e}"),
         })?;

@@ -24,9 +24,9 @@ use super::parse::Parsed;
 use super::{Crawler, PageResult, Pass};
 use crate::backoff::full_jitter;
 use crate::config::IncrementalMode;
+use crate::crawl::extract::PageData;
+use crate::crawl::fetch::FetchOutcome;
 use crate::error::Result;
-use crate::extract::PageData;
-use crate::fetch::FetchOutcome;
 use crate::store::frontier::{url_id, LeaseTo, Mark, NewUrl, PageKind, UrlLease, UrlStatus};
 use crate::store::records::Extracted;
 use crate::urls::NormalizedUrl;
@@ -229,7 +229,7 @@ impl Crawler {
                 &known,
                 Some(LeaseTo {
                     me: &self.me,
-                    lease_for: self.limits.lease,
+                    lease_for: self.limits.url_lease,
                     first: leased_here,
                 }),
                 now,
@@ -326,7 +326,7 @@ impl Crawler {
                 lease.pass,
                 &links,
                 &self.me,
-                self.limits.lease,
+                self.limits.url_lease,
                 first,
                 now,
             )

@@ -26,8 +26,8 @@ use mongodb::options::IndexOptions;
 use mongodb::{Collection, IndexModel};
 
 use super::Store;
+use crate::crawl::fetch::Validators;
 use crate::error::{Error, Result};
-use crate::fetch::Validators;
 use crate::ids::{BotId, InstanceId};
 use crate::urls::NormalizedUrl;
 
@@ -380,9 +380,7 @@ pub fn status_filter(bot: &BotId, pass: i64, status: UrlStatus) -> Document {
     doc! { f::BOT: bot.as_str(), f::PASS: pass, f::STATUS: status.as_str() }
 }
 
-fn date(at: DateTime<Utc>) -> Bson {
-    Bson::DateTime(bson::DateTime::from_chrono(at))
-}
+use super::date;
 
 fn text(v: Option<&str>) -> Bson {
     v.map_or(Bson::Null, |s| Bson::String(s.to_owned()))
@@ -404,7 +402,7 @@ fn get_text(doc: &Document, name: &str) -> Option<String> {
 }
 
 fn get_int(doc: &Document, name: &str) -> Option<i64> {
-    doc.get(name).and_then(crate::document::integer)
+    doc.get(name).and_then(crate::lock::document::integer)
 }
 
 /// Inside an update pipeline: this document's value out of `values`, by the position of its
@@ -432,10 +430,10 @@ fn duplicate_indexes(what: &'static str, reply: &Document) -> Result<Vec<usize>>
             let error = error.as_document();
             let code = error
                 .and_then(|e| e.get("code"))
-                .and_then(crate::document::integer);
+                .and_then(crate::lock::document::integer);
             let index = error
                 .and_then(|e| e.get("index"))
-                .and_then(crate::document::integer);
+                .and_then(crate::lock::document::integer);
             match (code, index) {
                 (Some(11000), Some(i)) => duplicates.push(i as usize),
                 _ => {
@@ -453,7 +451,7 @@ fn duplicate_indexes(what: &'static str, reply: &Document) -> Result<Vec<usize>>
 fn reply_count(reply: &Document, name: &str) -> u64 {
     reply
         .get(name)
-        .and_then(crate::document::integer)
+        .and_then(crate::lock::document::integer)
         .unwrap_or(0)
         .max(0) as u64
 }

@@ -26,9 +26,7 @@ pub struct HostRow {
 }
 
 fn date(at: Option<DateTime<Utc>>) -> Bson {
-    at.map_or(Bson::Null, |t| {
-        Bson::DateTime(bson::DateTime::from_chrono(t))
-    })
+    at.map_or(Bson::Null, super::date)
 }
 
 fn read_date(d: &Document, key: &str) -> Option<DateTime<Utc>> {
@@ -85,11 +83,11 @@ impl Store {
                     limit: d.get_f64("limit").unwrap_or(0.0),
                     in_flight: d
                         .get("inFlight")
-                        .and_then(crate::document::integer)
+                        .and_then(crate::lock::document::integer)
                         .unwrap_or(0),
                     throttles: d
                         .get("throttles")
-                        .and_then(crate::document::integer)
+                        .and_then(crate::lock::document::integer)
                         .unwrap_or(0),
                     last_throttle_at: read_date(d, "lastThrottleAt"),
                     paused_until: read_date(d, "pausedUntil"),

@@ -1,6 +1,6 @@
 //! The only module that talks to MongoDB. Every write that depends on a lock is conditional:
 //! claims filter on the observed `lockEpoch` (and the expiry condition), holder writes filter on
-//! the [`Lease`]'s fence `{_id, isEditing: true, editingBy: me, lockEpoch: mine}`, and repairs
+//! the [`EditLock`]'s fence `{_id, isEditing: true, editingBy: me, lockEpoch: mine}`, and repairs
 //! filter on exactly what was read. No write here is unconditional except the admin's `unlock`,
 //! which bumps the epoch so the old holder's writes fail.
 
@@ -13,10 +13,10 @@ use mongodb::{Client, Collection, Database};
 
 use crate::clock::ServerClock;
 use crate::config::MongoSettings;
-use crate::decide::Claim;
-use crate::document::{field, integer, BotDoc, Observed, HISTORY_LEN};
 use crate::error::{is_duplicate_key, Error, Result};
 use crate::ids::{BotId, InstanceId, LockEpoch};
+use crate::lock::decide::Claim;
+use crate::lock::document::{field, integer, BotDoc, Observed, HISTORY_LEN};
 
 pub mod frontier;
 pub mod hosts;
@@ -27,7 +27,7 @@ pub const BOTS: &str = "bots";
 
 /// A lock this process holds: the fence for every write it makes while refreshing.
 #[derive(Clone, Debug)]
-pub struct Lease {
+pub struct EditLock {
     pub bot: BotId,
     pub me: InstanceId,
     pub epoch: LockEpoch,
@@ -41,7 +41,7 @@ pub struct Lease {
     pub crawl_pass: i64,
 }
 
-impl Lease {
+impl EditLock {
     fn fence(&self) -> Document {
         doc! {
             field::ID: self.bot.as_str(),
@@ -144,7 +144,8 @@ fn push_history(entry: Document) -> Document {
     doc! { field::HISTORY: { "$each": [entry], "$slice": -HISTORY_LEN } }
 }
 
-fn date(at: DateTime<Utc>) -> Bson {
+/// A time as BSON (every date this crate writes goes through here).
+pub fn date(at: DateTime<Utc>) -> Bson {
     Bson::DateTime(bson::DateTime::from_chrono(at))
 }
 
@@ -379,7 +380,7 @@ impl Store {
         now: DateTime<Utc>,
         ttl: Duration,
         reason: &str,
-    ) -> Result<Option<Lease>> {
+    ) -> Result<Option<EditLock>> {
         let mut filter = doc! { field::ID: bot.as_str(), field::LOCK_EPOCH: expected.get() };
         match claim {
             Claim::Free => {
@@ -440,7 +441,7 @@ impl Store {
                 ),
             });
         }
-        Ok(Some(Lease {
+        Ok(Some(EditLock {
             bot: bot.clone(),
             me: me.clone(),
             epoch,
@@ -451,30 +452,30 @@ impl Store {
         }))
     }
 
-    async fn fenced(&self, lease: &Lease, update: Document) -> Result<()> {
+    async fn fenced(&self, held: &EditLock, update: Document) -> Result<()> {
         let result = self
-            .bounded("fenced write", self.bots.update_one(lease.fence(), update))
+            .bounded("fenced write", self.bots.update_one(held.fence(), update))
             .await?;
         if result.matched_count == 1 {
             Ok(())
         } else {
-            Err(Error::LeaseLost {
-                bot: lease.bot.clone(),
-                epoch: lease.epoch,
+            Err(Error::EditLockLost {
+                bot: held.bot.clone(),
+                epoch: held.epoch,
             })
         }
     }
 
-    /// Renews the lease until `now + ttl`. `LeaseLost` if it is no longer ours.
+    /// Renews the edit lock until `now + ttl`. `EditLockLost` if it is no longer ours.
     pub async fn heartbeat(
         &self,
-        lease: &Lease,
+        held: &EditLock,
         now: DateTime<Utc>,
         ttl: Duration,
     ) -> Result<DateTime<Utc>> {
         let expires = plus(now, ttl);
         self.fenced(
-            lease,
+            held,
             doc! {
                 "$set": { field::LOCK_EXPIRES_AT: date(expires) },
                 "$currentDate": { field::HEARTBEAT_AT: true },
@@ -489,7 +490,7 @@ impl Store {
     /// starts the crawl pass.
     pub async fn complete(
         &self,
-        lease: &Lease,
+        held: &EditLock,
         seeds: &[String],
         now: DateTime<Utc>,
         new_pass: Option<i64>,
@@ -513,11 +514,11 @@ impl Store {
             reason.push_str(&format!("; crawl pass {pass}"));
         }
         self.fenced(
-            lease,
+            held,
             doc! {
                 "$set": set,
                 "$currentDate": current,
-                "$push": push_history(history_entry(now, "refreshed", lease.me.as_str(), lease.epoch, &reason)),
+                "$push": push_history(history_entry(now, "refreshed", held.me.as_str(), held.epoch, &reason)),
             },
         )
         .await
@@ -527,14 +528,14 @@ impl Store {
     /// Ready on its previous seeds (`keep_previous`); nobody retries before `retry_after`.
     pub async fn fail(
         &self,
-        lease: &Lease,
+        held: &EditLock,
         now: DateTime<Utc>,
         error: &str,
         retry_after: DateTime<Utc>,
         stay_ready: bool,
     ) -> Result<()> {
         self.fenced(
-            lease,
+            held,
             doc! {
                 "$set": {
                     field::IS_READY: stay_ready,
@@ -545,7 +546,7 @@ impl Store {
                     field::RETRY_AFTER: date(retry_after),
                 },
                 "$inc": { field::FAILED_REFRESHES: 1_i32 },
-                "$push": push_history(history_entry(now, "refresh_failed", lease.me.as_str(), lease.epoch, error)),
+                "$push": push_history(history_entry(now, "refresh_failed", held.me.as_str(), held.epoch, error)),
             },
         )
         .await
@@ -553,9 +554,9 @@ impl Store {
 
     /// Gives the lock back without a result (shutdown) — fenced. The bot is left not ready, so the
     /// next instance claims it at once (rule C).
-    pub async fn release(&self, lease: &Lease, now: DateTime<Utc>, reason: &str) -> Result<()> {
+    pub async fn release(&self, held: &EditLock, now: DateTime<Utc>, reason: &str) -> Result<()> {
         self.fenced(
-            lease,
+            held,
             doc! {
                 "$set": {
                     field::IS_READY: false,
@@ -563,7 +564,7 @@ impl Store {
                     field::EDITING_BY: Bson::Null,
                     field::LOCK_EXPIRES_AT: Bson::Null,
                 },
-                "$push": push_history(history_entry(now, "released", lease.me.as_str(), lease.epoch, reason)),
+                "$push": push_history(history_entry(now, "released", held.me.as_str(), held.epoch, reason)),
             },
         )
         .await

@@ -17,11 +17,12 @@
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
 
-use super::frontier::{NewUrl, PageKind, PassProgress, UrlStatus};
+use super::frontier::{field as fr, NewUrl, PageKind, PassProgress, UrlStatus};
+use super::records::field as rf;
 use super::Store;
-use crate::document::field;
 use crate::error::Result;
 use crate::ids::BotId;
+use crate::lock::document::field;
 use crate::urls::NormalizedUrl;
 
 /// The thresholds deletion detection runs under (`crawl.min_coverage`, `crawl.max_error_rate`).
@@ -66,9 +67,7 @@ pub struct PassReport {
     pub oldest_pending: Option<DateTime<Utc>>,
 }
 
-fn date(at: DateTime<Utc>) -> Bson {
-    Bson::DateTime(bson::DateTime::from_chrono(at))
-}
+use super::date;
 
 impl Store {
     /// Enqueues `seeds` into the pass after `current` (numbered above every pass the frontier
@@ -138,8 +137,11 @@ impl Store {
     ) -> Result<(PassProgress, (u64, u64, u64, u64))> {
         use futures_util::TryStreamExt;
         let pipeline = [
-            doc! { "$match": { "botId": bot.as_str(), "pass": pass } },
-            doc! { "$group": { "_id": { "kind": "$kind", "status": "$status" }, "n": { "$sum": 1 } } },
+            doc! { "$match": { fr::BOT: bot.as_str(), fr::PASS: pass } },
+            doc! { "$group": {
+                "_id": { "kind": format!("${}", fr::KIND), "status": format!("${}", fr::STATUS) },
+                "n": { "$sum": 1 },
+            } },
         ];
         let rows: Vec<Document> = self
             .bounded("pass coverage", async {
@@ -155,7 +157,7 @@ impl Store {
         for row in rows {
             let n = row
                 .get("n")
-                .and_then(crate::document::integer)
+                .and_then(crate::lock::document::integer)
                 .unwrap_or(0)
                 .max(0) as u64;
             let key = row.get_document("_id").cloned().unwrap_or_default();
@@ -296,9 +298,9 @@ impl Store {
         since: DateTime<Utc>,
     ) -> Result<u64> {
         let filter = doc! {
-            "botId": bot.as_str(), "pass": { "$lt": pass }, "status": UrlStatus::Done.as_str(),
-            "kind": { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] },
-            "doneAt": { "$gte": date(since) },
+            fr::BOT: bot.as_str(), fr::PASS: { "$lt": pass }, fr::STATUS: UrlStatus::Done.as_str(),
+            fr::KIND: { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] },
+            fr::DONE_AT: { "$gte": date(since) },
         };
         let n = self
             .bounded(
@@ -318,15 +320,15 @@ impl Store {
     ) -> Result<Vec<NormalizedUrl>> {
         use futures_util::TryStreamExt;
         let filter = doc! {
-            "botId": bot.as_str(), "pass": { "$lt": pass }, "status": UrlStatus::Done.as_str(),
-            "kind": { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] },
-            "doneAt": { "$gte": date(since) },
+            fr::BOT: bot.as_str(), fr::PASS: { "$lt": pass }, fr::STATUS: UrlStatus::Done.as_str(),
+            fr::KIND: { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] },
+            fr::DONE_AT: { "$gte": date(since) },
         };
         let docs: Vec<Document> = self
             .bounded("read unreached listing pages", async {
                 self.frontier()
                     .find(filter)
-                    .projection(doc! { "url": 1 })
+                    .projection(doc! { fr::URL: 1 })
                     .await?
                     .try_collect()
                     .await
@@ -334,7 +336,7 @@ impl Store {
             .await?;
         Ok(docs
             .iter()
-            .filter_map(|d| d.get_str("url").ok())
+            .filter_map(|d| d.get_str(fr::URL).ok())
             .filter_map(|u| NormalizedUrl::parse(u).ok())
             .collect())
     }
@@ -349,8 +351,8 @@ impl Store {
             .bounded(
                 "read unseen records",
                 records
-                    .find(doc! { "botId": bot.as_str(), "lastSeenPass": { "$lt": pass } })
-                    .projection(doc! { "removedAt": 1 }),
+                    .find(doc! { rf::BOT: bot.as_str(), rf::LAST_SEEN_PASS: { "$lt": pass } })
+                    .projection(doc! { rf::REMOVED_AT: 1 }),
             )
             .await?;
         let mut ids: Vec<Bson> = Vec::new();
@@ -358,7 +360,7 @@ impl Store {
             .bounded("read unseen records", unseen.try_next())
             .await?
         {
-            if matches!(record.get("removedAt"), None | Some(Bson::Null)) {
+            if matches!(record.get(rf::REMOVED_AT), None | Some(Bson::Null)) {
                 if let Some(id) = record.get("_id") {
                     ids.push(id.clone());
                 }
@@ -367,8 +369,8 @@ impl Store {
         let mut removed = 0;
         for chunk in ids.chunks(super::frontier::IN_CHUNK) {
             let update = records.update_many(
-                doc! { "_id": { "$in": chunk }, "botId": bot.as_str(), "removedAt": Bson::Null },
-                doc! { "$set": { "removedAt": date(now), "removedInPass": pass } },
+                doc! { rf::ID: { "$in": chunk }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null },
+                doc! { "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass } },
             );
             removed += self.bounded("mark removed", update).await?.modified_count;
         }
@@ -384,8 +386,8 @@ impl Store {
     ) -> Result<bool> {
         let records = self.records();
         let update = records.update_one(
-            doc! { "_id": record_id, "removedAt": Bson::Null },
-            doc! { "$set": { "removedAt": date(now), "removedInPass": pass } },
+            doc! { rf::ID: record_id, rf::REMOVED_AT: Bson::Null },
+            doc! { "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass } },
         );
         Ok(self.bounded("mark removed", update).await?.modified_count == 1)
     }
@@ -411,8 +413,8 @@ impl Store {
                         pass,
                         UrlStatus::Pending,
                     ))
-                    .sort(doc! { "enqueuedAt": 1 })
-                    .projection(doc! { "enqueuedAt": 1 }),
+                    .sort(doc! { fr::ENQUEUED_AT: 1 })
+                    .projection(doc! { fr::ENQUEUED_AT: 1 }),
             )
             .await?;
         Ok(PassReport {
@@ -420,7 +422,7 @@ impl Store {
             progress,
             started_at,
             ended_at,
-            oldest_pending: oldest.and_then(|d| match d.get("enqueuedAt") {
+            oldest_pending: oldest.and_then(|d| match d.get(fr::ENQUEUED_AT) {
                 Some(Bson::DateTime(t)) => Some(t.to_chrono()),
                 _ => None,
             }),

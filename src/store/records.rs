@@ -24,7 +24,7 @@ use chrono::{DateTime, Utc};
 use mongodb::options::IndexOptions;
 use mongodb::{ClientSession, Collection, IndexModel};
 
-use super::frontier::{settle_statements, Mark, UrlLease, FRONTIER};
+use super::frontier::{field as fr, settle_statements, Mark, UrlLease, UrlStatus, FRONTIER};
 use super::Store;
 use crate::error::{Error, Result};
 use crate::ids::BotId;
@@ -125,7 +125,7 @@ pub enum Committed {
     /// The URL's lease went to another worker before the mark: its result wins. On the ordered
     /// path this page's record may have been written (`Some`) — a newer lease's write replaces
     /// it, and never the other way round (`fetchedAt`).
-    LeaseLost(Option<RecordWrite>),
+    UrlLeaseLost(Option<RecordWrite>),
     /// Not committed (the record kept changing under concurrent writers): the URL stays leased
     /// and is fetched again after its lease.
     Failed(String),
@@ -139,9 +139,7 @@ enum Plan {
     Superseded,
 }
 
-fn date(at: DateTime<Utc>) -> Bson {
-    Bson::DateTime(bson::DateTime::from_chrono(at))
-}
+use super::date;
 
 /// Decides a record's write from the stored version (`stored`: its `contentHash`, `fetchedAt`,
 /// `removedAt`). A compare-and-swap statement filters on exactly the version read; with
@@ -289,10 +287,10 @@ fn write_error_indexes(what: &'static str, reply: &Document) -> Result<HashSet<u
             let error = error.as_document();
             let code = error
                 .and_then(|e| e.get("code"))
-                .and_then(crate::document::integer);
+                .and_then(crate::lock::document::integer);
             let index = error
                 .and_then(|e| e.get("index"))
-                .and_then(crate::document::integer);
+                .and_then(crate::lock::document::integer);
             match (code, index) {
                 (Some(11000), Some(i)) => {
                     duplicates.insert(i as usize);
@@ -312,7 +310,7 @@ fn write_error_indexes(what: &'static str, reply: &Document) -> Result<HashSet<u
 fn reply_count(reply: &Document) -> usize {
     reply
         .get("n")
-        .and_then(crate::document::integer)
+        .and_then(crate::lock::document::integer)
         .unwrap_or(0)
         .max(0) as usize
 }
@@ -390,7 +388,7 @@ impl Store {
             .remove(0)
         {
             Committed::Settled(write) => Ok(write),
-            Committed::LeaseLost(_) => Err(Error::UrlLeaseLost {
+            Committed::UrlLeaseLost(_) => Err(Error::UrlLeaseLost {
                 url: lease.url.to_string(),
             }),
             Committed::Failed(detail) => Err(Error::Protocol {
@@ -570,7 +568,7 @@ impl Store {
             .iter()
             .map(|i| match by_page.get(i) {
                 Some(true) => Committed::Settled(writes.get(i).copied()),
-                Some(false) => Committed::LeaseLost(writes.get(i).copied()),
+                Some(false) => Committed::UrlLeaseLost(writes.get(i).copied()),
                 None => Committed::Failed(format!(
                     "record {} kept changing under concurrent writers",
                     ids[*i].as_deref().unwrap_or("?")
@@ -639,8 +637,8 @@ impl Store {
                 "read leases",
                 doc! {
                     "find": FRONTIER,
-                    "filter": { "_id": { "$in": &urls }, "botId": bot.as_str() },
-                    "projection": { "status": 1, "leaseToken": 1 },
+                    "filter": { fr::ID: { "$in": &urls }, fr::BOT: bot.as_str() },
+                    "projection": { fr::STATUS: 1, fr::LEASE_TOKEN: 1 },
                     "batchSize": i64::try_from(urls.len()).unwrap_or(i64::MAX),
                 },
                 Some(session),
@@ -649,11 +647,11 @@ impl Store {
         let tokens: HashMap<String, Option<String>> = cursor_docs(&fences)
             .into_iter()
             .filter_map(|d| {
-                let leased = d.get_str("status").ok() == Some("leased");
+                let leased = d.get_str(fr::STATUS).ok() == Some(UrlStatus::Leased.as_str());
                 let token = leased
-                    .then(|| d.get_str("leaseToken").ok().map(str::to_owned))
+                    .then(|| d.get_str(fr::LEASE_TOKEN).ok().map(str::to_owned))
                     .flatten();
-                Some((d.get_str("_id").ok()?.to_owned(), token))
+                Some((d.get_str(fr::ID).ok()?.to_owned(), token))
             })
             .collect();
         let alive: Vec<usize> = wave
@@ -775,7 +773,7 @@ impl Store {
                 if alive.contains(i) {
                     Committed::Settled(writes.get(i).copied())
                 } else {
-                    Committed::LeaseLost(None)
+                    Committed::UrlLeaseLost(None)
                 }
             })
             .collect())

@@ -3,7 +3,7 @@
 //! (SIGKILL + restart, SIGSTOP of a lock holder past its ttl, a database restart, an admin unlock
 //! mid-refresh, a seed source failing for a while); the history recorded; the invariants checked
 //! afterwards. Shared by `scripts/chaos` (examples/chaos.rs, full size) and the suite
-//! (tests/chaos.rs, small). Self-contained: it is compiled into both.
+//! (tests/chaos.rs, small), as part of the test kit (tests/common).
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
@@ -310,93 +310,41 @@ async fn start_shop(cfg: &ChaosConfig, prefix: &str, seed: u64) -> Shop {
     }
 }
 
+/// The run's database: a server of its own (restartable), or an outside one.
 struct Database {
     uri: String,
-    port: u16,
-    child: Option<std::process::Child>,
-    bin: Option<PathBuf>,
-    storage: PathBuf,
+    own: Option<super::OwnServer>,
 }
 
 impl Database {
     async fn start(cfg: &ChaosConfig) -> Database {
         match (&cfg.server_bin, &cfg.uri) {
             (Some(bin), _) => {
-                let port = std::net::TcpListener::bind("127.0.0.1:0")
-                    .unwrap()
-                    .local_addr()
-                    .unwrap()
-                    .port();
-                let mut db = Database {
-                    uri: format!("mongodb://127.0.0.1:{port}/?directConnection=true"),
-                    port,
-                    child: None,
-                    bin: Some(bin.clone()),
-                    storage: cfg.dir.join("db"),
-                };
-                db.start_server().await;
-                db
+                let own = super::OwnServer::start(bin.clone(), &cfg.dir.join("db")).await;
+                Database {
+                    uri: own.uri.clone(),
+                    own: Some(own),
+                }
             }
             (None, Some(uri)) => Database {
                 uri: uri.clone(),
-                port: 0,
-                child: None,
-                bin: None,
-                storage: PathBuf::new(),
+                own: None,
             },
             (None, None) => panic!("chaos: give a server binary or a MONGODB_URI"),
         }
     }
 
-    async fn start_server(&mut self) {
-        let bin = self.bin.as_ref().expect("own server");
-        std::fs::create_dir_all(&self.storage).unwrap();
-        let child = std::process::Command::new(bin)
-            .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
-            .args(["--log-level", "WARNING", "--cache-size", "256M"])
-            .arg("--storage-path")
-            .arg(&self.storage)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start the test server");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-            .await
-            .is_err()
-        {
-            assert!(Instant::now() < deadline, "the database did not start");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
     fn restartable(&self) -> bool {
-        self.bin.is_some()
+        self.own.is_some()
     }
 
     /// Stops the server (SIGTERM; SIGKILL after 10 s), then starts it again on the same
-    /// storage and port.
+    /// storage and port after `down_for`.
     async fn restart(&mut self, down_for: Duration) {
-        if let Some(mut child) = self.child.take() {
-            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        tokio::time::sleep(down_for).await;
-        self.start_server().await;
-    }
-}
-
-impl Drop for Database {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+        if let Some(own) = self.own.as_mut() {
+            own.stop_gracefully().await;
+            tokio::time::sleep(down_for).await;
+            own.restart().await;
         }
     }
 }
@@ -619,24 +567,9 @@ format = "json"
         let host = shop.base.trim_start_matches("http://");
         let _ = write!(
             s,
-            r#"
-[[bots]]
-id = "{bot}"
-seeds = {{ url = "{url}", format = "lines" }}
-refresh = "7d"
-[bots.crawl]
-scope = ["{host}"]
-[bots.crawl.list]
-item = ".item"
-item_id = "@data-id"
-item_link = "a@href"
-fingerprint = [".price", ".status", ".title"]
-[bots.crawl.record]
-match = "/product/"
-natural_key = ".sku"
-fields = {{ title = "h1", price = ".price", status = ".status" }}
-"#,
-            url = sources.url(bot)
+            "\n[[bots]]\nid = \"{bot}\"\nseeds = {{ url = \"{url}\", format = \"lines\" }}\nrefresh = \"7d\"\n{rules}",
+            url = sources.url(bot),
+            rules = seedlock::demo_site::crawl_rules_toml(&[host], ".sku"),
         );
     }
     let _ = write!(
@@ -1162,9 +1095,7 @@ pub fn check_history(history: &HashMap<String, Vec<Document>>, report: &mut Chao
     }
 }
 
-async fn get_json(url: &str) -> Option<serde_json::Value> {
-    reqwest::get(url).await.ok()?.json().await.ok()
-}
+use super::try_get_json as get_json;
 
 /// 2. Every product has exactly one record, equal to the shop's final state.
 /// 2. Every product has exactly one record, equal to the shop's final state; the records of
@@ -1376,7 +1307,7 @@ fn check_logs(run: &Run, report: &mut ChaosReport) {
             };
             let message = v["fields"]["message"].as_str().unwrap_or("");
             match message {
-                "lease lost; stopped without writing" => report.lock_leases_lost += 1,
+                "edit lock lost; stopped without writing" => report.lock_leases_lost += 1,
                 "url lease lost; the newer worker's result wins" => report.url_leases_lost += 1,
                 _ => {}
             }

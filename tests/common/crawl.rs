@@ -1,31 +1,24 @@
 //! The crawl tests' kit: the demo shop in-process, a crawling bot's settings, `run --once`
 //! in-process, and `/metrics` samples.
 
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
+
+use bson::{doc, Bson, Document};
+use futures_util::TryStreamExt;
 
 use seedlock::config::Settings;
 use seedlock::daemon::{run, BotSummary, Mode};
-use seedlock::demo_site::{serve, SiteOptions};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use super::TestDb;
 
+/// A demo shop for the rest of the test; its base URL.
 pub async fn shop(lists: u32, per_list: u32) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let options = SiteOptions {
-        lists,
-        per_list,
-        seed: 11,
-        ..SiteOptions::default()
-    };
-    tokio::spawn(async move {
-        serve(listener, options, CancellationToken::new())
-            .await
-            .unwrap()
-    });
-    base
+    super::shop::Shop::start_with(lists, per_list, "SKU", 11)
+        .await
+        .leak()
 }
 
 pub async fn post(url: &str, body: Value) -> Value {
@@ -83,9 +76,9 @@ impl Default for Setup<'_> {
 }
 
 pub fn settings(db: &TestDb, base: &str, setup: &Setup<'_>, instance: &str) -> Settings {
-    let mut scope = vec![format!("{:?}", base.trim_start_matches("http://"))];
-    scope.extend(setup.scope.iter().map(|h| format!("{h:?}")));
-    let scope = scope.join(", ");
+    let mut scope = vec![base.trim_start_matches("http://")];
+    scope.extend(setup.scope.iter().copied());
+    let rules = seedlock::demo_site::crawl_rules_toml(&scope, setup.natural_key);
     let seeds = setup
         .seeds
         .map_or_else(|| format!("{base}/seeds.txt"), str::to_owned);
@@ -115,19 +108,7 @@ listen = "{listen}"
 id = "shop"
 seeds = {{ url = "{seeds}", format = "lines" }}
 refresh = "1h"
-[bots.crawl]
-scope = [{scope}]
-[bots.crawl.list]
-item = ".item"
-item_id = "@data-id"
-item_link = "a@href"
-fingerprint = [".price", ".status", ".title"]
-updated_at = "@data-updated"
-[bots.crawl.record]
-match = "/product/"
-natural_key = "{natural_key}"
-fields = {{ title = "h1", price = ".price", status = ".status" }}
-[bots.crawl.incremental]
+{rules}[bots.crawl.incremental]
 mode = "{mode}"
 {incremental}
 "#,
@@ -138,7 +119,6 @@ mode = "{mode}"
         crawl = setup.crawl,
         mode = setup.mode,
         incremental = setup.incremental,
-        natural_key = setup.natural_key,
         listen = setup.listen,
         lease = setup.lease,
         timeout = setup.timeout,
@@ -159,21 +139,11 @@ pub async fn once(settings: Settings) -> Vec<BotSummary> {
     .expect("run --once finishes the pass")
 }
 
+/// A demo shop whose SKUs start with `prefix`, for the rest of the test; its base URL.
 pub async fn shop_named(lists: u32, per_list: u32, prefix: &str) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let options = SiteOptions {
-        lists,
-        per_list,
-        seed: 11,
-        sku_prefix: prefix.to_owned(),
-    };
-    tokio::spawn(async move {
-        serve(listener, options, CancellationToken::new())
-            .await
-            .unwrap()
-    });
-    base
+    super::shop::Shop::start_with(lists, per_list, prefix, 11)
+        .await
+        .leak()
 }
 
 pub fn free_addr() -> String {
@@ -211,4 +181,162 @@ pub fn sampler(
         }
         seen
     })
+}
+
+// ---- what the crawl tests read of the shop and the database --------------------------------
+
+/// Requests per path since the last call (the counters are reset).
+pub struct Requests(pub BTreeMap<String, u64>);
+
+impl Requests {
+    pub async fn take(base: &str) -> Requests {
+        Self::read(base, true).await
+    }
+
+    /// Without resetting the counters.
+    pub async fn peek(base: &str) -> Requests {
+        Self::read(base, false).await
+    }
+
+    pub async fn read(base: &str, reset: bool) -> Requests {
+        let stats = get_json(&format!("{base}/__stats?reset={reset}")).await;
+        let paths = stats["paths"].as_object().unwrap();
+        Requests(
+            paths
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+                .collect(),
+        )
+    }
+
+    pub fn under(&self, prefix: &str) -> u64 {
+        self.0
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, v)| v)
+            .sum()
+    }
+
+    /// Pages requested more than once (robots.txt is read once per process by design).
+    pub fn repeated(&self) -> u64 {
+        self.0
+            .iter()
+            .filter(|(path, _)| *path != "/robots.txt")
+            .map(|(_, v)| v.saturating_sub(1))
+            .sum()
+    }
+}
+
+/// The shop's products: sku → (title, price, status).
+pub async fn truth(base: &str) -> HashMap<String, (String, String, String)> {
+    let truth = get_json(&format!("{base}/__truth")).await;
+    truth["products"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let s = |k: &str| p[k].as_str().unwrap().to_owned();
+            (s("sku"), (s("title"), s("price"), s("status")))
+        })
+        .collect()
+}
+
+pub async fn records(db: &TestDb) -> Vec<Document> {
+    db.db
+        .collection::<Document>("records")
+        .find(doc! {})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+/// Records not marked removed, by natural key → (title, price, status).
+pub async fn live_records(db: &TestDb) -> HashMap<String, (String, String, String)> {
+    let mut out = HashMap::new();
+    for r in records(db).await {
+        if !matches!(r.get("removedAt"), None | Some(Bson::Null)) {
+            continue;
+        }
+        let data = r.get_document("data").unwrap();
+        let s = |k: &str| data.get_str(k).unwrap_or_default().to_owned();
+        let key = r.get_str("naturalKey").unwrap().to_owned();
+        assert!(
+            out.insert(key.clone(), (s("title"), s("price"), s("status")))
+                .is_none(),
+            "two records for {key}"
+        );
+    }
+    out
+}
+
+pub async fn removed_keys(db: &TestDb) -> Vec<String> {
+    let mut keys: Vec<String> = records(db)
+        .await
+        .into_iter()
+        .filter(|r| matches!(r.get("removedAt"), Some(Bson::DateTime(_))))
+        .map(|r| r.get_str("naturalKey").unwrap().to_owned())
+        .collect();
+    keys.sort();
+    keys
+}
+
+pub async fn frontier(db: &TestDb, filter: Document) -> Vec<Document> {
+    db.db
+        .collection::<Document>("frontier")
+        .find(filter)
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+pub async fn request_refresh(db: &TestDb) {
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    assert!(db
+        .store()
+        .request_refresh(&bot, "test", chrono::Utc::now())
+        .await
+        .unwrap());
+}
+
+pub async fn bot_doc(db: &TestDb) -> Document {
+    db.doc("shop").await.expect("the bot document")
+}
+
+/// The `[[bots]]` entry of the processes' config (the shop's own rules, as [`settings`]).
+pub fn crawl_bot_toml(base: &str) -> String {
+    format!(
+        "[[bots]]\nid = \"shop\"\nseeds = {{ url = \"{base}/seeds.txt\", format = \"lines\" }}\nrefresh = \"1h\"\n{}",
+        seedlock::demo_site::crawl_rules_toml(&[base.trim_start_matches("http://")], ".sku")
+    )
+}
+
+/// A seed source listing the first listing page of each shop.
+pub async fn seeds_of(bases: &[&str]) -> String {
+    let body: String = bases.iter().map(|b| format!("{b}/list/1\n")).collect();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/seeds.txt", listener.local_addr().unwrap());
+    let app = axum::Router::new().route(
+        "/seeds.txt",
+        axum::routing::get(move || {
+            let body = body.clone();
+            async move { body }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+/// The shop's request log: (path, Unix milliseconds), oldest first.
+pub async fn request_log(base: &str) -> Vec<(String, i64)> {
+    let stats = get_json(&format!("{base}/__stats?log=true")).await;
+    stats["log"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e[0].as_str().unwrap().to_owned(), e[1].as_i64().unwrap()))
+        .collect()
 }

@@ -3,7 +3,9 @@
 //! `eventually` for awaiting a condition with a deadline.
 #![allow(dead_code)]
 
+pub mod chaos;
 pub mod crawl;
+pub mod shop;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -21,10 +23,10 @@ use seedlock::config::{
     BotSettings, LockSettings, OnRefreshFailure, RefreshLimits, RefreshSchedule, SeedFormat,
     SeedSource,
 };
-use seedlock::coordinator::{BotRunner, Context};
 use seedlock::ids::{BotId, InstanceId};
-use seedlock::metrics::Metrics;
-use seedlock::seeds::SeedFetcher;
+use seedlock::lock::coordinator::{BotRunner, Context};
+use seedlock::lock::seeds::SeedFetcher;
+use seedlock::ops::metrics::Metrics;
 use seedlock::store::Store;
 use seedlock::urls::NormalizedUrl;
 
@@ -72,7 +74,7 @@ impl TestDb {
 
     pub async fn epoch(&self, bot: &str) -> i64 {
         let doc = self.doc(bot).await.expect("bot document exists");
-        seedlock::document::integer(doc.get("lockEpoch").expect("lockEpoch"))
+        seedlock::lock::document::integer(doc.get("lockEpoch").expect("lockEpoch"))
             .expect("integer epoch")
     }
 
@@ -96,6 +98,11 @@ impl TestDb {
     pub fn store(&self) -> Store {
         Store::new(self.db.clone())
     }
+}
+
+/// A JSON answer, or `None` when the request or the body fails.
+pub async fn try_get_json(url: &str) -> Option<serde_json::Value> {
+    reqwest::get(url).await.ok()?.json().await.ok()
 }
 
 /// Polls `check` every 25 ms until it returns true; panics naming `what` after `timeout`.
@@ -316,6 +323,14 @@ pub fn url_bot(id: &str, url: &str) -> String {
     format!("[[bots]]\nid = \"{id}\"\nseeds = {{ url = \"{url}\", format = \"lines\" }}\n")
 }
 
+/// The `seedlock` binary: cargo's for the tests, `SEEDLOCK_BIN` for the examples.
+pub fn seedlock_bin() -> PathBuf {
+    option_env!("CARGO_BIN_EXE_seedlock")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("SEEDLOCK_BIN").map(PathBuf::from))
+        .expect("the seedlock binary (SEEDLOCK_BIN)")
+}
+
 pub struct Proc {
     pub name: String,
     child: Child,
@@ -335,7 +350,7 @@ impl Proc {
     ) -> Proc {
         let stdout = dir.join(format!("{name}.out"));
         let stderr = dir.join(format!("{name}.err"));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_seedlock"));
+        let mut cmd = Command::new(seedlock_bin());
         cmd.arg("-c")
             .arg(config)
             .args(args)
@@ -404,6 +419,19 @@ impl Proc {
 
     pub fn out(&self) -> String {
         std::fs::read_to_string(&self.stdout).unwrap_or_default()
+    }
+
+    /// Waits for the process to exit and asserts it succeeded and logged no panic; the failure
+    /// message carries its log.
+    pub async fn expect_ok(&mut self, timeout: Duration) {
+        let status = self.wait(timeout).await;
+        assert!(
+            status.success(),
+            "{} exited {status}:\n{}",
+            self.name,
+            self.log()
+        );
+        self.assert_clean();
     }
 
     /// Asserts what every process must satisfy: no panic, no unhandled error.
@@ -480,6 +508,22 @@ impl OwnServer {
             },
         )
         .await;
+    }
+
+    /// Stops the server as an operator would: SIGTERM, SIGKILL after 10 s.
+    pub async fn stop_gracefully(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while matches!(child.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 
     pub fn stop(&mut self) {

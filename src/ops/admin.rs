@@ -5,9 +5,9 @@ use bson::{Bson, Document};
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::{json, Value};
 
-use crate::decide::state_of;
-use crate::document::{field, Observed};
 use crate::ids::BotId;
+use crate::lock::decide::state_of;
+use crate::lock::document::{field, Observed};
 
 /// One row of `seedlock status`.
 #[derive(Debug, Clone, serde::Serialize)]

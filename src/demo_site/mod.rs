@@ -54,6 +54,30 @@ impl Default for SiteOptions {
     }
 }
 
+/// The `[bots.crawl]` rules that crawl this shop (TOML): its listing items (id, detail link,
+/// fingerprint, `data-updated`), its product pages' records (`natural_key`: `.sku`, unless a
+/// test wants another) and the hosts in `scope`. Callers add `[bots.crawl.incremental]` and any
+/// other key; every test, benchmark and chaos run crawls the shop with these.
+pub fn crawl_rules_toml(scope: &[&str], natural_key: &str) -> String {
+    let scope: Vec<String> = scope.iter().map(|h| format!("{h:?}")).collect();
+    format!(
+        r#"[bots.crawl]
+scope = [{scope}]
+[bots.crawl.list]
+item = ".item"
+item_id = "@data-id"
+item_link = "a@href"
+fingerprint = [".price", ".status", ".title"]
+updated_at = "@data-updated"
+[bots.crawl.record]
+match = "/product/"
+natural_key = "{natural_key}"
+fields = {{ title = "h1", price = ".price", status = ".status" }}
+"#,
+        scope = scope.join(", ")
+    )
+}
+
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Product {
     pub sku: String,

@@ -12,8 +12,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::decide::BotState;
 use crate::ids::BotId;
+use crate::lock::decide::BotState;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BotLabel {
@@ -404,7 +404,7 @@ impl Metrics {
         }
     }
 
-    pub fn lease_lost(&self, bot: &BotId) {
+    pub fn edit_lock_lost(&self, bot: &BotId) {
         self.leases_lost.get_or_create(&Self::bot(bot)).inc();
     }
 
@@ -527,7 +527,7 @@ impl Metrics {
     }
 
     /// One bot's pipeline: items per stage and the age of each stage's oldest.
-    pub fn observe_stages(&self, bot: &BotId, stages: &crate::stages::Stages) {
+    pub fn observe_stages(&self, bot: &BotId, stages: &crate::crawl::stages::Stages) {
         for (name, stage) in stages.all() {
             let label = StageLabels {
                 bot: bot.to_string(),
@@ -573,7 +573,7 @@ mod tests {
         let bot = BotId::parse("shop").unwrap();
         m.set_state(&bot, BotState::Updating);
         m.acquired(&bot, Some("expired"));
-        m.lease_lost(&bot);
+        m.edit_lock_lost(&bot);
         m.refresh_finished(&bot, "ok", Duration::from_millis(20));
         m.waited(&bot, Duration::from_millis(5));
         let text = m.encode();

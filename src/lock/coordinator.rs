@@ -17,13 +17,13 @@ use crate::backoff::{full_jitter, jittered};
 use crate::clock::ServerClock;
 use crate::config::{BotSettings, LockSettings, OnRefreshFailure};
 use crate::crawl::{CrawlContext, Crawler, PassState, SliceEnd};
-use crate::decide::{decide, BotState, Claim, Decision, Me, Policy};
-use crate::document::Observed;
 use crate::error::{Error, Result};
 use crate::ids::{BotId, InstanceId};
-use crate::metrics::Metrics;
-use crate::seeds::{SeedError, SeedFetcher, Seeds};
-use crate::store::{Lease, Store};
+use crate::lock::decide::{decide, BotState, Claim, Decision, Me, Policy};
+use crate::lock::document::Observed;
+use crate::lock::seeds::{SeedError, SeedFetcher, Seeds};
+use crate::ops::metrics::Metrics;
+use crate::store::{EditLock, Store};
 
 /// What every bot runner of one instance shares.
 pub struct Context {
@@ -44,9 +44,9 @@ pub struct Context {
 /// The result of one [`BotRunner::step`].
 #[derive(Debug, PartialEq)]
 pub enum StepOutcome {
-    /// The bot is ready; crawl on its seeds. `pass` is the crawl's state (`None` for a bot
-    /// without `[bots.crawl]`).
-    Ready {
+    /// The bot is Ready: its seeds are usable; crawl on them. `pass` is the crawl's state
+    /// (`None` for a bot without `[bots.crawl]`).
+    Usable {
         seeds: usize,
         epoch: i64,
         pass: Option<PassState>,
@@ -67,7 +67,7 @@ pub enum StepOutcome {
     /// The refresh failed; the failure is recorded and the lock released.
     RefreshFailed { error: String },
     /// A fenced write matched nothing: someone else owns the bot now. Nothing more was written.
-    LeaseLost,
+    EditLockLost,
     /// Shutdown arrived mid-refresh: work stopped, then the lock was released.
     Released,
 }
@@ -75,15 +75,20 @@ pub enum StepOutcome {
 /// When [`BotRunner::run`] returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Until {
-    /// At the first Ready (`run --once`).
-    Ready,
+    /// Once the bot is done: Ready, and (for a crawling bot) its current pass finished
+    /// (`run --once`).
+    Done,
     /// Only at shutdown (the daemon).
     Shutdown,
 }
 
 #[derive(Debug, PartialEq)]
 pub enum RunEnd {
-    Ready { seeds: usize, epoch: i64 },
+    /// Ready (and its pass finished, for a crawling bot), on `seeds` seeds at `epoch`.
+    Done {
+        seeds: usize,
+        epoch: i64,
+    },
     Shutdown,
 }
 
@@ -174,7 +179,7 @@ impl BotRunner {
                 if let Some(note) = note {
                     debug!(bot = %id, %note, "using the previous seeds");
                 }
-                Ok(StepOutcome::Ready {
+                Ok(StepOutcome::Usable {
                     seeds: doc.seeds.len(),
                     epoch: doc.lock_epoch.get(),
                     pass: self.crawler.as_ref().map(|_| PassState::of(&doc)),
@@ -228,11 +233,11 @@ impl BotRunner {
                 reason,
                 ..
             } => {
-                let lease = ctx
+                let held = ctx
                     .store
                     .claim(id, &ctx.me, expected, claim, now, ctx.lock.ttl, &reason)
                     .await?;
-                let Some(lease) = lease else {
+                let Some(held) = held else {
                     debug!(bot = %id, epoch = expected.get(), "another instance claimed the lock first");
                     return Ok(StepOutcome::LostRace);
                 };
@@ -243,22 +248,22 @@ impl BotRunner {
                     Claim::Orphaned => Some("orphaned"),
                 };
                 ctx.metrics.acquired(id, takeover);
-                ctx.metrics.saw_epoch(id, lease.epoch.get());
-                info!(bot = %id, epoch = lease.epoch.get(), %reason, takeover = takeover.unwrap_or("no"), "won the edit lock");
-                self.refresh(lease, shutdown).await
+                ctx.metrics.saw_epoch(id, held.epoch.get());
+                info!(bot = %id, epoch = held.epoch.get(), %reason, takeover = takeover.unwrap_or("no"), "won the edit lock");
+                self.refresh(held, shutdown).await
             }
         }
     }
 
-    /// Refreshes under `lease`: fetch the seeds while heartbeating; stop the work when the lease is
+    /// Refreshes under `held`: fetch the seeds while heartbeating; stop the work when the lock is
     /// lost, `max_refresh` passes or shutdown arrives; then make exactly one fenced last write.
-    async fn refresh(&self, lease: Lease, shutdown: &CancellationToken) -> Result<StepOutcome> {
+    async fn refresh(&self, held: EditLock, shutdown: &CancellationToken) -> Result<StepOutcome> {
         let ctx = &self.ctx;
         let id = &self.bot.id;
         let timer = Instant::now();
         let max_refresh =
             chrono::Duration::from_std(ctx.lock.max_refresh).unwrap_or(chrono::Duration::MAX);
-        let deadline = lease.started_at + max_refresh;
+        let deadline = held.started_at + max_refresh;
         let mut confirmed_until =
             ctx.clock.now() + chrono::Duration::from_std(ctx.lock.ttl).unwrap_or_default();
         let work = CancellationToken::new();
@@ -280,15 +285,15 @@ impl BotRunner {
                         if now >= deadline {
                             break End::Abandoned;
                         }
-                        match ctx.store.heartbeat(&lease, now, ctx.lock.ttl).await {
+                        match ctx.store.heartbeat(&held, now, ctx.lock.ttl).await {
                             Ok(expires) => {
                                 ctx.metrics.db_ok();
                                 confirmed_until = expires;
                             }
-                            Err(Error::LeaseLost { .. }) => break End::Lost,
+                            Err(Error::EditLockLost { .. }) => break End::Lost,
                             Err(e) => {
                                 ctx.metrics.db_error();
-                                warn!(bot = %id, epoch = lease.epoch.get(), error = %e, "heartbeat failed");
+                                warn!(bot = %id, epoch = held.epoch.get(), error = %e, "heartbeat failed");
                                 if ctx.clock.now() >= confirmed_until {
                                     break End::Lost;
                                 }
@@ -311,13 +316,13 @@ impl BotRunner {
             )),
             End::Lost => {
                 return Ok(self.lost(
-                    &lease,
+                    &held,
                     timer,
                     "a heartbeat matched nothing or could not be confirmed",
                 ));
             }
         };
-        self.finish(lease, finish, confirmed_until, timer).await
+        self.finish(held, finish, confirmed_until, timer).await
     }
 
     /// Turns fetched seeds into the last write: the new list, or a failure when it cannot fit in
@@ -346,20 +351,20 @@ impl BotRunner {
         Finish::Complete(list)
     }
 
-    fn lost(&self, lease: &Lease, timer: Instant, why: &str) -> StepOutcome {
+    fn lost(&self, held: &EditLock, timer: Instant, why: &str) -> StepOutcome {
         let id = &self.bot.id;
-        warn!(bot = %id, epoch = lease.epoch.get(), %why, "lease lost; stopped without writing");
-        self.ctx.metrics.lease_lost(id);
+        warn!(bot = %id, epoch = held.epoch.get(), %why, "edit lock lost; stopped without writing");
+        self.ctx.metrics.edit_lock_lost(id);
         self.ctx
             .metrics
             .refresh_finished(id, "lost", timer.elapsed());
-        StepOutcome::LeaseLost
+        StepOutcome::EditLockLost
     }
 
-    /// The holder's one last write, retried on transient errors while the lease is still ours.
+    /// The holder's one last write, retried on transient errors while the lock is still ours.
     async fn finish(
         &self,
-        lease: Lease,
+        held: EditLock,
         mut finish: Finish,
         confirmed_until: DateTime<Utc>,
         timer: Instant,
@@ -377,7 +382,7 @@ impl BotRunner {
                     let prepared = match (&self.crawler, new_pass) {
                         (Some(crawler), None) => ctx
                             .store
-                            .prepare_pass(id, lease.crawl_pass, &crawler.seed_urls(seeds), now)
+                            .prepare_pass(id, held.crawl_pass, &crawler.seed_urls(seeds), now)
                             .await
                             .map(Some),
                         (_, prepared) => Ok(prepared),
@@ -385,32 +390,32 @@ impl BotRunner {
                     match prepared {
                         Ok(pass) => {
                             new_pass = pass;
-                            ctx.store.complete(&lease, seeds, now, pass).await
+                            ctx.store.complete(&held, seeds, now, pass).await
                         }
                         Err(e) => Err(e),
                     }
                 }
                 Finish::Fail(error) => {
                     let (base, cap) = ctx.refresh_backoff;
-                    let exponent = u32::try_from(lease.failed_refreshes.clamp(0, 20)).unwrap_or(20);
+                    let exponent = u32::try_from(held.failed_refreshes.clamp(0, 20)).unwrap_or(20);
                     let backoff = jittered(base.saturating_mul(1 << exponent).min(cap), 0.2);
                     let retry_after = now + chrono::Duration::from_std(backoff).unwrap_or_default();
                     let stay_ready = self.bot.on_refresh_failure == OnRefreshFailure::KeepPrevious
-                        && !lease.previous_seeds.is_empty();
+                        && !held.previous_seeds.is_empty();
                     ctx.store
-                        .fail(&lease, now, error, retry_after, stay_ready)
+                        .fail(&held, now, error, retry_after, stay_ready)
                         .await
                 }
                 Finish::Release => {
                     ctx.store
-                        .release(&lease, now, "shutdown: work stopped, lock released")
+                        .release(&held, now, "shutdown: work stopped, lock released")
                         .await
                 }
             };
             match result {
                 Ok(()) => break,
-                Err(Error::LeaseLost { .. }) => {
-                    return Ok(self.lost(&lease, timer, "the last write matched nothing"))
+                Err(Error::EditLockLost { .. }) => {
+                    return Ok(self.lost(&held, timer, "the last write matched nothing"))
                 }
                 // The server refused the new seeds for good (a document too large, say): record
                 // that as the refresh's failure rather than leave the lock to expire.
@@ -422,7 +427,7 @@ impl BotRunner {
                 Err(e) if e.is_transient() && ctx.clock.now() < confirmed_until => {
                     ctx.metrics.db_error();
                     attempt += 1;
-                    warn!(bot = %id, epoch = lease.epoch.get(), error = %e, attempt, "last write failed; retrying");
+                    warn!(bot = %id, epoch = held.epoch.get(), error = %e, attempt, "last write failed; retrying");
                     tokio::time::sleep(full_jitter(
                         Duration::from_millis(100),
                         ctx.lock.heartbeat,
@@ -434,7 +439,7 @@ impl BotRunner {
             }
         }
         ctx.metrics.db_ok();
-        let epoch = lease.epoch.get();
+        let epoch = held.epoch.get();
         Ok(match finish {
             Finish::Complete(seeds) => {
                 info!(bot = %id, epoch, seeds = seeds.len(), pass = new_pass, "seeds refreshed; bot is ready");
@@ -478,7 +483,7 @@ impl BotRunner {
                 break RunEnd::Shutdown;
             }
             let outcome = match self.step(shutdown).await {
-                Ok(StepOutcome::Ready {
+                Ok(StepOutcome::Usable {
                     seeds,
                     epoch,
                     pass: Some(pass),
@@ -496,8 +501,8 @@ impl BotRunner {
                             }
                             db_failures = 0;
                             let pause = match turn {
-                                CrawlTurn::Finished if until == Until::Ready => {
-                                    break RunEnd::Ready { seeds, epoch };
+                                CrawlTurn::Finished if until == Until::Done => {
+                                    break RunEnd::Done { seeds, epoch };
                                 }
                                 CrawlTurn::Shutdown => break RunEnd::Shutdown,
                                 CrawlTurn::Started | CrawlTurn::TimeUp => None,
@@ -544,15 +549,15 @@ impl BotRunner {
                 }
             };
             match outcome {
-                StepOutcome::Ready { seeds, epoch, .. }
+                StepOutcome::Usable { seeds, epoch, .. }
                 | StepOutcome::Refreshed { seeds, epoch } => {
                     if let Some(since) = waiting_since.take() {
                         ctx.metrics.waited(id, since.elapsed());
                     }
-                    if matches!(outcome, StepOutcome::Ready { .. }) && until == Until::Ready {
-                        break RunEnd::Ready { seeds, epoch };
+                    if matches!(outcome, StepOutcome::Usable { .. }) && until == Until::Done {
+                        break RunEnd::Done { seeds, epoch };
                     }
-                    if matches!(outcome, StepOutcome::Ready { .. })
+                    if matches!(outcome, StepOutcome::Usable { .. })
                         && self.pause(jittered(poll, 0.2), shutdown).await
                     {
                         break RunEnd::Shutdown;
@@ -574,7 +579,7 @@ impl BotRunner {
                 StepOutcome::Initialized
                 | StepOutcome::Repaired
                 | StepOutcome::RefreshFailed { .. } => {}
-                StepOutcome::LostRace | StepOutcome::LeaseLost => {
+                StepOutcome::LostRace | StepOutcome::EditLockLost => {
                     // Someone else moved first: read again soon, spread out.
                     if self
                         .pause(full_jitter(poll / 20, poll / 4, 1), shutdown)

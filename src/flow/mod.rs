@@ -22,6 +22,8 @@
 //! **Invariant:** every signal from a site goes to that site's limiter only; nothing here slows
 //! a host for another host's trouble.
 
+pub mod robots;
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

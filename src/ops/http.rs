@@ -12,7 +12,7 @@ use axum::Router;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 
 #[derive(Clone)]
 struct AppState {

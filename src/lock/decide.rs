@@ -10,8 +10,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use crate::config::RefreshSchedule;
-use crate::document::{BotDoc, Observed};
 use crate::ids::{InstanceId, LockEpoch};
+use crate::lock::document::{BotDoc, Observed};
 
 /// The state an instance is in for one bot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

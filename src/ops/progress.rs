@@ -55,7 +55,7 @@ pub async fn show(store: Store, bot: BotId, done: CancellationToken) {
             _ = done.cancelled() => break,
             _ = tokio::time::sleep(every) => {}
         }
-        let Ok(crate::document::Observed::Valid(doc)) = store.load(&bot).await else {
+        let Ok(crate::lock::document::Observed::Valid(doc)) = store.load(&bot).await else {
             continue;
         };
         if doc.crawl_pass == 0 {

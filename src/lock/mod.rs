@@ -1,0 +1,13 @@
+//! The lock wing: one document per bot (`bots` collection) and the typed state machine over it.
+//!
+//! - [`document`]: the document's fields and its strict parse;
+//! - [`decide`]: the state machine, a pure function of (document, server time, me);
+//! - [`coordinator`]: one bot's loop — read, decide, carry out — refreshing under the edit lock;
+//! - [`seeds`]: fetching and parsing seed sources.
+//!
+//! The writes themselves live in [`crate::store`].
+
+pub mod coordinator;
+pub mod decide;
+pub mod document;
+pub mod seeds;
