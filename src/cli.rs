@@ -319,7 +319,7 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
     };
     let configured: Vec<BotId> = settings.bots.iter().map(|b| b.id.clone()).collect();
     let now = clock.now();
-    let passes: Vec<(String, i64, Option<_>, Option<_>)> = docs
+    let passes: Vec<(String, i64, Option<_>, Option<_>, bool)> = docs
         .iter()
         .filter_map(|raw| match crate::lock::document::BotDoc::parse(raw) {
             Ok(doc) if doc.crawl_pass > 0 => Some((
@@ -327,12 +327,13 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
                 doc.crawl_pass,
                 doc.crawl_pass_started_at,
                 doc.crawl_pass_ended_at,
+                doc.crawl_next_pass_at.is_some(),
             )),
             _ => None,
         })
         .collect();
     let mut rows = crate::ops::admin::status_rows(docs, &configured, now);
-    for (bot, pass, started, ended) in passes {
+    for (bot, pass, started, ended, next_waiting) in passes {
         let Ok(id) = BotId::parse(&bot) else { continue };
         let report = match store.pass_report(&id, pass, started, ended).await {
             Ok(r) => r,
@@ -340,6 +341,9 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
         };
         if let Some(row) = rows.iter_mut().find(|r| r.bot == bot) {
             crate::ops::admin::with_pass(row, &report, now);
+            if let Some(crawl) = row.crawl.as_mut() {
+                crawl.next_pass_waiting = next_waiting;
+            }
         }
     }
     if json {

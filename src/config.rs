@@ -53,6 +53,9 @@ pub struct LockSettings {
     pub ttl: Duration,
     pub heartbeat: Duration,
     pub max_refresh: Duration,
+    /// Waiters take a refresh that still heartbeats over only after `max_refresh` + this: the
+    /// holder gives up at `max_refresh` and records the failure (with its backoff) within it.
+    pub stuck_grace: Duration,
     pub poll: Duration,
 }
 
@@ -100,6 +103,9 @@ pub struct CrawlLimits {
     /// Load shedding: a lowest-priority URL that has waited longer than this for a host that
     /// throttled us within the last minute is deferred by as long, before it costs a fetch.
     pub shed_after: Duration,
+    /// A running pass finishes before a refresh's next pass starts — unless it is older than
+    /// this (then the refresh cuts it short).
+    pub max_pass: Duration,
     /// How long a leased URL stays this worker's: sized to the slowest normal fetch.
     pub url_lease: Duration,
     /// Per page fetch.
@@ -268,6 +274,7 @@ struct RawLock {
     ttl: String,
     heartbeat: Option<String>,
     max_refresh: String,
+    stuck_grace: Option<String>,
     poll: String,
 }
 
@@ -277,6 +284,7 @@ impl Default for RawLock {
             ttl: "30s".into(),
             heartbeat: None,
             max_refresh: "10m".into(),
+            stuck_grace: None,
             poll: "1s".into(),
         }
     }
@@ -332,6 +340,7 @@ struct RawCrawlLimits {
     robots_ttl: String,
     robots_retry: String,
     shed_after: String,
+    max_pass: String,
     hosts: std::collections::BTreeMap<String, RawHostOverride>,
     lease: String,
     timeout: String,
@@ -366,6 +375,7 @@ impl Default for RawCrawlLimits {
             robots_ttl: "1h".into(),
             robots_retry: "60s".into(),
             shed_after: "10m".into(),
+            max_pass: "24h".into(),
             hosts: Default::default(),
             lease: "60s".into(),
             timeout: "30s".into(),
@@ -498,6 +508,7 @@ impl RawCrawlLimits {
             robots_ttl: positive("crawl.robots_ttl", &self.robots_ttl)?,
             robots_retry: positive("crawl.robots_retry", &self.robots_retry)?,
             shed_after: positive("crawl.shed_after", &self.shed_after)?,
+            max_pass: positive("crawl.max_pass", &self.max_pass)?,
             url_lease: lease,
             timeout,
             max_page_bytes: usize::try_from(self.max_page_bytes).unwrap_or(usize::MAX),
@@ -1002,11 +1013,16 @@ impl RawLock {
                 humantime::format_duration(ttl)
             ));
         }
+        let stuck_grace = match &self.stuck_grace {
+            Some(raw) => positive("lock.stuck_grace", raw)?,
+            None => ttl,
+        };
         let poll = positive("lock.poll", &self.poll)?;
         Ok(LockSettings {
             ttl,
             heartbeat,
             max_refresh,
+            stuck_grace,
             poll,
         })
     }
@@ -1233,6 +1249,7 @@ on_refresh_failure = "wait"
                 ttl: "1s".into(),
                 heartbeat: Some("1s".into()),
                 max_refresh: "1s".into(),
+                stuck_grace: Some("1s".into()),
                 poll: "1s".into(),
             },
             refresh: RawRefresh {
@@ -1265,6 +1282,7 @@ on_refresh_failure = "wait"
                 robots_ttl: "1s".into(),
                 robots_retry: "1s".into(),
                 shed_after: "1s".into(),
+                max_pass: "1s".into(),
                 hosts: [(
                     "h:1".to_owned(),
                     RawHostOverride {

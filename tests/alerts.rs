@@ -183,10 +183,11 @@ impl Instance {
 async fn a_lock_held_past_max_refresh_is_counted_as_a_stuck_takeover() {
     let i = instance("alert_stuck").await;
     let now = i.ctx.clock.now();
-    // Heartbeating (expires in the future) but started 11 s ago: past max_refresh (10 s).
+    // Heartbeating (expires in the future) but started 14 s ago: past max_refresh (10 s) and
+    // its grace (3 s).
     i.put(locked_doc(
         5,
-        now - chrono::Duration::seconds(11),
+        now - chrono::Duration::seconds(14),
         now + chrono::Duration::seconds(20),
     ))
     .await;

@@ -246,9 +246,10 @@ async fn b1_expired_lock_is_taken_over() {
 async fn b2_heartbeating_refresh_past_max_refresh_is_taken_over() {
     let f = fixture("b2", daily(), OnRefreshFailure::KeepPrevious).await;
     let now = f.now();
-    // Started 11 s ago (max_refresh is 10 s) and still heartbeating: expires in the future.
+    // Started 14 s ago (max_refresh 10 s + stuck_grace 3 s) and still heartbeating: expires in
+    // the future.
     f.put(locked_doc(
-        now - chrono::Duration::seconds(11),
+        now - chrono::Duration::seconds(14),
         now + chrono::Duration::seconds(20),
     ))
     .await;

@@ -336,3 +336,69 @@ async fn the_crawl_command_finishes_one_bot_and_prints_a_summary() {
         assert!(log.contains(says) && log.lines().count() == 1, "{log}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refreshes_more_frequent_than_a_pass_do_not_starve_the_passes() {
+    use common::{Proc, ProcConfig};
+    let db = test_db("crawl_starve").await;
+    // 63 pages at 400 ms each, 4 at a time: the first pass takes over six seconds, longer than
+    // a crawl slice (5 s), after which the due refresh (every second) is noticed.
+    let base = shop(3, 20).await;
+    post(
+        &format!("{base}/__faults"),
+        json!([{"path": "/", "latency_ms": 400}]),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = ProcConfig::new(&db, crawl_bot_toml_every(&base, "1s"));
+    config.extra = "[crawl]\nworkers = 4\nhost_limit_max = 4\n";
+    let config = config.write(dir.path());
+    let mut daemon = Proc::spawn(dir.path(), &config, "a", &["run"], &[]);
+    // While a pass runs, a refresh lands and the next pass waits for its end — `status` says so.
+    let waiting_seen = std::sync::atomic::AtomicBool::new(false);
+    common::eventually(
+        "two passes completed while refreshes kept coming",
+        Duration::from_secs(90),
+        || async {
+            let Some(doc) = db.doc("shop").await else {
+                return false;
+            };
+            let seen = || waiting_seen.load(std::sync::atomic::Ordering::SeqCst);
+            if doc.get_datetime("crawlNextPassAt").is_ok()
+                && doc.get("crawlPassEndedAt") == Some(&Bson::Null)
+                && !seen()
+            {
+                let mut status = Proc::spawn(dir.path(), &config, "s", &["status"], &[]);
+                status.expect_ok(Duration::from_secs(20)).await;
+                if status.out().contains("(next waiting)") {
+                    waiting_seen.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+            doc.get_document("crawlLastPass")
+                .ok()
+                .and_then(|p| p.get_i64("pass").ok())
+                .is_some_and(|p| p >= 2)
+                && seen()
+        },
+    )
+    .await;
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    daemon.expect_ok(Duration::from_secs(30)).await;
+    let doc = bot_doc(&db).await;
+    let last = doc.get_document("crawlLastPass").unwrap();
+    assert_eq!(
+        last.get_str("deletion").unwrap(),
+        "applied",
+        "complete passes ran deletion detection: {last}"
+    );
+    assert!(doc.get_datetime("crawlLastRunAt").is_ok());
+    // The refresh that landed during the first pass let it run to its end.
+    let history = db.history("shop").await;
+    assert!(
+        history.iter().any(|h| h.get_str("event") == Ok("refreshed")
+            && h.get_str("reason")
+                .is_ok_and(|r| r.ends_with("the next crawl pass starts when pass 1 ends"))),
+        "{history:?}"
+    );
+    assert_eq!(live_records(&db).await, truth(&base).await);
+}

@@ -13,7 +13,7 @@ use common::*;
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId, LockEpoch};
 use seedlock::lock::decide::Claim;
-use seedlock::store::UnlockOutcome;
+use seedlock::store::{NextPass, UnlockOutcome};
 
 fn id(s: &str) -> BotId {
     BotId::parse(s).unwrap()
@@ -130,7 +130,7 @@ async fn a_stale_holder_cannot_write_after_a_takeover() {
         (
             "complete",
             store
-                .complete(&old, &["http://stale/".into()], later, None)
+                .complete(&old, &["http://stale/".into()], later, NextPass::None)
                 .await,
         ),
         ("fail", store.fail(&old, later, "x", later, true).await),
@@ -142,7 +142,7 @@ async fn a_stale_holder_cannot_write_after_a_takeover() {
         );
     }
     store
-        .complete(&new, &["http://fresh/".into()], later, None)
+        .complete(&new, &["http://fresh/".into()], later, NextPass::None)
         .await
         .expect("the new holder's write lands");
     let doc = db.doc("shop").await.unwrap();
@@ -253,7 +253,12 @@ async fn admin_unlock_bumps_the_epoch_and_fences_the_holder() {
     );
     assert_eq!(db.epoch("shop").await, 2);
     let late = store
-        .complete(&holder, &["http://late/".into()], Utc::now(), None)
+        .complete(
+            &holder,
+            &["http://late/".into()],
+            Utc::now(),
+            NextPass::None,
+        )
         .await;
     assert!(matches!(late, Err(Error::EditLockLost { .. })), "{late:?}");
     let last = db.history("shop").await.pop().unwrap();

@@ -678,3 +678,92 @@ async fn run_once_interrupted_by_sigterm_says_so_and_exits_1() {
     );
     s.source.release();
 }
+
+/// Instances racing over a refresh whose seed source never answers: the holder gives up at
+/// `max_refresh` and records its failure with the backoff; nobody takes the lock over as stuck
+/// (waiters wait out `max_refresh` + the grace), and nobody claims again before the backoff ends.
+async fn a_refresh_past_max_refresh_fails_with_its_backoff_and_is_not_taken_over(instances: usize) {
+    let s = setup(&format!("grace{instances}")).await;
+    s.source.stall_first(usize::MAX);
+    let config = ProcConfig {
+        ttl: "1s",
+        max_refresh: "2s",
+        poll: "100ms",
+        backoff: ("3s", "3s"),
+        ..ProcConfig::new(&s.db, url_bot("shop", &s.source.url()))
+    }
+    .write(s.dir.path());
+    let mut procs: Vec<Proc> = (0..instances)
+        .map(|i| Proc::spawn(s.dir.path(), &config, &format!("p{i}"), &["run"], &[]))
+        .collect();
+    // Two refreshes fail, one after the other's backoff.
+    eventually("two refreshes failed", Duration::from_secs(40), || async {
+        s.db.doc("shop").await.is_some()
+            && s.events()
+                .await
+                .iter()
+                .filter(|(e, _, _)| e == "refresh_failed")
+                .count()
+                >= 2
+    })
+    .await;
+    for p in &procs {
+        p.signal(Signal::SIGTERM);
+    }
+    for p in &mut procs {
+        p.expect_ok(Duration::from_secs(20)).await;
+    }
+    s.source.release();
+    let history = s.db.history("shop").await;
+    let at = |h: &bson::Document| h.get_datetime("at").unwrap().timestamp_millis();
+    let mut holder: Option<(String, i64)> = None;
+    let mut backoff_until: Option<i64> = None;
+    let mut failures = 0;
+    for h in &history {
+        let (event, by) = (h.get_str("event").unwrap(), h.get_str("by").unwrap());
+        let reason = h.get_str("reason").unwrap_or_default();
+        assert_ne!(
+            event, "took_over",
+            "no takeover while the holders are alive: {reason}\n{history:?}"
+        );
+        match event {
+            "acquired" => {
+                if let Some(until) = backoff_until {
+                    // history `at` is each instance's server-time estimate: a few ms apart.
+                    assert!(
+                        at(h) + 50 >= until,
+                        "{by} claimed {} ms before the backoff ended\n{history:?}",
+                        until - at(h)
+                    );
+                }
+                holder = Some((by.to_owned(), h.get_i64("epoch").unwrap()));
+            }
+            "refresh_failed" => {
+                let (who, epoch) = holder.clone().expect("a failure follows a claim");
+                assert_eq!(
+                    (by, h.get_i64("epoch").unwrap()),
+                    (who.as_str(), epoch),
+                    "the holder itself recorded its failure\n{history:?}"
+                );
+                assert!(reason.contains("max_refresh"), "{reason}");
+                failures += 1;
+                // Its backoff: 3 s ± 20% after it was recorded.
+                backoff_until = Some(at(h) + 2_400);
+            }
+            _ => {}
+        }
+    }
+    assert!(failures >= 2, "{history:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_instances_a_refresh_past_max_refresh_fails_with_its_backoff_and_is_not_taken_over(
+) {
+    a_refresh_past_max_refresh_fails_with_its_backoff_and_is_not_taken_over(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_three_instances_a_refresh_past_max_refresh_fails_with_its_backoff_and_is_not_taken_over(
+) {
+    a_refresh_past_max_refresh_fails_with_its_backoff_and_is_not_taken_over(3).await;
+}

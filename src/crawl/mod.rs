@@ -85,6 +85,8 @@ pub enum PassState {
     Running(Pass),
     Finished {
         number: i64,
+        /// A refresh succeeded while it ran: the next pass starts now, on the current seeds.
+        next: Option<Vec<String>>,
     },
 }
 
@@ -98,6 +100,7 @@ impl PassState {
         } else if doc.crawl_pass_ended_at.is_some() {
             PassState::Finished {
                 number: doc.crawl_pass,
+                next: doc.crawl_next_pass_at.map(|_| doc.seeds.clone()),
             }
         } else {
             let mut seed_hosts: Vec<String> = doc

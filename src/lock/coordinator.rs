@@ -23,7 +23,7 @@ use crate::lock::decide::{decide, BotState, Claim, Decision, Me, Policy};
 use crate::lock::document::Observed;
 use crate::lock::seeds::{SeedError, SeedFetcher, Seeds};
 use crate::ops::metrics::Metrics;
-use crate::store::{EditLock, Store};
+use crate::store::{EditLock, NextPass, Store};
 
 /// What every bot runner of one instance shares.
 pub struct Context {
@@ -134,6 +134,7 @@ enum Finish {
 impl BotRunner {
     pub fn new(bot: BotSettings, ctx: Arc<Context>) -> Self {
         let policy = Policy {
+            stuck_grace: ctx.lock.stuck_grace,
             refresh: bot.refresh,
             max_refresh: ctx.lock.max_refresh,
         };
@@ -273,6 +274,12 @@ impl BotRunner {
             let mut beat =
                 tokio::time::interval_at(Instant::now() + ctx.lock.heartbeat, ctx.lock.heartbeat);
             beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // The holder gives up at `max_refresh` exactly (others wait out a grace on top), so
+            // its failure and backoff land before anyone may take the lock over as stuck.
+            let give_up = Instant::now()
+                + (deadline - ctx.clock.now())
+                    .to_std()
+                    .unwrap_or(Duration::ZERO);
             loop {
                 tokio::select! {
                     biased;
@@ -280,6 +287,7 @@ impl BotRunner {
                     result = &mut fetch => {
                         break End::Fetched(result)
                     }
+                    _ = tokio::time::sleep_until(give_up) => break End::Abandoned,
                     _ = beat.tick() => {
                         let now = ctx.clock.now();
                         if now >= deadline {
@@ -379,18 +387,31 @@ impl BotRunner {
             let now = ctx.clock.now();
             let result = match &finish {
                 Finish::Complete(seeds) => {
-                    let prepared = match (&self.crawler, new_pass) {
+                    // A pass that runs goes on to its end (the next one starts then, on these
+                    // seeds), unless it is older than `crawl.max_pass`: then it is cut short.
+                    let max_pass = ctx
+                        .crawl
+                        .as_ref()
+                        .map_or(Duration::MAX, |c| c.limits.max_pass);
+                    let young = held
+                        .crawl_pass_running_since
+                        .is_some_and(|since| (now - since).to_std().unwrap_or_default() < max_pass);
+                    let next = match (&self.crawler, new_pass) {
+                        (None, _) => Ok(NextPass::None),
+                        (Some(_), _) if young => Ok(NextPass::AfterCurrent),
+                        (Some(_), Some(pass)) => Ok(NextPass::Start(pass)),
                         (Some(crawler), None) => ctx
                             .store
                             .prepare_pass(id, held.crawl_pass, &crawler.seed_urls(seeds), now)
                             .await
-                            .map(Some),
-                        (_, prepared) => Ok(prepared),
+                            .map(NextPass::Start),
                     };
-                    match prepared {
-                        Ok(pass) => {
-                            new_pass = pass;
-                            ctx.store.complete(&held, seeds, now, pass).await
+                    match next {
+                        Ok(next) => {
+                            if let NextPass::Start(pass) = next {
+                                new_pass = Some(pass);
+                            }
+                            ctx.store.complete(&held, seeds, now, next).await
                         }
                         Err(e) => Err(e),
                     }
@@ -492,7 +513,7 @@ impl BotRunner {
                         ctx.metrics.waited(id, since.elapsed());
                     }
                     watching.send_replace(false);
-                    let turn = self.crawl_turn(pass, shutdown).await;
+                    let turn = self.crawl_turn(pass, until, shutdown).await;
                     watching.send_replace(true);
                     match turn {
                         Ok(turn) => {
@@ -600,12 +621,33 @@ impl BotRunner {
 
     /// One crawl turn of a ready bot: start its first pass, or crawl its current pass for a
     /// slice (bounded, so a due refresh is noticed), or see it finished.
-    async fn crawl_turn(&self, pass: PassState, shutdown: &CancellationToken) -> Result<CrawlTurn> {
+    async fn crawl_turn(
+        &self,
+        pass: PassState,
+        until: Until,
+        shutdown: &CancellationToken,
+    ) -> Result<CrawlTurn> {
         let Some(crawler) = &self.crawler else {
             return Ok(CrawlTurn::Finished);
         };
         let ctx = &self.ctx;
         match pass {
+            // A refresh came while the pass ran: the next pass starts now that it is over (not
+            // for `run --once`, whose pass is the one that just finished).
+            PassState::Finished {
+                number,
+                next: Some(seeds),
+            } if until == Until::Shutdown => {
+                let seeds = crawler.seed_urls(&seeds);
+                if let Some(pass) = ctx
+                    .store
+                    .start_next_pass(crawler.bot(), number, &seeds, ctx.clock.now())
+                    .await?
+                {
+                    info!(bot = %crawler.bot(), pass, seeds = seeds.len(), "the pass is over; started the next, on the latest seeds");
+                }
+                Ok(CrawlTurn::Started)
+            }
             PassState::Finished { .. } => Ok(CrawlTurn::Finished),
             PassState::NotStarted { seeds, current } => {
                 let seeds = crawler.seed_urls(&seeds);

@@ -55,7 +55,7 @@ pub enum Branch {
     A3,
     /// Editing, and the holder stopped heartbeating (`lockExpiresAt` passed).
     B1,
-    /// Editing for longer than `max_refresh`, heartbeat or not.
+    /// Editing for longer than `max_refresh` and its grace, heartbeat or not.
     B2,
     /// Editing, and the holder is alive: wait.
     B3,
@@ -167,6 +167,9 @@ const BACKOFF: &str = "backing off";
 pub struct Policy {
     pub refresh: RefreshSchedule,
     pub max_refresh: Duration,
+    /// B-2 takes a heartbeating refresh over only this long after `max_refresh`: its holder
+    /// gives up at `max_refresh` and records the failure meanwhile.
+    pub stuck_grace: Duration,
 }
 
 /// Who is deciding: this instance's id, and when this process started (server time). A lock held
@@ -299,10 +302,12 @@ fn decide_editing(doc: &BotDoc, now: DateTime<Utc>, me: Me<'_>, policy: &Policy)
             reason: format!("B-1: epoch {expected} was claimed by a previous run of this instance"),
         };
     }
-    let max_refresh =
-        chrono::Duration::from_std(policy.max_refresh).unwrap_or(chrono::Duration::MAX);
+    // The holder gives up at `max_refresh`; others wait out the grace on top, so that its
+    // failure (and backoff) lands instead of a takeover — unless it is hung.
+    let stuck_after = chrono::Duration::from_std(policy.max_refresh + policy.stuck_grace)
+        .unwrap_or(chrono::Duration::MAX);
     let stuck_at = started
-        .checked_add_signed(max_refresh)
+        .checked_add_signed(stuck_after)
         .unwrap_or(DateTime::<Utc>::MAX_UTC);
     if expires <= now {
         return Decision::Claim {
@@ -316,12 +321,13 @@ fn decide_editing(doc: &BotDoc, now: DateTime<Utc>, me: Me<'_>, policy: &Policy)
         return Decision::Claim {
             expected,
             claim: Claim::Stuck {
-                started_before: now - max_refresh,
+                started_before: now - stuck_after,
             },
             branch: Branch::B2,
             reason: format!(
-                "B-2: {holder}'s refresh started at {started}, longer ago than max_refresh ({})",
-                humantime::format_duration(policy.max_refresh)
+                "B-2: {holder}'s refresh started at {started}, longer ago than max_refresh ({}) and its grace ({})",
+                humantime::format_duration(policy.max_refresh),
+                humantime::format_duration(policy.stuck_grace)
             ),
         };
     }
@@ -408,6 +414,7 @@ mod tests {
             crawl_pass_started_at: None,
             crawl_pass_ended_at: None,
             crawl_last_run_at: None,
+            crawl_next_pass_at: None,
         }
     }
 
@@ -426,6 +433,7 @@ mod tests {
         Policy {
             refresh: RefreshSchedule::Daily,
             max_refresh: Duration::from_secs(600),
+            stuck_grace: Duration::from_secs(120),
         }
     }
 
@@ -433,6 +441,7 @@ mod tests {
         Policy {
             refresh: RefreshSchedule::Every(Duration::from_secs(3600)),
             max_refresh: Duration::from_secs(600),
+            stuck_grace: Duration::from_secs(120),
         }
     }
 
@@ -565,9 +574,18 @@ mod tests {
                 claim: None,
             },
             Row {
-                name: "B-2 heartbeating for longer than max_refresh",
-                observed: valid(editing("other", at(1, 0), at(1, 11))),
-                now: at(1, 10),
+                name: "B-3 heartbeating past max_refresh but within the grace: its holder is recording the failure",
+                observed: valid(editing("other", at(1, 0), at(1, 12))),
+                now: at(1, 11),
+                policy: daily(),
+                state: BotState::Waiting,
+                branch: Branch::B3,
+                claim: None,
+            },
+            Row {
+                name: "B-2 heartbeating for longer than max_refresh and its grace",
+                observed: valid(editing("other", at(1, 0), at(1, 13))),
+                now: at(1, 12),
                 policy: daily(),
                 state: BotState::Updating,
                 branch: Branch::B2,
@@ -678,10 +696,11 @@ mod tests {
             Decision::Wait { until, .. } => assert_eq!(until, Some(at(1, 5))),
             other => panic!("expected a wait, got {other:?}"),
         }
-        // A heartbeating holder: the wait ends at max_refresh, not at the (renewed) expiry.
+        // A heartbeating holder: the wait ends at max_refresh and its grace, not at the
+        // (renewed) expiry.
         let doc = editing("other", at(1, 0), at(1, 30));
         match decide(&Observed::Valid(doc), at(1, 4), me(&me_id()), &daily()) {
-            Decision::Wait { until, .. } => assert_eq!(until, Some(at(1, 10))),
+            Decision::Wait { until, .. } => assert_eq!(until, Some(at(1, 12))),
             other => panic!("expected a wait, got {other:?}"),
         }
     }

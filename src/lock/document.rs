@@ -29,6 +29,8 @@ pub mod field {
     pub const CRAWL_PASS_ENDED_AT: &str = "crawlPassEndedAt";
     pub const CRAWL_LAST_RUN_AT: &str = "crawlLastRunAt";
     pub const CRAWL_LAST_PASS: &str = "crawlLastPass";
+    /// A refresh succeeded while the pass ran: the next pass starts when it ends.
+    pub const CRAWL_NEXT_PASS_AT: &str = "crawlNextPassAt";
 }
 
 /// How many transitions `history` keeps.
@@ -59,6 +61,8 @@ pub struct BotDoc {
     pub crawl_pass_ended_at: Option<DateTime<Utc>>,
     /// When the last completed pass started: `updated_at` mode re-reads from here − overlap.
     pub crawl_last_run_at: Option<DateTime<Utc>>,
+    /// When a refresh succeeded while the current pass ran (the next pass waits for its end).
+    pub crawl_next_pass_at: Option<DateTime<Utc>>,
 }
 
 /// What one read of a bot's document found.
@@ -171,6 +175,7 @@ impl BotDoc {
         let crawl_pass_started_at = date(field::CRAWL_PASS_STARTED_AT);
         let crawl_pass_ended_at = date(field::CRAWL_PASS_ENDED_AT);
         let crawl_last_run_at = date(field::CRAWL_LAST_RUN_AT);
+        let crawl_next_pass_at = date(field::CRAWL_NEXT_PASS_AT);
         let crawl_pass = match raw.get(field::CRAWL_PASS) {
             None | Some(Bson::Null) => 0,
             Some(v) => match integer(v) {
@@ -220,6 +225,7 @@ impl BotDoc {
                     crawl_pass_started_at,
                     crawl_pass_ended_at,
                     crawl_last_run_at,
+                    crawl_next_pass_at,
                 })
             }
             _ => Err(problems),

@@ -39,6 +39,8 @@ pub struct CrawlColumns {
     /// Pages finished (done or failed) per second since the pass started.
     pub pages_per_second: f64,
     pub oldest_pending_seconds: Option<i64>,
+    /// A refresh succeeded during the pass: the next one starts when it ends.
+    pub next_pass_waiting: bool,
 }
 
 /// Adds a pass report to its bot's row.
@@ -71,6 +73,7 @@ pub fn with_pass(
         oldest_pending_seconds: report
             .oldest_pending
             .map(|t| (now - t).num_seconds().max(0)),
+        next_pass_waiting: false,
     });
 }
 
@@ -254,7 +257,16 @@ pub fn render_table(rows: &[StatusRow]) -> String {
                 r.seeds.to_string(),
                 r.last_refresh.clone().unwrap_or_else(|| "-".into()),
                 r.crawl.as_ref().map_or("-".into(), |c| {
-                    format!("{}{}", c.pass, if c.finished { " (done)" } else { "" })
+                    format!(
+                        "{}{}{}",
+                        c.pass,
+                        if c.finished { " (done)" } else { "" },
+                        if c.next_pass_waiting {
+                            " (next waiting)"
+                        } else {
+                            ""
+                        }
+                    )
                 }),
                 r.crawl.as_ref().map_or("-".into(), |c| {
                     format!("{}/{}/{}/{}", c.done, c.pending, c.leased, c.failed)

@@ -39,6 +39,8 @@ pub struct EditLock {
     pub failed_refreshes: i64,
     /// The bot's crawl pass when the lock was taken: a successful refresh starts the next one.
     pub crawl_pass: i64,
+    /// When that pass started, if it was still running (its end not recorded).
+    pub crawl_pass_running_since: Option<DateTime<Utc>>,
 }
 
 impl EditLock {
@@ -50,6 +52,17 @@ impl EditLock {
             field::LOCK_EPOCH: self.epoch.get(),
         }
     }
+}
+
+/// What a successful refresh does to a crawling bot's passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NextPass {
+    /// Not a crawling bot.
+    None,
+    /// Start this pass now (its seeds are enqueued).
+    Start(i64),
+    /// The current pass runs: the next starts when it ends, on the seeds stored now.
+    AfterCurrent,
 }
 
 /// What `seedlock unlock` found.
@@ -449,6 +462,9 @@ impl Store {
             previous_seeds: doc.seeds,
             failed_refreshes: doc.failed_refreshes,
             crawl_pass: doc.crawl_pass,
+            crawl_pass_running_since: doc
+                .crawl_pass_started_at
+                .filter(|_| doc.crawl_pass > 0 && doc.crawl_pass_ended_at.is_none()),
         }))
     }
 
@@ -485,15 +501,15 @@ impl Store {
         Ok(expires)
     }
 
-    /// Replaces the seeds and marks the bot ready, releasing the lock — fenced. With `new_pass`
-    /// (a crawling bot, whose seeds the caller already enqueued into that pass) the same write
-    /// starts the crawl pass.
+    /// Replaces the seeds and marks the bot ready, releasing the lock — fenced. For a crawling
+    /// bot, the same write starts the next pass (whose seeds the caller already enqueued), or —
+    /// while the current pass runs — marks it to start when that one ends (`crawlNextPassAt`).
     pub async fn complete(
         &self,
         held: &EditLock,
         seeds: &[String],
         now: DateTime<Utc>,
-        new_pass: Option<i64>,
+        pass: NextPass,
     ) -> Result<()> {
         let mut reason = format!("{} seeds", seeds.len());
         let mut set = doc! {
@@ -507,11 +523,22 @@ impl Store {
             field::RETRY_AFTER: Bson::Null,
         };
         let mut current = doc! { field::LAST_SEED_UPDATED_AT: true, field::HEARTBEAT_AT: true };
-        if let Some(pass) = new_pass {
-            set.insert(field::CRAWL_PASS, pass);
-            set.insert(field::CRAWL_PASS_ENDED_AT, Bson::Null);
-            current.insert(field::CRAWL_PASS_STARTED_AT, true);
-            reason.push_str(&format!("; crawl pass {pass}"));
+        match pass {
+            NextPass::None => {}
+            NextPass::Start(pass) => {
+                set.insert(field::CRAWL_PASS, pass);
+                set.insert(field::CRAWL_PASS_ENDED_AT, Bson::Null);
+                set.insert(field::CRAWL_NEXT_PASS_AT, Bson::Null);
+                current.insert(field::CRAWL_PASS_STARTED_AT, true);
+                reason.push_str(&format!("; crawl pass {pass}"));
+            }
+            NextPass::AfterCurrent => {
+                current.insert(field::CRAWL_NEXT_PASS_AT, true);
+                reason.push_str(&format!(
+                    "; the next crawl pass starts when pass {} ends",
+                    held.crawl_pass
+                ));
+            }
         }
         self.fenced(
             held,

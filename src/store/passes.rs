@@ -128,6 +128,38 @@ impl Store {
         Ok((result.modified_count == 1).then_some(next))
     }
 
+    /// Starts the pass after `current`, which has ended while a refresh asked for the next
+    /// (`crawlNextPassAt`): its seeds are enqueued, then one conditional write (the pass
+    /// unchanged, ended, the next asked for) moves `crawlPass`. Returns the pass number when this
+    /// call started it.
+    pub async fn start_next_pass(
+        &self,
+        bot: &BotId,
+        current: i64,
+        seeds: &[NormalizedUrl],
+        now: DateTime<Utc>,
+    ) -> Result<Option<i64>> {
+        let next = self.prepare_pass(bot, current, seeds, now).await?;
+        let filter = doc! {
+            field::ID: bot.as_str(),
+            field::CRAWL_PASS: current,
+            field::CRAWL_PASS_ENDED_AT: { "$ne": Bson::Null },
+            field::CRAWL_NEXT_PASS_AT: { "$ne": Bson::Null },
+        };
+        let update = doc! {
+            "$set": {
+                field::CRAWL_PASS: next,
+                field::CRAWL_PASS_ENDED_AT: Bson::Null,
+                field::CRAWL_NEXT_PASS_AT: Bson::Null,
+            },
+            "$currentDate": { field::CRAWL_PASS_STARTED_AT: true },
+        };
+        let result = self
+            .bounded("start the next pass", self.bots.update_one(filter, update))
+            .await?;
+        Ok((result.modified_count == 1).then_some(next))
+    }
+
     /// Counts a pass's URLs by kind and status, in one aggregation: its progress, and (listing
     /// pages, listing pages done, all pages, failed pages).
     pub(super) async fn pass_coverage(

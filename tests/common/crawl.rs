@@ -308,8 +308,13 @@ pub async fn bot_doc(db: &TestDb) -> Document {
 
 /// The `[[bots]]` entry of the processes' config (the shop's own rules, as [`settings`]).
 pub fn crawl_bot_toml(base: &str) -> String {
+    crawl_bot_toml_every(base, "1h")
+}
+
+/// As [`crawl_bot_toml`], refreshed every `refresh`.
+pub fn crawl_bot_toml_every(base: &str, refresh: &str) -> String {
     format!(
-        "[[bots]]\nid = \"shop\"\nseeds = {{ url = \"{base}/seeds.txt\", format = \"lines\" }}\nrefresh = \"1h\"\n{}",
+        "[[bots]]\nid = \"shop\"\nseeds = {{ url = \"{base}/seeds.txt\", format = \"lines\" }}\nrefresh = \"{refresh}\"\n{}",
         seedlock::demo_site::crawl_rules_toml(&[base.trim_start_matches("http://")], ".sku")
     )
 }

@@ -218,6 +218,7 @@ pub fn lock(ttl_ms: u64, max_refresh_ms: u64, poll_ms: u64) -> LockSettings {
         ttl: Duration::from_millis(ttl_ms),
         heartbeat: Duration::from_millis(ttl_ms / 3),
         max_refresh: Duration::from_millis(max_refresh_ms),
+        stuck_grace: Duration::from_millis(ttl_ms),
         poll: Duration::from_millis(poll_ms),
     }
 }
@@ -290,6 +291,8 @@ pub struct ProcConfig<'a> {
     pub ttl: &'a str,
     pub max_refresh: &'a str,
     pub poll: &'a str,
+    /// `refresh.backoff_base` and `refresh.backoff_max` (failed refreshes back off between them).
+    pub backoff: (&'a str, &'a str),
     pub bots: String,
     pub extra: &'a str,
 }
@@ -303,6 +306,7 @@ impl<'a> ProcConfig<'a> {
             ttl: "5s",
             max_refresh: "60s",
             poll: "200ms",
+            backoff: ("200ms", "1s"),
             bots,
             extra: "",
         }
@@ -311,8 +315,16 @@ impl<'a> ProcConfig<'a> {
     pub fn write(&self, dir: &Path) -> PathBuf {
         let path = dir.join(format!("seedlock-{}.toml", rand::random::<u32>()));
         let text = format!(
-            "[mongo]\nuri = \"{}\"\ndatabase = \"{}\"\nconnect_timeout = \"2s\"\n[lock]\nttl = \"{}\"\nmax_refresh = \"{}\"\npoll = \"{}\"\n[refresh]\nattempts = 1\nbackoff_base = \"200ms\"\nbackoff_max = \"1s\"\n[http]\nlisten = \"off\"\n{}\n{}\n",
-            self.uri, self.database, self.ttl, self.max_refresh, self.poll, self.extra, self.bots
+            "[mongo]\nuri = \"{}\"\ndatabase = \"{}\"\nconnect_timeout = \"2s\"\n[lock]\nttl = \"{}\"\nmax_refresh = \"{}\"\npoll = \"{}\"\n[refresh]\nattempts = 1\nbackoff_base = \"{}\"\nbackoff_max = \"{}\"\n[http]\nlisten = \"off\"\n{}\n{}\n",
+            self.uri,
+            self.database,
+            self.ttl,
+            self.max_refresh,
+            self.poll,
+            self.backoff.0,
+            self.backoff.1,
+            self.extra,
+            self.bots
         );
         std::fs::write(&path, text).unwrap();
         path
