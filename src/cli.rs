@@ -234,7 +234,10 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
         }
         Err(e @ RunError::Startup(_)) => fail(EXIT_USAGE, e),
         Err(
-            e @ (RunError::Timeout { .. } | RunError::Interrupted { .. } | RunError::Crashed(_)),
+            e @ (RunError::Timeout { .. }
+            | RunError::Interrupted { .. }
+            | RunError::Crashed(_)
+            | RunError::IdTakenOver(_)),
         ) => fail(EXIT_FAILED, e),
     }
 }

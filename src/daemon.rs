@@ -45,6 +45,10 @@ pub enum RunError {
     /// A bot's task died (a bug): the instance stops so its supervisor restarts it. Exit code 1.
     #[error("the task of bot {0} crashed; stopping this instance")]
     Crashed(String),
+    /// Another process took this instance's id over (it looked dead for longer than ttl): this
+    /// one stopped. Exit code 1.
+    #[error("instance id {0} was taken over by another process; stopped")]
+    IdTakenOver(String),
 }
 
 /// What `run --once` saw at the end, per bot.
@@ -61,10 +65,16 @@ pub struct BotSummary {
 
 /// Connects to the database and syncs the server clock: what every command needs first.
 pub async fn connect(settings: &Settings) -> Result<(Store, Arc<ServerClock>), RunError> {
-    let local = LocalClock::from_env().map_err(RunError::Startup)?;
     let store = Store::connect(&settings.mongo)
         .await
         .map_err(|e| RunError::Startup(e.to_string()))?;
+    let clock = server_clock(settings, &store).await?;
+    Ok((store, clock))
+}
+
+/// The server's time as this instance judges every expiry by it.
+async fn server_clock(settings: &Settings, store: &Store) -> Result<Arc<ServerClock>, RunError> {
+    let local = LocalClock::from_env().map_err(RunError::Startup)?;
     let clock = Arc::new(ServerClock::new(local));
     let patience = settings.mongo.connect_timeout;
     // Three samples: the one with the shortest round trip sets the offset.
@@ -75,7 +85,7 @@ pub async fn connect(settings: &Settings) -> Result<(Store, Arc<ServerClock>), R
         .await
         .map_err(|e| RunError::Startup(format!("cannot read the server's time: {e}")))?;
     }
-    Ok((store, clock))
+    Ok(clock)
 }
 
 /// Start-up database work, retried while it fails transiently — the server restarting just as
@@ -115,7 +125,26 @@ pub async fn run(
             "no [[bots]] configured: nothing to run".into(),
         ));
     }
-    let (store, clock) = connect(&settings).await?;
+    let store = Store::connect(&settings.mongo)
+        .await
+        .map_err(|e| RunError::Startup(e.to_string()))?;
+    run_with_store(settings, store, mode, shutdown).await
+}
+
+/// [`run`] on a store its caller connected: an application embedding seedlock with a client of
+/// its own, or a test watching every command the driver sends.
+pub async fn run_with_store(
+    settings: Settings,
+    store: Store,
+    mode: Mode,
+    shutdown: CancellationToken,
+) -> Result<Vec<BotSummary>, RunError> {
+    if settings.bots.is_empty() {
+        return Err(RunError::Startup(
+            "no [[bots]] configured: nothing to run".into(),
+        ));
+    }
+    let clock = server_clock(&settings, &store).await?;
     let fetcher = SeedFetcher::new(settings.refresh.clone()).map_err(RunError::Startup)?;
     let metrics = Arc::new(Metrics::new());
     {
@@ -146,6 +175,21 @@ pub async fn run(
 
     let tracker = TaskTracker::new();
     let stop = shutdown.child_token();
+    // The id first: a live process under the same id would take this one's locks as orphans.
+    let registered = crate::lock::presence::register(&store, &ctx.me, &clock, settings.lock.ttl)
+        .await
+        .map_err(RunError::Startup)?;
+    let id_lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let presence = tokio::spawn(crate::lock::presence::keep_alive(
+        store.clone(),
+        ctx.me.clone(),
+        registered,
+        clock.clone(),
+        settings.lock.heartbeat,
+        settings.lock.ttl,
+        id_lost.clone(),
+        stop.clone(),
+    ));
     if let Some(listen) = &settings.http_listen {
         let stale_after = (settings.lock.poll * 3).max(settings.lock.ttl);
         let (addr, server) =
@@ -203,6 +247,13 @@ pub async fn run(
     stop.cancel();
     tracker.close();
     tracker.wait().await;
+    // The registration goes last: no lock work of this process outlives it.
+    let _ = presence.await;
+    let result = if id_lost.load(std::sync::atomic::Ordering::SeqCst) {
+        Err(RunError::IdTakenOver(ctx.me.to_string()))
+    } else {
+        result
+    };
     store.shutdown().await;
     debug!(commands = ?ctx.store.command_counts(), waited_ms = ?ctx.store.command_waits(), "database commands sent");
     info!(instance = %ctx.me, "seedlock stopped");

@@ -15,6 +15,15 @@ pub enum Error {
     /// worker, whose result wins.
     #[error("url lease lost: {url} is no longer leased by this worker")]
     UrlLeaseLost { url: String },
+    /// The bot's `lockEpoch` is at the Int64 maximum: no further lock, takeover, repair or
+    /// unlock can be fenced with a new epoch, and wrapping around would hand old epochs out again.
+    #[error(
+        "bot {bot}: lockEpoch is {}, the Int64 maximum: no new lock can be fenced. Stop every \
+         instance of this bot, then reset it in mongosh: db.bots.updateOne({{_id: \"{bot}\"}}, \
+         {{$set: {{lockEpoch: NumberLong(0), isEditing: false, editingBy: null}}}})",
+        i64::MAX
+    )]
+    EpochExhausted { bot: String },
     #[error("database: {0}")]
     Db(#[from] mongodb::error::Error),
     #[error("the server's answer to {what} was not understood: {detail}")]
@@ -56,6 +65,7 @@ impl Error {
             Error::Db(e) => is_transient_db(e),
             Error::Timeout { .. } => true,
             Error::EditLockLost { .. }
+            | Error::EpochExhausted { .. }
             | Error::UrlLeaseLost { .. }
             | Error::Protocol { .. }
             | Error::Task { .. } => false,

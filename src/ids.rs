@@ -96,8 +96,10 @@ impl LockEpoch {
         self.0
     }
 
-    pub fn next(self) -> Self {
-        Self(self.0.saturating_add(1))
+    /// The epoch after this one; `None` at the Int64 maximum (an epoch is never handed out twice,
+    /// so it does not wrap or saturate).
+    pub fn next(self) -> Option<Self> {
+        self.0.checked_add(1).map(Self)
     }
 }
 
@@ -159,6 +161,10 @@ mod tests {
     #[test]
     fn epochs_are_non_negative_and_increase() {
         assert!(LockEpoch::new(-1).is_err());
-        assert_eq!(LockEpoch::new(4).unwrap().next().get(), 5);
+        assert_eq!(
+            LockEpoch::new(4).unwrap().next().map(LockEpoch::get),
+            Some(5)
+        );
+        assert_eq!(LockEpoch::new(i64::MAX).unwrap().next(), None);
     }
 }

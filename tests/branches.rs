@@ -562,3 +562,61 @@ async fn a_heartbeating_refresh_longer_than_ttl_is_not_taken_over() {
     );
     assert_eq!(source.hits(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_epoch_at_the_int64_maximum_is_refused_with_one_clear_line_and_nothing_changed() {
+    use seedlock::error::Error;
+    let f = fixture("epoch_max", daily(), OnRefreshFailure::KeepPrevious).await;
+    // One below the maximum: the claim takes the last epoch there is.
+    let mut near = ready_doc(&[], f.now());
+    near.insert("lockEpoch", i64::MAX - 1);
+    f.put(near).await;
+    assert!(matches!(
+        f.step().await,
+        StepOutcome::Refreshed { epoch, .. } if epoch == i64::MAX
+    ));
+    assert_eq!(f.db.epoch("shop").await, i64::MAX);
+
+    let refused = |e: &Error| {
+        let line = e.to_string();
+        matches!(e, Error::EpochExhausted { .. })
+            && line.contains("Int64 maximum")
+            && line.contains("shop")
+            && !line.contains('\n')
+    };
+    // A claim (the seeds emptied, so rule A-1 wants one): refused, the document untouched.
+    f.db.bots()
+        .update_one(doc! {"_id": "shop"}, doc! {"$set": {"seeds": []}})
+        .await
+        .unwrap();
+    let before = f.db.doc("shop").await.unwrap();
+    let err = f.runner.step(&CancellationToken::new()).await.unwrap_err();
+    assert!(refused(&err), "{err}");
+    assert_eq!(f.db.doc("shop").await.unwrap(), before);
+
+    // A malformed document's repair (rule E) would raise the epoch too: refused alike.
+    f.db.bots()
+        .update_one(doc! {"_id": "shop"}, doc! {"$set": {"isReady": "yes"}})
+        .await
+        .unwrap();
+    let before = f.db.doc("shop").await.unwrap();
+    let err = f.runner.step(&CancellationToken::new()).await.unwrap_err();
+    assert!(refused(&err), "{err}");
+    assert_eq!(f.db.doc("shop").await.unwrap(), before);
+
+    // And so is an admin's unlock of a lock held at the maximum.
+    f.put(locked_doc(f.now(), f.now() + chrono::Duration::seconds(20)))
+        .await;
+    f.db.bots()
+        .update_one(doc! {"_id": "shop"}, doc! {"$set": {"lockEpoch": i64::MAX}})
+        .await
+        .unwrap();
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    let err =
+        f.db.store()
+            .admin_unlock(&bot, "admin", "test", Utc::now())
+            .await
+            .unwrap_err();
+    assert!(refused(&err), "{err}");
+    assert_eq!(f.db.epoch("shop").await, i64::MAX);
+}

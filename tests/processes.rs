@@ -767,3 +767,80 @@ async fn with_three_instances_a_refresh_past_max_refresh_fails_with_its_backoff_
 ) {
     a_refresh_past_max_refresh_fails_with_its_backoff_and_is_not_taken_over(3).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_live_process_under_one_instance_id_is_refused_and_a_restart_after_a_kill_is_not()
+{
+    let s = setup("same_id").await;
+    let config = s.config("5s", "200ms");
+    let mut first = Proc::spawn(s.dir.path(), &config, "a", &["run"], &[]);
+    eventually("the first a is running", Duration::from_secs(20), || {
+        s.is_ready()
+    })
+    .await;
+    // The same id, while the first lives: refused at start, in one line, exit code 2.
+    let mut second = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "a-second",
+        &["run"],
+        &[("SEEDLOCK_INSTANCE_ID", "a")],
+    );
+    let status = second.wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(2), "{}", second.log());
+    let log = second.log();
+    let refused: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("instance id a is in use by a live process"))
+        .collect();
+    assert_eq!(refused.len(), 1, "{}", second.log());
+    assert!(
+        refused[0].contains(&format!("pid {}", first.pid())),
+        "{}",
+        refused[0]
+    );
+    let registration =
+        s.db.db
+            .collection::<bson::Document>("instances")
+            .find_one(bson::doc! {"_id": "a"})
+            .await
+            .unwrap()
+            .expect("the first a is registered");
+    assert_eq!(
+        registration.get_i64("pid").unwrap(),
+        i64::from(first.pid().as_raw()),
+        "the refused process wrote nothing"
+    );
+
+    // Killed, and restarted at once (well within ttl): its registration names a process that
+    // exited, so the restart takes the id over instead of waiting.
+    first.kill9().await;
+    let mut again = Proc::spawn(
+        s.dir.path(),
+        &config,
+        "a-again",
+        &["run"],
+        &[("SEEDLOCK_INSTANCE_ID", "a")],
+    );
+    eventually(
+        "the restart took the id over",
+        Duration::from_secs(20),
+        || async {
+            again
+                .log()
+                .contains("took over this instance id from a process that is gone")
+        },
+    )
+    .await;
+    again.signal(Signal::SIGTERM);
+    again.expect_ok(Duration::from_secs(20)).await;
+    // A clean stop frees the id.
+    assert!(s
+        .db
+        .db
+        .collection::<bson::Document>("instances")
+        .find_one(bson::doc! {"_id": "a"})
+        .await
+        .unwrap()
+        .is_none());
+}

@@ -3,11 +3,13 @@
 //! - [`document`]: the document's fields and its strict parse;
 //! - [`decide`]: the state machine, a pure function of (document, server time, me);
 //! - [`coordinator`]: one bot's loop — read, decide, carry out — refreshing under the edit lock;
-//! - [`seeds`]: fetching and parsing seed sources.
+//! - [`seeds`]: fetching and parsing seed sources;
+//! - [`presence`]: one live process per instance id (the orphan rule trusts ids).
 //!
 //! The writes themselves live in [`crate::store`].
 
 pub mod coordinator;
 pub mod decide;
 pub mod document;
+pub mod presence;
 pub mod seeds;

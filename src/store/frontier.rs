@@ -703,11 +703,10 @@ impl Store {
                 })
                 .collect();
             let reply = self
-                .bounded(
+                .command(
                     "enqueue",
-                    self.database().run_command(
-                        doc! { "insert": FRONTIER, "documents": docs, "ordered": false },
-                    ),
+                    doc! { "insert": FRONTIER, "documents": docs, "ordered": false },
+                    None,
                 )
                 .await?;
             // A duplicate key: another instance enqueued the URL into this pass first (it is
@@ -774,11 +773,10 @@ impl Store {
                 "multi": true,
             };
             let reply = self
-                .bounded(
+                .command(
                     "enqueue again",
-                    self.database().run_command(
-                        doc! { "update": FRONTIER, "updates": [statement], "ordered": false },
-                    ),
+                    doc! { "update": FRONTIER, "updates": [statement], "ordered": false },
+                    None,
                 )
                 .await?;
             duplicate_indexes("enqueue again", &reply)?;
@@ -1044,11 +1042,10 @@ impl Store {
             });
         }
         let reply = self
-            .bounded(
+            .command(
                 "lease urls",
-                self.database().run_command(
-                    doc! { "update": FRONTIER, "updates": statements, "ordered": false },
-                ),
+                doc! { "update": FRONTIER, "updates": statements, "ordered": false },
+                None,
             )
             .await;
         let reply = match reply {

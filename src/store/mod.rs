@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
-use mongodb::options::{ClientOptions, ReturnDocument};
+use mongodb::options::{
+    ClientOptions, CollectionOptions, DatabaseOptions, ReadConcern, ReturnDocument, WriteConcern,
+};
 use mongodb::{Client, Collection, Database};
 
 use crate::clock::ServerClock;
@@ -20,10 +22,30 @@ use crate::lock::document::{field, integer, BotDoc, Observed, HISTORY_LEN};
 
 pub mod frontier;
 pub mod hosts;
+pub mod instances;
 pub mod passes;
 pub mod records;
 
 pub const BOTS: &str = "bots";
+
+/// The write concern of every write: acknowledged by a majority of the replica set's voting
+/// members and written to their journals, so a primary's failover cannot roll it back (a claim
+/// rolled back would leave a bot with two holders; a done mark rolled back, a record without its
+/// mark). Set here, overriding whatever default the server or the URI has.
+pub fn durable() -> WriteConcern {
+    WriteConcern::builder()
+        .w(mongodb::options::Acknowledgment::Majority)
+        .journal(true)
+        .build()
+}
+
+/// [`durable`] as a command's `writeConcern` field, for the commands this module writes itself.
+pub(crate) fn durable_field() -> Document {
+    doc! { "w": "majority", "j": true }
+}
+
+/// The commands that write: outside a transaction each carries [`durable_field`].
+const WRITE_COMMANDS: [&str; 4] = ["insert", "update", "delete", "findAndModify"];
 
 /// A lock this process holds: the fence for every write it makes while refreshing.
 #[derive(Clone, Debug)]
@@ -234,8 +256,20 @@ impl Store {
         self.commands.waited_ms()
     }
 
+    /// A store over `db`. Every write through it is [`durable`]; the bot documents — which the
+    /// lock decisions read — are read with read concern `majority`, so no decision rests on a
+    /// write that a failover could roll back.
     pub fn new(db: Database) -> Store {
-        let bots = db.collection::<Document>(BOTS);
+        let db = db.client().database_with_options(
+            db.name(),
+            DatabaseOptions::builder().write_concern(durable()).build(),
+        );
+        let bots = db.collection_with_options::<Document>(
+            BOTS,
+            CollectionOptions::builder()
+                .read_concern(ReadConcern::majority())
+                .build(),
+        );
         Store {
             db,
             bots,
@@ -268,9 +302,17 @@ impl Store {
     pub(crate) async fn command(
         &self,
         what: &'static str,
-        command: Document,
+        mut command: Document,
         session: Option<&mut mongodb::ClientSession>,
     ) -> Result<Document> {
+        // Inside a transaction the commit carries the write concern, and no statement may.
+        let writes = command
+            .keys()
+            .next()
+            .is_some_and(|name| WRITE_COMMANDS.contains(&name.as_str()));
+        if writes && session.is_none() && !command.contains_key("writeConcern") {
+            command.insert("writeConcern", durable_field());
+        }
         match session {
             Some(session) => {
                 self.bounded(what, self.db.run_command(command).session(session))
@@ -415,7 +457,9 @@ impl Store {
                 filter.insert(field::EDITING_BY, me.as_str());
             }
         }
-        let epoch = expected.next();
+        let epoch = expected.next().ok_or_else(|| Error::EpochExhausted {
+            bot: bot.to_string(),
+        })?;
         let event = if claim.is_takeover() {
             "took_over"
         } else {
@@ -661,7 +705,11 @@ impl Store {
             }
             _ => Vec::new(),
         };
-        let epoch = highest_epoch(raw).next();
+        let epoch = highest_epoch(raw)
+            .next()
+            .ok_or_else(|| Error::EpochExhausted {
+                bot: id.as_str().map_or_else(|| id.to_string(), str::to_owned),
+            })?;
         let salvage_date = |name: &str| match raw.get(name) {
             Some(Bson::DateTime(d)) => Bson::DateTime(*d),
             _ => Bson::Null,
@@ -745,7 +793,11 @@ impl Store {
             }
             let observed_epoch = raw.get(field::LOCK_EPOCH).cloned().unwrap_or(Bson::Null);
             let old_epoch = integer(&observed_epoch);
-            let epoch = highest_epoch(&raw).next();
+            let epoch = highest_epoch(&raw)
+                .next()
+                .ok_or_else(|| Error::EpochExhausted {
+                    bot: bot.to_string(),
+                })?;
             let filter = doc! { field::ID: bot.as_str(), field::IS_EDITING: true, field::LOCK_EPOCH: observed_epoch };
             let update = doc! {
                 "$set": {
@@ -803,8 +855,10 @@ impl Store {
             mongodb::change_stream::event::ChangeStreamEvent<Document>,
         >,
     > {
-        let watch = self
-            .bots
+        // The stream's events are only wake-ups (the loop reads the document again), so it uses
+        // the server's default read concern.
+        let bots = self.db.collection::<Document>(BOTS);
+        let watch = bots
             .watch()
             .pipeline([doc! { "$match": { "documentKey._id": bot.as_str() } }]);
         self.bounded("watch", watch).await

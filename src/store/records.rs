@@ -589,8 +589,11 @@ impl Store {
             let mut session = self
                 .bounded("start session", self.database().client().start_session())
                 .await?;
-            self.bounded("start transaction", session.start_transaction())
-                .await?;
+            self.bounded(
+                "start transaction",
+                session.start_transaction().write_concern(super::durable()),
+            )
+            .await?;
             let result = self
                 .bounded_result(
                     "commit batch",

@@ -1,0 +1,140 @@
+//! Write and read concerns, checked on the wire: the driver's command monitoring sees every
+//! command a crawling instance sends, and each write must survive a primary's failover.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bson::{doc, Bson, Document};
+use common::crawl::*;
+use common::test_db;
+use mongodb::event::command::CommandEvent;
+use mongodb::event::EventHandler;
+use mongodb::options::ClientOptions;
+use mongodb::Client;
+use seedlock::daemon::{run_with_store, Mode};
+use seedlock::store::Store;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+/// The commands a monitored client sent, in order: (name, body).
+type Sent = Arc<Mutex<Vec<(String, Document)>>>;
+
+async fn monitored_store(uri: &str, database: &str) -> (Store, Sent) {
+    let sent: Sent = Default::default();
+    let mut options = ClientOptions::parse(uri).await.unwrap();
+    let log = sent.clone();
+    options.command_event_handler = Some(EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event {
+            log.lock()
+                .unwrap()
+                .push((started.command_name.clone(), started.command.clone()));
+        }
+    }));
+    let client = Client::with_options(options).unwrap();
+    (Store::new(client.database(database)), sent)
+}
+
+const WRITES: [&str; 4] = ["insert", "update", "delete", "findAndModify"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_write_is_majority_journaled_and_lock_decisions_read_majority() {
+    for transactions in ["off", "on"] {
+        let db = test_db("durability").await;
+        let base = shop(2, 10).await;
+        // A seed source slower than a heartbeat (ttl 5 s / 3): the refresh heartbeats.
+        post(
+            &format!("{base}/__faults"),
+            json!([{"path": "/seeds.txt", "latency_ms": 2000}]),
+        )
+        .await;
+        let setup = Setup {
+            transactions,
+            ..Setup::default()
+        };
+        let (store, sent) = monitored_store(&db.uri, &db.name).await;
+        run_with_store(
+            settings(&db, &base, &setup, "a"),
+            store,
+            Mode::Once {
+                timeout: Duration::from_secs(60),
+            },
+            CancellationToken::new(),
+        )
+        .await
+        .expect("run --once finishes the pass");
+        assert_eq!(live_records(&db).await, truth(&base).await);
+
+        let sent = sent.lock().unwrap().clone();
+        let on = |name: &str, coll: &str| {
+            sent.iter()
+                .filter(|(n, c)| n == name && c.get_str(name) == Ok(coll))
+                .count()
+        };
+        // What this run must have sent, or the checks below prove nothing.
+        let heartbeats = sent
+            .iter()
+            .filter(|(n, c)| n == "update" && c.get_str("update") == Ok("bots"))
+            .flat_map(|(_, c)| c.get_array("updates").cloned().unwrap_or_default())
+            .filter(|u| {
+                let set = u.as_document().and_then(|u| u.get_document("u").ok());
+                let set = set.and_then(|u| u.get_document("$set").ok());
+                set.is_some_and(|s| s.keys().eq(["lockExpiresAt"]))
+            })
+            .count();
+        assert!(on("findAndModify", "bots") >= 1, "a claim");
+        assert!(heartbeats >= 1, "a heartbeat");
+        assert!(on("update", "frontier") >= 1 && on("find", "bots") >= 1);
+        let majority_j = doc! { "w": "majority", "j": true };
+        let mut in_transaction = 0;
+        for (name, command) in &sent {
+            let what = format!("{transactions}: {name} {command}");
+            if WRITES.contains(&name.as_str()) {
+                if command.get_bool("autocommit") == Ok(false) {
+                    // A statement of a transaction: its commit carries the concern.
+                    in_transaction += 1;
+                    assert!(command.get("writeConcern").is_none(), "{what}");
+                } else {
+                    assert_eq!(
+                        command.get_document("writeConcern"),
+                        Ok(&majority_j),
+                        "{what}"
+                    );
+                }
+            }
+            if name == "commitTransaction" {
+                assert_eq!(
+                    command.get_document("writeConcern"),
+                    Ok(&majority_j),
+                    "{what}"
+                );
+            }
+            // The change stream only wakes the loop, which then reads the document: the
+            // document reads are the decisions' reads.
+            let change_stream = command
+                .get_array("pipeline")
+                .ok()
+                .and_then(|p| p.first())
+                .and_then(|stage| stage.as_document())
+                .is_some_and(|stage| stage.contains_key("$changeStream"));
+            let reads_bots = ["find", "aggregate"]
+                .iter()
+                .any(|read| name == read && command.get_str(*read) == Ok("bots"))
+                && !change_stream;
+            if reads_bots {
+                assert_eq!(
+                    command
+                        .get_document("readConcern")
+                        .ok()
+                        .and_then(|c| c.get("level")),
+                    Some(&Bson::String("majority".into())),
+                    "{what}"
+                );
+            }
+        }
+        if transactions == "on" {
+            assert!(in_transaction > 0 && sent.iter().any(|(n, _)| n == "commitTransaction"));
+        }
+    }
+}
