@@ -585,6 +585,8 @@ struct RawCrawl {
     deny: Vec<String>,
     #[serde(default)]
     strip_query: Vec<String>,
+    #[serde(default = "default_max_links")]
+    max_links: u64,
     list: Option<RawList>,
     record: Option<RawRecord>,
     #[serde(default)]
@@ -600,6 +602,12 @@ struct RawPriority {
     #[serde(rename = "match")]
     url_match: String,
     priority: i64,
+}
+
+/// Links (and listing items) read from one page at most: a hostile page with a million links
+/// must not become a million frontier writes.
+fn default_max_links() -> u64 {
+    10_000
 }
 
 fn default_follow() -> String {
@@ -687,6 +695,16 @@ impl RawCrawl {
             deny: regexes("deny", &self.deny)?,
             strip: crate::urls::StripQuery::parse(&self.strip_query)
                 .map_err(named("strip_query"))?,
+            max: match usize::try_from(self.max_links) {
+                Ok(0) | Err(_) => {
+                    return Err(format!(
+                        "key `{}`: must be between 1 and {}",
+                        key("max_links"),
+                        usize::MAX
+                    ))
+                }
+                Ok(n) => n,
+            },
         };
         let list = match self.list {
             None => None,
@@ -1322,6 +1340,7 @@ on_refresh_failure = "wait"
                     allow: vec!["a".into()],
                     deny: vec!["d".into()],
                     strip_query: vec!["s".into()],
+                    max_links: 7,
                     list: Some(RawList {
                         item: "i".into(),
                         item_id: "@id".into(),

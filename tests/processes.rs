@@ -482,10 +482,14 @@ async fn the_daemon_serves_health_and_metrics() {
     assert_eq!(health.status(), 200);
     let metrics = reqwest::get(format!("http://{addr}/metrics"))
         .await
-        .unwrap()
-        .text()
-        .await
         .unwrap();
+    // OpenMetrics (README: "Metrics"), which Prometheus negotiates and parses.
+    assert_eq!(
+        metrics.headers()["content-type"],
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    );
+    let metrics = metrics.text().await.unwrap();
+    assert!(metrics.ends_with("# EOF\n"), "OpenMetrics ends with # EOF");
     for needle in [
         r#"seedlock_lock_acquisitions_total{bot="shop"} 1"#,
         r#"seedlock_refreshes_total{bot="shop",kind="ok"} 1"#,

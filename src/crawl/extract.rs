@@ -101,6 +101,9 @@ pub struct LinkRules {
     pub allow: Vec<regex::Regex>,
     pub deny: Vec<regex::Regex>,
     pub strip: StripQuery,
+    /// Links, and listing items, read from one page at most (`bots.crawl.max_links`); the rest
+    /// are counted in [`PageData::dropped`].
+    pub max: usize,
 }
 
 impl LinkRules {
@@ -150,6 +153,8 @@ pub struct PageData {
     pub items: Vec<ListItem>,
     /// For a detail page: its natural key and fields, or why there is no record.
     pub record: Option<Result<(String, Document), String>>,
+    /// Links and items past `max_links`, not followed.
+    pub dropped: usize,
 }
 
 /// Reads a page. `record` applies only when the page's URL matches `record.url_match`.
@@ -168,6 +173,10 @@ pub fn extract(
         let Some(href) = a.value().attr("href") else {
             continue;
         };
+        if data.links.len() >= links.max {
+            data.dropped += 1;
+            continue;
+        }
         if let Ok(url) = NormalizedUrl::join_with(page_url, href, &links.strip) {
             if links.admits(&url) && seen.insert(url.clone()) {
                 data.links.push(url);
@@ -176,6 +185,10 @@ pub fn extract(
     }
     if let Some(rules) = list {
         for item in root.select(&rules.item) {
+            if data.items.len() >= links.max {
+                data.dropped += 1;
+                continue;
+            }
             let Some(id) = rules.item_id.read(item) else {
                 continue;
             };
@@ -248,6 +261,7 @@ mod tests {
             allow: vec![],
             deny: vec![regex::Regex::new("/logout").unwrap()],
             strip: StripQuery::parse(&["utm_*".into()]).unwrap(),
+            max: 10_000,
         };
         let list = ListRules {
             item: selector(".item").unwrap(),
@@ -348,5 +362,29 @@ mod tests {
         assert!(ValueSpec::parse("div[")
             .unwrap_err()
             .contains("not a CSS selector"));
+    }
+
+    #[test]
+    fn a_page_with_a_million_links_yields_at_most_max_links() {
+        let (mut links, list, _) = rules();
+        links.max = 1_000;
+        let url = Url::parse("http://shop.test:8080/list/1").unwrap();
+        let mut page = String::with_capacity(20_000_000);
+        page.push_str("<html><body>");
+        for i in 0..1_000_000 {
+            page.push_str(&format!("<a href=/p/{i}>{i}</a>"));
+        }
+        page.push_str("</body></html>");
+        let data = extract(&url, &page, &links, Some(&list), None);
+        assert_eq!(data.links.len(), 1_000);
+        assert_eq!(data.links[999].as_str(), "http://shop.test:8080/p/999");
+        assert_eq!(data.dropped, 1_000_000 - 1_000);
+        // Listing items are capped alike.
+        let items: String = (0..3_000)
+            .map(|i| format!("<div class=item data-id={i}><a href=/p/{i}>{i}</a></div>"))
+            .collect();
+        let data = extract(&url, &items, &links, Some(&list), None);
+        assert_eq!((data.items.len(), data.links.len()), (1_000, 1_000));
+        assert_eq!(data.dropped, 2 * 2_000);
     }
 }

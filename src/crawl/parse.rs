@@ -44,6 +44,14 @@ impl Crawler {
             what: "extract",
             detail: format!("the extraction task failed: {e}"),
         })?;
+        if data.dropped > 0 {
+            tracing::warn!(
+                url = %page.url,
+                kept = self.rules.links.max,
+                dropped = data.dropped,
+                "the page has more links or listing items than bots.crawl.max_links; followed the first"
+            );
+        }
         Ok(Parsed::Page {
             data: Box::new(data),
             validators,

@@ -244,7 +244,7 @@ impl Metrics {
         let leases_lost = Family::<BotLabel, Counter>::default();
         registry.register(
             "leases_lost",
-            "Refreshes this instance abandoned because a fenced write matched nothing",
+            "Refreshes this instance stopped without writing: a fenced write (heartbeat or last write) matched nothing, or heartbeats went unconfirmed until the lock ran out",
             leases_lost.clone(),
         );
         let refreshes = Family::<KindLabels, Counter>::default();
@@ -293,7 +293,7 @@ impl Metrics {
         let url_leases_lost = Family::<BotLabel, Counter>::default();
         registry.register(
             "crawl_url_leases_lost",
-            "Pages whose lease went to another worker before this instance committed them",
+            "URL leases this instance lost: pages whose lease went to another worker before their commit, and leases that ran out while the URL waited for its host (not fetched)",
             url_leases_lost.clone(),
         );
         let lease_queries = Family::<KindLabels, Counter>::default();
