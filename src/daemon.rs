@@ -367,6 +367,7 @@ async fn crawl_context(
         limits.robots,
     ));
     Ok(CrawlContext {
+        cut_off_after: settings.lock.ttl,
         flow,
         robots,
         store: store.clone(),

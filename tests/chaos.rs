@@ -1,6 +1,7 @@
 //! The chaos suite, small: 3 instances, 3 bots, two shops of 120 products, 15 s of faults
-//! (SIGKILL + restart, SIGSTOP of a lock holder past ttl, a database restart when the suite
-//! runs its own server, an admin unlock mid-refresh, a seed source failing), then every
+//! (SIGKILL + restart, SIGSTOP of a lock holder past ttl, a partition of one instance from the
+//! database past ttl and a database restart when the suite runs its own server,
+//! an admin unlock mid-refresh, a seed source failing), then every
 //! invariant checked (tests/common/chaos.rs). `scripts/chaos` runs the full size.
 mod common;
 
@@ -13,7 +14,7 @@ use std::time::Duration;
 use bson::{doc, Document};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn under_kills_stops_a_database_restart_and_unlocks_every_invariant_holds() {
+async fn under_kills_stops_partitions_a_database_restart_and_unlocks_every_invariant_holds() {
     let seed = std::env::var("SEEDLOCK_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -229,6 +229,7 @@ impl Crawler {
         uncommitted: &std::sync::Arc<tokio::sync::Semaphore>,
         server_now: DateTime<Utc>,
         now: Instant,
+        cut_off: bool,
     ) -> DispatchStep {
         let mut step = DispatchStep::default();
         let hosts = queues.hosts();
@@ -249,6 +250,10 @@ impl Crawler {
                     step.expired += 1;
                     removed += 1;
                     continue;
+                }
+                // Cut off from the database: nothing new starts (the queued leases run out here).
+                if cut_off {
+                    break;
                 }
                 // Until its robots.txt is read, one request at a time: its Crawl-delay must
                 // space the first requests too (an instance joining a running pass).
@@ -333,6 +338,7 @@ impl Crawler {
         };
         self.requests
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics.page_requested(&self.bot);
         let started = Instant::now();
         self.flow.sending(&host, started);
         if lease.kind.is_listing() {

@@ -28,7 +28,7 @@ use chrono::{DateTime, Utc};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, info, warn};
 
 use crate::clock::ServerClock;
 use crate::config::{CrawlLimits, CrawlSettings, IncrementalMode};
@@ -170,6 +170,10 @@ pub struct Crawler {
     fetcher: PageFetcher,
     transactions: bool,
     metrics: Arc<Metrics>,
+    /// No fetch starts while the database has left an operation unanswered longer than this
+    /// (the lock's ttl): cut off from it, this instance could neither confirm its leases nor
+    /// commit what it fetched.
+    cut_off_after: Duration,
     /// Held by the worker that is ending a pass.
     finishing: tokio::sync::Mutex<()>,
     /// The leaser's memory (one lease round at a time).
@@ -204,6 +208,9 @@ pub struct CrawlContext {
     /// Resolved `crawl.transactions`.
     pub transactions: bool,
     pub metrics: Arc<Metrics>,
+    /// `lock.ttl`: how long the database may leave an operation unanswered before this instance
+    /// stops starting fetches.
+    pub cut_off_after: Duration,
     /// Per-host limits, shared by every bot this instance crawls.
     pub flow: Arc<Flow>,
     pub robots: Arc<RobotsCache>,
@@ -307,6 +314,7 @@ impl Crawler {
             fetcher: ctx.fetcher.clone(),
             transactions: ctx.transactions,
             metrics: ctx.metrics.clone(),
+            cut_off_after: ctx.cut_off_after,
             finishing: tokio::sync::Mutex::new(()),
             leaser: Default::default(),
             hosts: std::sync::Mutex::new((0, BTreeSet::new())),
@@ -468,6 +476,7 @@ impl Crawler {
         let mut idle_since: Option<Instant> = None;
         // Pages were in flight at the last turn: when the pipeline drains, the pass may be over.
         let mut was_busy = false;
+        let mut was_cut_off = false;
         let mut end = SliceEnd::TimeUp;
         loop {
             if shutdown.is_cancelled() {
@@ -494,12 +503,23 @@ impl Crawler {
                 }
             }
             let now = Instant::now();
+            let silent = self.store.unanswered_for();
+            let cut_off = silent > self.cut_off_after;
+            if cut_off != was_cut_off {
+                if cut_off {
+                    warn!(bot = %self.bot, silent = ?silent, "the database has not answered for longer than lock.ttl: no fetch starts until it does");
+                } else {
+                    info!(bot = %self.bot, "the database answers again: fetching again");
+                }
+                was_cut_off = cut_off;
+            }
             let step = self.dispatch_step(
                 &run.queues,
                 &run.slots,
                 &run.uncommitted,
                 self.clock.now(),
                 now,
+                cut_off,
             );
             for (queued, admitted, slot, uncommitted) in step.started {
                 let (crawler, run, shutdown) = (self.clone(), run.clone(), shutdown.clone());

@@ -293,7 +293,19 @@ impl BotRunner {
                         if now >= deadline {
                             break End::Abandoned;
                         }
-                        match ctx.store.heartbeat(&held, now, ctx.lock.ttl).await {
+                        // Raced against the lock's confirmed end: a database that swallows the
+                        // heartbeat (a partition) must not keep this holder refreshing past it.
+                        let runs_out = Instant::now()
+                            + (confirmed_until - now).to_std().unwrap_or(Duration::ZERO);
+                        let beat = tokio::time::timeout_at(
+                            runs_out,
+                            ctx.store.heartbeat(&held, now, ctx.lock.ttl),
+                        );
+                        let beat = match beat.await {
+                            Ok(result) => result,
+                            Err(_) => break End::Lost,
+                        };
+                        match beat {
                             Ok(expires) => {
                                 ctx.metrics.db_ok();
                                 confirmed_until = expires;
@@ -385,53 +397,71 @@ impl BotRunner {
         let mut new_pass = None;
         loop {
             let now = ctx.clock.now();
-            let result = match &finish {
-                Finish::Complete(seeds) => {
-                    // A pass that runs goes on to its end (the next one starts then, on these
-                    // seeds), unless it is older than `crawl.max_pass`: then it is cut short.
-                    let max_pass = ctx
-                        .crawl
-                        .as_ref()
-                        .map_or(Duration::MAX, |c| c.limits.max_pass);
-                    let young = held
-                        .crawl_pass_running_since
-                        .is_some_and(|since| (now - since).to_std().unwrap_or_default() < max_pass);
-                    let next = match (&self.crawler, new_pass) {
-                        (None, _) => Ok(NextPass::None),
-                        (Some(_), _) if young => Ok(NextPass::AfterCurrent),
-                        (Some(_), Some(pass)) => Ok(NextPass::Start(pass)),
-                        (Some(crawler), None) => ctx
-                            .store
-                            .prepare_pass(id, held.crawl_pass, &crawler.seed_urls(seeds), now)
-                            .await
-                            .map(NextPass::Start),
-                    };
-                    match next {
-                        Ok(next) => {
-                            if let NextPass::Start(pass) = next {
-                                new_pass = Some(pass);
+            // Each attempt races the lock's confirmed end: past it, another instance may hold
+            // the lock, and a write still unanswered then (a partition) may land late — the
+            // fence rejects it, and this holder has stopped.
+            let runs_out =
+                Instant::now() + (confirmed_until - now).to_std().unwrap_or(Duration::ZERO);
+            let attempt_result = tokio::time::timeout_at(runs_out, async {
+                match &finish {
+                    Finish::Complete(seeds) => {
+                        // A pass that runs goes on to its end (the next one starts then, on these
+                        // seeds), unless it is older than `crawl.max_pass`: then it is cut short.
+                        let max_pass = ctx
+                            .crawl
+                            .as_ref()
+                            .map_or(Duration::MAX, |c| c.limits.max_pass);
+                        let young = held.crawl_pass_running_since.is_some_and(|since| {
+                            (now - since).to_std().unwrap_or_default() < max_pass
+                        });
+                        let next = match (&self.crawler, new_pass) {
+                            (None, _) => Ok(NextPass::None),
+                            (Some(_), _) if young => Ok(NextPass::AfterCurrent),
+                            (Some(_), Some(pass)) => Ok(NextPass::Start(pass)),
+                            (Some(crawler), None) => ctx
+                                .store
+                                .prepare_pass(id, held.crawl_pass, &crawler.seed_urls(seeds), now)
+                                .await
+                                .map(NextPass::Start),
+                        };
+                        match next {
+                            Ok(next) => {
+                                if let NextPass::Start(pass) = next {
+                                    new_pass = Some(pass);
+                                }
+                                ctx.store.complete(&held, seeds, now, next).await
                             }
-                            ctx.store.complete(&held, seeds, now, next).await
+                            Err(e) => Err(e),
                         }
-                        Err(e) => Err(e),
+                    }
+                    Finish::Fail(error) => {
+                        let (base, cap) = ctx.refresh_backoff;
+                        let exponent =
+                            u32::try_from(held.failed_refreshes.clamp(0, 20)).unwrap_or(20);
+                        let backoff = jittered(base.saturating_mul(1 << exponent).min(cap), 0.2);
+                        let retry_after =
+                            now + chrono::Duration::from_std(backoff).unwrap_or_default();
+                        let stay_ready = self.bot.on_refresh_failure
+                            == OnRefreshFailure::KeepPrevious
+                            && !held.previous_seeds.is_empty();
+                        ctx.store
+                            .fail(&held, now, error, retry_after, stay_ready)
+                            .await
+                    }
+                    Finish::Release => {
+                        ctx.store
+                            .release(&held, now, "shutdown: work stopped, lock released")
+                            .await
                     }
                 }
-                Finish::Fail(error) => {
-                    let (base, cap) = ctx.refresh_backoff;
-                    let exponent = u32::try_from(held.failed_refreshes.clamp(0, 20)).unwrap_or(20);
-                    let backoff = jittered(base.saturating_mul(1 << exponent).min(cap), 0.2);
-                    let retry_after = now + chrono::Duration::from_std(backoff).unwrap_or_default();
-                    let stay_ready = self.bot.on_refresh_failure == OnRefreshFailure::KeepPrevious
-                        && !held.previous_seeds.is_empty();
-                    ctx.store
-                        .fail(&held, now, error, retry_after, stay_ready)
-                        .await
-                }
-                Finish::Release => {
-                    ctx.store
-                        .release(&held, now, "shutdown: work stopped, lock released")
-                        .await
-                }
+            })
+            .await;
+            let Ok(result) = attempt_result else {
+                return Ok(self.lost(
+                    &held,
+                    timer,
+                    "the last write was not answered before the lock ran out",
+                ));
             };
             match result {
                 Ok(()) => break,

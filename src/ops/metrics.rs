@@ -194,6 +194,7 @@ pub struct Metrics {
     wait_duration: Seconds,
     db_errors: Counter,
     pages: Family<KindLabels, Counter>,
+    requests: Family<BotLabel, Counter>,
     records: Family<KindLabels, Counter>,
     url_leases_lost: Family<BotLabel, Counter>,
     lease_queries: Family<KindLabels, Counter>,
@@ -284,6 +285,12 @@ impl Metrics {
             "Pages this instance crawled, by result (stored, done, not_modified, skipped, gone, retry, failed)",
             pages.clone(),
         );
+        let requests = Family::<BotLabel, Counter>::default();
+        registry.register(
+            "crawl_requests",
+            "Page requests this instance sent (robots.txt not counted), as each is sent",
+            requests.clone(),
+        );
         let records = Family::<KindLabels, Counter>::default();
         registry.register(
             "crawl_records",
@@ -319,6 +326,7 @@ impl Metrics {
             flow,
             sources: Default::default(),
             pages,
+            requests,
             records,
             url_leases_lost,
             lease_queries,
@@ -351,6 +359,10 @@ impl Metrics {
             bot: bot.to_string(),
             kind: kind.to_owned(),
         }
+    }
+
+    pub fn page_requested(&self, bot: &BotId) {
+        self.requests.get_or_create(&Self::bot(bot)).inc();
     }
 
     pub fn page_crawled(&self, bot: &BotId, result: &str) {

@@ -154,6 +154,74 @@ pub struct Store {
     /// Every operation is abandoned (as a transient failure) after this: a hung server must not
     /// hang a heartbeat or a shutdown.
     op_timeout: Duration,
+    answers: std::sync::Arc<Answers>,
+}
+
+/// Whether the server answers: operations in flight and when the last answer came. A partition
+/// that swallows packets (no reset, no refusal) shows only as silence; the crawl stops
+/// fetching when the server has been silent too long ([`Store::unanswered_for`]).
+#[derive(Debug)]
+struct Answers {
+    origin: std::time::Instant,
+    in_flight: std::sync::atomic::AtomicUsize,
+    /// Milliseconds since `origin`: the last answer, or the start of an operation sent while
+    /// none was in flight and the last one had been answered (silence counts from there).
+    last_ms: std::sync::atomic::AtomicU64,
+    /// The last operation to end went unanswered (timed out, or a network error).
+    silent: std::sync::atomic::AtomicBool,
+}
+
+impl Default for Answers {
+    fn default() -> Self {
+        Answers {
+            origin: std::time::Instant::now(),
+            in_flight: Default::default(),
+            last_ms: Default::default(),
+            silent: Default::default(),
+        }
+    }
+}
+
+impl Answers {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn sent(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.in_flight.fetch_add(1, SeqCst) == 0 && !self.silent.load(SeqCst) {
+            self.last_ms.fetch_max(self.now_ms(), SeqCst);
+        }
+    }
+
+    fn done(&self, answered: bool) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if answered {
+            self.last_ms.fetch_max(self.now_ms(), SeqCst);
+        }
+        self.silent.store(!answered, SeqCst);
+        self.in_flight.fetch_sub(1, SeqCst);
+    }
+
+    fn unanswered_for(&self) -> Duration {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.in_flight.load(SeqCst) == 0 && !self.silent.load(SeqCst) {
+            return Duration::ZERO;
+        }
+        Duration::from_millis(self.now_ms().saturating_sub(self.last_ms.load(SeqCst)))
+    }
+}
+
+/// Decrements the in-flight count when an operation ends, or is dropped unfinished.
+struct InFlight<'a> {
+    answers: &'a Answers,
+    answered: bool,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.answers.done(self.answered);
+    }
 }
 
 /// The default for `mongo.op_timeout`.
@@ -275,6 +343,7 @@ impl Store {
             bots,
             commands: Default::default(),
             op_timeout: DEFAULT_OP_TIMEOUT,
+            answers: Default::default(),
         }
     }
 
@@ -288,8 +357,26 @@ impl Store {
     where
         F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
     {
+        self.answers.sent();
+        let mut flight = InFlight {
+            answers: &self.answers,
+            answered: false,
+        };
         match tokio::time::timeout(self.op_timeout, op.into_future()).await {
-            Ok(result) => Ok(result?),
+            Ok(result) => {
+                // An error from the server is an answer too; one from the network is not.
+                flight.answered = match &result {
+                    Ok(_) => true,
+                    Err(e) => !matches!(
+                        e.kind.as_ref(),
+                        mongodb::error::ErrorKind::Io(_)
+                            | mongodb::error::ErrorKind::ServerSelection { .. }
+                            | mongodb::error::ErrorKind::ConnectionPoolCleared { .. }
+                            | mongodb::error::ErrorKind::DnsResolve { .. }
+                    ),
+                };
+                Ok(result?)
+            }
             Err(_) => Err(Error::Timeout {
                 what,
                 after: self.op_timeout,
@@ -344,6 +431,13 @@ impl Store {
 
     pub fn database(&self) -> &Database {
         &self.db
+    }
+
+    /// How long the server has left this store unanswered: zero while nothing is in flight and
+    /// the last operation was answered, else the time since the last answer (or since the
+    /// first operation sent after an answered quiet spell).
+    pub fn unanswered_for(&self) -> Duration {
+        self.answers.unanswered_for()
     }
 
     /// One `hello` round trip, recorded into `clock` (server time with round-trip correction).

@@ -1,7 +1,8 @@
 //! The chaos harness (Jepsen-style): real `seedlock` processes, two demo shops, seed sources that
 //! change between refreshes and a restartable database; faults injected at random from a seed
-//! (SIGKILL + restart, SIGSTOP of a lock holder past its ttl, a database restart, an admin unlock
-//! mid-refresh, a seed source failing for a while); the history recorded; the invariants checked
+//! (SIGKILL + restart, SIGSTOP of a lock holder past its ttl, a network partition of one
+//! instance from the database past its ttl, a database restart, an admin unlock mid-refresh, a
+//! seed source failing for a while); the history recorded; the invariants checked
 //! afterwards. Shared by `scripts/chaos` (examples/chaos.rs, full size) and the suite
 //! (tests/chaos.rs, small), as part of the test kit (tests/common).
 #![allow(dead_code)]
@@ -67,6 +68,8 @@ pub struct ChaosReport {
     pub seed: u64,
     pub kills: u32,
     pub stops: u32,
+    /// Instances cut off from the database (a blackholing proxy) for longer than ttl.
+    pub partitions: u32,
     pub db_restarts: u32,
     pub db_restart_skipped: bool,
     pub unlocks: u32,
@@ -101,10 +104,11 @@ impl ChaosReport {
         let _ = writeln!(s, "seed {}", self.seed);
         let _ = writeln!(
             s,
-            "faults: {} SIGKILLs ({} instances started), {} SIGSTOPs of a lock holder past ttl, {} database restart(s){}, {} admin unlock(s), {} seed-source failure window(s), {} shop mutations",
+            "faults: {} SIGKILLs ({} instances started), {} SIGSTOPs of a lock holder past ttl, {} partitions from the database past ttl, {} database restart(s){}, {} admin unlock(s), {} seed-source failure window(s), {} shop mutations",
             self.kills,
             self.instances_started,
             self.stops,
+            self.partitions,
             self.db_restarts,
             if self.db_restart_skipped { " (skipped: no server binary)" } else { "" },
             self.unlocks,
@@ -145,10 +149,12 @@ impl ChaosReport {
     }
 
     /// Events that can lose an instance's fetched, uncommitted pages: a kill, a stop past the
-    /// lease, and a database restart (every live instance's commits fail once).
+    /// lease, a partition past it, and a database restart (every live instance's commits fail
+    /// once).
     fn interruptions(&self) -> u64 {
         u64::from(self.kills)
             + u64::from(self.stops)
+            + u64::from(self.partitions)
             + u64::from(self.db_restarts) * self.instances as u64
     }
 
@@ -263,7 +269,11 @@ async fn serve_seeds(
 struct Instance {
     name: String,
     child: Child,
+    /// Its own way to the database, cut during a partition (with the run's own server).
+    proxy: Option<super::blackhole::Blackhole>,
     stopped: bool,
+    /// Cut off from the database by the harness.
+    cut: bool,
     /// SIGKILLed by the harness.
     killed: bool,
 }
@@ -367,17 +377,29 @@ struct Run {
     /// Per crawling bot, the pass a refresh was asked for and when.
     asked: HashMap<String, (i64, Instant)>,
     admin_failures: Vec<String>,
+    /// The run's own server (`host:port`), which each instance reaches through a proxy of its
+    /// own; `None` with an outside server (partitions are skipped then).
+    upstream: Option<String>,
+    db_uri: String,
 }
 
 impl Run {
-    fn spawn_instance(&mut self) {
+    async fn spawn_instance(&mut self) {
         self.started += 1;
         let name = format!("i{}", self.started);
-        let child = Command::new(&self.cfg.seedlock_bin)
+        let proxy = match &self.upstream {
+            Some(upstream) => Some(super::blackhole::Blackhole::start(upstream).await),
+            None => None,
+        };
+        let mut command = Command::new(&self.cfg.seedlock_bin);
+        match &proxy {
+            Some(proxy) => command.env("MONGODB_URI", proxy.uri(&self.db_uri)),
+            None => command.env_remove("MONGODB_URI"),
+        };
+        let child = command
             .arg("-c")
             .arg(&self.config_path)
             .arg("run")
-            .env_remove("MONGODB_URI")
             .env_remove("SEEDLOCK_DATABASE")
             .env("SEEDLOCK_INSTANCE_ID", &name)
             .env("SEEDLOCK_LOG", "info")
@@ -390,7 +412,9 @@ impl Run {
         self.instances.push(Instance {
             name,
             child,
+            proxy,
             stopped: false,
+            cut: false,
             killed: false,
         });
     }
@@ -588,6 +612,9 @@ struct Plan {
     kills: Vec<(f64, u64)>,
     /// SIGSTOP of a lock holder: when to start looking for one, and for how long past ttl.
     stops: Vec<(f64, f64)>,
+    /// Partitions of one instance from the database: when (a lock holder's if there is one,
+    /// else a live instance chosen by the number), and for how long past ttl.
+    partitions: Vec<(f64, f64, u64)>,
     unlocks: Vec<f64>,
     /// The database restart: when, and how long it stays down (ms).
     restart: (f64, u64),
@@ -617,6 +644,15 @@ impl Plan {
             })
             .collect();
         let unlocks = (0..2).map(|_| rng.random_range(0.1..0.7) * chaos).collect();
+        let partitions = (0..(chaos / 10.0).ceil().max(1.0) as usize)
+            .map(|_| {
+                (
+                    rng.random_range(0.1..0.7) * chaos,
+                    rng.random_range(0.5..2.0),
+                    rng.random::<u64>(),
+                )
+            })
+            .collect();
         let restart = (
             rng.random_range(0.3..0.6) * chaos,
             rng.random_range(300..1500),
@@ -636,6 +672,7 @@ impl Plan {
         Plan {
             kills,
             stops,
+            partitions,
             unlocks,
             restart,
             catalog_failing,
@@ -718,13 +755,29 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
         passes: HashMap::new(),
         asked: HashMap::new(),
         admin_failures: Vec::new(),
+        upstream: database.restartable().then(|| {
+            database
+                .uri
+                .trim_start_matches("mongodb://")
+                .split(['/', '?'])
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        }),
+        db_uri: database.uri.clone(),
     };
     for _ in 0..cfg.instances {
-        run.spawn_instance();
+        run.spawn_instance().await;
     }
     let per_kind = (cfg.products_per_shop / 100).max(1);
     let mut mutated = Mutated::default();
 
+    let mut partitions = if run.upstream.is_some() {
+        plan.partitions.clone()
+    } else {
+        Vec::new()
+    };
+    let mut heal: Vec<(f64, usize)> = Vec::new();
     let (mut kills, mut stops, mut unlocks, mut mutations) = (
         plan.kills.iter().peekable(),
         plan.stops.clone(),
@@ -754,7 +807,7 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
                 run.instances[victim].signal(Signal::SIGKILL);
                 run.instances[victim].killed = true;
                 report.kills += 1;
-                run.spawn_instance();
+                run.spawn_instance().await;
             }
         }
         // SIGCONT the stopped ones whose time is up.
@@ -762,6 +815,18 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
             if t >= until {
                 run.instances[i].signal(Signal::SIGCONT);
                 run.instances[i].stopped = false;
+                false
+            } else {
+                true
+            }
+        });
+        // Heal the partitions whose time is up: what the instance sent meanwhile arrives late.
+        heal.retain(|&(until, i)| {
+            if t >= until {
+                if let Some(proxy) = &run.instances[i].proxy {
+                    proxy.heal();
+                }
+                run.instances[i].cut = false;
                 false
             } else {
                 true
@@ -799,6 +864,30 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
                 if !out.contains("not locked") {
                     report.unlocks += 1;
                     unlocks.remove(pos);
+                }
+            }
+        }
+        // Cut one instance off from the database for longer than ttl: a lock holder if there is
+        // one (its refresh must stop within ttl), else a live crawler.
+        if let Some(pos) = partitions.iter().position(|(at, _, _)| t >= *at) {
+            let live: Vec<usize> = run
+                .live()
+                .into_iter()
+                .filter(|&i| !run.instances[i].cut)
+                .collect();
+            let (_, extra, pick) = partitions[pos];
+            let victim = holder
+                .as_ref()
+                .map(|(_, i)| *i)
+                .filter(|i| live.contains(i))
+                .or_else(|| (!live.is_empty()).then(|| live[(pick % live.len() as u64) as usize]));
+            if let Some(i) = victim {
+                if let Some(proxy) = &run.instances[i].proxy {
+                    proxy.cut();
+                    run.instances[i].cut = true;
+                    heal.push((t + TTL.as_secs_f64() + extra, i));
+                    report.partitions += 1;
+                    partitions.remove(pos);
                 }
             }
         }
@@ -881,6 +970,12 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
     for (_, i) in resume.drain(..) {
         run.instances[i].signal(Signal::SIGCONT);
         run.instances[i].stopped = false;
+    }
+    for (_, i) in heal.drain(..) {
+        if let Some(proxy) = &run.instances[i].proxy {
+            proxy.heal();
+        }
+        run.instances[i].cut = false;
     }
     for bot in BOTS {
         sources.set_failing(bot, false);
@@ -989,6 +1084,11 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
     for (what, n, planned) in [
         ("SIGKILL", report.kills, !plan.kills.is_empty()),
         ("SIGSTOP of a lock holder", report.stops, true),
+        (
+            "partition from the database",
+            report.partitions,
+            !report.db_restart_skipped,
+        ),
         ("admin unlock", report.unlocks, true),
         ("seed-source failure", report.source_failures, true),
         ("shop mutation", report.mutations, true),

@@ -3,6 +3,7 @@
 //! `eventually` for awaiting a condition with a deadline.
 #![allow(dead_code)]
 
+pub mod blackhole;
 pub mod chaos;
 pub mod crawl;
 pub mod shop;
