@@ -1,5 +1,5 @@
 //! The daemon's loopback HTTP endpoint: `/healthz` (200 while the database answers) and
-//! Prometheus `/metrics`.
+//! `/metrics` in the OpenMetrics text format (what Prometheus negotiates).
 
 use std::sync::Arc;
 use std::time::Duration;

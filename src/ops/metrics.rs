@@ -1,6 +1,7 @@
-//! Prometheus metrics: per-bot state, acquisitions, takeovers, leases lost, refresh outcomes and
-//! durations, waiting time, repairs; crawled pages by result, record writes by kind, URL leases
-//! lost, the current pass and finished passes. Served at `/metrics` by `http`.
+//! Metrics, served at `/metrics` by `http` in the OpenMetrics text format (scraped by
+//! Prometheus): per-bot state, acquisitions, takeovers, leases lost, refresh outcomes and
+//! durations, waiting time, repairs; crawl requests, crawled pages by result, record writes by
+//! kind, URL leases lost, the current pass and finished passes.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;

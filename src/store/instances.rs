@@ -2,7 +2,7 @@
 //! process that uses it (host, pid, a random token) and a heartbeat. Two live processes must
 //! never share an id — the second would take the first one's live locks as its own orphans — so
 //! an instance registers its id before any lock work and refuses to start while a live process
-//! holds it (see `daemon::presence`). The token fences the heartbeat: a process whose id was
+//! holds it (see `crate::lock::presence`). The token fences the heartbeat: a process whose id was
 //! taken over (it looked dead) learns so on its next beat.
 
 use bson::{doc, Bson, Document};

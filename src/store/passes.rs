@@ -409,21 +409,6 @@ impl Store {
         Ok(removed)
     }
 
-    /// Marks one record removed now (its detail page answered 404/410).
-    pub async fn mark_removed(
-        &self,
-        record_id: &str,
-        pass: i64,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        let records = self.records();
-        let update = records.update_one(
-            doc! { rf::ID: record_id, rf::REMOVED_AT: Bson::Null },
-            doc! { "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass } },
-        );
-        Ok(self.bounded("mark removed", update).await?.modified_count == 1)
-    }
-
     /// The current pass of a bot as `seedlock status` shows it.
     pub async fn pass_report(
         &self,

@@ -173,12 +173,16 @@ fn plan(
     let removed = !old
         .get(f::REMOVED_AT)
         .is_none_or(|v| matches!(v, Bson::Null));
-    // Equalities only, which every server answers from the `_id` lookup.
-    let filter = doc! { f::ID: &id, f::CONTENT_HASH: &old_hash, f::FETCHED_AT: read_at };
+    // Equalities only, which every server answers from the `_id` lookup; `botId` too, a prefix
+    // of the shard key (ARCHITECTURE.md, "Scaling out").
+    let filter = doc! {
+        f::ID: &id, f::BOT: record.bot.as_str(), f::CONTENT_HASH: &old_hash, f::FETCHED_AT: read_at,
+    };
     // What an upsert that only reports a miss would need to create a whole record (it never
     // does: the `_id` exists, so the insert fails — unless the record was deleted meanwhile).
+    // The filter's equalities (`botId` among them) are part of such a document already.
     let mut on_insert = doc! {
-        f::BOT: record.bot.as_str(), f::NATURAL_KEY: &record.natural_key, f::FIRST_SEEN: now_b.clone(),
+        f::NATURAL_KEY: &record.natural_key, f::FIRST_SEEN: now_b.clone(),
     };
     let (update, write) = if old_hash == hash && !removed {
         // Same content: no rewrite, but record that this pass saw it (deletion detection) and
@@ -251,27 +255,28 @@ fn waves(ids: &[Option<String>]) -> Vec<Vec<usize>> {
 /// The statements that mark the `seen` records of `pages` seen in their pass and the `removed`
 /// ones removed (idempotent: filtered on `lastSeenPass < pass` and `removedAt: null`).
 fn seen_and_removed(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Document> {
-    let mut by_pass: HashMap<i64, Vec<&str>> = HashMap::new();
+    // Every filter carries `botId`, a prefix of the shard key (ARCHITECTURE.md, "Scaling out").
+    let mut by_pass: HashMap<(&str, i64), Vec<&str>> = HashMap::new();
     let mut statements = Vec::new();
     for page in pages {
         by_pass
-            .entry(page.lease.pass)
+            .entry((page.lease.bot.as_str(), page.lease.pass))
             .or_default()
             .extend(page.seen.iter().map(String::as_str));
         if let Some(id) = &page.removed {
             statements.push(doc! {
-                "q": { f::ID: id.as_str(), f::REMOVED_AT: Bson::Null },
+                "q": { f::ID: id.as_str(), f::BOT: page.lease.bot.as_str(), f::REMOVED_AT: Bson::Null },
                 "u": { "$set": { f::REMOVED_AT: date(now), f::REMOVED_IN_PASS: page.lease.pass } },
             });
         }
     }
-    for (pass, ids) in by_pass {
+    for ((bot, pass), ids) in by_pass {
         for chunk in ids
             .chunks(super::frontier::IN_CHUNK)
             .filter(|c| !c.is_empty())
         {
             statements.push(doc! {
-                "q": { f::ID: { "$in": chunk }, f::LAST_SEEN_PASS: { "$lt": pass } },
+                "q": { f::ID: { "$in": chunk }, f::BOT: bot, f::LAST_SEEN_PASS: { "$lt": pass } },
                 "u": { "$set": { f::LAST_SEEN_PASS: pass, f::LAST_SEEN: date(now) } },
                 "multi": true,
             });
