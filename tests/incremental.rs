@@ -292,3 +292,37 @@ async fn a_broken_pagination_chain_is_mended_from_the_last_pass_and_counted_in_c
         "{last}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_marked_removed_that_a_listing_page_shows_again_is_restored() {
+    // A listing that changes while a pass reads it can hide an item from that pass (items deleted
+    // above it move it onto a page already read), and deletion detection marks it removed. The
+    // next pass that sees it on a listing page — without fetching its unchanged detail page —
+    // must take the mark back.
+    let db = test_db("crawl_restored").await;
+    let base = shop(3, 10).await;
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    let hidden: Vec<Document> = records(&db).await.into_iter().take(5).collect();
+    for r in &hidden {
+        db.db
+            .collection::<Document>("records")
+            .update_one(
+                doc! {"_id": r.get_str("_id").unwrap()},
+                doc! {"$set": {"removedAt": bson::DateTime::now(), "removedInPass": 1_i64}},
+            )
+            .await
+            .unwrap();
+    }
+    assert_eq!(removed_keys(&db).await.len(), 5);
+    Requests::take(&base).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    // Only the listing pages were read; every item is back.
+    assert_eq!(Requests::take(&base).await.under("/product/"), 0);
+    assert_eq!(removed_keys(&db).await, Vec::<String>::new());
+    let restored = records(&db).await;
+    assert!(restored
+        .iter()
+        .all(|r| r.get("removedInPass") == Some(&Bson::Null)));
+    assert_eq!(live_records(&db).await, truth(&base).await);
+}

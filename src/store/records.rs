@@ -277,7 +277,13 @@ fn seen_and_removed(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Docume
         {
             statements.push(doc! {
                 "q": { f::ID: { "$in": chunk }, f::BOT: bot, f::LAST_SEEN_PASS: { "$lt": pass } },
-                "u": { "$set": { f::LAST_SEEN_PASS: pass, f::LAST_SEEN: date(now) } },
+                // Seen on a listing page: it exists. A record marked removed by an earlier pass —
+                // its item shifted across a page boundary while that pass read the listing
+                // (items deleted above it moved it to a page already read) — is back.
+                "u": { "$set": {
+                    f::LAST_SEEN_PASS: pass, f::LAST_SEEN: date(now),
+                    f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null,
+                } },
                 "multi": true,
             });
         }
@@ -829,7 +835,10 @@ impl Store {
         let records = self.records();
         let update = records.update_many(
             doc! { f::ID: { "$in": ids }, f::LAST_SEEN_PASS: { "$lt": pass } },
-            doc! { "$set": { f::LAST_SEEN_PASS: pass, f::LAST_SEEN: date(now) } },
+            doc! { "$set": {
+                f::LAST_SEEN_PASS: pass, f::LAST_SEEN: date(now),
+                f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null,
+            } },
         );
         Ok(self.bounded("mark seen", update).await?.modified_count)
     }
