@@ -115,16 +115,22 @@ where
     }
 }
 
-pub async fn run(
-    settings: Settings,
-    mode: Mode,
-    shutdown: CancellationToken,
-) -> Result<Vec<BotSummary>, RunError> {
+/// An instance with nothing to run is a configuration error, found before any connection.
+fn require_bots(settings: &Settings) -> Result<(), RunError> {
     if settings.bots.is_empty() {
         return Err(RunError::Startup(
             "no [[bots]] configured: nothing to run".into(),
         ));
     }
+    Ok(())
+}
+
+pub async fn run(
+    settings: Settings,
+    mode: Mode,
+    shutdown: CancellationToken,
+) -> Result<Vec<BotSummary>, RunError> {
+    require_bots(&settings)?;
     let store = Store::connect(&settings.mongo)
         .await
         .map_err(|e| RunError::Startup(e.to_string()))?;
@@ -139,11 +145,7 @@ pub async fn run_with_store(
     mode: Mode,
     shutdown: CancellationToken,
 ) -> Result<Vec<BotSummary>, RunError> {
-    if settings.bots.is_empty() {
-        return Err(RunError::Startup(
-            "no [[bots]] configured: nothing to run".into(),
-        ));
-    }
+    require_bots(&settings)?;
     let clock = server_clock(&settings, &store).await?;
     let fetcher = SeedFetcher::new(settings.refresh.clone()).map_err(RunError::Startup)?;
     let metrics = Arc::new(Metrics::new());
