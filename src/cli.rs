@@ -263,31 +263,36 @@ async fn crawl(mut settings: Settings, bot: &str, timeout: Duration) -> ExitCode
         Ok(c) => c,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    let shutdown = CancellationToken::new();
-    tokio::spawn(stop_on_signal(shutdown.clone()));
-    let started = std::time::Instant::now();
-    let done = CancellationToken::new();
-    let display = tokio::spawn(crate::ops::progress::show(
-        store.clone(),
-        id.clone(),
-        done.clone(),
-    ));
-    let result = daemon::run(settings, Mode::Once { timeout }, shutdown).await;
-    done.cancel();
-    let _ = display.await;
-    let summary = match result {
-        Ok(mut s) => s.pop(),
-        Err(e @ RunError::Startup(_)) => return fail(EXIT_USAGE, e),
-        Err(e) => return fail(EXIT_FAILED, e),
-    };
-    let pass = summary.map_or(0, |s| s.pass);
-    match crate::ops::progress::summary(&store, &id, pass, started.elapsed()).await {
-        Ok(text) => {
-            println!("{text}");
-            ExitCode::SUCCESS
+    let code = async {
+        let shutdown = CancellationToken::new();
+        tokio::spawn(stop_on_signal(shutdown.clone()));
+        let started = std::time::Instant::now();
+        let done = CancellationToken::new();
+        let display = tokio::spawn(crate::ops::progress::show(
+            store.clone(),
+            id.clone(),
+            done.clone(),
+        ));
+        let result = daemon::run(settings, Mode::Once { timeout }, shutdown).await;
+        done.cancel();
+        let _ = display.await;
+        let summary = match result {
+            Ok(mut s) => s.pop(),
+            Err(e @ RunError::Startup(_)) => return fail(EXIT_USAGE, e),
+            Err(e) => return fail(EXIT_FAILED, e),
+        };
+        let pass = summary.map_or(0, |s| s.pass);
+        match crate::ops::progress::summary(&store, &id, pass, started.elapsed()).await {
+            Ok(text) => {
+                println!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(EXIT_FAILED, e),
         }
-        Err(e) => fail(EXIT_FAILED, e),
     }
+    .await;
+    store.shutdown().await;
+    code
 }
 
 /// SIGINT or SIGTERM: cancel everything; the bots stop their work, release fenced, then exit.
@@ -316,50 +321,55 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    let docs = match store.load_all().await {
-        Ok(d) => d,
-        Err(e) => return fail(EXIT_FAILED, e),
-    };
-    let configured: Vec<BotId> = settings.bots.iter().map(|b| b.id.clone()).collect();
-    let now = clock.now();
-    let passes: Vec<(String, i64, Option<_>, Option<_>, bool)> = docs
-        .iter()
-        .filter_map(|raw| match crate::lock::document::BotDoc::parse(raw) {
-            Ok(doc) if doc.crawl_pass > 0 => Some((
-                doc.id.to_string(),
-                doc.crawl_pass,
-                doc.crawl_pass_started_at,
-                doc.crawl_pass_ended_at,
-                doc.crawl_next_pass_at.is_some(),
-            )),
-            _ => None,
-        })
-        .collect();
-    let mut rows = crate::ops::admin::status_rows(docs, &configured, now);
-    for (bot, pass, started, ended, next_waiting) in passes {
-        let Ok(id) = BotId::parse(&bot) else { continue };
-        let report = match store.pass_report(&id, pass, started, ended).await {
-            Ok(r) => r,
+    let code = async {
+        let docs = match store.load_all().await {
+            Ok(d) => d,
             Err(e) => return fail(EXIT_FAILED, e),
         };
-        if let Some(row) = rows.iter_mut().find(|r| r.bot == bot) {
-            crate::ops::admin::with_pass(row, &report, now);
-            if let Some(crawl) = row.crawl.as_mut() {
-                crawl.next_pass_waiting = next_waiting;
+        let configured: Vec<BotId> = settings.bots.iter().map(|b| b.id.clone()).collect();
+        let now = clock.now();
+        let passes: Vec<(String, i64, Option<_>, Option<_>, bool)> = docs
+            .iter()
+            .filter_map(|raw| match crate::lock::document::BotDoc::parse(raw) {
+                Ok(doc) if doc.crawl_pass > 0 => Some((
+                    doc.id.to_string(),
+                    doc.crawl_pass,
+                    doc.crawl_pass_started_at,
+                    doc.crawl_pass_ended_at,
+                    doc.crawl_next_pass_at.is_some(),
+                )),
+                _ => None,
+            })
+            .collect();
+        let mut rows = crate::ops::admin::status_rows(docs, &configured, now);
+        for (bot, pass, started, ended, next_waiting) in passes {
+            let Ok(id) = BotId::parse(&bot) else { continue };
+            let report = match store.pass_report(&id, pass, started, ended).await {
+                Ok(r) => r,
+                Err(e) => return fail(EXIT_FAILED, e),
+            };
+            if let Some(row) = rows.iter_mut().find(|r| r.bot == bot) {
+                crate::ops::admin::with_pass(row, &report, now);
+                if let Some(crawl) = row.crawl.as_mut() {
+                    crawl.next_pass_waiting = next_waiting;
+                }
             }
         }
-    }
-    if json {
-        print!("{}", crate::ops::admin::render_json(&rows));
-    } else {
-        print!("{}", crate::ops::admin::render_table(&rows));
-        let since = now - chrono::Duration::seconds(30);
-        match store.recent_hosts(since).await {
-            Ok(hosts) => print!("{}", crate::ops::admin::render_hosts(&hosts, now)),
-            Err(e) => return fail(EXIT_FAILED, e),
+        if json {
+            print!("{}", crate::ops::admin::render_json(&rows));
+        } else {
+            print!("{}", crate::ops::admin::render_table(&rows));
+            let since = now - chrono::Duration::seconds(30);
+            match store.recent_hosts(since).await {
+                Ok(hosts) => print!("{}", crate::ops::admin::render_hosts(&hosts, now)),
+                Err(e) => return fail(EXIT_FAILED, e),
+            }
         }
+        ExitCode::SUCCESS
     }
-    ExitCode::SUCCESS
+    .await;
+    store.shutdown().await;
+    code
 }
 
 async fn inspect(settings: Settings, bot: &str) -> ExitCode {
@@ -371,14 +381,19 @@ async fn inspect(settings: Settings, bot: &str) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    match store.load_raw(&bot).await {
-        Ok(Some(raw)) => {
-            print!("{}", crate::ops::admin::render_inspect(&raw));
-            ExitCode::SUCCESS
+    let code = async {
+        match store.load_raw(&bot).await {
+            Ok(Some(raw)) => {
+                print!("{}", crate::ops::admin::render_inspect(&raw));
+                ExitCode::SUCCESS
+            }
+            Ok(None) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
+            Err(e) => fail(EXIT_FAILED, e),
         }
-        Ok(None) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
-        Err(e) => fail(EXIT_FAILED, e),
     }
+    .await;
+    store.shutdown().await;
+    code
 }
 
 fn admin_name() -> String {
@@ -398,25 +413,32 @@ async fn unlock(settings: Settings, bot: &str, reason: &str) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    match store
-        .admin_unlock(&bot, &admin_name(), reason, clock.now())
-        .await
-    {
-        Ok(UnlockOutcome::Unlocked { holder, old_epoch }) => {
-            println!(
-                "unlocked {bot}: was held by {} at epoch {}; its writes now fail",
-                holder.as_deref().unwrap_or("?"),
-                old_epoch.map_or("?".into(), |e| e.to_string())
-            );
-            ExitCode::SUCCESS
+    let code = async {
+        match store
+            .admin_unlock(&bot, &admin_name(), reason, clock.now())
+            .await
+        {
+            Ok(UnlockOutcome::Unlocked { holder, old_epoch }) => {
+                println!(
+                    "unlocked {bot}: was held by {} at epoch {}; its writes now fail",
+                    holder.as_deref().unwrap_or("?"),
+                    old_epoch.map_or("?".into(), |e| e.to_string())
+                );
+                ExitCode::SUCCESS
+            }
+            Ok(UnlockOutcome::NotLocked) => {
+                println!("{bot} is not locked; nothing to do");
+                ExitCode::SUCCESS
+            }
+            Ok(UnlockOutcome::NoSuchBot) => {
+                fail(EXIT_FAILED, format!("no bot {bot} in the database"))
+            }
+            Err(e) => fail(EXIT_FAILED, e),
         }
-        Ok(UnlockOutcome::NotLocked) => {
-            println!("{bot} is not locked; nothing to do");
-            ExitCode::SUCCESS
-        }
-        Ok(UnlockOutcome::NoSuchBot) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
-        Err(e) => fail(EXIT_FAILED, e),
     }
+    .await;
+    store.shutdown().await;
+    code
 }
 
 async fn refresh(settings: Settings, bot: &str) -> ExitCode {
@@ -428,17 +450,22 @@ async fn refresh(settings: Settings, bot: &str) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    match store
-        .request_refresh(&bot, &admin_name(), clock.now())
-        .await
-    {
-        Ok(true) => {
-            println!("refresh of {bot} requested; the next instance to look will refresh it");
-            ExitCode::SUCCESS
+    let code = async {
+        match store
+            .request_refresh(&bot, &admin_name(), clock.now())
+            .await
+        {
+            Ok(true) => {
+                println!("refresh of {bot} requested; the next instance to look will refresh it");
+                ExitCode::SUCCESS
+            }
+            Ok(false) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
+            Err(e) => fail(EXIT_FAILED, e),
         }
-        Ok(false) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
-        Err(e) => fail(EXIT_FAILED, e),
     }
+    .await;
+    store.shutdown().await;
+    code
 }
 
 fn demo_site(addr: &str, options: crate::demo_site::SiteOptions) -> ExitCode {
