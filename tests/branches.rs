@@ -584,25 +584,18 @@ async fn a_lock_epoch_at_the_int64_maximum_is_refused_with_one_clear_line_and_no
             && line.contains("shop")
             && !line.contains('\n')
     };
-    // A claim (the seeds emptied, so rule A-1 wants one): refused, the document untouched.
-    f.db.bots()
-        .update_one(doc! {"_id": "shop"}, doc! {"$set": {"seeds": []}})
-        .await
-        .unwrap();
-    let before = f.db.doc("shop").await.unwrap();
-    let err = f.runner.step(&CancellationToken::new()).await.unwrap_err();
-    assert!(refused(&err), "{err}");
-    assert_eq!(f.db.doc("shop").await.unwrap(), before);
-
-    // A malformed document's repair (rule E) would raise the epoch too: refused alike.
-    f.db.bots()
-        .update_one(doc! {"_id": "shop"}, doc! {"$set": {"isReady": "yes"}})
-        .await
-        .unwrap();
-    let before = f.db.doc("shop").await.unwrap();
-    let err = f.runner.step(&CancellationToken::new()).await.unwrap_err();
-    assert!(refused(&err), "{err}");
-    assert_eq!(f.db.doc("shop").await.unwrap(), before);
+    // A claim (the seeds emptied, so rule A-1 wants one), then a malformed document's repair
+    // (rule E), which would raise the epoch too: each refused, the document untouched.
+    for change in [doc! {"seeds": []}, doc! {"isReady": "yes"}] {
+        f.db.bots()
+            .update_one(doc! {"_id": "shop"}, doc! {"$set": change})
+            .await
+            .unwrap();
+        let before = f.db.doc("shop").await.unwrap();
+        let err = f.runner.step(&CancellationToken::new()).await.unwrap_err();
+        assert!(refused(&err), "{err}");
+        assert_eq!(f.db.doc("shop").await.unwrap(), before);
+    }
 
     // And so is an admin's unlock of a lock held at the maximum.
     f.put(locked_doc(f.now(), f.now() + chrono::Duration::seconds(20)))

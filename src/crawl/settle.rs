@@ -235,31 +235,37 @@ impl Crawler {
                 now,
             )
             .await;
-        let enqueued = match result {
-            Ok(enqueued) => enqueued,
-            Err(e) => {
-                for (host, n) in &granted {
-                    queues.unreserve(host, *n);
-                }
-                return Err(e);
-            }
-        };
-        // What arrived takes the room reserved for it; the rest of the reservation is returned.
-        let leased = enqueued.leased.len();
-        for lease in enqueued.leased {
-            queues.push(Queued {
-                ticket: self.stages.host_queue.enter(),
-                lease,
-            });
-        }
-        for (host, n) in &granted {
-            queues.unreserve(host, *n);
-        }
+        let (added, leased) = self.take_reserved(queues, &granted, result)?;
         self.remember_enqueued(lease.pass, plain.into_iter().map(|(_, id)| id).collect());
         followed.seen = seen;
-        followed.added += enqueued.added;
+        followed.added += added;
         followed.leased += leased;
         Ok(followed)
+    }
+
+    /// Settles the host-queue room `granted` for an enqueue whose links could be leased here:
+    /// the links that arrived leased take the room reserved for them, and the reservation is
+    /// returned whatever came of it (all of it on an error). The URLs added and leased.
+    fn take_reserved(
+        &self,
+        queues: &HostQueues,
+        granted: &HashMap<String, usize>,
+        result: Result<crate::store::frontier::Enqueued>,
+    ) -> Result<(u64, usize)> {
+        let outcome = result.map(|enqueued| {
+            let leased = enqueued.leased.len();
+            for lease in enqueued.leased {
+                queues.push(Queued {
+                    ticket: self.stages.host_queue.enter(),
+                    lease,
+                });
+            }
+            (enqueued.added, leased)
+        });
+        for (host, n) in granted {
+            queues.unreserve(host, *n);
+        }
+        outcome
     }
 
     /// A followed link's kind: a detail page when the record rules match it, else a listing
@@ -331,30 +337,12 @@ impl Crawler {
                 now,
             )
             .await;
-        let enqueued = match result {
-            Ok(enqueued) => enqueued,
-            Err(e) => {
-                for (host, n) in &granted {
-                    queues.unreserve(host, *n);
-                }
-                return Err(e);
-            }
-        };
-        let leased = enqueued.leased.len();
-        for lease in enqueued.leased {
-            queues.push(Queued {
-                ticket: self.stages.host_queue.enter(),
-                lease,
-            });
-        }
-        for (host, n) in &granted {
-            queues.unreserve(host, *n);
-        }
+        let (added, leased) = self.take_reserved(queues, &granted, result)?;
         let ids = lists.iter().map(|(_, id)| id.clone()).collect();
         Ok((
             Followed {
                 seen: Vec::new(),
-                added: enqueued.added,
+                added,
                 leased,
             },
             ids,

@@ -104,7 +104,6 @@ impl Store {
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
     ) -> Result<Option<i64>> {
-        let next = self.prepare_pass(bot, current, seeds, now).await?;
         let mut filter = doc! { field::ID: bot.as_str(), field::IS_READY: true };
         if current == 0 {
             filter.insert(
@@ -118,14 +117,8 @@ impl Store {
         } else {
             filter.insert(field::CRAWL_PASS, current);
         }
-        let update = doc! {
-            "$set": { field::CRAWL_PASS: next, field::CRAWL_PASS_ENDED_AT: Bson::Null },
-            "$currentDate": { field::CRAWL_PASS_STARTED_AT: true },
-        };
-        let result = self
-            .bounded("start pass", self.bots.update_one(filter, update))
-            .await?;
-        Ok((result.modified_count == 1).then_some(next))
+        self.move_to_next_pass("start pass", bot, current, seeds, filter, now)
+            .await
     }
 
     /// Starts the pass after `current`, which has ended while a refresh asked for the next
@@ -139,13 +132,29 @@ impl Store {
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
     ) -> Result<Option<i64>> {
-        let next = self.prepare_pass(bot, current, seeds, now).await?;
         let filter = doc! {
             field::ID: bot.as_str(),
             field::CRAWL_PASS: current,
             field::CRAWL_PASS_ENDED_AT: { "$ne": Bson::Null },
             field::CRAWL_NEXT_PASS_AT: { "$ne": Bson::Null },
         };
+        self.move_to_next_pass("start the next pass", bot, current, seeds, filter, now)
+            .await
+    }
+
+    /// A pass's start after `current`: the seeds enqueued under the next number first, then one
+    /// write, conditional on `filter`, moves `crawlPass` there (clearing its end and any waiting
+    /// next pass). The pass number when this call's write won.
+    async fn move_to_next_pass(
+        &self,
+        what: &'static str,
+        bot: &BotId,
+        current: i64,
+        seeds: &[NormalizedUrl],
+        filter: Document,
+        now: DateTime<Utc>,
+    ) -> Result<Option<i64>> {
+        let next = self.prepare_pass(bot, current, seeds, now).await?;
         let update = doc! {
             "$set": {
                 field::CRAWL_PASS: next,
@@ -155,7 +164,7 @@ impl Store {
             "$currentDate": { field::CRAWL_PASS_STARTED_AT: true },
         };
         let result = self
-            .bounded("start the next pass", self.bots.update_one(filter, update))
+            .bounded(what, self.bots.update_one(filter, update))
             .await?;
         Ok((result.modified_count == 1).then_some(next))
     }

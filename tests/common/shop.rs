@@ -40,15 +40,7 @@ impl Shop {
     }
 
     pub async fn post(&self, path: &str, body: Value) -> Value {
-        reqwest::Client::new()
-            .post(format!("{}{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        super::crawl::post(&format!("{}{path}", self.base), body).await
     }
 
     /// Requests per path since the last call.
@@ -88,21 +80,7 @@ impl Shop {
     }
 
     pub async fn truth(&self) -> HashMap<String, (String, String, String)> {
-        let v: Value = reqwest::get(format!("{}/__truth", self.base))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        v["products"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| {
-                let s = |k: &str| p[k].as_str().unwrap().to_owned();
-                (s("sku"), (s("title"), s("price"), s("status")))
-            })
-            .collect()
+        super::crawl::truth(&self.base).await
     }
 }
 
