@@ -2,6 +2,7 @@
 //! here as one line on stderr and an exit code: 0 done, 1 the command failed, 2 bad usage, bad
 //! config or unreachable database.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -159,7 +160,7 @@ fn init_tracing(format: LogFormat, level: &str) {
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(crate::ops::progress::log_writer)
         .with_ansi(std::io::stderr().is_terminal());
     let _ = match format {
         LogFormat::Json => builder.json().try_init(),
@@ -217,7 +218,36 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
     } else {
         Mode::Daemon
     };
-    match daemon::run(settings, mode, shutdown).await {
+    // `run --once` on a terminal draws one bar per crawling bot (a daemon's stderr is its log).
+    let crawling: Vec<BotId> = settings
+        .bots
+        .iter()
+        .filter(|b| b.crawl.is_some())
+        .map(|b| b.id.clone())
+        .collect();
+    let display = if once && !crawling.is_empty() && std::io::stderr().is_terminal() {
+        match daemon::connect(&settings).await {
+            Ok((store, _)) => {
+                let done = CancellationToken::new();
+                let shown = tokio::spawn(crate::ops::progress::show(
+                    store.clone(),
+                    crawling,
+                    done.clone(),
+                ));
+                Some((store, done, shown))
+            }
+            Err(e) => return fail(EXIT_USAGE, e),
+        }
+    } else {
+        None
+    };
+    let result = daemon::run(settings, mode, shutdown).await;
+    if let Some((store, done, shown)) = display {
+        done.cancel();
+        let _ = shown.await;
+        store.shutdown().await;
+    }
+    match result {
         Ok(summaries) => {
             for s in summaries {
                 let pass = if s.pass > 0 {
@@ -270,7 +300,7 @@ async fn crawl(mut settings: Settings, bot: &str, timeout: Duration) -> ExitCode
         let done = CancellationToken::new();
         let display = tokio::spawn(crate::ops::progress::show(
             store.clone(),
-            id.clone(),
+            vec![id.clone()],
             done.clone(),
         ));
         let result = daemon::run(settings, Mode::Once { timeout }, shutdown).await;
@@ -321,53 +351,22 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(EXIT_USAGE, e),
     };
-    let code = async {
-        let docs = match store.load_all().await {
-            Ok(d) => d,
-            Err(e) => return fail(EXIT_FAILED, e),
-        };
-        let configured: Vec<BotId> = settings.bots.iter().map(|b| b.id.clone()).collect();
-        let now = clock.now();
-        let passes: Vec<(String, i64, Option<_>, Option<_>, bool)> = docs
-            .iter()
-            .filter_map(|raw| match crate::lock::document::BotDoc::parse(raw) {
-                Ok(doc) if doc.crawl_pass > 0 => Some((
-                    doc.id.to_string(),
-                    doc.crawl_pass,
-                    doc.crawl_pass_started_at,
-                    doc.crawl_pass_ended_at,
-                    doc.crawl_next_pass_at.is_some(),
-                )),
-                _ => None,
-            })
-            .collect();
-        let mut rows = crate::ops::admin::status_rows(docs, &configured, now);
-        for (bot, pass, started, ended, next_waiting) in passes {
-            let Ok(id) = BotId::parse(&bot) else { continue };
-            let report = match store.pass_report(&id, pass, started, ended).await {
-                Ok(r) => r,
-                Err(e) => return fail(EXIT_FAILED, e),
-            };
-            if let Some(row) = rows.iter_mut().find(|r| r.bot == bot) {
-                crate::ops::admin::with_pass(row, &report, now);
-                if let Some(crawl) = row.crawl.as_mut() {
-                    crawl.next_pass_waiting = next_waiting;
-                }
-            }
+    let configured: Vec<BotId> = settings.bots.iter().map(|b| b.id.clone()).collect();
+    let code = match crate::ops::fleet::read(&store, &configured, clock.now()).await {
+        Err(e) => fail(EXIT_FAILED, e),
+        Ok(fleet) if json => {
+            print!("{}", crate::ops::admin::render_json(&fleet.rows));
+            ExitCode::SUCCESS
         }
-        if json {
-            print!("{}", crate::ops::admin::render_json(&rows));
-        } else {
-            print!("{}", crate::ops::admin::render_table(&rows));
-            let since = now - chrono::Duration::seconds(30);
-            match store.recent_hosts(since).await {
-                Ok(hosts) => print!("{}", crate::ops::admin::render_hosts(&hosts, now)),
-                Err(e) => return fail(EXIT_FAILED, e),
-            }
+        Ok(fleet) => {
+            print!("{}", crate::ops::admin::render_table(&fleet.rows));
+            print!(
+                "{}",
+                crate::ops::admin::render_hosts(&fleet.hosts, fleet.now)
+            );
+            ExitCode::SUCCESS
         }
-        ExitCode::SUCCESS
-    }
-    .await;
+    };
     store.shutdown().await;
     code
 }

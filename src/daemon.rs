@@ -147,6 +147,13 @@ pub async fn run_with_store(
 ) -> Result<Vec<BotSummary>, RunError> {
     require_bots(&settings)?;
     let clock = server_clock(&settings, &store).await?;
+    let patience = settings.mongo.connect_timeout;
+    with_patience("create the bots and hosts indexes", patience, || async {
+        store.ensure_bot_indexes().await?;
+        store.ensure_host_indexes().await
+    })
+    .await
+    .map_err(|e| RunError::Startup(e.to_string()))?;
     let fetcher = SeedFetcher::new(settings.refresh.clone()).map_err(RunError::Startup)?;
     let metrics = Arc::new(Metrics::new());
     {
@@ -194,11 +201,18 @@ pub async fn run_with_store(
     ));
     if let Some(listen) = &settings.http_listen {
         let stale_after = (settings.lock.poll * 3).max(settings.lock.ttl);
+        let status = crate::ops::http::StatusSource {
+            store: store.clone(),
+            clock: clock.clone(),
+            configured: settings.bots.iter().map(|b| b.id.clone()).collect(),
+            me: ctx.me.clone(),
+            started: std::time::Instant::now(),
+        };
         let (addr, server) =
-            crate::ops::http::bind(listen, metrics.clone(), stale_after, stop.clone())
+            crate::ops::http::bind(listen, metrics.clone(), stale_after, status, stop.clone())
                 .await
                 .map_err(RunError::Startup)?;
-        info!(%addr, "serving /healthz and /metrics");
+        info!(%addr, "serving the status page (/), /status.json, /healthz and /metrics");
         tracker.spawn(server);
     }
     tracker.spawn(resync_clock(store.clone(), clock.clone(), stop.clone()));

@@ -739,6 +739,9 @@ impl BotRunner {
                 match stream {
                     Ok(mut stream) => {
                         failures = 0;
+                        // A change made while the stream was opening is in no event: one more
+                        // read of the document closes that gap (else it waits for the poll).
+                        wake.notify_one();
                         loop {
                             tokio::select! {
                                 _ = stop.cancelled() => return,

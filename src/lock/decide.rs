@@ -415,6 +415,7 @@ mod tests {
             crawl_pass_ended_at: None,
             crawl_last_run_at: None,
             crawl_next_pass_at: None,
+            crawl_last_pass_pages: None,
         }
     }
 

@@ -63,6 +63,9 @@ pub struct BotDoc {
     pub crawl_last_run_at: Option<DateTime<Utc>>,
     /// When a refresh succeeded while the current pass ran (the next pass waits for its end).
     pub crawl_next_pass_at: Option<DateTime<Utc>>,
+    /// The size (frontier entries) of the last completed pass, `crawlLastPass.pages`: what the
+    /// progress displays expect of a running pass. Advisory: an unreadable value is ignored.
+    pub crawl_last_pass_pages: Option<u64>,
 }
 
 /// What one read of a bot's document found.
@@ -176,6 +179,12 @@ impl BotDoc {
         let crawl_pass_ended_at = date(field::CRAWL_PASS_ENDED_AT);
         let crawl_last_run_at = date(field::CRAWL_LAST_RUN_AT);
         let crawl_next_pass_at = date(field::CRAWL_NEXT_PASS_AT);
+        let crawl_last_pass_pages = raw
+            .get_document(field::CRAWL_LAST_PASS)
+            .ok()
+            .and_then(|last| last.get("pages"))
+            .and_then(integer)
+            .and_then(|n| u64::try_from(n).ok());
         let crawl_pass = match raw.get(field::CRAWL_PASS) {
             None | Some(Bson::Null) => 0,
             Some(v) => match integer(v) {
@@ -226,6 +235,7 @@ impl BotDoc {
                     crawl_pass_ended_at,
                     crawl_last_run_at,
                     crawl_next_pass_at,
+                    crawl_last_pass_pages,
                 })
             }
             _ => Err(problems),

@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 use crate::ids::BotId;
 use crate::lock::decide::state_of;
 use crate::lock::document::{field, Observed};
+use crate::ops::progress::{Eta, PassSize};
 
 /// One row of `seedlock status`.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -41,12 +42,49 @@ pub struct CrawlColumns {
     pub oldest_pending_seconds: Option<i64>,
     /// A refresh succeeded during the pass: the next one starts when it ends.
     pub next_pass_waiting: bool,
+    /// The pass's expected size: the last completed pass's (or more, where this one has already
+    /// discovered more); `None` while no pass has completed, when the total is still being
+    /// discovered.
+    pub expected_pages: Option<u64>,
+    /// The URLs this pass has discovered so far (finished, open and failed).
+    pub discovered_pages: u64,
+    /// Seconds left at the pass's rate: over the expected pages left, or — while the total is
+    /// still being discovered — a lower bound over the pages known (`eta_lower_bound`).
+    pub eta_seconds: Option<u64>,
+    pub eta_lower_bound: bool,
 }
 
-/// Adds a pass report to its bot's row.
+impl CrawlColumns {
+    /// The pass's expected size, as the progress displays work with it.
+    pub fn size(&self) -> PassSize {
+        match self.expected_pages {
+            Some(n) => PassSize::Expected(n),
+            None => PassSize::Discovering(self.discovered_pages),
+        }
+    }
+
+    /// `"25s (~525 pages)"`, `"≥1s (300+ pages so far)"`, `"done"`, or `"?"` without a rate.
+    pub fn eta_text(&self) -> String {
+        match (self.finished, self.eta_seconds) {
+            (true, _) => "done".into(),
+            (false, None) => "?".into(),
+            (false, Some(s)) => {
+                let took = humantime::format_duration(std::time::Duration::from_secs(s));
+                if self.eta_lower_bound {
+                    format!("≥{took} ({} pages so far)", self.size().label())
+                } else {
+                    format!("{took} ({} pages)", self.size().label())
+                }
+            }
+        }
+    }
+}
+
+/// Adds a pass report to its bot's row; `last_pass_pages`: the last completed pass's size.
 pub fn with_pass(
     row: &mut StatusRow,
     report: &crate::store::passes::PassReport,
+    last_pass_pages: Option<u64>,
     now: DateTime<Utc>,
 ) {
     if report.pass == 0 {
@@ -58,6 +96,17 @@ pub fn with_pass(
         .map(|s| (report.ended_at.unwrap_or(now) - s).num_milliseconds())
         .unwrap_or(0);
     let finished_pages = (p.done + p.failed) as f64;
+    let rate = if elapsed > 0 {
+        finished_pages * 1000.0 / elapsed as f64
+    } else {
+        0.0
+    };
+    let size = PassSize::of(&p, last_pass_pages);
+    let eta = if report.ended_at.is_some() {
+        Eta::Done
+    } else {
+        Eta::of(&p, size, rate)
+    };
     row.crawl = Some(CrawlColumns {
         pass: report.pass,
         finished: report.ended_at.is_some(),
@@ -65,15 +114,18 @@ pub fn with_pass(
         pending: p.pending + p.waiting,
         leased: p.leased,
         failed: p.failed,
-        pages_per_second: if elapsed > 0 {
-            (finished_pages * 1000.0 / elapsed as f64 * 10.0).round() / 10.0
-        } else {
-            0.0
-        },
+        pages_per_second: (rate * 10.0).round() / 10.0,
         oldest_pending_seconds: report
             .oldest_pending
             .map(|t| (now - t).num_seconds().max(0)),
         next_pass_waiting: false,
+        expected_pages: match size {
+            PassSize::Expected(n) => Some(n),
+            PassSize::Discovering(_) => None,
+        },
+        discovered_pages: p.done + p.failed + p.pending + p.waiting + p.leased,
+        eta_seconds: eta.seconds(),
+        eta_lower_bound: matches!(eta, Eta::AtLeast(_)),
     });
 }
 
@@ -155,11 +207,25 @@ pub fn status_rows(
     rows
 }
 
+/// The hosts worth an operator's look: throttled an instance within the last minute, or paused.
+pub fn troubled_hosts(
+    rows: &[crate::store::hosts::HostRow],
+    now: DateTime<Utc>,
+) -> Vec<&crate::store::hosts::HostRow> {
+    rows.iter()
+        .filter(|r| {
+            r.paused_until.is_some_and(|u| u > now)
+                || r.last_throttle_at
+                    .is_some_and(|t| now - t < chrono::Duration::seconds(60))
+        })
+        .collect()
+}
+
 pub fn iso(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Secs, true)
 }
 
-fn seconds(s: Option<i64>) -> String {
+pub fn seconds(s: Option<i64>) -> String {
     match s {
         None => "-".into(),
         Some(s) if s < 0 => format!("{}s ago", -s),
@@ -170,14 +236,7 @@ fn seconds(s: Option<i64>) -> String {
 /// The hosts section of `status`: hosts that throttled an instance within the last minute or are
 /// paused, from the rows instances publish (empty when there are none).
 pub fn render_hosts(rows: &[crate::store::hosts::HostRow], now: DateTime<Utc>) -> String {
-    let troubled: Vec<_> = rows
-        .iter()
-        .filter(|r| {
-            r.paused_until.is_some_and(|u| u > now)
-                || r.last_throttle_at
-                    .is_some_and(|t| now - t < chrono::Duration::seconds(60))
-        })
-        .collect();
+    let troubled = troubled_hosts(rows, now);
     if troubled.is_empty() {
         return String::new();
     }
@@ -241,6 +300,7 @@ pub fn render_table(rows: &[StatusRow]) -> String {
         "PASS",
         "DONE/PENDING/LEASED/FAILED",
         "PAGES/S",
+        "ETA",
         "OLDEST PENDING",
         "LAST ERROR",
     ];
@@ -274,6 +334,7 @@ pub fn render_table(rows: &[StatusRow]) -> String {
                 r.crawl
                     .as_ref()
                     .map_or("-".into(), |c| format!("{:.1}", c.pages_per_second)),
+                r.crawl.as_ref().map_or("-".into(), CrawlColumns::eta_text),
                 seconds(
                     r.crawl
                         .as_ref()
@@ -321,7 +382,7 @@ pub fn render_json(rows: &[StatusRow]) -> String {
     serde_json::to_string_pretty(rows).expect("rows serialize") + "\n"
 }
 
-fn one_line(text: &str, max: usize) -> String {
+pub fn one_line(text: &str, max: usize) -> String {
     let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
     if text.chars().count() > max {
         format!("{}…", text.chars().take(max).collect::<String>())
@@ -485,7 +546,7 @@ mod tests {
             ended_at: None,
             oldest_pending: Some(now - chrono::Duration::seconds(42)),
         };
-        with_pass(&mut rows[0], &report, now);
+        with_pass(&mut rows[0], &report, Some(300), now);
         let crawl = rows[0].crawl.clone().expect("pass columns");
         assert_eq!(
             (crawl.pass, crawl.finished, crawl.pending, crawl.leased),
@@ -494,12 +555,37 @@ mod tests {
         );
         assert_eq!(crawl.pages_per_second, 2.0, "200 pages finished in 100 s");
         assert_eq!(crawl.oldest_pending_seconds, Some(42));
+        // The last pass had 300 pages: 100 left at 2 pages/s.
+        assert_eq!(
+            (
+                crawl.expected_pages,
+                crawl.eta_seconds,
+                crawl.eta_lower_bound
+            ),
+            (Some(300), Some(50), false)
+        );
         let table = render_table(&rows);
         let line = table.lines().nth(1).unwrap();
         assert!(
-            line.contains("150/32/4/50") && line.contains("42s ago"),
+            line.contains("150/32/4/50")
+                && line.contains("42s ago")
+                && line.contains("50s (~300 pages)"),
             "{table}"
         );
+        // Without a completed pass the total is still being discovered: a lower bound only.
+        with_pass(&mut rows[0], &report, None, now);
+        let crawl = rows[0].crawl.clone().expect("pass columns");
+        assert_eq!(
+            (
+                crawl.expected_pages,
+                crawl.discovered_pages,
+                crawl.eta_seconds,
+                crawl.eta_lower_bound
+            ),
+            (None, 236, Some(18), true),
+            "36 open pages at 2 pages/s"
+        );
+        assert_eq!(crawl.eta_text(), "≥18s (236+ pages so far)");
         let json: serde_json::Value = serde_json::from_str(&render_json(&rows)).unwrap();
         assert_eq!(json[0]["crawl"]["pass"], 4);
         // A bot without a pass shows dashes.
@@ -510,7 +596,7 @@ mod tests {
             &[],
             now,
         );
-        with_pass(&mut plain[0], &PassReport::default(), now);
+        with_pass(&mut plain[0], &PassReport::default(), None, now);
         assert!(plain[0].crawl.is_none());
     }
 

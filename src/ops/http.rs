@@ -1,5 +1,6 @@
-//! The daemon's loopback HTTP endpoint: `/healthz` (200 while the database answers) and
-//! `/metrics` in the OpenMetrics text format (what Prometheus negotiates).
+//! The daemon's HTTP endpoint: `/` (the fleet's status page, [`crate::ops::page`]),
+//! `/status.json` (what `seedlock status --json` prints), `/healthz` (200 while the database
+//! answers) and `/metrics` in the OpenMetrics text format (what Prometheus negotiates).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,12 +13,35 @@ use axum::Router;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::clock::ServerClock;
+use crate::ids::{BotId, InstanceId};
+use crate::ops::fleet::Fleet;
 use crate::ops::metrics::Metrics;
+use crate::ops::page::{self, Serving};
+use crate::store::Store;
+
+/// What the status views read: the database, and who is serving them.
+#[derive(Clone)]
+pub struct StatusSource {
+    pub store: Store,
+    pub clock: Arc<ServerClock>,
+    /// The bots in this instance's config (shown as `missing` until they have a document).
+    pub configured: Vec<BotId>,
+    pub me: InstanceId,
+    pub started: std::time::Instant,
+}
+
+impl StatusSource {
+    async fn read(&self) -> crate::error::Result<Fleet> {
+        crate::ops::fleet::read(&self.store, &self.configured, self.clock.now()).await
+    }
+}
 
 #[derive(Clone)]
 struct AppState {
     metrics: Arc<Metrics>,
     stale_after: Duration,
+    status: StatusSource,
 }
 
 /// Binds `addr` (a bad or busy address is a start-up error) and returns the bound address and the
@@ -26,6 +50,7 @@ pub async fn bind(
     addr: &str,
     metrics: Arc<Metrics>,
     stale_after: Duration,
+    status: StatusSource,
     shutdown: CancellationToken,
 ) -> Result<(std::net::SocketAddr, impl std::future::Future<Output = ()>), String> {
     let listener = TcpListener::bind(addr)
@@ -33,11 +58,14 @@ pub async fn bind(
         .map_err(|e| format!("cannot listen on {addr} (key `http.listen`): {e}"))?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     let app = Router::new()
+        .route("/", get(status_page))
+        .route("/status.json", get(status_json))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics_text))
         .with_state(AppState {
             metrics,
             stale_after,
+            status,
         });
     let server = async move {
         let result = axum::serve(listener, app)
@@ -71,5 +99,46 @@ async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
         state.metrics.encode(),
+    )
+}
+
+async fn status_page(State(state): State<AppState>) -> impl IntoResponse {
+    let source = &state.status;
+    let serving = Serving {
+        instance: source.me.as_str(),
+        uptime: source.started.elapsed(),
+    };
+    let (code, body) = match source.read().await {
+        Ok(fleet) => (StatusCode::OK, page::render(&fleet, &serving)),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            page::render_unavailable(&e.to_string(), &serving),
+        ),
+    };
+    (
+        code,
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        body,
+    )
+}
+
+async fn status_json(State(state): State<AppState>) -> impl IntoResponse {
+    let (code, body) = match state.status.read().await {
+        Ok(fleet) => (StatusCode::OK, crate::ops::admin::render_json(&fleet.rows)),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({ "error": e.to_string() }).to_string() + "\n",
+        ),
+    };
+    (
+        code,
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        body,
     )
 }

@@ -1,11 +1,15 @@
 //! The operator's wing: what a person running a fleet reads and types.
 //!
 //! - [`admin`]: `status`, `inspect`, `unlock`, `refresh`;
-//! - [`http`]: the instance's loopback endpoint (`/healthz`, `/metrics`);
+//! - [`fleet`]: the fleet as the database shows it, read once for every status view;
+//! - [`http`]: the instance's HTTP endpoint (`/`, `/status.json`, `/healthz`, `/metrics`);
+//! - [`page`]: the status page's HTML;
 //! - [`metrics`]: the Prometheus registry;
-//! - [`progress`]: `seedlock crawl BOT`'s progress line and summary.
+//! - [`progress`]: a pass's expected size and ETA, `seedlock crawl BOT`'s bars and summary.
 
 pub mod admin;
+pub mod fleet;
 pub mod http;
 pub mod metrics;
+pub mod page;
 pub mod progress;

@@ -1,91 +1,269 @@
-//! `seedlock crawl BOT`'s display: a progress line (bar, pages, rate, queue, ETA) redrawn on a
-//! terminal, or a plain line every few seconds when stderr is not one; and the summary printed
-//! when the pass is over. Everything shown is read from the database, so the figures cover every
-//! instance working on the pass, not only this one.
+//! The progress of a running pass: its expected size and ETA (shared by `seedlock crawl`,
+//! `status` and the status page), `crawl`'s display — one `indicatif` bar per bot on a terminal
+//! (also `run --once`'s), a plain line every few seconds when stderr is not one — and the summary
+//! printed when the pass is over. Everything shown is read from the database, so the figures
+//! cover every instance working on the pass, not only this one.
 
 use std::io::{IsTerminal, Write};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
 use crate::ids::BotId;
+use crate::lock::document::Observed;
 use crate::store::frontier::PassProgress;
 use crate::store::Store;
 
-/// One progress line. `rate` in pages per second (finished pages: done or failed).
-pub fn line(p: &PassProgress, rate: f64, width: usize) -> String {
-    let finished = p.done + p.failed;
-    let total = finished + p.pending + p.waiting + p.leased;
-    let filled = if total == 0 {
-        0
-    } else {
-        (finished as usize * width) / total as usize
-    };
-    let queue = p.pending + p.waiting;
-    let eta = if p.pending + p.waiting + p.leased == 0 {
-        "0s".to_owned()
-    } else if rate > 0.0 {
-        let secs = ((queue + p.leased) as f64 / rate).ceil() as u64;
-        humantime::format_duration(Duration::from_secs(secs)).to_string()
-    } else {
-        "?".to_owned()
-    };
+/// How many pages a running pass will have, as far as anyone can tell: a pass discovers its pages
+/// as it reads them, so the frontier's count alone is always too small until the very end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PassSize {
+    /// Expected from the last completed pass (`crawlLastPass.pages`), or what this pass has
+    /// discovered so far where that is already more.
+    Expected(u64),
+    /// No pass has completed yet: the pages discovered so far; more may come.
+    Discovering(u64),
+}
+
+impl PassSize {
+    pub fn of(p: &PassProgress, last_pass_pages: Option<u64>) -> PassSize {
+        let so_far = p.done + p.failed + p.pending + p.waiting + p.leased;
+        match last_pass_pages {
+            Some(last) if last > 0 => PassSize::Expected(last.max(so_far)),
+            _ => PassSize::Discovering(so_far),
+        }
+    }
+
+    pub fn pages(self) -> u64 {
+        match self {
+            PassSize::Expected(n) | PassSize::Discovering(n) => n,
+        }
+    }
+
+    /// `"~525"` (expected) or `"200+"` (still being discovered).
+    pub fn label(self) -> String {
+        match self {
+            PassSize::Expected(n) => format!("~{n}"),
+            PassSize::Discovering(n) => format!("{n}+"),
+        }
+    }
+}
+
+/// When a running pass will end, at `rate` finished pages per second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Eta {
+    /// Nothing pending, waiting or leased by anyone: the pass is over.
+    Done,
+    /// The expected pages left, at the current rate.
+    In(Duration),
+    /// The pages discovered so far, at the current rate: the total is still being discovered.
+    AtLeast(Duration),
+    /// Nothing finished lately: no rate to go by.
+    Unknown,
+}
+
+impl Eta {
+    pub fn of(p: &PassProgress, size: PassSize, rate: f64) -> Eta {
+        if p.is_finished() {
+            return Eta::Done;
+        }
+        let finished = p.done + p.failed;
+        let open = p.pending + p.waiting + p.leased;
+        if rate <= 0.0 || !rate.is_finite() {
+            return Eta::Unknown;
+        }
+        let secs = |pages: u64| Duration::from_secs((pages as f64 / rate).ceil() as u64);
+        match size {
+            PassSize::Expected(total) => Eta::In(secs(total.saturating_sub(finished).max(open))),
+            PassSize::Discovering(_) => Eta::AtLeast(secs(open)),
+        }
+    }
+
+    /// Seconds, for `status --json` (`None` when unknown); a lower bound for [`Eta::AtLeast`].
+    pub fn seconds(self) -> Option<u64> {
+        match self {
+            Eta::Done => Some(0),
+            Eta::In(d) | Eta::AtLeast(d) => Some(d.as_secs()),
+            Eta::Unknown => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Eta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let human = |d: &Duration| humantime::format_duration(*d).to_string();
+        match self {
+            Eta::Done => f.write_str("0s"),
+            Eta::In(d) => f.write_str(&human(d)),
+            Eta::AtLeast(d) => write!(f, "≥{} (total still being discovered)", human(d)),
+            Eta::Unknown => f.write_str("?"),
+        }
+    }
+}
+
+/// What a progress display shows of one bot's pass, besides its bar.
+fn figures(p: &PassProgress, size: PassSize, rate: f64) -> String {
     format!(
-        "[{}{}] {finished}/{total} pages  {rate:.1}/s  queue {queue}  in flight {}  failed {}  ETA {eta}",
-        "#".repeat(filled),
-        "-".repeat(width - filled),
+        "{rate:.1}/s  queue {}  in flight {}  failed {}  ETA {}",
+        p.pending + p.waiting,
         p.leased,
         p.failed,
+        Eta::of(p, size, rate),
     )
 }
 
-/// Shows the bot's current pass until `done`.
-pub async fn show(store: Store, bot: BotId, done: CancellationToken) {
+/// One plain progress line (stderr not a terminal). `rate` in pages per second (finished pages:
+/// done or failed).
+pub fn line(p: &PassProgress, size: PassSize, rate: f64, width: usize) -> String {
+    let finished = p.done + p.failed;
+    let total = size.pages();
+    let filled = if total == 0 {
+        0
+    } else {
+        ((finished.min(total) as usize) * width) / total as usize
+    };
+    format!(
+        "[{}{}] {finished}/{} pages  {}",
+        "#".repeat(filled),
+        "-".repeat(width - filled),
+        size.label(),
+        figures(p, size, rate),
+    )
+}
+
+/// Finished pages per second over a sliding window of recent samples.
+#[derive(Default)]
+struct Rate {
+    samples: std::collections::VecDeque<(Instant, u64)>,
+}
+
+impl Rate {
+    fn add(&mut self, at: Instant, finished: u64) -> f64 {
+        self.samples.push_back((at, finished));
+        while self.samples.len() > 2 && at - self.samples[0].0 > Duration::from_secs(10) {
+            self.samples.pop_front();
+        }
+        match (self.samples.front(), self.samples.back()) {
+            (Some((t0, n0)), Some((t1, n1))) if t1 > t0 => {
+                n1.saturating_sub(*n0) as f64 / (*t1 - *t0).as_secs_f64()
+            }
+            _ => 0.0,
+        }
+    }
+}
+
+static BARS: std::sync::OnceLock<MultiProgress> = std::sync::OnceLock::new();
+
+/// The terminal's progress bars (drawn on stderr).
+fn bars() -> &'static MultiProgress {
+    BARS.get_or_init(|| MultiProgress::with_draw_target(ProgressDrawTarget::stderr()))
+}
+
+/// The log's stderr writer: one event per writer, written above the progress bars (hidden for
+/// the write and redrawn after it) while there are any, so the two never garble each other.
+pub fn log_writer() -> LogLine {
+    LogLine(Vec::new())
+}
+
+pub struct LogLine(Vec<u8>);
+
+impl Write for LogLine {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for LogLine {
+    fn drop(&mut self) {
+        let line = std::mem::take(&mut self.0);
+        let write = || {
+            let _ = std::io::stderr().lock().write_all(&line);
+        };
+        match BARS.get() {
+            Some(bars) => bars.suspend(write),
+            None => write(),
+        }
+    }
+}
+
+/// Shows each bot's current pass until `done`: on a terminal one `indicatif` bar per bot (fitted
+/// to the terminal's width, redrawn in place); otherwise a plain line per bot every 5 s.
+/// Everything shown is read from the database, so it covers every instance on the pass.
+pub async fn show(store: Store, bots: Vec<BotId>, done: CancellationToken) {
     let tty = std::io::stderr().is_terminal();
     let every = if tty {
         Duration::from_millis(500)
     } else {
         Duration::from_secs(5)
     };
-    // Rate over a sliding window of recent samples.
-    let mut samples: std::collections::VecDeque<(std::time::Instant, u64)> = Default::default();
+    let style = ProgressStyle::with_template("{prefix} [{bar:24}] {pos}/{msg}")
+        .expect("a valid template")
+        .progress_chars("#>-");
+    let mut shown: Vec<(BotId, Rate, Option<ProgressBar>)> = bots
+        .into_iter()
+        .map(|b| (b, Rate::default(), None))
+        .collect();
     loop {
-        tokio::select! {
-            _ = done.cancelled() => break,
-            _ = tokio::time::sleep(every) => {}
-        }
-        let Ok(crate::lock::document::Observed::Valid(doc)) = store.load(&bot).await else {
-            continue;
+        // After `done`, one last draw: the bars end on the pass's final figures.
+        let last = tokio::select! {
+            _ = done.cancelled() => true,
+            _ = tokio::time::sleep(every) => false,
         };
-        if doc.crawl_pass == 0 {
-            continue;
-        }
-        let Ok(p) = store.pass_progress(&bot, doc.crawl_pass).await else {
-            continue;
-        };
-        let now = std::time::Instant::now();
-        samples.push_back((now, p.done + p.failed));
-        while samples.len() > 2 && now - samples[0].0 > Duration::from_secs(10) {
-            samples.pop_front();
-        }
-        let rate = match (samples.front(), samples.back()) {
-            (Some((t0, n0)), Some((t1, n1))) if t1 > t0 => {
-                n1.saturating_sub(*n0) as f64 / (*t1 - *t0).as_secs_f64()
+        for (bot, rate, bar) in &mut shown {
+            if last && bar.is_none() {
+                continue;
             }
-            _ => 0.0,
-        };
-        let text = line(&p, rate, 30);
-        let mut err = std::io::stderr().lock();
-        let _ = if tty {
-            write!(err, "\r{bot} pass {} {text}\x1b[K", doc.crawl_pass)
-        } else {
-            writeln!(err, "{bot} pass {} {text}", doc.crawl_pass)
-        };
-        let _ = err.flush();
+            let Ok(Observed::Valid(doc)) = store.load(bot).await else {
+                continue;
+            };
+            if doc.crawl_pass == 0 {
+                continue;
+            }
+            let Ok(p) = store.pass_progress(bot, doc.crawl_pass).await else {
+                continue;
+            };
+            let rate = rate.add(Instant::now(), p.done + p.failed);
+            let size = PassSize::of(&p, doc.crawl_last_pass_pages);
+            if tty {
+                let bar = bar.get_or_insert_with(|| {
+                    let bar = bars().add(ProgressBar::no_length());
+                    bar.set_style(style.clone());
+                    bar
+                });
+                bar.set_prefix(format!("{bot} pass {}", doc.crawl_pass));
+                bar.set_length(size.pages().max(p.done + p.failed));
+                bar.set_position(p.done + p.failed);
+                bar.set_message(format!(
+                    "{} pages  {}",
+                    size.label(),
+                    figures(&p, size, rate)
+                ));
+            } else {
+                let mut err = std::io::stderr().lock();
+                let _ = writeln!(
+                    err,
+                    "{bot} pass {} {}",
+                    doc.crawl_pass,
+                    line(&p, size, rate, 30)
+                );
+                let _ = err.flush();
+            }
+        }
+        if last {
+            break;
+        }
     }
-    if tty {
-        eprintln!();
+    for (_, _, bar) in shown {
+        if let Some(bar) = bar {
+            bar.abandon();
+        }
     }
 }
 
@@ -113,30 +291,69 @@ pub async fn summary(store: &Store, bot: &BotId, pass: i64, took: Duration) -> R
 mod tests {
     use super::*;
 
+    fn progress(pending: u64, waiting: u64, leased: u64, done: u64, failed: u64) -> PassProgress {
+        PassProgress {
+            pending,
+            waiting,
+            leased,
+            done,
+            failed,
+        }
+    }
+
     #[test]
-    fn the_line_shows_progress_rate_queue_and_eta() {
-        let p = PassProgress {
-            pending: 40,
-            waiting: 10,
-            leased: 10,
-            done: 35,
-            failed: 5,
-        };
-        let text = line(&p, 20.0, 10);
+    fn a_pass_after_a_completed_one_expects_the_last_pass_size_and_counts_down_to_it() {
+        // 40 finished of a shop whose last pass had 525 pages; 60 discovered and open so far.
+        let p = progress(40, 10, 10, 35, 5);
+        let size = PassSize::of(&p, Some(525));
+        assert_eq!(size, PassSize::Expected(525));
+        assert_eq!(Eta::of(&p, size, 20.0), Eta::In(Duration::from_secs(25)));
         assert_eq!(
-            text,
-            "[####------] 40/100 pages  20.0/s  queue 50  in flight 10  failed 5  ETA 3s"
+            line(&p, size, 20.0, 10),
+            "[----------] 40/~525 pages  20.0/s  queue 50  in flight 10  failed 5  ETA 25s"
         );
-        let finished = PassProgress {
-            done: 7,
-            ..Default::default()
-        };
-        assert!(line(&finished, 0.0, 4).starts_with("[####] 7/7 pages"));
-        assert!(line(&finished, 0.0, 4).ends_with("ETA 0s"));
-        let stalled = PassProgress {
-            pending: 1,
-            ..Default::default()
-        };
-        assert!(line(&stalled, 0.0, 4).ends_with("ETA ?"));
+        // Discovering more than the last pass had: what is known now is the better estimate.
+        let bigger = progress(600, 0, 0, 100, 0);
+        assert_eq!(PassSize::of(&bigger, Some(525)), PassSize::Expected(700));
+        assert_eq!(
+            Eta::of(&bigger, PassSize::of(&bigger, Some(525)), 100.0),
+            Eta::In(Duration::from_secs(6))
+        );
+    }
+
+    #[test]
+    fn a_first_pass_says_its_total_is_still_being_discovered_and_gives_only_a_lower_bound() {
+        // The 3,060-page shop at 4 s: 300 found, 200 finished. The old display said "ETA 1s".
+        let p = progress(90, 0, 10, 200, 0);
+        let size = PassSize::of(&p, None);
+        assert_eq!(size, PassSize::Discovering(300));
+        let eta = Eta::of(&p, size, 130.0);
+        assert_eq!(eta, Eta::AtLeast(Duration::from_secs(1)));
+        assert_eq!(eta.to_string(), "≥1s (total still being discovered)");
+        assert_eq!(
+            line(&p, size, 130.0, 10),
+            "[######----] 200/300+ pages  130.0/s  queue 90  in flight 10  failed 0  ETA ≥1s (total still being discovered)"
+        );
+        // A last pass recorded as 0 pages tells nothing either.
+        assert_eq!(PassSize::of(&p, Some(0)), PassSize::Discovering(300));
+    }
+
+    #[test]
+    fn an_eta_is_done_when_nothing_is_open_and_unknown_without_a_rate() {
+        let finished = progress(0, 0, 0, 7, 0);
+        assert_eq!(
+            Eta::of(&finished, PassSize::of(&finished, Some(9)), 0.0),
+            Eta::Done
+        );
+        assert!(
+            line(&finished, PassSize::of(&finished, None), 0.0, 4).starts_with("[####] 7/7+ pages")
+        );
+        let stalled = progress(1, 0, 0, 0, 0);
+        assert_eq!(
+            Eta::of(&stalled, PassSize::of(&stalled, Some(9)), 0.0),
+            Eta::Unknown
+        );
+        assert_eq!(Eta::Unknown.seconds(), None);
+        assert_eq!(Eta::AtLeast(Duration::from_secs(4)).seconds(), Some(4));
     }
 }

@@ -36,7 +36,32 @@ fn read_date(d: &Document, key: &str) -> Option<DateTime<Utc>> {
     }
 }
 
+/// How long a host row outlives its last refresh before the server deletes it (a TTL index on
+/// `updatedAt`): rows of instances that stopped, or of ids never seen again, do not pile up.
+pub const HOSTS_EXPIRE_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
+
 impl Store {
+    /// The `hosts` TTL index on `updatedAt` (idempotent); it also serves "published lately".
+    pub async fn ensure_host_indexes(&self) -> Result<()> {
+        let index = mongodb::IndexModel::builder()
+            .keys(doc! { "updatedAt": 1 })
+            .options(
+                mongodb::options::IndexOptions::builder()
+                    .name("updated_at_ttl".to_owned())
+                    .expire_after(HOSTS_EXPIRE_AFTER)
+                    .build(),
+            )
+            .build();
+        self.index_build(
+            "create hosts index",
+            self.database()
+                .collection::<Document>(HOSTS)
+                .create_index(index),
+        )
+        .await?;
+        Ok(())
+    }
+
     /// Upserts this instance's rows (one write per host).
     pub async fn publish_hosts(&self, me: &InstanceId, rows: &[HostRow]) -> Result<()> {
         let hosts = self.database().collection::<Document>(HOSTS);

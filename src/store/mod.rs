@@ -473,6 +473,22 @@ impl Store {
     }
 
     /// Every bot document, sorted by id (for `status`).
+    /// The bots' state index (idempotent): an operator's reads of bots by state — ready, locked,
+    /// failing, stuck (the README's mongosh recipes) — select on `isEditing` and `isReady`.
+    pub async fn ensure_bot_indexes(&self) -> Result<()> {
+        let index = mongodb::IndexModel::builder()
+            .keys(doc! { field::IS_EDITING: 1, field::IS_READY: 1 })
+            .options(
+                mongodb::options::IndexOptions::builder()
+                    .name("editing_ready".to_owned())
+                    .build(),
+            )
+            .build();
+        self.index_build("create bots index", self.bots.create_index(index))
+            .await?;
+        Ok(())
+    }
+
     pub async fn load_all(&self) -> Result<Vec<Document>> {
         use futures_util::TryStreamExt;
         let all = async {

@@ -357,18 +357,29 @@ impl Store {
         self.database().collection(RECORDS)
     }
 
-    /// Creates the records' indexes (idempotent): deletion detection scans by bot and pass.
+    /// Creates the records' indexes (idempotent): deletion detection scans by bot and pass; an
+    /// operator's "changed since" and "removed" reads (the README's mongosh recipes, `export`)
+    /// by bot and `lastChanged` / `removedAt`.
     pub async fn ensure_record_indexes(&self) -> Result<()> {
-        let index = IndexModel::builder()
-            .keys(doc! { f::BOT: 1, f::LAST_SEEN_PASS: 1 })
-            .options(
-                IndexOptions::builder()
-                    .name("bot_last_seen_pass".to_owned())
-                    .build(),
-            )
-            .build();
-        self.index_build("create records index", self.records().create_index(index))
-            .await?;
+        let indexes = [
+            (
+                "bot_last_seen_pass",
+                doc! { f::BOT: 1, f::LAST_SEEN_PASS: 1 },
+            ),
+            ("bot_last_changed", doc! { f::BOT: 1, f::LAST_CHANGED: 1 }),
+            ("bot_removed_at", doc! { f::BOT: 1, f::REMOVED_AT: 1 }),
+        ]
+        .map(|(name, keys)| {
+            IndexModel::builder()
+                .keys(keys)
+                .options(IndexOptions::builder().name(name.to_owned()).build())
+                .build()
+        });
+        self.index_build(
+            "create records indexes",
+            self.records().create_indexes(indexes),
+        )
+        .await?;
         Ok(())
     }
 

@@ -411,11 +411,11 @@ impl Proc {
         }
     }
 
-    /// The `/healthz` + `/metrics` address of a process started with
+    /// The HTTP address (status page, `/healthz`, `/metrics`) of a process started with
     /// `SEEDLOCK_HTTP_LISTEN=127.0.0.1:0`, once its log says it serves them.
     pub async fn http_addr(&self) -> String {
         eventually("the endpoint is up", Duration::from_secs(20), || async {
-            self.log().contains("serving /healthz")
+            self.log().contains("serving the status page")
         })
         .await;
         let log = self.log();
