@@ -24,6 +24,9 @@
 //!   the limit's range after it, the 429 share after it.
 //! - `memory [URLS]`: peak RSS of an instance crawling a frontier of URLS pending entries (default
 //!   1,000,000) for 60 s, against one of 10,000.
+//! - `export [RECORDS]`: `seedlock export` of RECORDS records (default 1,000,000) as JSON lines and
+//!   as CSV, against 10,000: every line checked against the record it came from (count and
+//!   content), wall time, records/s and the exporting process's peak RSS.
 //!
 //! Prints Markdown tables.
 
@@ -1397,6 +1400,155 @@ async fn deletion(uri: &str) {
     }
 }
 
+/// Record `i` of the export benchmark, as stored.
+fn export_record(i: u32, at: bson::DateTime) -> Document {
+    doc! {
+        "_id": format!("r{i:08}"), "botId": "shop", "naturalKey": format!("SKU-{i:08}"),
+        "url": format!("http://127.0.0.1:9/product/SKU-{i:08}"),
+        "data": {"title": format!("Item, \"{i}\""), "price": format!("${}.{:02}", i % 1000, i % 100), "status": "in stock"},
+        "contentHash": format!("{:032x}", u128::from(i) * 7919),
+        "firstSeen": at, "lastChanged": at, "lastSeen": at, "lastSeenPass": 1_i64,
+        "fetchedAt": at, "removedAt": null,
+    }
+}
+
+async fn export(uri: &str, records: u32) {
+    use tokio::io::AsyncBufReadExt;
+    let dir = tempfile::tempdir().unwrap();
+    println!("## Export: `seedlock export` streaming a bot's records (1 process)");
+    println!();
+    println!("| records | format | insert (s) | export wall (s) | records/s | lines checked | peak RSS (MiB) |");
+    println!("|---|---|---|---|---|---|---|");
+    for size in [10_000, records] {
+        let db = fresh_db(uri, "export").await;
+        let at = bson::DateTime::from_millis(1_764_547_200_000);
+        let started = Instant::now();
+        let store = seedlock::store::Store::new(db.clone());
+        store.ensure_record_indexes().await.unwrap();
+        let mut i = 0;
+        while i < size {
+            let batch: Vec<Document> = (i..(i + 10_000).min(size))
+                .map(|n| export_record(n, at))
+                .collect();
+            i += batch.len() as u32;
+            db.collection::<Document>("records")
+                .insert_many(batch)
+                .await
+                .unwrap();
+        }
+        let insert = started.elapsed();
+        let bots = dir.path().join("bots.toml");
+        std::fs::write(
+            &bots,
+            format!(
+                "[[bots]]\nid = \"shop\"\nseeds = {{ url = \"http://127.0.0.1:9/seeds.txt\" }}\n{}",
+                seedlock::demo_site::crawl_rules_toml(&["127.0.0.1:9"], ".sku")
+            ),
+        )
+        .unwrap();
+        let config = dir.path().join("export.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[mongo]\nuri = \"{uri}\"\ndatabase = \"{}\"\n[http]\nlisten = \"off\"\n",
+                db.name()
+            ),
+        )
+        .unwrap();
+        let mut apply = seedlock(
+            &config,
+            "bench-apply",
+            &["bots", "apply", bots.to_str().unwrap()],
+        );
+        assert!(apply.wait().await.unwrap().success(), "bots apply failed");
+        for format in ["jsonl", "csv"] {
+            let bin = std::env::var("SEEDLOCK_BIN").expect("SEEDLOCK_BIN");
+            let started = Instant::now();
+            let mut child = Command::new(bin)
+                .arg("-c")
+                .arg(&config)
+                .args(["export", "shop", "--format", format])
+                .env_remove("MONGODB_URI")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap();
+            let stdout = child.stdout.take().unwrap();
+            let pid = child.id().unwrap_or(0);
+            let check = async move {
+                let mut lines = tokio::io::BufReader::with_capacity(1 << 20, stdout).lines();
+                let mut n: u32 = 0;
+                if format == "csv" {
+                    let header = lines.next_line().await.unwrap().unwrap();
+                    assert_eq!(
+                        header,
+                        "naturalKey,url,price,status,title,firstSeen,lastChanged,removedAt"
+                    );
+                }
+                while let Some(line) = lines.next_line().await.unwrap() {
+                    let want = export_record(n, at);
+                    if format == "jsonl" {
+                        let got: serde_json::Value = serde_json::from_str(&line).unwrap();
+                        assert_eq!(
+                            got,
+                            seedlock::ops::admin::to_json(&bson::Bson::Document(want)),
+                            "line {n}"
+                        );
+                    } else {
+                        let fields =
+                            vec!["price".to_owned(), "status".to_owned(), "title".to_owned()];
+                        assert_eq!(
+                            line,
+                            seedlock::ops::export::csv_row(&want, &fields),
+                            "line {n}"
+                        );
+                    }
+                    n += 1;
+                }
+                n
+            };
+            let rss = move |peak: std::sync::Arc<std::sync::atomic::AtomicU64>| async move {
+                loop {
+                    if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+                        if let Some(kb) = status
+                            .lines()
+                            .find(|l| l.starts_with("VmHWM:"))
+                            .and_then(|l| l.split_whitespace().nth(1))
+                            .and_then(|v| v.parse::<u64>().ok())
+                        {
+                            peak.fetch_max(kb, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            };
+            // Sampled until its output ends (the process exits right after).
+            let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let sampler = {
+                let peak = peak.clone();
+                tokio::spawn(async move {
+                    let _: () = rss(peak).await;
+                })
+            };
+            let checked = check.await;
+            sampler.abort();
+            let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+            let status = child.wait().await.unwrap();
+            assert!(status.success(), "export failed");
+            let wall = started.elapsed();
+            assert_eq!(checked, size, "every record exported once");
+            println!(
+                "| {size} | {format} | {:.1} | {:.1} | {:.0} | {checked} | {:.1} |",
+                insert.as_secs_f64(),
+                wall.as_secs_f64(),
+                f64::from(size) / wall.as_secs_f64(),
+                peak as f64 / 1024.0
+            );
+        }
+        db.drop().await.unwrap();
+    }
+}
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -1420,9 +1572,10 @@ async fn main() {
         Some("head-of-line") => head_of_line(&uri).await,
         Some("throttling") => throttling(&uri).await,
         Some("memory") => memory(&uri, number(1, 1_000_000)).await,
+        Some("export") => export(&uri, number(1, 1_000_000)).await,
         _ => {
             eprintln!(
-                "usage: crawl_bench kill [RUNS] | throughput | ceilings | indexes | incremental [ITEMS] | deletion | head-of-line | throttling | memory [URLS]"
+                "usage: crawl_bench kill [RUNS] | throughput | ceilings | indexes | incremental [ITEMS] | deletion | head-of-line | throttling | memory [URLS] | export [RECORDS]"
             );
             std::process::exit(2);
         }

@@ -84,6 +84,31 @@ pub enum Command {
     },
     /// Ask for a refresh of a bot's seeds at the next opportunity.
     Refresh { bot: String },
+    /// Bot definitions kept in the database (for instances whose config has no [[bots]]).
+    Bots {
+        #[command(subcommand)]
+        command: BotsCommand,
+    },
+    /// Pause a bot on every instance: no lock taken, no URL leased; in-flight pages finish.
+    Pause {
+        bot: String,
+        #[arg(long, default_value = "paused by an operator")]
+        reason: String,
+    },
+    /// Resume a paused bot: its pass continues where it stopped.
+    Resume { bot: String },
+    /// Stream a bot's records to stdout (constant memory).
+    Export {
+        bot: String,
+        #[arg(long, value_enum, default_value = "jsonl")]
+        format: crate::ops::export::Format,
+        /// Only records whose content changed at or after this time (RFC 3339, e.g. 2026-12-01T00:00:00Z).
+        #[arg(long, value_parser = rfc3339)]
+        changed_since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Also the records marked removed.
+        #[arg(long)]
+        include_removed: bool,
+    },
     /// Serve the demo shop: listing and product pages, a seed source (/seeds.txt, /seeds.json,
     /// /sitemap.xml) and control endpoints (/__mutate, /__faults, /__stats, /__truth). Needs no config.
     DemoSite {
@@ -105,10 +130,43 @@ pub enum Command {
     },
 }
 
-const EXIT_FAILED: u8 = 1;
-const EXIT_USAGE: u8 = 2;
+#[derive(Debug, Subcommand)]
+pub enum BotsCommand {
+    /// Write the [[bots]] of FILE into the database (validated as at start-up; nothing is written
+    /// if one is bad). Prints per bot: created, changed (with the keys), unchanged, removed.
+    Apply {
+        file: PathBuf,
+        /// Also remove the database's bots that FILE does not define.
+        #[arg(long)]
+        prune: bool,
+        /// Print what would change; write nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// The bots in the database: id, spec version, state, paused, pass, last change.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a bot: it stops on every instance within one poll.
+    Remove {
+        bot: String,
+        /// Also delete its frontier and records (once no lease of it is live).
+        #[arg(long)]
+        purge: bool,
+    },
+}
 
-fn fail(code: u8, message: impl std::fmt::Display) -> ExitCode {
+fn rfc3339(raw: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    chrono::DateTime::parse_from_rfc3339(raw)
+        .map(|t| t.with_timezone(&chrono::Utc))
+        .map_err(|e| format!("{raw:?} is not an RFC 3339 time such as 2026-12-01T00:00:00Z ({e})"))
+}
+
+pub(crate) const EXIT_FAILED: u8 = 1;
+pub(crate) const EXIT_USAGE: u8 = 2;
+
+pub(crate) fn fail(code: u8, message: impl std::fmt::Display) -> ExitCode {
     eprintln!("seedlock: {message}");
     ExitCode::from(code)
 }
@@ -176,7 +234,7 @@ fn sku_prefix(raw: &str) -> Result<String, String> {
     }
 }
 
-fn bot_arg(raw: &str) -> Result<BotId, ExitCode> {
+pub(crate) fn bot_arg(raw: &str) -> Result<BotId, ExitCode> {
     BotId::parse(raw).map_err(|e| fail(EXIT_USAGE, e))
 }
 
@@ -206,6 +264,17 @@ async fn dispatch(command: Command, mut settings: Settings) -> ExitCode {
         Command::Inspect { bot } => inspect(settings, &bot).await,
         Command::Unlock { bot, reason } => unlock(settings, &bot, &reason).await,
         Command::Refresh { bot } => refresh(settings, &bot).await,
+        Command::Bots { command } => crate::ops::bots::command(settings, command).await,
+        Command::Pause { bot, reason } => {
+            crate::ops::bots::pause(settings, &bot, Some(&reason)).await
+        }
+        Command::Resume { bot } => crate::ops::bots::pause(settings, &bot, None).await,
+        Command::Export {
+            bot,
+            format,
+            changed_since,
+            include_removed,
+        } => crate::ops::bots::export(settings, &bot, format, changed_since, include_removed).await,
         Command::DemoSite { .. } => unreachable!("handled before the config is read"),
     }
 }
@@ -395,7 +464,7 @@ async fn inspect(settings: Settings, bot: &str) -> ExitCode {
     code
 }
 
-fn admin_name() -> String {
+pub(crate) fn admin_name() -> String {
     let user = std::env::var("USER").unwrap_or_else(|_| "admin".into());
     format!(
         "admin:{user}@{}",

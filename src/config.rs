@@ -36,7 +36,115 @@ pub struct Settings {
     pub crawl: CrawlLimits,
     pub http_listen: Option<String>,
     pub log: LogSettings,
+    /// The file's `[[bots]]`; empty: the instance runs the bots defined in the database.
     pub bots: Vec<BotSettings>,
+    /// `[instance] bots`: which of the database's bots to run (globs; empty: all).
+    pub bot_filter: Vec<String>,
+}
+
+impl Settings {
+    /// True when the bots come from the database (the file has no `[[bots]]`).
+    pub fn bots_from_database(&self) -> bool {
+        self.bots.is_empty()
+    }
+
+    /// Whether this instance runs the database's bot `id` (`[instance] bots`).
+    pub fn runs(&self, id: &BotId) -> bool {
+        self.bot_filter.is_empty() || self.bot_filter.iter().any(|g| glob_match(g, id.as_str()))
+    }
+}
+
+/// `*` matches any run of characters, `?` one character; everything else itself.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let (p, t): (Vec<char>, Vec<char>) = (pattern.chars().collect(), text.chars().collect());
+    let (mut pi, mut ti, mut star, mut mark) = (0, 0, None, 0);
+    while ti < t.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            mark = ti;
+            pi += 1;
+        } else if let Some(s) = star {
+            pi = s + 1;
+            mark += 1;
+            ti = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|c| *c == '*')
+}
+
+/// A bot's definition as kept in its document's `spec`: the `[[bots]]` entry with every default
+/// filled in and without its `id` (the document's `_id`).
+#[derive(Clone, Debug)]
+pub struct BotSpec {
+    pub settings: BotSettings,
+    pub spec: bson::Document,
+}
+
+/// Reads the `[[bots]]` of a file (a whole config file, or one with only `[[bots]]`), validated
+/// exactly as at start-up: the first bad key is one line naming the bot and the key.
+pub fn specs_from_file(path: &Path) -> Result<Vec<BotSpec>, ConfigError> {
+    let error = |message: String| ConfigError {
+        path: path.display().to_string(),
+        message,
+    };
+    let text =
+        std::fs::read_to_string(path).map_err(|e| error(format!("cannot read the file: {e}")))?;
+    #[derive(Deserialize)]
+    struct BotsOnly {
+        #[serde(default)]
+        bots: Vec<RawBot>,
+    }
+    let raw: BotsOnly = Figment::from(Toml::string(&text))
+        .extract()
+        .map_err(|e| error(describe_figment_error(e)))?;
+    if raw.bots.is_empty() {
+        return Err(error("the file has no [[bots]]".into()));
+    }
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(raw.bots.len());
+    for (i, bot) in raw.bots.into_iter().enumerate() {
+        let mut spec =
+            bson::to_document(&bot).map_err(|e| error(format!("key `bots[{i}]`: {e}")))?;
+        spec.remove("id");
+        let name = bot.id.clone();
+        let settings = bot
+            .validate(&format!("bots[{i}]"))
+            .map_err(|e| error(format!("bot {name:?}: {}", one_line(&e))))?;
+        if !seen.insert(settings.id.clone()) {
+            return Err(error(format!(
+                "key `bots[{i}].id`: bot {name:?} is defined twice"
+            )));
+        }
+        out.push(BotSpec { settings, spec });
+    }
+    Ok(out)
+}
+
+/// The settings of the database's bot `id` from its document's `spec`, validated as a file's
+/// `[[bots]]` entry is; an error names the key (`spec.crawl.list.item`, …) in one line.
+pub fn bot_from_spec(id: &BotId, spec: &bson::Document) -> Result<BotSettings, String> {
+    let mut with_id = spec.clone();
+    with_id.insert("id", id.as_str());
+    let deserializer = bson::Deserializer::new(bson::Bson::Document(with_id));
+    let raw: RawBot = serde_path_to_error::deserialize(deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        if path == "." || path.is_empty() {
+            format!("key `spec`: {}", one_line(&inner))
+        } else {
+            format!("key `spec.{path}`: {}", one_line(&inner))
+        }
+    })?;
+    raw.validate("spec").map_err(|e| one_line(&e))
+}
+
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 #[derive(Clone, Debug)]
@@ -266,6 +374,9 @@ impl Default for RawMongo {
 #[serde(deny_unknown_fields, default)]
 struct RawInstance {
     id: String,
+    /// With no `[[bots]]` in the file: run only the database's bots whose id matches one of these
+    /// globs (`*`, `?`); empty runs them all.
+    bots: Vec<String>,
 }
 
 #[derive(Debug, Deserialize, Serialize)]
@@ -652,9 +763,9 @@ impl Default for RawIncremental {
 }
 
 impl RawCrawl {
-    fn validate(self, i: usize) -> Result<CrawlSettings, String> {
+    fn validate(self, p: &str) -> Result<CrawlSettings, String> {
         use crate::crawl::extract::{selector, LinkRules, ListRules, RecordRules, ValueSpec};
-        let key = |k: &str| format!("bots[{i}].crawl.{k}");
+        let key = |k: &str| format!("{p}.crawl.{k}");
         let named = |k: &str| {
             let k = key(k);
             move |e: String| format!("key `{k}`: {e}")
@@ -969,7 +1080,7 @@ impl RawConfig {
         let mut seen = HashSet::new();
         let mut bots = Vec::with_capacity(self.bots.len());
         for (i, bot) in self.bots.into_iter().enumerate() {
-            let bot = bot.validate(i)?;
+            let bot = bot.validate(&format!("bots[{i}]"))?;
             if !seen.insert(bot.id.clone()) {
                 return Err(format!(
                     "key `bots[{i}].id`: bot {:?} is configured twice",
@@ -990,8 +1101,22 @@ impl RawConfig {
                 level,
             },
             bots,
+            bot_filter: validate_globs(&self.instance.bots)?,
         })
     }
+}
+
+fn validate_globs(globs: &[String]) -> Result<Vec<String>, String> {
+    globs
+        .iter()
+        .map(|g| {
+            let g = g.trim();
+            let id = g.replace(['*', '?'], "a");
+            BotId::parse(&id)
+                .map(|_| g.to_owned())
+                .map_err(|e| format!("key `instance.bots`: {g:?} is not a bot id glob ({e})"))
+        })
+        .collect()
 }
 
 fn validate_database(raw: &str) -> Result<String, String> {
@@ -1092,19 +1217,19 @@ impl RawRefresh {
 }
 
 impl RawBot {
-    fn validate(self, i: usize) -> Result<BotSettings, String> {
-        let id = BotId::parse(&self.id).map_err(|e| format!("key `bots[{i}].id`: {e}"))?;
+    fn validate(self, p: &str) -> Result<BotSettings, String> {
+        let id = BotId::parse(&self.id).map_err(|e| format!("key `{p}.id`: {e}"))?;
         let seeds = match self.seeds {
             RawSeeds::Static(list) => {
                 if list.is_empty() {
                     return Err(format!(
-                        "key `bots[{i}].seeds`: a static seed list must not be empty"
+                        "key `{p}.seeds`: a static seed list must not be empty"
                     ));
                 }
                 let mut urls = Vec::with_capacity(list.len());
                 for raw in &list {
-                    let url = NormalizedUrl::parse(raw)
-                        .map_err(|e| format!("key `bots[{i}].seeds`: {e}"))?;
+                    let url =
+                        NormalizedUrl::parse(raw).map_err(|e| format!("key `{p}.seeds`: {e}"))?;
                     if !urls.contains(&url) {
                         urls.push(url);
                     }
@@ -1113,26 +1238,26 @@ impl RawBot {
             }
             RawSeeds::Source(source) => SeedSource::Url {
                 url: NormalizedUrl::parse(&source.url)
-                    .map_err(|e| format!("key `bots[{i}].seeds.url`: {e}"))?,
+                    .map_err(|e| format!("key `{p}.seeds.url`: {e}"))?,
                 format: source.format,
             },
         };
         let refresh = match self.refresh.trim() {
             "daily" => RefreshSchedule::Daily,
             other => {
-                let every = positive(&format!("bots[{i}].refresh"), other).map_err(|_| {
-                    format!("key `bots[{i}].refresh`: {other:?} is neither \"daily\" nor an interval such as \"6h\" (at most 7 days)")
+                let every = positive(&format!("{p}.refresh"), other).map_err(|_| {
+                    format!("key `{p}.refresh`: {other:?} is neither \"daily\" nor an interval such as \"6h\" (at most 7 days)")
                 })?;
                 if every < Duration::from_secs(1) {
                     return Err(format!(
-                        "key `bots[{i}].refresh`: an interval must be at least 1s"
+                        "key `{p}.refresh`: an interval must be at least 1s"
                     ));
                 }
                 RefreshSchedule::Every(every)
             }
         };
         let crawl = match self.crawl {
-            Some(c) => Some(c.validate(i)?),
+            Some(c) => Some(c.validate(p)?),
             None => None,
         };
         Ok(BotSettings {
@@ -1202,7 +1327,16 @@ on_refresh_failure = "wait"
     #[test]
     fn the_shipped_configs_parse() {
         let compose = Settings::from_toml(include_str!("../deploy/seedlock.toml"), no_env).unwrap();
-        assert_eq!(compose.bots.len(), 2);
+        assert!(
+            compose.bots_from_database(),
+            "the compose instances run the database's bots"
+        );
+        let bots = specs_from_file(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/deploy/bots.toml"
+        )))
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(bots.len(), 2);
         // The README's configuration reference is a complete, valid config.
         let s = Settings::from_toml(readme_reference(), no_env)
             .unwrap_or_else(|e| panic!("README config: {e}"));
@@ -1262,7 +1396,10 @@ on_refresh_failure = "wait"
                 connect_timeout: "1s".into(),
                 op_timeout: "1s".into(),
             },
-            instance: RawInstance { id: "i".into() },
+            instance: RawInstance {
+                id: "i".into(),
+                bots: vec!["shop-*".into()],
+            },
             lock: RawLock {
                 ttl: "1s".into(),
                 heartbeat: Some("1s".into()),

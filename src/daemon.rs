@@ -10,7 +10,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::clock::{LocalClock, ServerClock};
-use crate::config::{Settings, Transactions};
+use crate::config::{BotSettings, Settings, Transactions};
 use crate::crawl::fetch::PageFetcher;
 use crate::crawl::CrawlContext;
 use crate::ids::BotId;
@@ -115,14 +115,53 @@ where
     }
 }
 
-/// An instance with nothing to run is a configuration error, found before any connection.
-fn require_bots(settings: &Settings) -> Result<(), RunError> {
-    if settings.bots.is_empty() {
+/// With no `[[bots]]` in its file, an instance runs the bots defined in the database
+/// ([`crate::lock::fleet`]); `run --once` runs those defined when it starts.
+fn require_bots(_settings: &Settings) -> Result<(), RunError> {
+    Ok(())
+}
+
+/// `run --once` of an instance without `[[bots]]`: the bots the database defines now (matching
+/// `[instance] bots`), each with its spec; a spec that does not parse is a start-up error.
+async fn database_bots(
+    settings: &Settings,
+    store: &Store,
+) -> Result<Vec<(BotSettings, i64, bson::Document)>, RunError> {
+    let docs = store
+        .spec_documents()
+        .await
+        .map_err(|e| RunError::Startup(e.to_string()))?;
+    let mut out = Vec::new();
+    for raw in docs {
+        let Some(id) = raw
+            .get_str(crate::lock::document::field::ID)
+            .ok()
+            .and_then(|s| BotId::parse(s).ok())
+        else {
+            continue;
+        };
+        if !settings.runs(&id) {
+            continue;
+        }
+        let Ok(spec) = raw.get_document(crate::lock::document::field::SPEC) else {
+            return Err(RunError::Startup(format!(
+                "bot {id}: key `spec`: not a document"
+            )));
+        };
+        let version = raw
+            .get(crate::lock::document::field::SPEC_VERSION)
+            .and_then(crate::lock::document::integer)
+            .unwrap_or(0);
+        let bot = crate::config::bot_from_spec(&id, spec)
+            .map_err(|e| RunError::Startup(format!("bot {id}: {e}")))?;
+        out.push((bot, version, spec.clone()));
+    }
+    if out.is_empty() {
         return Err(RunError::Startup(
-            "no [[bots]] configured: nothing to run".into(),
+            "no [[bots]] in the config file and no bot defined in the database (seedlock bots apply FILE): nothing to run".into(),
         ));
     }
-    Ok(())
+    Ok(out)
 }
 
 pub async fn run(
@@ -164,7 +203,12 @@ pub async fn run_with_store(
         }));
     }
     let started_at = clock.now();
-    let crawl = if settings.bots.iter().any(|b| b.crawl.is_some()) {
+    let from_database = settings.bots_from_database();
+    let once_bots = match (&mode, from_database) {
+        (Mode::Once { .. }, true) => database_bots(&settings, &store).await?,
+        _ => Vec::new(),
+    };
+    let crawl = if from_database || settings.bots.iter().any(|b| b.crawl.is_some()) {
         Some(crawl_context(&settings, &store, &clock, started_at, &metrics).await?)
     } else {
         None
@@ -237,6 +281,30 @@ pub async fn run_with_store(
         runs.push((
             bot.id.clone(),
             tracker.spawn(async move { runner.run(until, &stop).await }),
+        ));
+    }
+    for (bot, version, spec) in once_bots {
+        let id = bot.id.clone();
+        let runner = BotRunner::from_spec(bot, version, spec, ctx.clone());
+        let stop = stop.clone();
+        runs.push((
+            id,
+            tracker.spawn(async move { runner.run(until, &stop).await }),
+        ));
+    }
+    if from_database && matches!(mode, Mode::Daemon) {
+        info!("no [[bots]] in the config file: running the bots defined in the database");
+        let fleet = tracker.spawn(crate::lock::fleet::follow(
+            settings.clone(),
+            ctx.clone(),
+            stop.clone(),
+        ));
+        runs.push((
+            BotId::parse("fleet").expect("a valid id"),
+            tracker.spawn(async move {
+                let _ = fleet.await;
+                RunEnd::Shutdown
+            }),
         ));
     }
 

@@ -26,6 +26,9 @@ pub enum Error {
     EpochExhausted { bot: String },
     #[error("database: {0}")]
     Db(#[from] mongodb::error::Error),
+    /// A request the database state refuses (a concurrent change, a missing bot): say why.
+    #[error("{0}")]
+    Invalid(String),
     #[error("the server's answer to {what} was not understood: {detail}")]
     Protocol { what: &'static str, detail: String },
     /// A task of this process failed (it panicked or was cancelled): a bug, not the server's.
@@ -68,7 +71,8 @@ impl Error {
             | Error::EpochExhausted { .. }
             | Error::UrlLeaseLost { .. }
             | Error::Protocol { .. }
-            | Error::Task { .. } => false,
+            | Error::Task { .. }
+            | Error::Invalid(_) => false,
         }
     }
 }

@@ -72,6 +72,12 @@ pub struct Pass {
     pub last_run_at: Option<DateTime<Utc>>,
     /// The hosts (`host:port`) of the bot's seeds: where the pass's work starts.
     pub seed_hosts: Vec<String>,
+    /// The spec the pass started with (`crawlPassSpecVersion`, `crawlPassSpec`), for bots defined
+    /// in the database: the pass ends on it whatever changes meanwhile.
+    pub spec: Option<std::sync::Arc<(i64, bson::Document)>>,
+    /// The pass started on another spec than the one before it (`crawlPassRefetch`): every
+    /// detail page is fetched, unconditionally, so every record is extracted by the new rules.
+    pub refetch: bool,
 }
 
 /// A crawling bot's pass as its document shows it.
@@ -116,6 +122,8 @@ impl PassState {
                 started_at: doc.crawl_pass_started_at,
                 last_run_at: doc.crawl_last_run_at,
                 seed_hosts,
+                spec: doc.crawl_pass_spec.clone(),
+                refetch: doc.crawl_pass_refetch,
             })
         }
     }
@@ -525,8 +533,12 @@ impl Crawler {
                 let (crawler, run, shutdown) = (self.clone(), run.clone(), shutdown.clone());
                 let fetching = self.stages.fetch.enter();
                 drop(queued.ticket);
+                let refetch = pass.refetch;
                 fetches.spawn(async move {
-                    let lease = queued.lease;
+                    let mut lease = queued.lease;
+                    if refetch {
+                        lease.validators = Default::default();
+                    }
                     let fetched = crawler.fetch(&lease, admitted, &shutdown).await;
                     let fast = lease.kind.is_listing();
                     let item = Item {

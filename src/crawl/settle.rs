@@ -75,7 +75,11 @@ impl Crawler {
         queues: &HostQueues,
         now: DateTime<Utc>,
     ) -> Result<Followed> {
-        let mode = self.rules.incremental.mode;
+        let mode = if pass.refetch {
+            IncrementalMode::Full
+        } else {
+            self.rules.incremental.mode
+        };
         let mut item_urls: HashSet<&NormalizedUrl> = HashSet::new();
         let items: Vec<_> = if lease.kind == PageKind::Detail {
             Vec::new()

@@ -70,6 +70,8 @@ pub enum StepOutcome {
     EditLockLost,
     /// Shutdown arrived mid-refresh: work stopped, then the lock was released.
     Released,
+    /// The bot, defined in the database, was removed: its runner ends.
+    Removed,
 }
 
 /// When [`BotRunner::run`] returns.
@@ -90,6 +92,8 @@ pub enum RunEnd {
         epoch: i64,
     },
     Shutdown,
+    /// The bot, defined in the database, was removed.
+    Removed,
 }
 
 pub struct BotRunner {
@@ -98,6 +102,13 @@ pub struct BotRunner {
     ctx: Arc<Context>,
     wake: Arc<Notify>,
     crawler: Option<Arc<Crawler>>,
+    /// For a bot defined in the database: its spec (`specVersion`, `spec`). A pass started here
+    /// records it; the bot's document going away stops this runner (nothing re-creates it).
+    spec: Option<(i64, bson::Document)>,
+    /// The crawler of a pass that started on another spec version than this runner's.
+    pass_crawler: std::sync::Mutex<Option<(i64, Arc<Crawler>)>>,
+    /// The spec version the bot's current (or last) pass recorded, as last read.
+    last_pass_spec: std::sync::Mutex<Option<i64>>,
 }
 
 /// How one crawl turn of a ready bot ended.
@@ -148,6 +159,72 @@ impl BotRunner {
             ctx,
             wake: Arc::new(Notify::new()),
             crawler,
+            spec: None,
+            pass_crawler: std::sync::Mutex::new(None),
+            last_pass_spec: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// A runner for a bot defined in the database, from its spec at `version`.
+    pub fn from_spec(
+        bot: BotSettings,
+        version: i64,
+        spec: bson::Document,
+        ctx: Arc<Context>,
+    ) -> Self {
+        Self {
+            spec: Some((version, spec)),
+            ..Self::new(bot, ctx)
+        }
+    }
+
+    /// What a pass started by this runner records of the spec it runs on — and, when the pass
+    /// before ran on another spec, that this one fetches every page anew (an unchanged page
+    /// answering 304, or an item whose listing did not change, would keep what the old rules
+    /// extracted).
+    fn pass_fields(&self) -> bson::Document {
+        use crate::lock::document::field;
+        match &self.spec {
+            Some((version, spec)) => {
+                let before = *self.last_pass_spec.lock().expect("pass spec lock");
+                bson::doc! {
+                    field::CRAWL_PASS_SPEC_VERSION: *version,
+                    field::CRAWL_PASS_SPEC: spec.clone(),
+                    field::CRAWL_PASS_REFETCH: before.is_some_and(|v| v != *version),
+                }
+            }
+            None => bson::Document::new(),
+        }
+    }
+
+    /// The crawler for `pass`: this runner's, or — when the pass started on another spec
+    /// version — one built from the spec the pass recorded, so it ends on the rules it began with.
+    fn crawler_for(&self, pass: &crate::crawl::Pass) -> Option<Arc<Crawler>> {
+        let mine = self.crawler.clone()?;
+        let (Some((mine_version, _)), Some(recorded)) = (&self.spec, &pass.spec) else {
+            return Some(mine);
+        };
+        let (version, spec) = &**recorded;
+        if version == mine_version {
+            return Some(mine);
+        }
+        let mut cached = self.pass_crawler.lock().expect("pass crawler lock");
+        if let Some((v, crawler)) = cached.as_ref() {
+            if v == version {
+                return Some(crawler.clone());
+            }
+        }
+        let rules = crate::config::bot_from_spec(&self.bot.id, spec)
+            .ok()
+            .and_then(|b| b.crawl);
+        match (rules, &self.ctx.crawl) {
+            (Some(rules), Some(crawl)) => {
+                info!(bot = %self.bot.id, pass = pass.number, spec_version = *version, "this pass started on an earlier spec: crawling it on that one");
+                let crawler = Crawler::new(self.bot.id.clone(), rules, crawl);
+                *cached = Some((*version, crawler.clone()));
+                Some(crawler)
+            }
+            _ => Some(mine),
         }
     }
 
@@ -163,7 +240,15 @@ impl BotRunner {
         ctx.metrics.db_ok();
         if let Observed::Valid(doc) = &observed {
             ctx.metrics.saw_epoch(id, doc.lock_epoch.get());
+            *self.last_pass_spec.lock().expect("pass spec lock") =
+                doc.crawl_pass_spec.as_ref().map(|recorded| recorded.0);
         }
+        if self.spec.is_some() && observed == Observed::Missing {
+            info!(bot = %id, "the bot's document was removed: stopping the bot");
+            return Ok(StepOutcome::Removed);
+        }
+        let paused = matches!(&observed, Observed::Valid(doc) if doc.paused);
+        ctx.metrics.set_paused(id, paused);
         let now = ctx.clock.now();
         let me = Me {
             id: &ctx.me,
@@ -172,6 +257,11 @@ impl BotRunner {
         let decision = decide(&observed, now, me, &self.policy);
         let state = decision.state();
         ctx.metrics.set_state(id, state);
+        if paused {
+            // No lock, no lease: the runner waits (the change stream wakes it on resume).
+            debug!(bot = %id, "paused");
+            return Ok(StepOutcome::Wait { until: None, state });
+        }
         match decision {
             Decision::UseSeeds { note, .. } => {
                 let Observed::Valid(doc) = observed else {
@@ -429,7 +519,9 @@ impl BotRunner {
                                 if let NextPass::Start(pass) = next {
                                     new_pass = Some(pass);
                                 }
-                                ctx.store.complete(&held, seeds, now, next).await
+                                ctx.store
+                                    .complete_with(&held, seeds, now, next, self.pass_fields())
+                                    .await
                             }
                             Err(e) => Err(e),
                         }
@@ -640,6 +732,7 @@ impl BotRunner {
                     }
                 }
                 StepOutcome::Released => break RunEnd::Shutdown,
+                StepOutcome::Removed => break RunEnd::Removed,
             }
         };
         // The watcher's change stream is closed before the loop returns, so no database work of
@@ -671,7 +764,13 @@ impl BotRunner {
                 let seeds = crawler.seed_urls(&seeds);
                 if let Some(pass) = ctx
                     .store
-                    .start_next_pass(crawler.bot(), number, &seeds, ctx.clock.now())
+                    .start_next_pass(
+                        crawler.bot(),
+                        number,
+                        &seeds,
+                        ctx.clock.now(),
+                        self.pass_fields(),
+                    )
                     .await?
                 {
                     info!(bot = %crawler.bot(), pass, seeds = seeds.len(), "the pass is over; started the next, on the latest seeds");
@@ -683,7 +782,13 @@ impl BotRunner {
                 let seeds = crawler.seed_urls(&seeds);
                 if let Some(pass) = ctx
                     .store
-                    .start_pass(crawler.bot(), current, &seeds, ctx.clock.now())
+                    .start_pass(
+                        crawler.bot(),
+                        current,
+                        &seeds,
+                        ctx.clock.now(),
+                        self.pass_fields(),
+                    )
                     .await?
                 {
                     info!(bot = %crawler.bot(), pass, seeds = seeds.len(), "started the first crawl pass");
@@ -691,14 +796,27 @@ impl BotRunner {
                 Ok(CrawlTurn::Started)
             }
             PassState::Running(pass) => {
+                let crawler = self.crawler_for(&pass).unwrap_or_else(|| crawler.clone());
                 ctx.metrics.crawling(crawler.bot(), pass.number);
                 let slice =
                     (ctx.lock.poll * 10).clamp(Duration::from_secs(5), Duration::from_secs(60));
-                Ok(match crawler.crawl_for(&pass, slice, shutdown).await? {
+                // A pause (or the bot's removal) ends the slice as shutdown would — in-flight
+                // pages settle and commit, unfetched leases go back — without ending the runner.
+                let stop_slice = shutdown.child_token();
+                let watch = tokio::spawn(watch_for_pause(
+                    ctx.store.clone(),
+                    self.bot.id.clone(),
+                    ctx.lock.poll,
+                    stop_slice.clone(),
+                ));
+                let end = crawler.crawl_for(&pass, slice, &stop_slice).await;
+                watch.abort();
+                Ok(match end? {
                     SliceEnd::Finished(_) => CrawlTurn::Finished,
                     SliceEnd::Idle => CrawlTurn::Idle,
                     SliceEnd::TimeUp => CrawlTurn::TimeUp,
-                    SliceEnd::Shutdown => CrawlTurn::Shutdown,
+                    SliceEnd::Shutdown if shutdown.is_cancelled() => CrawlTurn::Shutdown,
+                    SliceEnd::Shutdown => CrawlTurn::TimeUp,
                 })
             }
         }
@@ -775,5 +893,27 @@ impl BotRunner {
                 }
             }
         })
+    }
+}
+
+/// Cancels `stop` once the bot is paused or its document is gone (read every `poll`).
+async fn watch_for_pause(store: Store, bot: BotId, poll: Duration, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(poll) => {}
+        }
+        match store.load(&bot).await {
+            Ok(Observed::Valid(doc)) if doc.paused => {
+                info!(%bot, "paused: the in-flight pages settle, nothing more is leased");
+                stop.cancel();
+                return;
+            }
+            Ok(Observed::Missing) => {
+                stop.cancel();
+                return;
+            }
+            _ => {}
+        }
     }
 }

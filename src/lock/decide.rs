@@ -362,6 +362,8 @@ pub fn state_of(observed: &Observed) -> BotState {
     match observed {
         Observed::Missing => BotState::Waiting,
         Observed::Malformed { .. } => BotState::Error,
+        // A spec the instances cannot run: the bot is stopped until it is fixed.
+        Observed::Valid(doc) if doc.spec_error.is_some() => BotState::Error,
         Observed::Valid(doc) => match (doc.is_ready, doc.is_editing) {
             (true, false) => BotState::Ready,
             (false, true) => BotState::Updating,
@@ -416,6 +418,10 @@ mod tests {
             crawl_last_run_at: None,
             crawl_next_pass_at: None,
             crawl_last_pass_pages: None,
+            paused: false,
+            crawl_pass_spec: None,
+            spec_error: None,
+            crawl_pass_refetch: false,
         }
     }
 

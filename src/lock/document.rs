@@ -31,6 +31,23 @@ pub mod field {
     pub const CRAWL_LAST_PASS: &str = "crawlLastPass";
     /// A refresh succeeded while the pass ran: the next pass starts when it ends.
     pub const CRAWL_NEXT_PASS_AT: &str = "crawlNextPassAt";
+    /// The bot's definition (a `[[bots]]` entry, every default filled in), for instances that
+    /// take their bots from the database; `specVersion` rises on every change.
+    pub const SPEC: &str = "spec";
+    pub const SPEC_VERSION: &str = "specVersion";
+    pub const SPEC_UPDATED_AT: &str = "specUpdatedAt";
+    /// Why the instances cannot run `spec` (the key named), until it is fixed.
+    pub const SPEC_ERROR: &str = "specError";
+    /// The spec the current pass started with: the pass ends on it whatever changes meanwhile.
+    pub const CRAWL_PASS_SPEC: &str = "crawlPassSpec";
+    pub const CRAWL_PASS_SPEC_VERSION: &str = "crawlPassSpecVersion";
+    /// The pass started on another spec than the pass before it: it fetches every page anew.
+    pub const CRAWL_PASS_REFETCH: &str = "crawlPassRefetch";
+    /// Paused by an operator: no instance takes the lock or leases a URL.
+    pub const PAUSED: &str = "paused";
+    pub const PAUSED_BY: &str = "pausedBy";
+    pub const PAUSED_AT: &str = "pausedAt";
+    pub const PAUSE_REASON: &str = "pauseReason";
 }
 
 /// How many transitions `history` keeps.
@@ -66,6 +83,15 @@ pub struct BotDoc {
     /// The size (frontier entries) of the last completed pass, `crawlLastPass.pages`: what the
     /// progress displays expect of a running pass. Advisory: an unreadable value is ignored.
     pub crawl_last_pass_pages: Option<u64>,
+    /// Paused by an operator (`paused: true`): no lock is taken and no URL leased.
+    pub paused: bool,
+    /// The spec the current pass started with (`crawlPassSpecVersion`, `crawlPassSpec`), for bots
+    /// defined in the database.
+    pub crawl_pass_spec: Option<std::sync::Arc<(i64, Document)>>,
+    /// Why the instances cannot run the bot's spec (`specError`), until it is fixed.
+    pub spec_error: Option<String>,
+    /// `crawlPassRefetch`: the current pass re-extracts every record (its spec changed).
+    pub crawl_pass_refetch: bool,
 }
 
 /// What one read of a bot's document found.
@@ -185,6 +211,19 @@ impl BotDoc {
             .and_then(|last| last.get("pages"))
             .and_then(integer)
             .and_then(|n| u64::try_from(n).ok());
+        let paused = matches!(raw.get(field::PAUSED), Some(Bson::Boolean(true)));
+        let spec_error = raw.get_str(field::SPEC_ERROR).ok().map(str::to_owned);
+        let crawl_pass_refetch = matches!(
+            raw.get(field::CRAWL_PASS_REFETCH),
+            Some(Bson::Boolean(true))
+        );
+        let crawl_pass_spec = match (
+            raw.get(field::CRAWL_PASS_SPEC_VERSION).and_then(integer),
+            raw.get_document(field::CRAWL_PASS_SPEC),
+        ) {
+            (Some(version), Ok(spec)) => Some(std::sync::Arc::new((version, spec.clone()))),
+            _ => None,
+        };
         let crawl_pass = match raw.get(field::CRAWL_PASS) {
             None | Some(Bson::Null) => 0,
             Some(v) => match integer(v) {
@@ -236,6 +275,10 @@ impl BotDoc {
                     crawl_last_run_at,
                     crawl_next_pass_at,
                     crawl_last_pass_pages,
+                    paused,
+                    crawl_pass_spec,
+                    spec_error,
+                    crawl_pass_refetch,
                 })
             }
             _ => Err(problems),

@@ -11,5 +11,6 @@
 pub mod coordinator;
 pub mod decide;
 pub mod document;
+pub mod fleet;
 pub mod presence;
 pub mod seeds;

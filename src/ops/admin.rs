@@ -15,6 +15,8 @@ use crate::ops::progress::{Eta, PassSize};
 pub struct StatusRow {
     pub bot: String,
     pub state: String,
+    /// Paused by an operator (`seedlock pause`): no instance locks or leases it.
+    pub paused: bool,
     pub holder: Option<String>,
     pub epoch: Option<i64>,
     pub lock_age_seconds: Option<i64>,
@@ -150,6 +152,7 @@ pub fn status_rows(
                 StatusRow {
                     bot: name,
                     state,
+                    paused: doc.paused,
                     holder: doc.editing_by.filter(|_| editing),
                     epoch: Some(doc.lock_epoch.get()),
                     lock_age_seconds: doc
@@ -171,6 +174,7 @@ pub fn status_rows(
             Observed::Malformed { problems, .. } => StatusRow {
                 bot: name,
                 state,
+                paused: false,
                 holder: None,
                 epoch: None,
                 lock_age_seconds: None,
@@ -191,6 +195,7 @@ pub fn status_rows(
             rows.push(StatusRow {
                 bot: bot.to_string(),
                 state: "missing".into(),
+                paused: false,
                 holder: None,
                 epoch: None,
                 lock_age_seconds: None,
@@ -309,7 +314,11 @@ pub fn render_table(rows: &[StatusRow]) -> String {
         .map(|r| {
             vec![
                 r.bot.clone(),
-                r.state.clone(),
+                if r.paused {
+                    format!("{} (paused)", r.state)
+                } else {
+                    r.state.clone()
+                },
                 r.holder.clone().unwrap_or_else(|| "-".into()),
                 r.epoch.map_or("-".into(), |e| e.to_string()),
                 seconds(r.lock_age_seconds),
@@ -432,7 +441,7 @@ pub fn render_inspect(raw: &Document) -> String {
 }
 
 /// BSON to plain JSON an admin can read: dates as ISO strings, numbers as numbers.
-fn to_json(value: &Bson) -> Value {
+pub fn to_json(value: &Bson) -> Value {
     match value {
         Bson::Document(d) => {
             Value::Object(d.iter().map(|(k, v)| (k.clone(), to_json(v))).collect())

@@ -185,6 +185,7 @@ fn seconds_histogram() -> Histogram {
 pub struct Metrics {
     registry: Registry,
     bot_state: Family<StateLabels, Gauge>,
+    bot_paused: Family<BotLabel, Gauge>,
     lock_epoch: Family<BotLabel, Gauge>,
     acquisitions: Family<BotLabel, Counter>,
     takeovers: Family<KindLabels, Counter>,
@@ -224,6 +225,12 @@ impl Metrics {
             "bot_state",
             "1 for the state this instance is in for a bot, 0 otherwise",
             bot_state.clone(),
+        );
+        let bot_paused = Family::<BotLabel, Gauge>::default();
+        registry.register(
+            "bot_paused",
+            "1 while an operator has paused the bot (no lock taken, no URL leased), 0 otherwise",
+            bot_paused.clone(),
         );
         let lock_epoch = Family::<BotLabel, Gauge>::default();
         registry.register(
@@ -335,6 +342,7 @@ impl Metrics {
             passes_finished,
             registry,
             bot_state,
+            bot_paused,
             lock_epoch,
             acquisitions,
             takeovers,
@@ -404,6 +412,12 @@ impl Metrics {
                 .get_or_create(&labels)
                 .set(i64::from(s == state));
         }
+    }
+
+    pub fn set_paused(&self, bot: &BotId, paused: bool) {
+        self.bot_paused
+            .get_or_create(&Self::bot(bot))
+            .set(i64::from(paused));
     }
 
     pub fn saw_epoch(&self, bot: &BotId, epoch: i64) {

@@ -46,7 +46,7 @@ th{background:#eef0f4;font-weight:600;font-size:12px;text-transform:uppercase;le
 .state{display:inline-block;padding:.1em .55em;border-radius:1em;font-weight:600;font-size:12px}
 .state-ready{background:#d8f3dc;color:#1b5e20} .state-waiting{background:#fff3cd;color:#7a5b00}
 .state-updating{background:#dbe8ff;color:#0b3d91} .state-error{background:#fde2e1;color:#9b1c1c}
-.state-other{background:#e4e7ec;color:#4a5263}
+.state-other{background:#e4e7ec;color:#4a5263} .state-paused{background:#ece4ff;color:#4b2a91}
 .bar{display:flex;height:12px;width:260px;background:#e4e7ec;border-radius:6px;overflow:hidden;margin:.2em 0}
 .bar span{display:block;height:100%} .done{background:#2e7d32} .failed{background:#c62828}
 .leased{background:#1e63d6} .small{color:#5b6475;font-size:12px} .err{color:#9b1c1c;max-width:32em;word-break:break-word}
@@ -137,11 +137,16 @@ fn bot_row(r: &StatusRow) -> String {
         None => "<span class=\"small\">-</span>".into(),
     };
     format!(
-        "<tr><td><b>{bot}</b></td><td><span class=\"state {class}\">{state}</span></td><td>{lock}</td>\
+        "<tr><td><b>{bot}</b></td><td><span class=\"state {class}\">{state}</span>{paused}</td><td>{lock}</td>\
          <td>{seeds}</td><td>{refresh}</td><td>{pass}</td><td>{error}</td></tr>\n",
         bot = escape(&r.bot),
         class = state_class(&r.state),
         state = escape(&r.state),
+        paused = if r.paused {
+            " <span class=\"state state-paused\">paused</span>"
+        } else {
+            ""
+        },
         seeds = r.seeds,
         refresh = escape(r.last_refresh.as_deref().unwrap_or("-")),
         pass = r

@@ -25,6 +25,7 @@ pub mod hosts;
 pub mod instances;
 pub mod passes;
 pub mod records;
+pub mod specs;
 
 pub const BOTS: &str = "bots";
 
@@ -226,6 +227,26 @@ impl Drop for InFlight<'_> {
 
 /// The default for `mongo.op_timeout`.
 pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A new bot document's fields (its lock free, not ready, no seeds), created by `by` for `why`.
+fn initial_fields(now: DateTime<Utc>, by: &str, why: &str) -> Document {
+    doc! {
+        field::IS_READY: false,
+        field::IS_EDITING: false,
+        field::SEEDS: [],
+        field::LAST_UPDATE_STARTED_AT: Bson::Null,
+        field::LAST_SEED_UPDATED_AT: Bson::Null,
+        field::EDITING_BY: Bson::Null,
+        field::LOCK_EPOCH: 0_i64,
+        field::HEARTBEAT_AT: Bson::Null,
+        field::LOCK_EXPIRES_AT: Bson::Null,
+        field::LAST_ERROR: Bson::Null,
+        field::FAILED_REFRESHES: 0_i32,
+        field::REFRESH_REQUESTED_AT: Bson::Null,
+        field::RETRY_AFTER: Bson::Null,
+        field::HISTORY: [history_entry(now, "created", by, LockEpoch::ZERO, why)],
+    }
+}
 
 fn history_entry(
     now: DateTime<Utc>,
@@ -501,22 +522,7 @@ impl Store {
     /// Creates the initial document if there is none. Idempotent: concurrent callers all succeed
     /// and exactly one document exists afterwards.
     pub async fn initialize(&self, bot: &BotId, me: &InstanceId, now: DateTime<Utc>) -> Result<()> {
-        let initial = doc! {
-            field::IS_READY: false,
-            field::IS_EDITING: false,
-            field::SEEDS: [],
-            field::LAST_UPDATE_STARTED_AT: Bson::Null,
-            field::LAST_SEED_UPDATED_AT: Bson::Null,
-            field::EDITING_BY: Bson::Null,
-            field::LOCK_EPOCH: 0_i64,
-            field::HEARTBEAT_AT: Bson::Null,
-            field::LOCK_EXPIRES_AT: Bson::Null,
-            field::LAST_ERROR: Bson::Null,
-            field::FAILED_REFRESHES: 0_i32,
-            field::REFRESH_REQUESTED_AT: Bson::Null,
-            field::RETRY_AFTER: Bson::Null,
-            field::HISTORY: [history_entry(now, "created", me.as_str(), LockEpoch::ZERO, "C: no document yet")],
-        };
+        let initial = initial_fields(now, me.as_str(), "C: no document yet");
         let upsert = self
             .bots
             .update_one(
@@ -665,6 +671,20 @@ impl Store {
         now: DateTime<Utc>,
         pass: NextPass,
     ) -> Result<()> {
+        self.complete_with(held, seeds, now, pass, Document::new())
+            .await
+    }
+
+    /// [`complete`](Self::complete), also setting `pass_fields` when it starts a pass (the spec
+    /// the pass runs on, for bots defined in the database).
+    pub async fn complete_with(
+        &self,
+        held: &EditLock,
+        seeds: &[String],
+        now: DateTime<Utc>,
+        pass: NextPass,
+        pass_fields: Document,
+    ) -> Result<()> {
         let mut reason = format!("{} seeds", seeds.len());
         let mut set = doc! {
             field::SEEDS: seeds,
@@ -680,6 +700,7 @@ impl Store {
         match pass {
             NextPass::None => {}
             NextPass::Start(pass) => {
+                set.extend(pass_fields);
                 set.insert(field::CRAWL_PASS, pass);
                 set.insert(field::CRAWL_PASS_ENDED_AT, Bson::Null);
                 set.insert(field::CRAWL_NEXT_PASS_AT, Bson::Null);
@@ -954,6 +975,19 @@ impl Store {
         );
         let result = self.bounded("request refresh", update).await?;
         Ok(result.matched_count == 1)
+    }
+
+    /// A change stream on the whole `bots` collection (the fleet's bots defined in the database):
+    /// its events only prompt a read of the specs.
+    pub async fn watch_bots(
+        &self,
+    ) -> Result<
+        mongodb::change_stream::ChangeStream<
+            mongodb::change_stream::event::ChangeStreamEvent<Document>,
+        >,
+    > {
+        let bots = self.db.collection::<Document>(BOTS);
+        self.bounded("watch bots", bots.watch()).await
     }
 
     /// A change stream on one bot's document, where the server supports change streams.

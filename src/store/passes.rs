@@ -103,6 +103,7 @@ impl Store {
         current: i64,
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
+        pass_fields: Document,
     ) -> Result<Option<i64>> {
         let mut filter = doc! { field::ID: bot.as_str(), field::IS_READY: true };
         if current == 0 {
@@ -117,7 +118,7 @@ impl Store {
         } else {
             filter.insert(field::CRAWL_PASS, current);
         }
-        self.move_to_next_pass("start pass", bot, current, seeds, filter, now)
+        self.move_to_next_pass("start pass", bot, current, seeds, filter, now, pass_fields)
             .await
     }
 
@@ -131,6 +132,7 @@ impl Store {
         current: i64,
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
+        pass_fields: Document,
     ) -> Result<Option<i64>> {
         let filter = doc! {
             field::ID: bot.as_str(),
@@ -138,13 +140,22 @@ impl Store {
             field::CRAWL_PASS_ENDED_AT: { "$ne": Bson::Null },
             field::CRAWL_NEXT_PASS_AT: { "$ne": Bson::Null },
         };
-        self.move_to_next_pass("start the next pass", bot, current, seeds, filter, now)
-            .await
+        self.move_to_next_pass(
+            "start the next pass",
+            bot,
+            current,
+            seeds,
+            filter,
+            now,
+            pass_fields,
+        )
+        .await
     }
 
     /// A pass's start after `current`: the seeds enqueued under the next number first, then one
     /// write, conditional on `filter`, moves `crawlPass` there (clearing its end and any waiting
     /// next pass). The pass number when this call's write won.
+    #[allow(clippy::too_many_arguments)]
     async fn move_to_next_pass(
         &self,
         what: &'static str,
@@ -153,14 +164,15 @@ impl Store {
         seeds: &[NormalizedUrl],
         filter: Document,
         now: DateTime<Utc>,
+        pass_fields: Document,
     ) -> Result<Option<i64>> {
         let next = self.prepare_pass(bot, current, seeds, now).await?;
+        let mut set = pass_fields;
+        set.insert(field::CRAWL_PASS, next);
+        set.insert(field::CRAWL_PASS_ENDED_AT, Bson::Null);
+        set.insert(field::CRAWL_NEXT_PASS_AT, Bson::Null);
         let update = doc! {
-            "$set": {
-                field::CRAWL_PASS: next,
-                field::CRAWL_PASS_ENDED_AT: Bson::Null,
-                field::CRAWL_NEXT_PASS_AT: Bson::Null,
-            },
+            "$set": set,
             "$currentDate": { field::CRAWL_PASS_STARTED_AT: true },
         };
         let result = self

@@ -1,0 +1,214 @@
+//! An instance whose config file has no `[[bots]]` runs the bots defined in the database: every
+//! `bots` document with a `spec` (matching `[instance] bots`). [`follow`] keeps one runner per
+//! bot in step with the documents — within one `lock.poll`, sooner when the collection's change
+//! stream reports a change: a new bot starts; a removed one stops (its runner ends as at
+//! shutdown: in-flight pages settle, leases go back, a held lock is released); a changed spec
+//! restarts the bot's runner on it (a pass that is running ends on the spec it started with,
+//! which the pass recorded); a spec that does not parse puts that bot alone into Error with
+//! `lastError` naming the key, until it is fixed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bson::{Bson, Document};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::config::{bot_from_spec, Settings};
+use crate::ids::BotId;
+use crate::lock::coordinator::{BotRunner, Context, RunEnd, Until};
+use crate::lock::decide::BotState;
+use crate::lock::document::{field, integer};
+
+struct Running {
+    version: i64,
+    stop: CancellationToken,
+    handle: tokio::task::JoinHandle<RunEnd>,
+}
+
+/// One spec document as the fleet sees it.
+enum Seen {
+    Runnable {
+        version: i64,
+        spec: Document,
+        settings: Box<crate::config::BotSettings>,
+        marked_error: bool,
+    },
+    Bad {
+        version: i64,
+        error: String,
+    },
+}
+
+fn read(raw: &Document) -> Option<(BotId, Seen)> {
+    let id = BotId::parse(raw.get_str(field::ID).ok()?).ok()?;
+    let version = raw.get(field::SPEC_VERSION).and_then(integer).unwrap_or(0);
+    let seen = match raw.get(field::SPEC) {
+        Some(Bson::Document(spec)) => match bot_from_spec(&id, spec) {
+            Ok(settings) => Seen::Runnable {
+                version,
+                spec: spec.clone(),
+                settings: Box::new(settings),
+                marked_error: matches!(raw.get(field::SPEC_ERROR), Some(Bson::String(_))),
+            },
+            Err(error) => Seen::Bad { version, error },
+        },
+        Some(other) => Seen::Bad {
+            version,
+            error: format!(
+                "key `spec`: must be a document, found {:?}",
+                other.element_type()
+            ),
+        },
+        None => return None,
+    };
+    Some((id, seen))
+}
+
+/// Runs the database's bots until `stop`. Returns when `stop` fires, every runner stopped.
+pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationToken) {
+    let poll = ctx.lock.poll;
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let watcher = tokio::spawn(watch_bots(ctx.clone(), wake.clone(), stop.clone()));
+    let mut running: HashMap<BotId, Running> = HashMap::new();
+    let mut reported: HashMap<BotId, i64> = HashMap::new();
+    loop {
+        match ctx.store.spec_documents().await {
+            Ok(docs) => {
+                let mut wanted = std::collections::HashSet::new();
+                for raw in &docs {
+                    let Some((id, seen)) = read(raw) else {
+                        continue;
+                    };
+                    if !settings.runs(&id) {
+                        continue;
+                    }
+                    wanted.insert(id.clone());
+                    match seen {
+                        Seen::Runnable {
+                            version,
+                            spec,
+                            settings,
+                            marked_error,
+                        } => {
+                            if running
+                                .get(&id)
+                                .is_some_and(|r| r.version == version && !r.handle.is_finished())
+                            {
+                                continue;
+                            }
+                            if let Some(old) = running.remove(&id) {
+                                info!(bot = %id, from = old.version, to = version, "the bot's spec changed: restarting it on the new one");
+                                stop_runner(old).await;
+                            }
+                            if marked_error {
+                                if let Err(e) = ctx.store.clear_spec_error(&id, version).await {
+                                    warn!(bot = %id, error = %e, "could not clear the spec error");
+                                }
+                            }
+                            reported.remove(&id);
+                            info!(bot = %id, spec_version = version, "running the bot (defined in the database)");
+                            let runner =
+                                BotRunner::from_spec(*settings, version, spec, ctx.clone());
+                            let token = stop.child_token();
+                            let run_stop = token.clone();
+                            let handle = tokio::spawn(async move {
+                                runner.run(Until::Shutdown, &run_stop).await
+                            });
+                            running.insert(
+                                id,
+                                Running {
+                                    version,
+                                    stop: token,
+                                    handle,
+                                },
+                            );
+                        }
+                        Seen::Bad { version, error } => {
+                            if let Some(old) = running.remove(&id) {
+                                stop_runner(old).await;
+                            }
+                            ctx.metrics.set_state(&id, BotState::Error);
+                            if reported.get(&id) != Some(&version) {
+                                error!(bot = %id, spec_version = version, %error, "the bot's spec cannot be run; it stays stopped until it is fixed");
+                                reported.insert(id.clone(), version);
+                            }
+                            if let Err(e) = ctx.store.mark_spec_error(&id, version, &error).await {
+                                warn!(bot = %id, error = %e, "could not record the spec error");
+                            }
+                        }
+                    }
+                }
+                let gone: Vec<BotId> = running
+                    .keys()
+                    .filter(|id| !wanted.contains(*id))
+                    .cloned()
+                    .collect();
+                for id in gone {
+                    if let Some(old) = running.remove(&id) {
+                        info!(bot = %id, "the bot was removed from the database: stopping it");
+                        stop_runner(old).await;
+                    }
+                }
+            }
+            Err(e) => warn!(error = %e, "cannot read the bots' specs; retrying"),
+        }
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tokio::time::sleep(poll) => {}
+            _ = wake.notified() => {
+                // A burst of changes is read once.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    for (_, old) in running.drain() {
+        stop_runner(old).await;
+    }
+    watcher.abort();
+}
+
+/// Stops a runner as shutdown would (its work settles, its lock is released) and waits for it.
+async fn stop_runner(old: Running) {
+    old.stop.cancel();
+    if let Err(e) = old.handle.await {
+        error!(error = %e, "a bot task crashed");
+    }
+}
+
+/// Wakes [`follow`] on any change of the `bots` collection (where the server has change
+/// streams; the poll carries on alone otherwise).
+async fn watch_bots(ctx: Arc<Context>, wake: Arc<tokio::sync::Notify>, stop: CancellationToken) {
+    use futures_util::StreamExt;
+    let mut failures = 0u32;
+    loop {
+        let stream = tokio::select! {
+            _ = stop.cancelled() => return,
+            s = ctx.store.watch_bots() => s,
+        };
+        match stream {
+            Ok(mut stream) => {
+                failures = 0;
+                wake.notify_one();
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        event = stream.next() => match event {
+                            Some(Ok(_)) => wake.notify_one(),
+                            _ => break,
+                        },
+                    }
+                }
+            }
+            Err(e) if !e.is_transient() => return,
+            Err(_) => {}
+        }
+        failures += 1;
+        let delay = crate::backoff::full_jitter(ctx.lock.poll, ctx.lock.poll * 16, failures);
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+}

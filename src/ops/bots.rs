@@ -1,0 +1,288 @@
+//! The fleet commands over bots defined in the database: `bots apply | list | remove`, `pause`,
+//! `resume` and `export`.
+
+use std::process::ExitCode;
+
+use bson::Bson;
+use serde_json::json;
+
+use crate::cli::{admin_name, bot_arg, fail, BotsCommand, EXIT_FAILED, EXIT_USAGE};
+use crate::config::Settings;
+use crate::daemon;
+use crate::ids::BotId;
+use crate::lock::decide::state_of;
+use crate::lock::document::{field, integer, Observed};
+use crate::ops::admin::iso;
+use crate::store::specs::{Applied, Pause};
+use crate::store::Store;
+
+/// Connects, runs `body`, shuts the client down (a client dropped at exit races the runtime).
+async fn with_store<F, Fut>(settings: &Settings, body: F) -> ExitCode
+where
+    F: FnOnce(Store, std::sync::Arc<crate::clock::ServerClock>) -> Fut,
+    Fut: std::future::Future<Output = ExitCode>,
+{
+    let (store, clock) = match daemon::connect(settings).await {
+        Ok(c) => c,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    let code = body(store.clone(), clock).await;
+    store.shutdown().await;
+    code
+}
+
+pub async fn command(settings: Settings, command: BotsCommand) -> ExitCode {
+    match command {
+        BotsCommand::Apply {
+            file,
+            prune,
+            dry_run,
+        } => apply(settings, &file, prune, dry_run).await,
+        BotsCommand::List { json } => list(settings, json).await,
+        BotsCommand::Remove { bot, purge } => remove(settings, &bot, purge).await,
+    }
+}
+
+async fn apply(settings: Settings, file: &std::path::Path, prune: bool, dry_run: bool) -> ExitCode {
+    // Every bot is validated before anything is written.
+    let specs = match crate::config::specs_from_file(file) {
+        Ok(s) => s,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    with_store(&settings, |store, clock| async move {
+        let by = admin_name();
+        let note = if dry_run {
+            " (dry run: nothing written)"
+        } else {
+            ""
+        };
+        for bot in &specs {
+            let id = &bot.settings.id;
+            match store
+                .apply_spec(id, &bot.spec, &by, clock.now(), dry_run)
+                .await
+            {
+                Ok(Applied::Created) => println!("{id}: created{note}"),
+                Ok(Applied::Changed(keys)) => {
+                    println!("{id}: changed ({}){note}", keys.join(", "))
+                }
+                Ok(Applied::Unchanged) => println!("{id}: unchanged"),
+                Err(e) => return fail(EXIT_FAILED, format!("{id}: {e}")),
+            }
+        }
+        if prune {
+            let docs = match store.spec_documents().await {
+                Ok(d) => d,
+                Err(e) => return fail(EXIT_FAILED, e),
+            };
+            for raw in docs {
+                let Ok(id) = raw.get_str(field::ID).map(str::to_owned) else {
+                    continue;
+                };
+                if specs.iter().any(|b| b.settings.id.as_str() == id) {
+                    continue;
+                }
+                let Ok(id) = BotId::parse(&id) else { continue };
+                if !dry_run {
+                    if let Err(e) = store.remove_bot(&id).await {
+                        return fail(EXIT_FAILED, format!("{id}: {e}"));
+                    }
+                }
+                println!("{id}: removed{note}");
+            }
+        }
+        ExitCode::SUCCESS
+    })
+    .await
+}
+
+async fn list(settings: Settings, json: bool) -> ExitCode {
+    with_store(&settings, |store, _| async move {
+        let docs = match store.load_all().await {
+            Ok(d) => d,
+            Err(e) => return fail(EXIT_FAILED, e),
+        };
+        let rows: Vec<serde_json::Value> = docs
+            .into_iter()
+            .map(|raw| {
+                let id = raw.get_str(field::ID).unwrap_or("?").to_owned();
+                let version = raw.get(field::SPEC_VERSION).and_then(integer);
+                let paused = matches!(raw.get(field::PAUSED), Some(Bson::Boolean(true)));
+                let pass = raw.get(field::CRAWL_PASS).and_then(integer).unwrap_or(0);
+                let changed = raw
+                    .get_datetime(field::SPEC_UPDATED_AT)
+                    .ok()
+                    .map(|t| iso(t.to_chrono()));
+                let spec_error = raw.get_str(field::SPEC_ERROR).ok().map(str::to_owned);
+                let state = state_of(&Observed::from_raw(Some(raw))).as_str();
+                json!({
+                    "bot": id, "spec_version": version, "state": state, "paused": paused,
+                    "pass": pass, "spec_updated_at": changed, "spec_error": spec_error,
+                })
+            })
+            .collect();
+        if json {
+            println!("{}", serde_json::to_string_pretty(&rows).expect("json"));
+            return ExitCode::SUCCESS;
+        }
+        println!(
+            "{:<24} {:>5} {:<9} {:<6} {:>6}  LAST CHANGE",
+            "BOT", "SPEC", "STATE", "PAUSED", "PASS"
+        );
+        for r in rows {
+            let spec = r["spec_version"]
+                .as_i64()
+                .map_or("file".to_owned(), |v| v.to_string());
+            let mut last = r["spec_updated_at"].as_str().unwrap_or("-").to_owned();
+            if let Some(e) = r["spec_error"].as_str() {
+                last.push_str(&format!("  {e}"));
+            }
+            println!(
+                "{:<24} {:>5} {:<9} {:<6} {:>6}  {last}",
+                r["bot"].as_str().unwrap_or("?"),
+                spec,
+                r["state"].as_str().unwrap_or("?"),
+                if r["paused"] == true { "yes" } else { "no" },
+                r["pass"],
+            );
+        }
+        ExitCode::SUCCESS
+    })
+    .await
+}
+
+async fn remove(settings: Settings, bot: &str, purge: bool) -> ExitCode {
+    let bot = match bot_arg(bot) {
+        Ok(b) => b,
+        Err(code) => return code,
+    };
+    let lease_for = settings.crawl.url_lease;
+    with_store(&settings, |store, clock| async move {
+        match store.remove_bot(&bot).await {
+            Ok(true) => println!("{bot}: removed; every instance stops it within one poll"),
+            Ok(false) if purge => println!("{bot}: no document (purging what is left of it)"),
+            Ok(false) => return fail(EXIT_FAILED, format!("no bot {bot} in the database")),
+            Err(e) => return fail(EXIT_FAILED, e),
+        }
+        if !purge {
+            return ExitCode::SUCCESS;
+        }
+        // The instances stop the bot: their in-flight pages settle and their leases go back (or
+        // run out). Purging before that would let a late commit write a record back.
+        let deadline = tokio::time::Instant::now() + lease_for + std::time::Duration::from_secs(5);
+        loop {
+            match store.live_leases(&bot, clock.now()).await {
+                Ok(0) => break,
+                Ok(n) if tokio::time::Instant::now() > deadline => {
+                    return fail(
+                        EXIT_FAILED,
+                        format!(
+                            "{bot}: {n} leases still live after {}; not purged",
+                            humantime::format_duration(lease_for)
+                        ),
+                    )
+                }
+                Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+                Err(e) => return fail(EXIT_FAILED, e),
+            }
+        }
+        match store.purge_bot(&bot).await {
+            Ok((frontier, records)) => {
+                println!("{bot}: purged {frontier} frontier entries and {records} records");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(EXIT_FAILED, e),
+        }
+    })
+    .await
+}
+
+/// `pause BOT --reason` (with `Some`) and `resume BOT`.
+pub async fn pause(settings: Settings, bot: &str, reason: Option<&str>) -> ExitCode {
+    let bot = match bot_arg(bot) {
+        Ok(b) => b,
+        Err(code) => return code,
+    };
+    with_store(&settings, |store, clock| async move {
+        let by = admin_name();
+        let pause = reason.map(|reason| Pause { by: &by, reason });
+        let pausing = pause.is_some();
+        match store.set_paused(&bot, pause, &by, clock.now()).await {
+            Ok(true) if pausing => {
+                println!(
+                    "{bot}: paused; in-flight pages finish, then no instance leases or locks it"
+                );
+                ExitCode::SUCCESS
+            }
+            Ok(true) => {
+                println!("{bot}: resumed");
+                ExitCode::SUCCESS
+            }
+            Ok(false) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
+            Err(e) => fail(EXIT_FAILED, e),
+        }
+    })
+    .await
+}
+
+pub async fn export(
+    settings: Settings,
+    bot: &str,
+    format: crate::ops::export::Format,
+    changed_since: Option<chrono::DateTime<chrono::Utc>>,
+    include_removed: bool,
+) -> ExitCode {
+    let bot = match bot_arg(bot) {
+        Ok(b) => b,
+        Err(code) => return code,
+    };
+    let file_fields = settings
+        .bots
+        .iter()
+        .find(|b| b.id == bot)
+        .map(record_fields);
+    with_store(&settings, |store, _| async move {
+        let doc = match store.load_raw(&bot).await {
+            Ok(d) => d,
+            Err(e) => return fail(EXIT_FAILED, e),
+        };
+        let spec_fields = doc
+            .as_ref()
+            .and_then(|d| d.get_document(field::SPEC).ok())
+            .and_then(|spec| crate::config::bot_from_spec(&bot, spec).ok())
+            .map(|b| record_fields(&b));
+        let fields = match (spec_fields.or(file_fields), format) {
+            (Some(f), _) => f,
+            (None, crate::ops::export::Format::Jsonl) => Vec::new(),
+            (None, crate::ops::export::Format::Csv) => {
+                return fail(
+                    EXIT_USAGE,
+                    format!("bot {bot}: no spec in the database or the config names its record fields; use --format jsonl"),
+                )
+            }
+        };
+        let cursor = match store.export_cursor(&bot, changed_since, include_removed).await {
+            Ok(c) => c,
+            Err(e) => return fail(EXIT_FAILED, e),
+        };
+        let stdout = std::io::stdout();
+        let mut out = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
+        match crate::ops::export::write(cursor, format, &fields, &mut out).await {
+            Ok(n) => {
+                drop(out);
+                eprintln!("{bot}: exported {n} records");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(EXIT_FAILED, e),
+        }
+    })
+    .await
+}
+
+fn record_fields(bot: &crate::config::BotSettings) -> Vec<String> {
+    bot.crawl
+        .as_ref()
+        .and_then(|c| c.record.as_ref())
+        .map(|r| r.fields.keys().cloned().collect())
+        .unwrap_or_default()
+}
