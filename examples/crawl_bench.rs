@@ -161,20 +161,23 @@ fn seedlock(config: &Path, instance: &str, args: &[&str]) -> Child {
         .expect("spawn seedlock")
 }
 
+/// A running process's peak RSS so far (`VmHWM`, KiB).
+fn vm_hwm(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
 /// Waits for `child`, sampling its peak RSS (VmHWM) meanwhile; returns (success, peak KiB).
 async fn wait_with_rss(child: &mut Child) -> (bool, u64) {
     let pid = child.id().unwrap_or(0);
     let mut peak = 0;
     loop {
-        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
-            if let Some(kb) = status
-                .lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse::<u64>().ok())
-            {
-                peak = peak.max(kb);
-            }
+        if let Some(kb) = vm_hwm(pid) {
+            peak = peak.max(kb);
         }
         tokio::select! {
             status = child.wait() => return (status.map(|s| s.success()).unwrap_or(false), peak),
@@ -1326,15 +1329,7 @@ async fn memory(uri: &str, urls: u32) {
         };
         // The watcher was cut short: read the high-water mark once more, then stop it.
         let pid = child.id().unwrap_or(0);
-        let hwm = std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("VmHWM:"))
-                    .and_then(|l| l.split_whitespace().nth(1))
-                    .and_then(|v| v.parse::<u64>().ok())
-            })
-            .unwrap_or(peak);
+        let hwm = vm_hwm(pid).unwrap_or(peak);
         let _ = child.kill().await;
         let crawled = shop.stats().await.values().sum::<u64>();
         println!(
@@ -1509,15 +1504,8 @@ async fn export(uri: &str, records: u32) {
             };
             let rss = move |peak: std::sync::Arc<std::sync::atomic::AtomicU64>| async move {
                 loop {
-                    if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
-                        if let Some(kb) = status
-                            .lines()
-                            .find(|l| l.starts_with("VmHWM:"))
-                            .and_then(|l| l.split_whitespace().nth(1))
-                            .and_then(|v| v.parse::<u64>().ok())
-                        {
-                            peak.fetch_max(kb, std::sync::atomic::Ordering::Relaxed);
-                        }
+                    if let Some(kb) = vm_hwm(pid) {
+                        peak.fetch_max(kb, std::sync::atomic::Ordering::Relaxed);
                     }
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }

@@ -46,6 +46,67 @@ fn instance(dir: &Path, config: &Path, name: &str) -> Proc {
     )
 }
 
+/// A test's fleet: its database, a demo shop (product pages slowed by `latency_ms`, so a pass
+/// is still running when the test acts), and a config with no `[[bots]]`.
+struct Fleet {
+    db: TestDb,
+    dir: tempfile::TempDir,
+    base: String,
+    config: PathBuf,
+}
+
+impl Fleet {
+    async fn start(hint: &str, lists: u32, per_list: u32, latency_ms: u64) -> Fleet {
+        let db = test_db(hint).await;
+        let dir = tempfile::tempdir().unwrap();
+        let base = shop(lists, per_list).await;
+        if latency_ms > 0 {
+            post(
+                &format!("{base}/__faults"),
+                json!([{"path": "/product/", "latency_ms": latency_ms}]),
+            )
+            .await;
+        }
+        let config = fleet_config(&db, dir.path());
+        Fleet {
+            db,
+            dir,
+            base,
+            config,
+        }
+    }
+
+    fn instance(&self, name: &str) -> Proc {
+        instance(self.dir.path(), &self.config, name)
+    }
+
+    async fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        cli(self.dir.path(), &self.config, args).await
+    }
+
+    /// `bots apply` of `text` (as a file), which must succeed; its stdout.
+    async fn apply(&self, text: &str) -> String {
+        let file = bots_file(
+            self.dir.path(),
+            &format!("bots-{}.toml", rand::random::<u32>()),
+            text,
+        );
+        let (code, out, err) = self.cli(&["bots", "apply", file.to_str().unwrap()]).await;
+        assert_eq!(code, 0, "{out}{err}");
+        out
+    }
+}
+
+/// SIGTERM, then a clean exit, for each.
+async fn stop_all(procs: &mut [&mut Proc]) {
+    for p in procs.iter_mut() {
+        p.signal(Signal::SIGTERM);
+    }
+    for p in procs.iter_mut() {
+        p.expect_ok(Duration::from_secs(30)).await;
+    }
+}
+
 async fn bot(db: &TestDb, id: &str) -> Option<Document> {
     db.doc(id).await
 }
@@ -66,63 +127,39 @@ async fn wait_for_pass_end(db: &TestDb, pass: i64, within: Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_without_bots_crawl_a_bot_applied_to_the_database_exactly() {
-    let db = test_db("fleetapply").await;
-    let dir = tempfile::tempdir().unwrap();
-    let base = shop(8, 25).await;
     // Pages slow enough that the pass outlasts one instance's start.
-    post(
-        &format!("{base}/__faults"),
-        json!([{"path": "/product/", "latency_ms": 40}]),
-    )
-    .await;
-    let config = fleet_config(&db, dir.path());
-    let mut a = instance(dir.path(), &config, "fa");
-    let mut b = instance(dir.path(), &config, "fb");
+    let f = Fleet::start("fleetapply", 8, 25, 40).await;
+    let (db, base) = (&f.db, &f.base);
+    let mut a = f.instance("fa");
+    let mut b = f.instance("fb");
     let (addr_a, addr_b) = (a.http_addr().await, b.http_addr().await);
-    assert!(
-        bot(&db, "shop").await.is_none(),
-        "nothing runs before apply"
-    );
+    assert!(bot(db, "shop").await.is_none(), "nothing runs before apply");
 
-    let file = bots_file(dir.path(), "bots.toml", &crawl_bot_toml(&base));
-    let (code, out, err) = cli(
-        dir.path(),
-        &config,
-        &["bots", "apply", file.to_str().unwrap()],
-    )
-    .await;
-    assert_eq!(code, 0, "{err}");
+    let out = f.apply(&crawl_bot_toml(base)).await;
     assert_eq!(out.trim(), "shop: created");
-    let doc = bot(&db, "shop").await.unwrap();
+    let doc = bot(db, "shop").await.unwrap();
     assert_eq!(doc.get_i64("specVersion").unwrap(), 1);
     assert!(doc.get_document("spec").unwrap().contains_key("crawl"));
 
-    wait_for_pass_end(&db, 1, Duration::from_secs(60)).await;
-    assert_eq!(live_records(&db).await, truth(&base).await);
+    wait_for_pass_end(db, 1, Duration::from_secs(60)).await;
+    assert_eq!(live_records(db).await, truth(base).await);
     // Both instances crawled it.
     for addr in [&addr_a, &addr_b] {
         let pages = metric(addr, r#"seedlock_crawl_requests_total{bot="shop"}"#).await;
         assert!(pages.unwrap_or(0.0) > 0.0, "{addr} fetched nothing");
     }
-    // Applying the same file again changes nothing.
-    let (code, out, _) = cli(
-        dir.path(),
-        &config,
-        &["bots", "apply", file.to_str().unwrap()],
-    )
-    .await;
-    assert_eq!((code, out.trim()), (0, "shop: unchanged"));
-    for p in [&mut a, &mut b] {
-        p.signal(Signal::SIGTERM);
-        p.expect_ok(Duration::from_secs(30)).await;
-    }
+    // Applying the same bots again changes nothing.
+    assert_eq!(
+        f.apply(&crawl_bot_toml(base)).await.trim(),
+        "shop: unchanged"
+    );
+    stop_all(&mut [&mut a, &mut b]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bots_apply_validates_everything_first_and_dry_run_and_prune_say_what_they_do() {
-    let db = test_db("fleetvalid").await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = fleet_config(&db, dir.path());
+    let f = Fleet::start("fleetvalid", 1, 1, 0).await;
+    let (db, dir) = (&f.db, f.dir.path());
     let good = url_bot("a", "http://127.0.0.1:9/a.txt") + &url_bot("b", "http://127.0.0.1:9/b.txt");
     // A bad selector in the second bot: one line naming the bot and the key, nothing written.
     let bad = format!(
@@ -130,13 +167,8 @@ async fn bots_apply_validates_everything_first_and_dry_run_and_prune_say_what_th
         url_bot("a", "http://127.0.0.1:9/a.txt"),
         crawl_bot_toml("http://127.0.0.1:9").replace(".sku", "[[[")
     );
-    let bad = bots_file(dir.path(), "bad.toml", &bad);
-    let (code, out, err) = cli(
-        dir.path(),
-        &config,
-        &["bots", "apply", bad.to_str().unwrap()],
-    )
-    .await;
+    let bad = bots_file(dir, "bad.toml", &bad);
+    let (code, out, err) = f.cli(&["bots", "apply", bad.to_str().unwrap()]).await;
     assert_eq!(code, 2, "{out}{err}");
     let line = err.lines().last().unwrap();
     assert!(
@@ -145,13 +177,10 @@ async fn bots_apply_validates_everything_first_and_dry_run_and_prune_say_what_th
     );
     assert!(db.store().load_all().await.unwrap().is_empty());
 
-    let file = bots_file(dir.path(), "good.toml", &good);
-    let (code, out, _) = cli(
-        dir.path(),
-        &config,
-        &["bots", "apply", "--dry-run", file.to_str().unwrap()],
-    )
-    .await;
+    let file = bots_file(dir, "good.toml", &good);
+    let (code, out, _) = f
+        .cli(&["bots", "apply", "--dry-run", file.to_str().unwrap()])
+        .await;
     assert_eq!(code, 0);
     assert!(
         out.contains("a: created (dry run") && out.contains("b: created (dry run"),
@@ -161,32 +190,24 @@ async fn bots_apply_validates_everything_first_and_dry_run_and_prune_say_what_th
         db.store().load_all().await.unwrap().is_empty(),
         "a dry run writes nothing"
     );
-    let (code, _, _) = cli(
-        dir.path(),
-        &config,
-        &["bots", "apply", file.to_str().unwrap()],
-    )
-    .await;
+    let (code, _, _) = f.cli(&["bots", "apply", file.to_str().unwrap()]).await;
     assert_eq!(code, 0);
 
     let changed = url_bot("a", "http://127.0.0.1:9/a2.txt");
-    let file = bots_file(dir.path(), "changed.toml", &changed);
-    let (code, out, _) = cli(
-        dir.path(),
-        &config,
-        &["bots", "apply", "--prune", file.to_str().unwrap()],
-    )
-    .await;
+    let file = bots_file(dir, "changed.toml", &changed);
+    let (code, out, _) = f
+        .cli(&["bots", "apply", "--prune", file.to_str().unwrap()])
+        .await;
     assert_eq!(code, 0);
     assert_eq!(out.trim(), "a: changed (seeds.url)\nb: removed");
-    assert!(bot(&db, "b").await.is_none());
-    let a = bot(&db, "a").await.unwrap();
+    assert!(bot(db, "b").await.is_none());
+    let a = bot(db, "a").await.unwrap();
     assert_eq!(a.get_i64("specVersion").unwrap(), 2);
     assert!(
         matches!(a.get("refreshRequestedAt"), Some(Bson::DateTime(_))),
         "a changed spec asks for a refresh: its next pass starts on it"
     );
-    let (code, out, _) = cli(dir.path(), &config, &["bots", "list", "--json"]).await;
+    let (code, out, _) = f.cli(&["bots", "list", "--json"]).await;
     assert_eq!(code, 0);
     let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(rows[0]["bot"], "a");
@@ -196,63 +217,37 @@ async fn bots_apply_validates_everything_first_and_dry_run_and_prune_say_what_th
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spec_changed_mid_pass_takes_effect_at_the_next_pass() {
-    let db = test_db("fleetchange").await;
-    let dir = tempfile::tempdir().unwrap();
-    let base = shop(6, 20).await;
     // Slow products: the first pass is still running when the spec changes.
-    post(
-        &format!("{base}/__faults"),
-        json!([{"path": "/product/", "latency_ms": 120}]),
-    )
-    .await;
-    let config = fleet_config(&db, dir.path());
-    let mut a = instance(dir.path(), &config, "ca");
-    let mut b = instance(dir.path(), &config, "cb");
+    let f = Fleet::start("fleetchange", 6, 20, 120).await;
+    let (db, base) = (&f.db, &f.base);
+    let mut a = f.instance("ca");
+    let mut b = f.instance("cb");
     let full = |title: &str| {
-        crawl_bot_toml(&base).replace("title = \"h1\"", &format!("title = \"{title}\""))
+        crawl_bot_toml(base).replace("title = \"h1\"", &format!("title = \"{title}\""))
             + "[bots.crawl.incremental]\nmode = \"full\"\n"
     };
-    let v1 = bots_file(dir.path(), "v1.toml", &full("h1"));
-    assert_eq!(
-        cli(
-            dir.path(),
-            &config,
-            &["bots", "apply", v1.to_str().unwrap()]
-        )
-        .await
-        .0,
-        0
-    );
+    f.apply(&full("h1")).await;
     eventually("pass 1 is under way", Duration::from_secs(30), || async {
-        records(&db).await.len() >= 10
+        records(db).await.len() >= 10
     })
     .await;
     // The title now comes from the SKU element.
-    let v2 = bots_file(dir.path(), "v2.toml", &full(".sku"));
-    let (code, out, _) = cli(
-        dir.path(),
-        &config,
-        &["bots", "apply", v2.to_str().unwrap()],
-    )
-    .await;
-    assert_eq!(
-        (code, out.trim()),
-        (0, "shop: changed (crawl.record.fields.title)")
-    );
-    assert_eq!(pass_of(&db).await, (1, false), "the change came mid-pass");
+    let out = f.apply(&full(".sku")).await;
+    assert_eq!(out.trim(), "shop: changed (crawl.record.fields.title)");
+    assert_eq!(pass_of(db).await, (1, false), "the change came mid-pass");
 
     // Pass 1 ends on the spec it started with (the next starts at once: the apply asked for a
     // refresh). Whenever it is read, a record last stored by pass 1 carries a product name.
     eventually("pass 1 ends", Duration::from_secs(60), || async {
-        bot(&db, "shop").await.and_then(|d| {
+        bot(db, "shop").await.and_then(|d| {
             d.get_document("crawlLastPass")
                 .ok()
                 .and_then(|l| l.get_i64("pass").ok())
         }) == Some(1)
     })
     .await;
-    let truth = truth(&base).await;
-    let stored = records(&db).await;
+    let truth = truth(base).await;
+    let stored = records(db).await;
     assert_eq!(stored.len(), truth.len());
     let mut by_pass_1 = 0;
     for r in &stored {
@@ -270,17 +265,17 @@ async fn a_spec_changed_mid_pass_takes_effect_at_the_next_pass() {
         by_pass_1 * 2 > truth.len(),
         "read too late: {by_pass_1} of pass 1's records left"
     );
-    let doc = bot(&db, "shop").await.unwrap();
+    let doc = bot(db, "shop").await.unwrap();
     // The apply asked for a refresh; the next pass starts on the new spec.
     eventually("pass 2 ends", Duration::from_secs(60), || async {
-        let (pass, ended) = pass_of(&db).await;
+        let (pass, ended) = pass_of(db).await;
         pass >= 2 && ended
     })
     .await;
-    let doc2 = bot(&db, "shop").await.unwrap();
+    let doc2 = bot(db, "shop").await.unwrap();
     assert_eq!(doc.get_i64("specVersion").unwrap(), 2);
     assert_eq!(doc2.get_i64("crawlPassSpecVersion").unwrap(), 2);
-    for r in records(&db).await {
+    for r in records(db).await {
         let key = r.get_str("naturalKey").unwrap();
         assert_eq!(
             r.get_document("data").unwrap().get_str("title").unwrap(),
@@ -288,55 +283,30 @@ async fn a_spec_changed_mid_pass_takes_effect_at_the_next_pass() {
             "pass 2 used the new spec"
         );
     }
-    for p in [&mut a, &mut b] {
-        p.signal(Signal::SIGTERM);
-        p.expect_ok(Duration::from_secs(30)).await;
-    }
+    stop_all(&mut [&mut a, &mut b]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_bot_stops_fetching_and_resumes_to_an_exact_end() {
-    let db = test_db("fleetpause").await;
-    let dir = tempfile::tempdir().unwrap();
-    let base = shop(8, 20).await;
-    post(
-        &format!("{base}/__faults"),
-        json!([{"path": "/product/", "latency_ms": 100}]),
-    )
-    .await;
-    let config = fleet_config(&db, dir.path());
-    let mut a = instance(dir.path(), &config, "pa");
-    let mut b = instance(dir.path(), &config, "pb");
+    let f = Fleet::start("fleetpause", 8, 20, 100).await;
+    let (db, base) = (&f.db, &f.base);
+    let mut a = f.instance("pa");
+    let mut b = f.instance("pb");
     let addr = a.http_addr().await;
     let _ = b.http_addr().await;
-    let file = bots_file(dir.path(), "bots.toml", &crawl_bot_toml(&base));
-    assert_eq!(
-        cli(
-            dir.path(),
-            &config,
-            &["bots", "apply", file.to_str().unwrap()]
-        )
-        .await
-        .0,
-        0
-    );
+    f.apply(&crawl_bot_toml(base)).await;
     eventually("the pass is under way", Duration::from_secs(30), || async {
-        Requests::peek(&base).await.under("/product/") >= 20
+        Requests::peek(base).await.under("/product/") >= 20
     })
     .await;
 
-    let (code, out, _) = cli(
-        dir.path(),
-        &config,
-        &["pause", "shop", "--reason", "maintenance"],
-    )
-    .await;
+    let (code, out, _) = f.cli(&["pause", "shop", "--reason", "maintenance"]).await;
     assert_eq!(code, 0, "{out}");
-    let doc = bot(&db, "shop").await.unwrap();
+    let doc = bot(db, "shop").await.unwrap();
     assert!(doc.get_bool("paused").unwrap());
     assert_eq!(doc.get_str("pauseReason").unwrap(), "maintenance");
     // After the in-flight pages settle, the shop sees no more requests.
-    let mut last = Requests::peek(&base).await.under("/");
+    let mut last = Requests::peek(base).await.under("/");
     let mut steady_since = Instant::now();
     let settled = Instant::now();
     while steady_since.elapsed() < Duration::from_secs(2) {
@@ -345,61 +315,46 @@ async fn a_paused_bot_stops_fetching_and_resumes_to_an_exact_end() {
             "requests did not stop"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let now = Requests::peek(&base).await.under("/");
+        let now = Requests::peek(base).await.under("/");
         if now != last {
             last = now;
             steady_since = Instant::now();
         }
     }
-    assert_eq!(pass_of(&db).await, (1, false), "paused mid-pass");
+    assert_eq!(pass_of(db).await, (1, false), "paused mid-pass");
     eventually(
         "status and metrics show it paused",
         Duration::from_secs(10),
         || async { metric(&addr, r#"seedlock_bot_paused{bot="shop"}"#).await == Some(1.0) },
     )
     .await;
-    let (_, status, _) = cli(dir.path(), &config, &["status"]).await;
+    let (_, status, _) = f.cli(&["status"]).await;
     assert!(status.contains("(paused)"), "{status}");
-    let leased = frontier(&db, doc! {"botId": "shop", "status": "leased"}).await;
+    let leased = frontier(db, doc! {"botId": "shop", "status": "leased"}).await;
     assert!(leased.is_empty(), "the leases went back: {leased:?}");
 
-    let (code, _, _) = cli(dir.path(), &config, &["resume", "shop"]).await;
+    let (code, _, _) = f.cli(&["resume", "shop"]).await;
     assert_eq!(code, 0);
-    wait_for_pass_end(&db, 1, Duration::from_secs(60)).await;
-    assert_eq!(live_records(&db).await, truth(&base).await);
+    wait_for_pass_end(db, 1, Duration::from_secs(60)).await;
+    assert_eq!(live_records(db).await, truth(base).await);
     // No page fetched twice beyond those in flight at the pause (2 workers on each of 2 instances).
-    let repeated = Requests::peek(&base).await.repeated();
+    let repeated = Requests::peek(base).await.repeated();
     assert!(repeated <= 4, "{repeated} pages fetched twice");
-    for p in [&mut a, &mut b] {
-        p.signal(Signal::SIGTERM);
-        p.expect_ok(Duration::from_secs(30)).await;
-    }
+    stop_all(&mut [&mut a, &mut b]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_bot_stops_on_every_instance_and_purge_leaves_nothing_of_it() {
-    let db = test_db("fleetremove").await;
-    let dir = tempfile::tempdir().unwrap();
-    let base = shop(3, 10).await;
-    let config = fleet_config(&db, dir.path());
-    let mut a = instance(dir.path(), &config, "ra");
-    let mut b = instance(dir.path(), &config, "rb");
-    let file = bots_file(dir.path(), "bots.toml", &crawl_bot_toml(&base));
-    assert_eq!(
-        cli(
-            dir.path(),
-            &config,
-            &["bots", "apply", file.to_str().unwrap()]
-        )
-        .await
-        .0,
-        0
-    );
-    wait_for_pass_end(&db, 1, Duration::from_secs(60)).await;
-    assert!(!records(&db).await.is_empty());
+    let f = Fleet::start("fleetremove", 3, 10, 0).await;
+    let (db, base) = (&f.db, &f.base);
+    let mut a = f.instance("ra");
+    let mut b = f.instance("rb");
+    f.apply(&crawl_bot_toml(base)).await;
+    wait_for_pass_end(db, 1, Duration::from_secs(60)).await;
+    assert!(!records(db).await.is_empty());
 
     let removed = Instant::now();
-    let (code, out, err) = cli(dir.path(), &config, &["bots", "remove", "shop", "--purge"]).await;
+    let (code, out, err) = f.cli(&["bots", "remove", "shop", "--purge"]).await;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("shop: removed"), "{out}");
     assert!(out.contains("purged"), "{out}");
@@ -413,39 +368,21 @@ async fn a_removed_bot_stops_on_every_instance_and_purge_leaves_nothing_of_it() 
         .await;
     }
     assert!(removed.elapsed() < Duration::from_secs(5));
-    assert!(bot(&db, "shop").await.is_none(), "nothing re-created it");
-    assert!(frontier(&db, doc! {"botId": "shop"}).await.is_empty());
-    assert!(records(&db).await.is_empty());
-    for p in [&mut a, &mut b] {
-        p.signal(Signal::SIGTERM);
-        p.expect_ok(Duration::from_secs(30)).await;
-    }
+    assert!(bot(db, "shop").await.is_none(), "nothing re-created it");
+    assert!(frontier(db, doc! {"botId": "shop"}).await.is_empty());
+    assert!(records(db).await.is_empty());
+    stop_all(&mut [&mut a, &mut b]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_spec_puts_only_its_bot_in_error_naming_the_key_until_fixed() {
-    let db = test_db("fleetbad").await;
-    let dir = tempfile::tempdir().unwrap();
-    let base = shop(2, 10).await;
+    let f = Fleet::start("fleetbad", 2, 10, 0).await;
+    let (db, base) = (&f.db, &f.base);
     let source = SeedSourceServer::start().await;
-    let config = fleet_config(&db, dir.path());
-    let mut a = instance(dir.path(), &config, "ma");
-    let file = bots_file(
-        dir.path(),
-        "bots.toml",
-        &(crawl_bot_toml(&base) + &url_bot("other", &source.url()) + "refresh = \"1s\"\n"),
-    );
-    assert_eq!(
-        cli(
-            dir.path(),
-            &config,
-            &["bots", "apply", file.to_str().unwrap()]
-        )
-        .await
-        .0,
-        0
-    );
-    wait_for_pass_end(&db, 1, Duration::from_secs(60)).await;
+    let mut a = f.instance("ma");
+    f.apply(&(crawl_bot_toml(base) + &url_bot("other", &source.url()) + "refresh = \"1s\"\n"))
+        .await;
+    wait_for_pass_end(db, 1, Duration::from_secs(60)).await;
 
     // Hand-edited in mongosh into something no instance can parse.
     db.bots()
@@ -459,7 +396,7 @@ async fn a_malformed_spec_puts_only_its_bot_in_error_naming_the_key_until_fixed(
         "the bot shows Error naming the key",
         Duration::from_secs(10),
         || async {
-            let (_, out, _) = cli(dir.path(), &config, &["status", "--json"]).await;
+            let (_, out, _) = f.cli(&["status", "--json"]).await;
             let rows: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
             rows.as_array().is_some_and(|rows| {
                 rows.iter().any(|r| {
@@ -494,7 +431,7 @@ async fn a_malformed_spec_puts_only_its_bot_in_error_naming_the_key_until_fixed(
         "the fixed spec runs again",
         Duration::from_secs(10),
         || async {
-            let d = bot(&db, "shop").await.unwrap();
+            let d = bot(db, "shop").await.unwrap();
             matches!(d.get("specError"), Some(Bson::Null)) && d.get_bool("isReady").unwrap_or(false)
         },
     )
@@ -505,24 +442,9 @@ async fn a_malformed_spec_puts_only_its_bot_in_error_naming_the_key_until_fixed(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn export_streams_every_record_as_json_lines_or_csv() {
-    let db = test_db("fleetexport").await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = fleet_config(&db, dir.path());
-    let file = bots_file(
-        dir.path(),
-        "bots.toml",
-        &crawl_bot_toml("http://127.0.0.1:9"),
-    );
-    assert_eq!(
-        cli(
-            dir.path(),
-            &config,
-            &["bots", "apply", file.to_str().unwrap()]
-        )
-        .await
-        .0,
-        0
-    );
+    let f = Fleet::start("fleetexport", 1, 1, 0).await;
+    let db = &f.db;
+    f.apply(&crawl_bot_toml("http://127.0.0.1:9")).await;
     let n = 5_000u32;
     let now = bson::DateTime::now();
     let docs: Vec<Document> = (0..n)
@@ -541,12 +463,7 @@ async fn export_streams_every_record_as_json_lines_or_csv() {
         .await
         .unwrap();
 
-    let (code, out, err) = cli(
-        dir.path(),
-        &config,
-        &["export", "shop", "--include-removed"],
-    )
-    .await;
+    let (code, out, err) = f.cli(&["export", "shop", "--include-removed"]).await;
     assert_eq!(code, 0, "{err}");
     let mut stored: Vec<Document> = db
         .db
@@ -571,9 +488,9 @@ async fn export_streams_every_record_as_json_lines_or_csv() {
         );
     }
     // Without --include-removed: the live ones; CSV: a header, then one row each.
-    let (_, live, _) = cli(dir.path(), &config, &["export", "shop"]).await;
+    let (_, live, _) = f.cli(&["export", "shop"]).await;
     assert_eq!(live.lines().count() as u32, n - n / 10);
-    let (code, csv, _) = cli(dir.path(), &config, &["export", "shop", "--format", "csv"]).await;
+    let (code, csv, _) = f.cli(&["export", "shop", "--format", "csv"]).await;
     assert_eq!(code, 0);
     let mut lines = csv.lines();
     assert_eq!(
@@ -583,11 +500,8 @@ async fn export_streams_every_record_as_json_lines_or_csv() {
     assert!(lines.next().unwrap().contains(",\"Thing, \"\"1\"\"\","));
     assert_eq!(csv.lines().count() as u32, 1 + n - n / 10);
     // --changed-since after every change: nothing.
-    let (_, none, _) = cli(
-        dir.path(),
-        &config,
-        &["export", "shop", "--changed-since", "2999-01-01T00:00:00Z"],
-    )
-    .await;
+    let (_, none, _) = f
+        .cli(&["export", "shop", "--changed-since", "2999-01-01T00:00:00Z"])
+        .await;
     assert_eq!(none, "");
 }

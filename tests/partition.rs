@@ -28,14 +28,7 @@ async fn a_partitioned_instance_stops_within_ttl_the_others_take_over_and_its_la
         json!([{"path": "/seeds.txt", "latency_ms": 4000}, {"path": "/", "latency_ms": 100}]),
     )
     .await;
-    let server = db
-        .uri
-        .trim_start_matches("mongodb://")
-        .split(['/', '?'])
-        .next()
-        .unwrap()
-        .to_owned();
-    let proxy = Blackhole::start(&server).await;
+    let proxy = Blackhole::start(&common::blackhole::server_of(&db.uri)).await;
     let dir = tempfile::tempdir().unwrap();
     let extra = "[crawl]\nworkers = 2\nlease = \"3s\"\ntimeout = \"2s\"\n";
     let config_for = |uri: &str| {

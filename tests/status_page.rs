@@ -152,14 +152,7 @@ async fn the_status_page_shows_the_fleet_escapes_outside_text_and_matches_status
 async fn the_status_page_says_when_the_database_cannot_be_read() {
     let db = test_db("statusdown").await;
     let dir = tempfile::tempdir().unwrap();
-    let server = db
-        .uri
-        .trim_start_matches("mongodb://")
-        .split(['/', '?'])
-        .next()
-        .unwrap()
-        .to_owned();
-    let proxy = blackhole::Blackhole::start(&server).await;
+    let proxy = blackhole::Blackhole::start(&blackhole::server_of(&db.uri)).await;
     let mut config = ProcConfig::new(&db, url_bot("b", "http://127.0.0.1:9/seeds.txt"));
     let uri = proxy.uri(&db.uri);
     config.uri = &uri;

@@ -836,63 +836,87 @@ impl BotRunner {
     fn spawn_watcher(
         &self,
         stop: CancellationToken,
-        mut wanted: tokio::sync::watch::Receiver<bool>,
+        wanted: tokio::sync::watch::Receiver<bool>,
     ) -> tokio::task::JoinHandle<()> {
         let store = self.ctx.store.clone();
         let id = self.bot.id.clone();
-        let wake = self.wake.clone();
-        let poll = self.ctx.lock.poll;
-        tokio::spawn(async move {
-            let mut failures: u32 = 0;
-            loop {
-                // Closed while the loop crawls; opened again when it waits.
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    changed = wanted.wait_for(|w| *w) => if changed.is_err() { return },
-                }
-                let stream = tokio::select! {
-                    _ = stop.cancelled() => return,
-                    s = store.watch_bot(&id) => s,
-                };
-                match stream {
-                    Ok(mut stream) => {
-                        failures = 0;
-                        // A change made while the stream was opening is in no event: one more
-                        // read of the document closes that gap (else it waits for the poll).
-                        wake.notify_one();
-                        loop {
-                            tokio::select! {
-                                _ = stop.cancelled() => return,
-                                _ = wanted.wait_for(|w| !*w) => break,
-                                event = stream.next() => match event {
-                                    Some(Ok(_)) => wake.notify_one(),
-                                    Some(Err(e)) => {
-                                        debug!(bot = %id, error = %e, "change stream ended; reopening");
-                                        break;
-                                    }
-                                    None => break,
-                                },
+        tokio::spawn(wake_on_changes(
+            move || {
+                let (store, id) = (store.clone(), id.clone());
+                async move { store.watch_bot(&id).await }
+            },
+            self.wake.clone(),
+            self.ctx.lock.poll,
+            stop,
+            wanted,
+        ))
+    }
+}
+
+type Changes = mongodb::change_stream::ChangeStream<
+    mongodb::change_stream::event::ChangeStreamEvent<bson::Document>,
+>;
+
+/// Wakes `wake` on every event of the change stream `open` opens — and once whenever it opens (a
+/// change made while it was opening is in no event) — while `wanted` is true; reopens it with
+/// backoff when it ends, until `stop`. Where the server has no change streams it returns, and
+/// polling alone carries on.
+pub(crate) async fn wake_on_changes<F, Fut>(
+    open: F,
+    wake: Arc<Notify>,
+    poll: Duration,
+    stop: CancellationToken,
+    mut wanted: tokio::sync::watch::Receiver<bool>,
+) where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<Changes>>,
+{
+    let mut failures: u32 = 0;
+    loop {
+        // Closed while the loop crawls; opened again when it waits.
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            changed = wanted.wait_for(|w| *w) => if changed.is_err() { return },
+        }
+        let stream = tokio::select! {
+            _ = stop.cancelled() => return,
+            s = open() => s,
+        };
+        match stream {
+            Ok(mut stream) => {
+                failures = 0;
+                wake.notify_one();
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = wanted.wait_for(|w| !*w) => break,
+                        event = stream.next() => match event {
+                            Some(Ok(_)) => wake.notify_one(),
+                            Some(Err(e)) => {
+                                debug!(error = %e, "change stream ended; reopening");
+                                break;
                             }
-                        }
-                        if !*wanted.borrow() {
-                            // Paused, not failed.
-                            continue;
-                        }
+                            None => break,
+                        },
                     }
-                    Err(e) if !e.is_transient() => {
-                        debug!(bot = %id, error = %e, "no change streams on this server; polling only");
-                        return;
-                    }
-                    Err(_) => {}
                 }
-                failures += 1;
-                let delay = full_jitter(poll, poll * 16, failures);
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(delay) => {}
+                if !*wanted.borrow() {
+                    // Paused, not failed.
+                    continue;
                 }
             }
-        })
+            Err(e) if !e.is_transient() => {
+                debug!(error = %e, "no change streams on this server; polling only");
+                return;
+            }
+            Err(_) => {}
+        }
+        failures += 1;
+        let delay = full_jitter(poll, poll * 16, failures);
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
     }
 }
 

@@ -180,35 +180,18 @@ async fn stop_runner(old: Running) {
 /// Wakes [`follow`] on any change of the `bots` collection (where the server has change
 /// streams; the poll carries on alone otherwise).
 async fn watch_bots(ctx: Arc<Context>, wake: Arc<tokio::sync::Notify>, stop: CancellationToken) {
-    use futures_util::StreamExt;
-    let mut failures = 0u32;
-    loop {
-        let stream = tokio::select! {
-            _ = stop.cancelled() => return,
-            s = ctx.store.watch_bots() => s,
-        };
-        match stream {
-            Ok(mut stream) => {
-                failures = 0;
-                wake.notify_one();
-                loop {
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        event = stream.next() => match event {
-                            Some(Ok(_)) => wake.notify_one(),
-                            _ => break,
-                        },
-                    }
-                }
-            }
-            Err(e) if !e.is_transient() => return,
-            Err(_) => {}
-        }
-        failures += 1;
-        let delay = crate::backoff::full_jitter(ctx.lock.poll, ctx.lock.poll * 16, failures);
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(delay) => {}
-        }
-    }
+    // Always wanted: the sender lives as long as the watch.
+    let (_wanted, wanted_rx) = tokio::sync::watch::channel(true);
+    let store = ctx.store.clone();
+    crate::lock::coordinator::wake_on_changes(
+        move || {
+            let store = store.clone();
+            async move { store.watch_bots().await }
+        },
+        wake,
+        ctx.lock.poll,
+        stop,
+        wanted_rx,
+    )
+    .await;
 }

@@ -15,6 +15,15 @@ pub struct Blackhole {
     cut: watch::Sender<bool>,
 }
 
+/// The `host:port` of a `mongodb://` URI (its first host).
+pub fn server_of(uri: &str) -> String {
+    uri.trim_start_matches("mongodb://")
+        .split(['/', '?', ','])
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
 impl Blackhole {
     /// A proxy to `upstream` (`host:port`), forwarding until cut.
     pub async fn start(upstream: &str) -> Blackhole {

@@ -755,15 +755,9 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
         passes: HashMap::new(),
         asked: HashMap::new(),
         admin_failures: Vec::new(),
-        upstream: database.restartable().then(|| {
-            database
-                .uri
-                .trim_start_matches("mongodb://")
-                .split(['/', '?'])
-                .next()
-                .unwrap_or_default()
-                .to_owned()
-        }),
+        upstream: database
+            .restartable()
+            .then(|| super::blackhole::server_of(&database.uri)),
         db_uri: database.uri.clone(),
     };
     for _ in 0..cfg.instances {
