@@ -294,22 +294,37 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
         .filter(|b| b.crawl.is_some())
         .map(|b| b.id.clone())
         .collect();
-    let display = if once && !crawling.is_empty() && std::io::stderr().is_terminal() {
-        match daemon::connect(&settings).await {
-            Ok((store, _)) => {
-                let done = CancellationToken::new();
-                let shown = tokio::spawn(crate::ops::progress::show(
-                    store.clone(),
-                    crawling,
-                    done.clone(),
-                ));
-                Some((store, done, shown))
+    let from_database = settings.bots_from_database();
+    let display =
+        if once && (from_database || !crawling.is_empty()) && std::io::stderr().is_terminal() {
+            match daemon::connect(&settings).await {
+                Ok((store, _)) => {
+                    let mut crawling = crawling;
+                    if from_database {
+                        // The database's crawling bots this instance runs.
+                        for raw in store.spec_documents().await.unwrap_or_default() {
+                            let id = raw.get_str("_id").ok().and_then(|s| BotId::parse(s).ok());
+                            let crawls = raw.get_document("spec").is_ok_and(|spec| {
+                                matches!(spec.get("crawl"), Some(bson::Bson::Document(_)))
+                            });
+                            if let Some(id) = id.filter(|id| crawls && settings.runs(id)) {
+                                crawling.push(id);
+                            }
+                        }
+                    }
+                    let done = CancellationToken::new();
+                    let shown = tokio::spawn(crate::ops::progress::show(
+                        store.clone(),
+                        crawling,
+                        done.clone(),
+                    ));
+                    Some((store, done, shown))
+                }
+                Err(e) => return fail(EXIT_USAGE, e),
             }
-            Err(e) => return fail(EXIT_USAGE, e),
-        }
-    } else {
-        None
-    };
+        } else {
+            None
+        };
     let result = daemon::run(settings, mode, shutdown).await;
     if let Some((store, done, shown)) = display {
         done.cancel();

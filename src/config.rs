@@ -77,8 +77,8 @@ pub fn glob_match(pattern: &str, text: &str) -> bool {
     p[pi..].iter().all(|c| *c == '*')
 }
 
-/// A bot's definition as kept in its document's `spec`: the `[[bots]]` entry with every default
-/// filled in and without its `id` (the document's `_id`).
+/// A bot's definition as kept in its document's `spec`: the `[[bots]]` entry as the file wrote
+/// it (defaults are filled in when it is read), without its `id` (the document's `_id`).
 #[derive(Clone, Debug)]
 pub struct BotSpec {
     pub settings: BotSettings,
@@ -95,11 +95,17 @@ pub fn specs_from_file(path: &Path) -> Result<Vec<BotSpec>, ConfigError> {
     let text =
         std::fs::read_to_string(path).map_err(|e| error(format!("cannot read the file: {e}")))?;
     #[derive(Deserialize)]
-    struct BotsOnly {
-        #[serde(default)]
-        bots: Vec<RawBot>,
+    struct BotsOnly<T> {
+        #[serde(default = "Vec::new")]
+        bots: Vec<T>,
     }
-    let raw: BotsOnly = Figment::from(Toml::string(&text))
+    let figment = Figment::from(Toml::string(&text));
+    let raw: BotsOnly<RawBot> = figment
+        .extract()
+        .map_err(|e| error(describe_figment_error(e)))?;
+    // The spec keeps the keys the file wrote, not the defaults filled in: a default that changes
+    // in a later version, or a key an older instance does not know, stays out of the stored spec.
+    let written: BotsOnly<figment::value::Value> = figment
         .extract()
         .map_err(|e| error(describe_figment_error(e)))?;
     if raw.bots.is_empty() {
@@ -107,9 +113,9 @@ pub fn specs_from_file(path: &Path) -> Result<Vec<BotSpec>, ConfigError> {
     }
     let mut seen = HashSet::new();
     let mut out = Vec::with_capacity(raw.bots.len());
-    for (i, bot) in raw.bots.into_iter().enumerate() {
+    for (i, (bot, written)) in raw.bots.into_iter().zip(written.bots).enumerate() {
         let mut spec =
-            bson::to_document(&bot).map_err(|e| error(format!("key `bots[{i}]`: {e}")))?;
+            bson::to_document(&written).map_err(|e| error(format!("key `bots[{i}]`: {e}")))?;
         spec.remove("id");
         let name = bot.id.clone();
         let settings = bot

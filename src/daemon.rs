@@ -251,6 +251,7 @@ pub async fn run_with_store(
             configured: settings.bots.iter().map(|b| b.id.clone()).collect(),
             me: ctx.me.clone(),
             started: std::time::Instant::now(),
+            cache: Default::default(),
         };
         let (addr, server) =
             crate::ops::http::bind(listen, metrics.clone(), stale_after, status, stop.clone())

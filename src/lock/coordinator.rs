@@ -96,6 +96,9 @@ pub enum RunEnd {
     Removed,
 }
 
+/// A spec as a pass recorded it (`crawlPassSpecVersion`, `crawlPassSpec`).
+type RecordedSpec = Arc<(i64, bson::Document)>;
+
 pub struct BotRunner {
     bot: BotSettings,
     policy: Policy,
@@ -106,9 +109,9 @@ pub struct BotRunner {
     /// records it; the bot's document going away stops this runner (nothing re-creates it).
     spec: Option<(i64, bson::Document)>,
     /// The crawler of a pass that started on another spec version than this runner's.
-    pass_crawler: std::sync::Mutex<Option<(i64, Arc<Crawler>)>>,
-    /// The spec version the bot's current (or last) pass recorded, as last read.
-    last_pass_spec: std::sync::Mutex<Option<i64>>,
+    pass_crawler: std::sync::Mutex<Option<(RecordedSpec, Arc<Crawler>)>>,
+    /// The spec the bot's current (or last) pass recorded, as last read.
+    last_pass_spec: std::sync::Mutex<Option<RecordedSpec>>,
 }
 
 /// How one crawl turn of a ready bot ended.
@@ -186,14 +189,22 @@ impl BotRunner {
         use crate::lock::document::field;
         match &self.spec {
             Some((version, spec)) => {
-                let before = *self.last_pass_spec.lock().expect("pass spec lock");
+                let before = self.last_pass_spec.lock().expect("pass spec lock");
+                let changed = before
+                    .as_ref()
+                    .is_some_and(|b| b.0 != *version || b.1 != *spec);
                 bson::doc! {
                     field::CRAWL_PASS_SPEC_VERSION: *version,
                     field::CRAWL_PASS_SPEC: spec.clone(),
-                    field::CRAWL_PASS_REFETCH: before.is_some_and(|v| v != *version),
+                    field::CRAWL_PASS_REFETCH: changed,
                 }
             }
-            None => bson::Document::new(),
+            // A bot from a config file: no spec, and nothing left of an earlier pass's.
+            None => bson::doc! {
+                field::CRAWL_PASS_SPEC_VERSION: bson::Bson::Null,
+                field::CRAWL_PASS_SPEC: bson::Bson::Null,
+                field::CRAWL_PASS_REFETCH: false,
+            },
         }
     }
 
@@ -201,16 +212,16 @@ impl BotRunner {
     /// version — one built from the spec the pass recorded, so it ends on the rules it began with.
     fn crawler_for(&self, pass: &crate::crawl::Pass) -> Option<Arc<Crawler>> {
         let mine = self.crawler.clone()?;
-        let (Some((mine_version, _)), Some(recorded)) = (&self.spec, &pass.spec) else {
+        let (Some(_), Some(recorded)) = (&self.spec, &pass.spec) else {
             return Some(mine);
         };
         let (version, spec) = &**recorded;
-        if version == mine_version {
+        if self.spec.as_ref() == Some(&**recorded) {
             return Some(mine);
         }
         let mut cached = self.pass_crawler.lock().expect("pass crawler lock");
-        if let Some((v, crawler)) = cached.as_ref() {
-            if v == version {
+        if let Some((cached_spec, crawler)) = cached.as_ref() {
+            if Arc::ptr_eq(cached_spec, recorded) || **cached_spec == **recorded {
                 return Some(crawler.clone());
             }
         }
@@ -221,7 +232,7 @@ impl BotRunner {
             (Some(rules), Some(crawl)) => {
                 info!(bot = %self.bot.id, pass = pass.number, spec_version = *version, "this pass started on an earlier spec: crawling it on that one");
                 let crawler = Crawler::new(self.bot.id.clone(), rules, crawl);
-                *cached = Some((*version, crawler.clone()));
+                *cached = Some((recorded.clone(), crawler.clone()));
                 Some(crawler)
             }
             _ => Some(mine),
@@ -240,8 +251,7 @@ impl BotRunner {
         ctx.metrics.db_ok();
         if let Observed::Valid(doc) = &observed {
             ctx.metrics.saw_epoch(id, doc.lock_epoch.get());
-            *self.last_pass_spec.lock().expect("pass spec lock") =
-                doc.crawl_pass_spec.as_ref().map(|recorded| recorded.0);
+            *self.last_pass_spec.lock().expect("pass spec lock") = doc.crawl_pass_spec.clone();
         }
         if self.spec.is_some() && observed == Observed::Missing {
             info!(bot = %id, "the bot's document was removed: stopping the bot");

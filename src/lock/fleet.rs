@@ -22,16 +22,18 @@ use crate::lock::decide::BotState;
 use crate::lock::document::{field, integer};
 
 struct Running {
-    version: i64,
+    /// The spec it runs (`specVersion`, `spec`): a different one restarts it.
+    spec: (i64, Document),
     stop: CancellationToken,
     handle: tokio::task::JoinHandle<RunEnd>,
 }
 
-/// One spec document as the fleet sees it.
-enum Seen {
-    Runnable {
-        version: i64,
-        spec: Document,
+/// What one document with a spec asks of this instance.
+enum Wanted {
+    /// Keep the runner that runs exactly this spec.
+    Keep,
+    Run {
+        spec: (i64, Document),
         settings: Box<crate::config::BotSettings>,
         marked_error: bool,
     },
@@ -41,20 +43,28 @@ enum Seen {
     },
 }
 
-fn read(raw: &Document) -> Option<(BotId, Seen)> {
+/// Reads one document; a spec equal to the running one is not parsed again.
+fn wanted(raw: &Document, running: Option<&Running>) -> Option<(BotId, Wanted)> {
     let id = BotId::parse(raw.get_str(field::ID).ok()?).ok()?;
     let version = raw.get(field::SPEC_VERSION).and_then(integer).unwrap_or(0);
-    let seen = match raw.get(field::SPEC) {
-        Some(Bson::Document(spec)) => match bot_from_spec(&id, spec) {
-            Ok(settings) => Seen::Runnable {
-                version,
-                spec: spec.clone(),
-                settings: Box::new(settings),
-                marked_error: matches!(raw.get(field::SPEC_ERROR), Some(Bson::String(_))),
-            },
-            Err(error) => Seen::Bad { version, error },
-        },
-        Some(other) => Seen::Bad {
+    let wanted = match raw.get(field::SPEC) {
+        Some(Bson::Document(spec)) => {
+            if running.is_some_and(|r| {
+                r.spec.0 == version && r.spec.1 == *spec && !r.handle.is_finished()
+            }) {
+                Wanted::Keep
+            } else {
+                match bot_from_spec(&id, spec) {
+                    Ok(settings) => Wanted::Run {
+                        spec: (version, spec.clone()),
+                        settings: Box::new(settings),
+                        marked_error: matches!(raw.get(field::SPEC_ERROR), Some(Bson::String(_))),
+                    },
+                    Err(error) => Wanted::Bad { version, error },
+                }
+            }
+        }
+        Some(other) => Wanted::Bad {
             version,
             error: format!(
                 "key `spec`: must be a document, found {:?}",
@@ -63,7 +73,7 @@ fn read(raw: &Document) -> Option<(BotId, Seen)> {
         },
         None => return None,
     };
-    Some((id, seen))
+    Some((id, wanted))
 }
 
 /// Runs the database's bots until `stop`. Returns when `stop` fires, every runner stopped.
@@ -76,58 +86,44 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
     loop {
         match ctx.store.spec_documents().await {
             Ok(docs) => {
-                let mut wanted = std::collections::HashSet::new();
+                let mut seen = std::collections::HashSet::new();
+                let mut stopping = Vec::new();
+                let mut starting = Vec::new();
+                let mut removed = Vec::new();
                 for raw in &docs {
-                    let Some((id, seen)) = read(raw) else {
+                    let id = raw
+                        .get_str(field::ID)
+                        .ok()
+                        .and_then(|s| BotId::parse(s).ok());
+                    let Some((id, want)) = id
+                        .filter(|id| settings.runs(id))
+                        .and_then(|id| wanted(raw, running.get(&id)))
+                    else {
                         continue;
                     };
-                    if !settings.runs(&id) {
-                        continue;
-                    }
-                    wanted.insert(id.clone());
-                    match seen {
-                        Seen::Runnable {
-                            version,
+                    seen.insert(id.clone());
+                    match want {
+                        Wanted::Keep => {}
+                        Wanted::Run {
                             spec,
                             settings,
                             marked_error,
                         } => {
-                            if running
-                                .get(&id)
-                                .is_some_and(|r| r.version == version && !r.handle.is_finished())
-                            {
-                                continue;
-                            }
                             if let Some(old) = running.remove(&id) {
-                                info!(bot = %id, from = old.version, to = version, "the bot's spec changed: restarting it on the new one");
-                                stop_runner(old).await;
+                                info!(bot = %id, from = old.spec.0, to = spec.0, "the bot's spec changed: restarting it on the new one");
+                                stopping.push(old);
                             }
                             if marked_error {
-                                if let Err(e) = ctx.store.clear_spec_error(&id, version).await {
+                                if let Err(e) = ctx.store.clear_spec_error(&id, spec.0).await {
                                     warn!(bot = %id, error = %e, "could not clear the spec error");
                                 }
                             }
                             reported.remove(&id);
-                            info!(bot = %id, spec_version = version, "running the bot (defined in the database)");
-                            let runner =
-                                BotRunner::from_spec(*settings, version, spec, ctx.clone());
-                            let token = stop.child_token();
-                            let run_stop = token.clone();
-                            let handle = tokio::spawn(async move {
-                                runner.run(Until::Shutdown, &run_stop).await
-                            });
-                            running.insert(
-                                id,
-                                Running {
-                                    version,
-                                    stop: token,
-                                    handle,
-                                },
-                            );
+                            starting.push((id, spec, settings));
                         }
-                        Seen::Bad { version, error } => {
+                        Wanted::Bad { version, error } => {
                             if let Some(old) = running.remove(&id) {
-                                stop_runner(old).await;
+                                stopping.push(old);
                             }
                             ctx.metrics.set_state(&id, BotState::Error);
                             if reported.get(&id) != Some(&version) {
@@ -142,14 +138,37 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
                 }
                 let gone: Vec<BotId> = running
                     .keys()
-                    .filter(|id| !wanted.contains(*id))
+                    .filter(|id| !seen.contains(*id))
                     .cloned()
                     .collect();
                 for id in gone {
                     if let Some(old) = running.remove(&id) {
                         info!(bot = %id, "the bot was removed from the database: stopping it");
-                        stop_runner(old).await;
+                        stopping.push(old);
+                        removed.push(id);
                     }
+                }
+                // Every stop at once (each waits for its in-flight pages), before any runner of
+                // the same bot starts again: one process never runs a bot twice.
+                futures_util::future::join_all(stopping.into_iter().map(stop_runner)).await;
+                for id in &removed {
+                    ctx.metrics.forget_bot(id);
+                }
+                for (id, spec, bot) in starting {
+                    info!(bot = %id, spec_version = spec.0, "running the bot (defined in the database)");
+                    let runner = BotRunner::from_spec(*bot, spec.0, spec.1.clone(), ctx.clone());
+                    let token = stop.child_token();
+                    let run_stop = token.clone();
+                    let handle =
+                        tokio::spawn(async move { runner.run(Until::Shutdown, &run_stop).await });
+                    running.insert(
+                        id,
+                        Running {
+                            spec,
+                            stop: token,
+                            handle,
+                        },
+                    );
                 }
             }
             Err(e) => warn!(error = %e, "cannot read the bots' specs; retrying"),
@@ -163,9 +182,7 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
             }
         }
     }
-    for (_, old) in running.drain() {
-        stop_runner(old).await;
-    }
+    futures_util::future::join_all(running.drain().map(|(_, old)| stop_runner(old))).await;
     watcher.abort();
 }
 

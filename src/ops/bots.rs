@@ -157,6 +157,7 @@ async fn remove(settings: Settings, bot: &str, purge: bool) -> ExitCode {
         Err(code) => return code,
     };
     let lease_for = settings.crawl.url_lease;
+    let poll = settings.lock.poll;
     with_store(&settings, |store, clock| async move {
         match store.remove_bot(&bot).await {
             Ok(true) => println!("{bot}: removed; every instance stops it within one poll"),
@@ -167,12 +168,16 @@ async fn remove(settings: Settings, bot: &str, purge: bool) -> ExitCode {
         if !purge {
             return ExitCode::SUCCESS;
         }
-        // The instances stop the bot: their in-flight pages settle and their leases go back (or
-        // run out). Purging before that would let a late commit write a record back.
-        let deadline = tokio::time::Instant::now() + lease_for + std::time::Duration::from_secs(5);
+        // The instances stop the bot within a poll: their in-flight pages settle and their leases
+        // go back (or run out). Purging before that would let a late commit write a record back:
+        // so two polls pass and no lease is live before the purge, and a second purge a poll
+        // later takes what a straggler wrote meanwhile.
+        let removed_at = tokio::time::Instant::now();
+        let deadline = removed_at + lease_for + std::time::Duration::from_secs(5);
         loop {
             match store.live_leases(&bot, clock.now()).await {
-                Ok(0) => break,
+                Ok(0) if removed_at.elapsed() >= poll * 2 => break,
+                Ok(0) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
                 Ok(n) if tokio::time::Instant::now() > deadline => {
                     return fail(
                         EXIT_FAILED,
@@ -186,9 +191,18 @@ async fn remove(settings: Settings, bot: &str, purge: bool) -> ExitCode {
                 Err(e) => return fail(EXIT_FAILED, e),
             }
         }
+        let first = match store.purge_bot(&bot).await {
+            Ok(counts) => counts,
+            Err(e) => return fail(EXIT_FAILED, e),
+        };
+        tokio::time::sleep(poll).await;
         match store.purge_bot(&bot).await {
-            Ok((frontier, records)) => {
-                println!("{bot}: purged {frontier} frontier entries and {records} records");
+            Ok(late) => {
+                println!(
+                    "{bot}: purged {} frontier entries and {} records",
+                    first.0 + late.0,
+                    first.1 + late.1
+                );
                 ExitCode::SUCCESS
             }
             Err(e) => fail(EXIT_FAILED, e),
@@ -246,6 +260,9 @@ pub async fn export(
             Ok(d) => d,
             Err(e) => return fail(EXIT_FAILED, e),
         };
+        if doc.is_none() && file_fields.is_none() {
+            return fail(EXIT_FAILED, format!("no bot {bot} in the database or the config"));
+        }
         let spec_fields = doc
             .as_ref()
             .and_then(|d| d.get_document(field::SPEC).ok())

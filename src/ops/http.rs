@@ -29,11 +29,26 @@ pub struct StatusSource {
     pub configured: Vec<BotId>,
     pub me: InstanceId,
     pub started: std::time::Instant,
+    /// The last read, shared for [`FRESH_FOR`] by every page and JSON request (many open tabs
+    /// reloading every 5 s cost the database one read, not one each); one read at a time.
+    pub cache: Arc<tokio::sync::Mutex<Option<(std::time::Instant, Fleet)>>>,
 }
+
+/// How long one read of the fleet serves the status views.
+const FRESH_FOR: Duration = Duration::from_secs(2);
 
 impl StatusSource {
     async fn read(&self) -> crate::error::Result<Fleet> {
-        crate::ops::fleet::read(&self.store, &self.configured, self.clock.now()).await
+        let mut cached = self.cache.lock().await;
+        if let Some((at, fleet)) = cached.as_ref() {
+            if at.elapsed() < FRESH_FOR {
+                return Ok(fleet.clone());
+            }
+        }
+        let fleet =
+            crate::ops::fleet::read(&self.store, &self.configured, self.clock.now()).await?;
+        *cached = Some((std::time::Instant::now(), fleet.clone()));
+        Ok(fleet)
     }
 }
 

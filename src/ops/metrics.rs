@@ -414,6 +414,17 @@ impl Metrics {
         }
     }
 
+    /// Drops a bot's state and pause series (the bot was removed from this instance's fleet).
+    pub fn forget_bot(&self, bot: &BotId) {
+        for s in BotState::ALL {
+            self.bot_state.remove(&StateLabels {
+                bot: bot.to_string(),
+                state: s.as_str().to_owned(),
+            });
+        }
+        self.bot_paused.remove(&Self::bot(bot));
+    }
+
     pub fn set_paused(&self, bot: &BotId, paused: bool) {
         self.bot_paused
             .get_or_create(&Self::bot(bot))

@@ -986,8 +986,14 @@ impl Store {
             mongodb::change_stream::event::ChangeStreamEvent<Document>,
         >,
     > {
+        // Only what changes the fleet: a bot added, removed or replaced, or its spec changed —
+        // not the heartbeats and pass writes of every bot.
         let bots = self.db.collection::<Document>(BOTS);
-        self.bounded("watch bots", bots.watch()).await
+        let watch = bots.watch().pipeline([doc! { "$match": { "$or": [
+            { "operationType": { "$in": ["insert", "delete", "replace"] } },
+            { format!("updateDescription.updatedFields.{}", field::SPEC_VERSION): { "$exists": true } },
+        ] } }]);
+        self.bounded("watch bots", watch).await
     }
 
     /// A change stream on one bot's document, where the server supports change streams.

@@ -102,16 +102,27 @@ impl Store {
                 initial.insert(field::SPEC_VERSION, 1_i64);
                 set.remove(field::SPEC_ERROR);
                 initial.insert(field::SPEC_ERROR, Bson::Null);
-                self.bounded(
-                    "create bot",
-                    self.bots
-                        .update_one(
-                            doc! { field::ID: bot.as_str() },
-                            doc! { "$setOnInsert": initial, "$set": set, "$currentDate": { field::SPEC_UPDATED_AT: true } },
-                        )
-                        .upsert(true),
-                )
-                .await?
+                // Conditional on the document still having no spec: of two applies creating the
+                // bot at once, the second's upsert meets the first's document and fails.
+                match self
+                    .bounded(
+                        "create bot",
+                        self.bots
+                            .update_one(
+                                doc! { field::ID: bot.as_str(), field::SPEC: { "$exists": false } },
+                                doc! { "$setOnInsert": initial, "$set": set, "$currentDate": { field::SPEC_UPDATED_AT: true } },
+                            )
+                            .upsert(true),
+                    )
+                    .await
+                {
+                    Err(Error::Db(e)) if super::is_duplicate_key(&e) => {
+                        return Err(Error::Invalid(format!(
+                            "bot {bot}: created by another apply meanwhile; run this one again"
+                        )))
+                    }
+                    other => other?,
+                }
             }
             (Some(_), None) => {
                 set.insert(field::SPEC_VERSION, 1_i64);
