@@ -351,6 +351,7 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
             e @ (RunError::Timeout { .. }
             | RunError::Interrupted { .. }
             | RunError::Crashed(_)
+            | RunError::Removed(_)
             | RunError::IdTakenOver(_)),
         ) => fail(EXIT_FAILED, e),
     }

@@ -45,6 +45,9 @@ pub enum RunError {
     /// A bot's task died (a bug): the instance stops so its supervisor restarts it. Exit code 1.
     #[error("the task of bot {0} crashed; stopping this instance")]
     Crashed(String),
+    /// `run --once`: a bot defined in the database was removed before it was done. Exit code 1.
+    #[error("bot {0} was removed from the database before it was done")]
+    Removed(String),
     /// Another process took this instance's id over (it looked dead for longer than ttl): this
     /// one stopped. Exit code 1.
     #[error("instance id {0} was taken over by another process; stopped")]
@@ -483,6 +486,10 @@ async fn once(
         };
         match finished {
             Some(Some(RunEnd::Done { .. })) => summaries.push(bot),
+            Some(Some(RunEnd::Removed)) => {
+                stop.cancel();
+                return Err(RunError::Removed(bot.to_string()));
+            }
             Some(_) => {
                 stop.cancel();
                 pending.push(bot.to_string());

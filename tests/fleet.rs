@@ -505,3 +505,38 @@ async fn export_streams_every_record_as_json_lines_or_csv() {
         .await;
     assert_eq!(none, "");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_bot_takes_no_lock_until_it_is_resumed() {
+    let f = Fleet::start("fleetpauselock", 1, 1, 0).await;
+    let source = SeedSourceServer::start().await;
+    let mut a = f.instance("la");
+    let mut b = f.instance("lb");
+    f.apply(&url_bot("feed", &source.url())).await;
+    eventually("the bot is ready", Duration::from_secs(20), || async {
+        bot(&f.db, "feed")
+            .await
+            .is_some_and(|d| d.get_bool("isReady").unwrap_or(false))
+    })
+    .await;
+    let epoch = f.db.epoch("feed").await;
+    assert_eq!(f.cli(&["pause", "feed"]).await.0, 0);
+    // A refresh asked for while paused: no instance takes the lock for it.
+    assert_eq!(f.cli(&["refresh", "feed"]).await.0, 0);
+    let hits = source.hits();
+    let asked = Instant::now();
+    while asked.elapsed() < Duration::from_millis(1500) {
+        assert_eq!(f.db.epoch("feed").await, epoch, "a paused bot was locked");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(source.hits(), hits, "a paused bot's seeds were fetched");
+    // Resumed: the refresh asked for happens.
+    assert_eq!(f.cli(&["resume", "feed"]).await.0, 0);
+    eventually(
+        "the refresh runs after resume",
+        Duration::from_secs(10),
+        || async { f.db.epoch("feed").await > epoch && source.hits() > hits },
+    )
+    .await;
+    stop_all(&mut [&mut a, &mut b]).await;
+}
