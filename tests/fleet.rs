@@ -436,6 +436,35 @@ async fn a_malformed_spec_puts_only_its_bot_in_error_naming_the_key_until_fixed(
         },
     )
     .await;
+
+    // A spec overwritten with something that is no document at all; `bots apply` repairs it.
+    db.bots()
+        .update_one(
+            doc! {"_id": "shop"},
+            doc! {"$set": {"spec": "oops"}, "$inc": {"specVersion": 1_i64}},
+        )
+        .await
+        .unwrap();
+    eventually(
+        "Error: spec is no document",
+        Duration::from_secs(10),
+        || async {
+            bot(db, "shop")
+                .await
+                .and_then(|d| d.get_str("specError").ok().map(str::to_owned))
+                .is_some_and(|e| e.contains("key `spec`: must be a document"))
+        },
+    )
+    .await;
+    let out = f
+        .apply(&(crawl_bot_toml(base) + &url_bot("other", &source.url()) + "refresh = \"1s\"\n"))
+        .await;
+    assert!(out.contains("shop: changed (spec)"), "{out}");
+    eventually("the applied spec runs", Duration::from_secs(10), || async {
+        let d = bot(db, "shop").await.unwrap();
+        matches!(d.get("specError"), Some(Bson::Null)) && d.get_document("spec").is_ok()
+    })
+    .await;
     a.signal(Signal::SIGTERM);
     a.expect_ok(Duration::from_secs(30)).await;
 }

@@ -72,14 +72,16 @@ impl Store {
         let (applied, version) = match &current {
             None => (Applied::Created, None),
             Some(raw) => match (
-                raw.get_document(field::SPEC).ok(),
-                raw.get(field::SPEC_VERSION),
+                raw.get(field::SPEC),
+                raw.get(field::SPEC_VERSION)
+                    .and_then(crate::lock::document::integer),
             ) {
-                (Some(old), _) if old == spec => return Ok(Applied::Unchanged),
-                (Some(old), Some(v)) => (
-                    Applied::Changed(changed_keys(old, spec)),
-                    crate::lock::document::integer(v),
-                ),
+                (Some(Bson::Document(old)), _) if old == spec => return Ok(Applied::Unchanged),
+                (Some(Bson::Document(old)), Some(v)) => {
+                    (Applied::Changed(changed_keys(old, spec)), Some(v))
+                }
+                // Hand-edited into something that is no document: the file's spec replaces it.
+                (Some(_), Some(v)) => (Applied::Changed(vec![field::SPEC.to_owned()]), Some(v)),
                 // A bot that ran from a config file: the database now defines it.
                 _ => (Applied::Created, None),
             },
@@ -124,12 +126,17 @@ impl Store {
                     other => other?,
                 }
             }
-            (Some(_), None) => {
+            (Some(raw), None) => {
                 set.insert(field::SPEC_VERSION, 1_i64);
+                // Conditional on the version field as read (absent, or not a number).
+                let unchanged = raw
+                    .get(field::SPEC_VERSION)
+                    .cloned()
+                    .unwrap_or_else(|| Bson::Document(doc! { "$exists": false }));
                 self.bounded(
                     "adopt bot",
                     self.bots.update_one(
-                        doc! { field::ID: bot.as_str(), field::SPEC_VERSION: { "$exists": false } },
+                        doc! { field::ID: bot.as_str(), field::SPEC_VERSION: unchanged },
                         doc! { "$set": set, "$currentDate": { field::SPEC_UPDATED_AT: true }, "$push": push_history(entry) },
                     ),
                 )
