@@ -432,28 +432,25 @@ async fn stop_on_signal(shutdown: CancellationToken) {
 }
 
 async fn status(settings: Settings, json: bool) -> ExitCode {
-    let (store, clock) = match daemon::connect(&settings).await {
-        Ok(c) => c,
-        Err(e) => return fail(EXIT_USAGE, e),
-    };
     let configured: Vec<BotId> = settings.bots.iter().map(|b| b.id.clone()).collect();
-    let code = match crate::ops::fleet::read(&store, &configured, clock.now()).await {
-        Err(e) => fail(EXIT_FAILED, e),
-        Ok(fleet) if json => {
-            print!("{}", crate::ops::admin::render_json(&fleet.rows));
-            ExitCode::SUCCESS
+    with_store(&settings, |store, clock| async move {
+        match crate::ops::fleet::read(&store, &configured, clock.now()).await {
+            Err(e) => fail(EXIT_FAILED, e),
+            Ok(fleet) if json => {
+                print!("{}", crate::ops::admin::render_json(&fleet.rows));
+                ExitCode::SUCCESS
+            }
+            Ok(fleet) => {
+                print!("{}", crate::ops::admin::render_table(&fleet.rows));
+                print!(
+                    "{}",
+                    crate::ops::admin::render_hosts(&fleet.hosts, fleet.now)
+                );
+                ExitCode::SUCCESS
+            }
         }
-        Ok(fleet) => {
-            print!("{}", crate::ops::admin::render_table(&fleet.rows));
-            print!(
-                "{}",
-                crate::ops::admin::render_hosts(&fleet.hosts, fleet.now)
-            );
-            ExitCode::SUCCESS
-        }
-    };
-    store.shutdown().await;
-    code
+    })
+    .await
 }
 
 async fn inspect(settings: Settings, bot: &str) -> ExitCode {
@@ -461,11 +458,7 @@ async fn inspect(settings: Settings, bot: &str) -> ExitCode {
         Ok(b) => b,
         Err(code) => return code,
     };
-    let (store, _) = match daemon::connect(&settings).await {
-        Ok(c) => c,
-        Err(e) => return fail(EXIT_USAGE, e),
-    };
-    let code = async {
+    with_store(&settings, |store, _| async move {
         match store.load_raw(&bot).await {
             Ok(Some(raw)) => {
                 print!("{}", crate::ops::admin::render_inspect(&raw));
@@ -474,8 +467,22 @@ async fn inspect(settings: Settings, bot: &str) -> ExitCode {
             Ok(None) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
             Err(e) => fail(EXIT_FAILED, e),
         }
-    }
-    .await;
+    })
+    .await
+}
+
+/// Connects, runs `body`, shuts the client down (a client dropped at exit spawns
+/// end_all_sessions, which races the runtime's teardown). A failed connection is exit code 2.
+pub(crate) async fn with_store<F, Fut>(settings: &Settings, body: F) -> ExitCode
+where
+    F: FnOnce(crate::store::Store, std::sync::Arc<crate::clock::ServerClock>) -> Fut,
+    Fut: std::future::Future<Output = ExitCode>,
+{
+    let (store, clock) = match daemon::connect(settings).await {
+        Ok(c) => c,
+        Err(e) => return fail(EXIT_USAGE, e),
+    };
+    let code = body(store.clone(), clock).await;
     store.shutdown().await;
     code
 }
@@ -493,11 +500,7 @@ async fn unlock(settings: Settings, bot: &str, reason: &str) -> ExitCode {
         Ok(b) => b,
         Err(code) => return code,
     };
-    let (store, clock) = match daemon::connect(&settings).await {
-        Ok(c) => c,
-        Err(e) => return fail(EXIT_USAGE, e),
-    };
-    let code = async {
+    with_store(&settings, |store, clock| async move {
         match store
             .admin_unlock(&bot, &admin_name(), reason, clock.now())
             .await
@@ -519,10 +522,8 @@ async fn unlock(settings: Settings, bot: &str, reason: &str) -> ExitCode {
             }
             Err(e) => fail(EXIT_FAILED, e),
         }
-    }
-    .await;
-    store.shutdown().await;
-    code
+    })
+    .await
 }
 
 async fn refresh(settings: Settings, bot: &str) -> ExitCode {
@@ -530,11 +531,7 @@ async fn refresh(settings: Settings, bot: &str) -> ExitCode {
         Ok(b) => b,
         Err(code) => return code,
     };
-    let (store, clock) = match daemon::connect(&settings).await {
-        Ok(c) => c,
-        Err(e) => return fail(EXIT_USAGE, e),
-    };
-    let code = async {
+    with_store(&settings, |store, clock| async move {
         match store
             .request_refresh(&bot, &admin_name(), clock.now())
             .await
@@ -546,10 +543,8 @@ async fn refresh(settings: Settings, bot: &str) -> ExitCode {
             Ok(false) => fail(EXIT_FAILED, format!("no bot {bot} in the database")),
             Err(e) => fail(EXIT_FAILED, e),
         }
-    }
-    .await;
-    store.shutdown().await;
-    code
+    })
+    .await
 }
 
 fn demo_site(addr: &str, options: crate::demo_site::SiteOptions) -> ExitCode {

@@ -107,6 +107,17 @@ async fn stop_all(procs: &mut [&mut Proc]) {
     }
 }
 
+/// The shop's spec edited by hand, as in mongosh: `$set` (dotted keys into `spec`), version raised.
+async fn edit_spec(db: &TestDb, set: Document) {
+    db.bots()
+        .update_one(
+            doc! {"_id": "shop"},
+            doc! {"$set": set, "$inc": {"specVersion": 1_i64}},
+        )
+        .await
+        .unwrap();
+}
+
 async fn bot(db: &TestDb, id: &str) -> Option<Document> {
     db.doc(id).await
 }
@@ -385,13 +396,7 @@ async fn a_malformed_spec_puts_only_its_bot_in_error_naming_the_key_until_fixed(
     wait_for_pass_end(db, 1, Duration::from_secs(60)).await;
 
     // Hand-edited in mongosh into something no instance can parse.
-    db.bots()
-        .update_one(
-            doc! {"_id": "shop"},
-            doc! {"$set": {"spec.crawl.list.item": "[[["}, "$inc": {"specVersion": 1_i64}},
-        )
-        .await
-        .unwrap();
+    edit_spec(db, doc! {"spec.crawl.list.item": "[[["}).await;
     eventually(
         "the bot shows Error naming the key",
         Duration::from_secs(10),
@@ -420,13 +425,7 @@ async fn a_malformed_spec_puts_only_its_bot_in_error_naming_the_key_until_fixed(
     .await;
     assert!(a.log().contains("spec.crawl.list.item"));
 
-    db.bots()
-        .update_one(
-            doc! {"_id": "shop"},
-            doc! {"$set": {"spec.crawl.list.item": ".item"}, "$inc": {"specVersion": 1_i64}},
-        )
-        .await
-        .unwrap();
+    edit_spec(db, doc! {"spec.crawl.list.item": ".item"}).await;
     eventually(
         "the fixed spec runs again",
         Duration::from_secs(10),
@@ -438,13 +437,7 @@ async fn a_malformed_spec_puts_only_its_bot_in_error_naming_the_key_until_fixed(
     .await;
 
     // A spec overwritten with something that is no document at all; `bots apply` repairs it.
-    db.bots()
-        .update_one(
-            doc! {"_id": "shop"},
-            doc! {"$set": {"spec": "oops"}, "$inc": {"specVersion": 1_i64}},
-        )
-        .await
-        .unwrap();
+    edit_spec(db, doc! {"spec": "oops"}).await;
     eventually(
         "Error: spec is no document",
         Duration::from_secs(10),

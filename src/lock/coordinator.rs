@@ -930,20 +930,21 @@ pub(crate) async fn wake_on_changes<F, Fut>(
     }
 }
 
-/// Cancels `stop` once the bot is paused or its document is gone (read every `poll`).
+/// Cancels `stop` once the bot is paused or its document is gone (its flag read every `poll`).
 async fn watch_for_pause(store: Store, bot: BotId, poll: Duration, stop: CancellationToken) {
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(poll) => {}
         }
-        match store.load(&bot).await {
-            Ok(Observed::Valid(doc)) if doc.paused => {
+        // Only the flag: the document's seeds and history are not read every poll of a slice.
+        match store.paused(&bot).await {
+            Ok(Some(true)) => {
                 info!(%bot, "paused: the in-flight pages settle, nothing more is leased");
                 stop.cancel();
                 return;
             }
-            Ok(Observed::Missing) => {
+            Ok(None) => {
                 stop.cancel();
                 return;
             }

@@ -6,30 +6,13 @@ use std::process::ExitCode;
 use bson::Bson;
 use serde_json::json;
 
-use crate::cli::{admin_name, bot_arg, fail, BotsCommand, EXIT_FAILED, EXIT_USAGE};
+use crate::cli::{admin_name, bot_arg, fail, with_store, BotsCommand, EXIT_FAILED, EXIT_USAGE};
 use crate::config::Settings;
-use crate::daemon;
 use crate::ids::BotId;
 use crate::lock::decide::state_of;
 use crate::lock::document::{field, integer, Observed};
 use crate::ops::admin::iso;
 use crate::store::specs::{Applied, Pause};
-use crate::store::Store;
-
-/// Connects, runs `body`, shuts the client down (a client dropped at exit races the runtime).
-async fn with_store<F, Fut>(settings: &Settings, body: F) -> ExitCode
-where
-    F: FnOnce(Store, std::sync::Arc<crate::clock::ServerClock>) -> Fut,
-    Fut: std::future::Future<Output = ExitCode>,
-{
-    let (store, clock) = match daemon::connect(settings).await {
-        Ok(c) => c,
-        Err(e) => return fail(EXIT_USAGE, e),
-    };
-    let code = body(store.clone(), clock).await;
-    store.shutdown().await;
-    code
-}
 
 pub async fn command(settings: Settings, command: BotsCommand) -> ExitCode {
     match command {

@@ -493,7 +493,6 @@ impl Store {
         .await
     }
 
-    /// Every bot document, sorted by id (for `status`).
     /// The bots' state index (idempotent): an operator's reads of bots by state — ready, locked,
     /// failing, stuck (the README's mongosh recipes) — select on `isEditing` and `isReady`.
     pub async fn ensure_bot_indexes(&self) -> Result<()> {
@@ -510,6 +509,21 @@ impl Store {
         Ok(())
     }
 
+    /// Whether the bot is paused (`paused: true`), read alone — not its seeds and history;
+    /// `None` when it has no document.
+    pub async fn paused(&self, bot: &BotId) -> Result<Option<bool>> {
+        let found = self
+            .bounded(
+                "find bot pause",
+                self.bots
+                    .find_one(doc! { field::ID: bot.as_str() })
+                    .projection(doc! { field::PAUSED: 1 }),
+            )
+            .await?;
+        Ok(found.map(|d| matches!(d.get(field::PAUSED), Some(Bson::Boolean(true)))))
+    }
+
+    /// Every bot document, sorted by id (for `status`).
     pub async fn load_all(&self) -> Result<Vec<Document>> {
         use futures_util::TryStreamExt;
         let all = async {
