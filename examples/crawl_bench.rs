@@ -555,6 +555,8 @@ fn commands_in_log(log: &Path) -> u64 {
 /// Runs `instances` × `run --once` on `config` together, sampling their `/metrics`.
 async fn crawl_measured(config: &Path, db: &Database, instances: usize) -> Crawl {
     let logs = tempfile::tempdir().unwrap();
+    // BENCH_LOG_DIR=DIR keeps the instances' logs: DIR/run-<unix ms>-<instance>.log.
+    let kept = std::env::var("BENCH_LOG_DIR").ok();
     let addrs: Vec<String> = (0..instances).map(|_| free_addr()).collect();
     let started = Instant::now();
     let mut children: Vec<Child> = (0..instances)
@@ -567,7 +569,14 @@ async fn crawl_measured(config: &Path, db: &Database, instances: usize) -> Crawl
                 .args(["run", "--once", "--timeout", "3600s"])
                 .env("SEEDLOCK_INSTANCE_ID", format!("bench-{i}"))
                 .env("SEEDLOCK_HTTP_LISTEN", &addrs[i])
-                .env("SEEDLOCK_LOG", "info,seedlock::daemon=debug")
+                // BENCH_SEEDLOCK_LOG adds directives (say `seedlock::crawl=trace`) to the log.
+                .env(
+                    "SEEDLOCK_LOG",
+                    match std::env::var("BENCH_SEEDLOCK_LOG") {
+                        Ok(more) => format!("info,seedlock::daemon=debug,{more}"),
+                        Err(_) => "info,seedlock::daemon=debug".to_owned(),
+                    },
+                )
                 .env_remove("MONGODB_URI")
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::from(log))
@@ -617,7 +626,14 @@ async fn crawl_measured(config: &Path, db: &Database, instances: usize) -> Crawl
     stop.cancel();
     let samples = sampler.await.unwrap();
     let commands = (0..instances)
-        .map(|i| commands_in_log(&logs.path().join(format!("{i}.log"))))
+        .map(|i| {
+            let log = logs.path().join(format!("{i}.log"));
+            if let Some(dir) = &kept {
+                let stamp = chrono::Utc::now().timestamp_millis();
+                let _ = std::fs::copy(&log, Path::new(dir).join(format!("run-{stamp}-{i}.log")));
+            }
+            commands_in_log(&log)
+        })
         .sum();
     let stored = samples.iter().map(|s| s.1).fold(0.0, f64::max);
     let steady = {

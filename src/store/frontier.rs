@@ -524,6 +524,12 @@ fn lease_of(
     })
 }
 
+/// A cursor batch of `n` documents: the whole answer in the first reply (the driver's default
+/// first batch is 101 documents, and every further batch is one more round trip).
+fn whole_batch(n: usize) -> u32 {
+    u32::try_from(n.max(1)).unwrap_or(u32::MAX)
+}
+
 /// The fields a lease read needs.
 fn lease_projection() -> Document {
     doc! {
@@ -797,8 +803,9 @@ impl Store {
                 let found: Vec<Document> = self
                     .bounded("read enqueued leases", async {
                         self.frontier()
-                            .find(doc! { f::ID: { "$in": ids }, f::BOT: bot.as_str() })
+                            .find(doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str() })
                             .projection(doc! { f::LEASE_TOKEN: 1 })
+                            .batch_size(whole_batch(ids.len()))
                             .await?
                             .try_collect()
                             .await
@@ -930,6 +937,7 @@ impl Store {
                     .find(filter)
                     .projection(lease_projection())
                     .limit(limit)
+                    .batch_size(whole_batch(query.limit))
                     .await?
                     .try_collect::<Vec<Document>>()
                     .await
@@ -971,6 +979,7 @@ impl Store {
                         f::HOST: 1, f::LEASE_OWNER: 1, f::LEASE_TOKEN: 1, f::LEASED_AT: 1,
                         f::LEASE_EXPIRES_AT: 1,
                     })
+                    .batch_size(whole_batch(CHUNK))
                     .await?
                     .try_collect()
                     .await
@@ -1077,8 +1086,9 @@ impl Store {
             let docs: Vec<Document> = self
                 .bounded("read leases taken", async {
                     self.frontier()
-                        .find(doc! { f::ID: { "$in": ids }, f::BOT: bot.as_str() })
+                        .find(doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str() })
                         .projection(lease_projection())
+                        .batch_size(whole_batch(ids.len()))
                         .await?
                         .try_collect()
                         .await
@@ -1552,6 +1562,7 @@ impl Store {
                             f::PASS: 1, f::STATUS: 1, f::FINGERPRINT: 1, f::RECORD_ID: 1,
                             f::ETAG: 1, f::LAST_MODIFIED: 1,
                         })
+                        .batch_size(whole_batch(chunk.len()))
                         .await?
                         .try_collect()
                         .await
