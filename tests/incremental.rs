@@ -84,49 +84,6 @@ async fn fingerprint_mode_fetches_only_changed_and_new_items_and_marks_the_delet
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn records_without_a_list_key_are_found_unchanged_through_the_frontier_and_get_their_key() {
-    // Records stored before `listKey` existed (or whose key went stale): a listing page's one
-    // write by key misses them, the frontier's verdict finds them unchanged — no detail fetch —
-    // and their commit stores the key the fetch path would have stored.
-    let db = test_db("crawl_relisted").await;
-    let base = shop(3, 10).await;
-    once(settings(&db, &base, &Setup::default(), "a")).await;
-    let collection = db.db.collection::<Document>("records");
-    let keys = |records: Vec<Document>| -> HashMap<String, Bson> {
-        records
-            .into_iter()
-            .map(|r| {
-                let key = r.get("listKey").cloned().unwrap_or(Bson::Null);
-                (r.get_str("naturalKey").unwrap().to_owned(), key)
-            })
-            .collect()
-    };
-    let stored = keys(records(&db).await);
-    assert!(
-        stored.values().all(|k| matches!(k, Bson::String(_))),
-        "every record stored from a listing item carries its key: {stored:?}"
-    );
-    collection
-        .update_many(doc! {}, doc! { "$unset": { "listKey": "" } })
-        .await
-        .unwrap();
-    Requests::take(&base).await;
-    request_refresh(&db).await;
-    once(settings(&db, &base, &Setup::default(), "a")).await;
-    assert_eq!(Requests::take(&base).await.under("/product/"), 0);
-    assert!(records(&db)
-        .await
-        .iter()
-        .all(|r| r.get_i64("lastSeenPass") == Ok(2)));
-    assert_eq!(
-        keys(records(&db).await),
-        stored,
-        "the keys are back, as stored"
-    );
-    assert_eq!(live_records(&db).await, truth(&base).await);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_mode_refetches_details_with_conditional_gets_and_rewrites_nothing() {
     let db = test_db("crawl_conditional").await;
     let base = shop(2, 10).await;

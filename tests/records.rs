@@ -11,10 +11,8 @@ use common::crawl::records;
 use common::*;
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId};
-use seedlock::store::frontier::{url_id, Mark, NewUrl, PageKind, UrlLease};
-use seedlock::store::records::{
-    content_hash, list_key, listed_filter, record_id, Extracted, PageCommit, RecordWrite,
-};
+use seedlock::store::frontier::{PageKind, UrlLease};
+use seedlock::store::records::{content_hash, record_id, Extracted, RecordWrite};
 use seedlock::store::Store;
 use seedlock::urls::NormalizedUrl;
 
@@ -50,150 +48,6 @@ async fn lease(store: &Store, pass: i64, who: &str, at: chrono::DateTime<Utc>) -
         .await
         .unwrap()
         .expect("a URL to lease")
-}
-
-/// Enqueues the product URL into `pass` as a listing item with `fingerprint`, and leases it.
-async fn listed_lease(store: &Store, pass: i64, fingerprint: &str) -> UrlLease {
-    let item = NewUrl {
-        url: url(),
-        kind: PageKind::Detail,
-        fingerprint: Some(fingerprint.into()),
-        priority: PageKind::Detail.default_priority(),
-    };
-    store
-        .enqueue_urls(&bot(), pass, &[item], Utc::now())
-        .await
-        .unwrap();
-    store
-        .lease_url(
-            &bot(),
-            pass,
-            &InstanceId::parse("w").unwrap(),
-            Utc::now(),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap()
-        .expect("a URL to lease")
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_listing_items_key_finds_only_the_record_its_urls_last_fetch_stored() {
-    for transaction in [false, true] {
-        let db = test_db(if transaction {
-            "listkey_txn"
-        } else {
-            "listkey"
-        })
-        .await;
-        let store = db.store();
-        store.ensure_record_indexes().await.unwrap();
-        let key = list_key(&url_id(&bot(), &url()), "f1");
-        let seen = |keys: Vec<String>, pass: i64| {
-            let store = store.clone();
-            async move {
-                store
-                    .seen_unchanged(&bot(), &keys, pass, Utc::now())
-                    .await
-                    .unwrap()
-            }
-        };
-        let pass_of = |records: &[Document], key: &str| {
-            let r = records
-                .iter()
-                .find(|r| r.get_str("naturalKey") == Ok(key))
-                .unwrap();
-            (
-                r.get_i64("lastSeenPass").unwrap(),
-                r.get("listKey").cloned(),
-            )
-        };
-        // Pass 1 stores SKU-1 from the product page, found on a listing showing fingerprint f1.
-        let first = listed_lease(&store, 1, "f1").await;
-        store
-            .commit_page(&first, Some(&item("$1.00")), Utc::now(), transaction)
-            .await
-            .unwrap();
-        // The listing shows f1 again: one write marks the record seen; another fingerprint
-        // (a changed item) finds nothing.
-        assert_eq!(seen(vec![key.clone()], 2).await, 1);
-        let other = list_key(&url_id(&bot(), &url()), "f2");
-        assert_eq!(seen(vec![other.clone()], 2).await, 0);
-        assert_eq!(
-            store
-                .listed(&bot(), &[key.clone(), other])
-                .await
-                .unwrap()
-                .into_iter()
-                .collect::<Vec<_>>(),
-            vec![key.clone()]
-        );
-        assert_eq!(
-            pass_of(&records(&db).await, "SKU-1"),
-            (2, Some(key.clone().into()))
-        );
-        // A late writer of an older pass never moves the pass back.
-        assert_eq!(seen(vec![key.clone()], 1).await, 1);
-        assert_eq!(pass_of(&records(&db).await, "SKU-1").0, 2);
-
-        // Pass 3 fetches the page again and it now yields another natural key (a new rule, say):
-        // the key moves to the new record, so the old one is no longer seen through it.
-        let third = listed_lease(&store, 3, "f1").await;
-        assert_eq!(third.record_id, Some(record_id("shop", "SKU-1")));
-        let renamed = Extracted {
-            natural_key: "SKU-1b".into(),
-            ..item("$1.00")
-        };
-        store
-            .commit_page(&third, Some(&renamed), Utc::now(), transaction)
-            .await
-            .unwrap();
-        assert_eq!(seen(vec![key.clone()], 4).await, 1);
-        let now = records(&db).await;
-        assert_eq!(pass_of(&now, "SKU-1"), (2, Some(bson::Bson::Null)));
-        assert_eq!(pass_of(&now, "SKU-1b"), (4, Some(key.clone().into())));
-
-        // Pass 5: the page answers 404 and its record is marked removed — it keeps no key, so a
-        // listing still showing the item cannot bring it back without a fetch.
-        let fifth = listed_lease(&store, 5, "f1").await;
-        let gone = PageCommit {
-            lease: &fifth,
-            record: None,
-            seen: Vec::new(),
-            removed: fifth.record_id.clone(),
-            relisted: Vec::new(),
-            mark: Mark::Done {
-                validators: Default::default(),
-                record_id: None,
-            },
-        };
-        store
-            .commit_batch(std::slice::from_ref(&gone), Utc::now(), transaction)
-            .await
-            .unwrap();
-        assert_eq!(seen(vec![key.clone()], 6).await, 0);
-        // Both reads by key run on the `bot_list_key` index.
-        let explain = db
-            .db
-            .run_command(doc! {
-                "explain": { "find": "records", "filter": listed_filter(&bot(), &[key.clone()]) },
-                "verbosity": "queryPlanner",
-            })
-            .await
-            .unwrap();
-        let plan = explain.get_document("queryPlanner").unwrap().to_string();
-        assert!(
-            plan.contains("bot_list_key") && !plan.contains("COLLSCAN"),
-            "{plan}"
-        );
-        assert!(store.listed(&bot(), &[key]).await.unwrap().is_empty());
-        assert!(records(&db)
-            .await
-            .iter()
-            .any(|r| r.get_str("naturalKey") == Ok("SKU-1b")
-                && r.get("removedAt")
-                    .is_some_and(|v| v.as_datetime().is_some())));
-    }
 }
 
 #[test]
@@ -556,7 +410,6 @@ async fn a_group_commit_marks_done_only_pages_whose_record_was_written_and_whose
                 record: Some(item),
                 seen: Vec::new(),
                 removed: None,
-                relisted: Vec::new(),
                 mark: Mark::Done {
                     validators: Default::default(),
                     record_id: None,
@@ -648,7 +501,6 @@ async fn a_transaction_that_conflicts_keeps_its_pages_and_commits_once_the_confl
         record: Some(&changed),
         seen: Vec::new(),
         removed: None,
-        relisted: Vec::new(),
         mark: Mark::Done {
             validators: Default::default(),
             record_id: None,

@@ -33,7 +33,6 @@ impl Crawler {
                 record: s.record.as_ref(),
                 seen: s.seen.clone(),
                 removed: s.removed.clone(),
-                relisted: s.relisted.clone(),
                 mark: s.mark.clone(),
             })
             .collect();

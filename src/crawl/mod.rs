@@ -166,12 +166,6 @@ const DRY_SPELL_MAX: Duration = Duration::from_millis(500);
 /// after this.
 const IDLE_END: Duration = Duration::from_secs(2);
 
-/// Listing pages whose items one instance checks at once (each check is a write of up to a
-/// listing page's records, [`Store::seen_unchanged`](crate::store::Store::seen_unchanged)): the
-/// test server applied such writes fastest about four side by side (measured: 200,000 records,
-/// 95 µs a record one at a time, 40–56 at four to sixteen), so more only queue in the server.
-const ITEM_CHECKS: usize = 4;
-
 pub struct Crawler {
     bot: BotId,
     rules: Arc<CrawlSettings>,
@@ -198,8 +192,6 @@ pub struct Crawler {
     listings_in: std::sync::atomic::AtomicI64,
     /// Frontier ids of links this instance enqueued in a pass (bounded; cleared when full).
     enqueued: std::sync::Mutex<(i64, HashSet<String>)>,
-    /// Listing pages whose items are being checked at once ([`ITEM_CHECKS`]).
-    item_checks: Semaphore,
     flow: Arc<Flow>,
     robots: Arc<RobotsCache>,
     stages: Arc<Stages>,
@@ -336,7 +328,6 @@ impl Crawler {
             hosts: std::sync::Mutex::new((0, BTreeSet::new())),
             listings_in: std::sync::atomic::AtomicI64::new(0),
             enqueued: std::sync::Mutex::new((0, HashSet::new())),
-            item_checks: Semaphore::new(ITEM_CHECKS),
             flow: ctx.flow.clone(),
             robots: ctx.robots.clone(),
             stages: Arc::new(Stages::default()),

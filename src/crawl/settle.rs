@@ -24,11 +24,11 @@ use super::parse::Parsed;
 use super::{Crawler, PageResult, Pass};
 use crate::backoff::full_jitter;
 use crate::config::IncrementalMode;
-use crate::crawl::extract::{ListItem, PageData};
+use crate::crawl::extract::PageData;
 use crate::crawl::fetch::FetchOutcome;
 use crate::error::Result;
 use crate::store::frontier::{url_id, LeaseTo, Mark, NewUrl, PageKind, UrlLease, UrlStatus};
-use crate::store::records::{list_key, Extracted};
+use crate::store::records::Extracted;
 use crate::urls::NormalizedUrl;
 
 /// Links remembered per pass as already enqueued (about 100 bytes each).
@@ -44,9 +44,6 @@ pub struct Settled {
     pub seen: Vec<String>,
     /// A record whose detail page is gone (marked removed).
     pub removed: Option<String>,
-    /// Listing items' records found unchanged through the frontier, not by their `listKey`
-    /// (missing or stale): `(record id, key)`, stored with the commit.
-    pub relisted: Vec<(String, String)>,
     pub mark: Mark,
     /// What the page counts as (`None`: given back, not counted). A `Stored` learns its record
     /// write from the commit.
@@ -60,8 +57,6 @@ pub struct Settled {
 pub struct Followed {
     /// Records of listing items this pass does not fetch (seen without a fetch).
     pub seen: Vec<String>,
-    /// Of those, the ones found through the frontier: `(record id, listKey)` to store.
-    pub relisted: Vec<(String, String)>,
     /// Links added to the pass (new, or back from an earlier pass).
     pub added: u64,
     /// Of those, leased to this instance as they were enqueued (now in its host queues).
@@ -86,7 +81,7 @@ impl Crawler {
             self.rules.incremental.mode
         };
         let mut item_urls: HashSet<&NormalizedUrl> = HashSet::new();
-        let mut items: Vec<_> = if lease.kind == PageKind::Detail {
+        let items: Vec<_> = if lease.kind == PageKind::Detail {
             Vec::new()
         } else {
             data.items
@@ -122,16 +117,6 @@ impl Crawler {
             followed.leased += f.leased;
             self.remember_enqueued(lease.pass, ids);
         }
-        // Only after a completed pass: before one, few records carry a key, and a write that
-        // finds nothing still costs the server (three instances' first pass measured 20%
-        // slower with it).
-        if mode == IncrementalMode::Fingerprint && pass.last_run_at.is_some() && !items.is_empty() {
-            let t0 = tokio::time::Instant::now();
-            let before = items.len();
-            let _turn = self.item_checks.acquire().await;
-            items = self.drop_unchanged(lease.pass, items, now).await?;
-            tracing::trace!(took = ?t0.elapsed(), unchanged = before - items.len(), "listing items checked");
-        }
         if items.is_empty() && plain.is_empty() {
             return Ok(followed);
         }
@@ -147,7 +132,6 @@ impl Crawler {
         });
         let mut new: Vec<NewUrl> = Vec::new();
         let mut seen = Vec::new();
-        let mut relisted = Vec::new();
         let mut stop_paginating = false;
         for (item, url) in &items {
             // Known: stored by an earlier fetch (done, with a record).
@@ -176,14 +160,6 @@ impl Crawler {
                     priority: self.priority_of(url, PageKind::Detail),
                 });
             } else if let Some(id) = stored.and_then(|k| k.record_id.clone()) {
-                if mode == IncrementalMode::Fingerprint {
-                    // Its `listKey` did not find it (a record stored before keys existed, say):
-                    // the commit stores the key, so the next pass finds it without this read.
-                    relisted.push((
-                        id.clone(),
-                        list_key(&url_id(&self.bot, url), &item.fingerprint),
-                    ));
-                }
                 seen.push(id);
             }
         }
@@ -266,43 +242,9 @@ impl Crawler {
         let (added, leased) = self.take_reserved(queues, &granted, result)?;
         self.remember_enqueued(lease.pass, plain.into_iter().map(|(_, id)| id).collect());
         followed.seen = seen;
-        followed.relisted = relisted;
         followed.added += added;
         followed.leased += leased;
         Ok(followed)
-    }
-
-    /// Fingerprint mode: marks seen, in one write, the records of the listing items whose
-    /// fingerprint is the one their record was stored under (by `listKey`, no read), and returns
-    /// the other items — new, changed, or stored before keys existed — for the frontier's
-    /// verdict. Only when some item did not match does a read tell which.
-    async fn drop_unchanged<'a>(
-        &self,
-        pass: i64,
-        items: Vec<(&'a ListItem, &'a NormalizedUrl)>,
-        now: DateTime<Utc>,
-    ) -> Result<Vec<(&'a ListItem, &'a NormalizedUrl)>> {
-        let keys: Vec<String> = items
-            .iter()
-            .map(|(item, url)| list_key(&url_id(&self.bot, url), &item.fingerprint))
-            .collect();
-        let matched = self
-            .store
-            .seen_unchanged(&self.bot, &keys, pass, now)
-            .await?;
-        if matched == keys.len() as u64 {
-            return Ok(Vec::new());
-        }
-        if matched == 0 {
-            return Ok(items);
-        }
-        let listed = self.store.listed(&self.bot, &keys).await?;
-        Ok(items
-            .into_iter()
-            .zip(&keys)
-            .filter(|(_, key)| !listed.contains(*key))
-            .map(|(item, _)| item)
-            .collect())
     }
 
     /// Settles the host-queue room `granted` for an enqueue whose links could be leased here:
@@ -404,7 +346,6 @@ impl Crawler {
         Ok((
             Followed {
                 seen: Vec::new(),
-                relisted: Vec::new(),
                 added,
                 leased,
             },
@@ -427,7 +368,6 @@ impl Crawler {
             record: None,
             seen: Vec::new(),
             removed: None,
-            relisted: Vec::new(),
             mark,
             result,
             new_pending: 0,
@@ -461,7 +401,6 @@ impl Crawler {
                     None => settled(lease, done, Some(PageResult::Done)),
                 };
                 page.seen.extend(followed.seen);
-                page.relisted = followed.relisted;
                 page.new_pending = followed.added.saturating_sub(followed.leased as u64);
                 return Ok(page);
             }
@@ -524,7 +463,6 @@ impl Crawler {
             seen: lease.record_id.iter().cloned().collect(),
             record: None,
             removed: None,
-            relisted: Vec::new(),
             mark: Mark::Failed {
                 reason: reason.to_owned(),
             },
@@ -564,7 +502,6 @@ impl Crawler {
             record: None,
             seen: Vec::new(),
             removed: None,
-            relisted: Vec::new(),
             result: Some(PageResult::Retry),
             new_pending: 0,
             lease,

@@ -524,10 +524,12 @@ fn lease_of(
     })
 }
 
-/// A cursor batch of `n` documents: the whole answer in the first reply (the driver's default
-/// first batch is 101 documents, and every further batch is one more round trip).
+/// The cursor batch for an answer of at most `n` documents: all of it in the first reply (the
+/// driver's default first batch is 101 documents, and every further batch is one more round
+/// trip). One more than `n`: a batch the answer fills exactly leaves the cursor open on the
+/// test server, and the driver then sends a `getMore` to learn that it is exhausted.
 fn whole_batch(n: usize) -> u32 {
-    u32::try_from(n.max(1)).unwrap_or(u32::MAX)
+    u32::try_from(n.saturating_add(1)).unwrap_or(u32::MAX)
 }
 
 /// The fields a lease read needs.

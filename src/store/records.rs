@@ -50,7 +50,6 @@ pub mod field {
     pub const FETCHED_AT: &str = "fetchedAt";
     pub const REMOVED_AT: &str = "removedAt";
     pub const REMOVED_IN_PASS: &str = "removedInPass";
-    pub const LIST_KEY: &str = "listKey";
 }
 
 use field as f;
@@ -58,29 +57,6 @@ use field as f;
 /// `records._id`: the same item gets the same id on every instance, every run.
 pub fn record_id(source: &str, natural_key: &str) -> String {
     crate::ids::sha256_hex(&[source.as_bytes(), &[0], natural_key.as_bytes()], 16)
-}
-
-/// `records.listKey`: the detail page a record was last stored from (its frontier id) and the
-/// fingerprint its listing showed for it then. A listing page that shows the same item with the
-/// same fingerprint again finds the record by this key alone (see [`Store::seen_unchanged`]).
-pub fn list_key(url_id: &str, fingerprint: &str) -> String {
-    crate::ids::sha256_hex(&[url_id.as_bytes(), &[0], fingerprint.as_bytes()], 16)
-}
-
-/// The records of these listing items ([`list_key`]s): equalities and one `$in` only — a range
-/// beside them (`lastSeenPass`, say) makes the test server scan the bot's records. Index
-/// `bot_list_key`.
-pub fn listed_filter(bot: &BotId, keys: &[String]) -> Document {
-    doc! { f::BOT: bot.as_str(), f::LIST_KEY: { "$in": keys } }
-}
-
-/// A stored page's `listKey`: `Null` when it was not found through a listing item (its lease
-/// carries no fingerprint), so an older key never outlives the fetch that replaced it.
-fn list_key_of(lease: &UrlLease) -> Bson {
-    lease
-        .list_fingerprint
-        .as_deref()
-        .map_or(Bson::Null, |fp| Bson::String(list_key(&lease.id, fp)))
 }
 
 /// The hash of a record's data: keys sorted, so field order never counts as a change.
@@ -137,8 +113,6 @@ pub struct PageCommit<'a> {
     pub seen: Vec<String>,
     /// A record whose detail page answered 404/410: marked removed.
     pub removed: Option<String>,
-    /// Seen records whose `listKey` this page learned: `(record id, key)` (see [`list_key`]).
-    pub relisted: Vec<(String, String)>,
     /// How the URL's lease ends. A `Done` carries the id of the record written here.
     pub mark: Mark,
 }
@@ -188,7 +162,6 @@ fn plan(
             f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: &hash,
             f::FIRST_SEEN: now_b.clone(), f::LAST_CHANGED: now_b.clone(), f::LAST_SEEN: now_b.clone(),
             f::LAST_SEEN_PASS: lease.pass, f::REMOVED_AT: Bson::Null, f::FETCHED_AT: fetched_at,
-            f::LIST_KEY: list_key_of(lease),
         });
     };
     let newer_stored = matches!(old.get(f::FETCHED_AT), Some(Bson::DateTime(t)) if t.to_chrono() > lease.leased_at);
@@ -221,7 +194,7 @@ fn plan(
         on_insert.insert(f::REMOVED_AT, Bson::Null);
         (
             doc! {
-                "$set": { f::FETCHED_AT: fetched_at, f::LAST_SEEN: now_b, f::LIST_KEY: list_key_of(lease) },
+                "$set": { f::FETCHED_AT: fetched_at, f::LAST_SEEN: now_b },
                 "$max": { f::LAST_SEEN_PASS: lease.pass },
             },
             RecordWrite::Unchanged,
@@ -231,7 +204,6 @@ fn plan(
         let mut set = doc! {
             f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: &hash,
             f::LAST_SEEN: now_b.clone(), f::REMOVED_AT: Bson::Null, f::FETCHED_AT: fetched_at,
-            f::LIST_KEY: list_key_of(lease),
         };
         if changed {
             set.insert(f::LAST_CHANGED, now_b);
@@ -281,10 +253,7 @@ fn waves(ids: &[Option<String>]) -> Vec<Vec<usize>> {
 }
 
 /// The statements that mark the `seen` records of `pages` seen in their pass and the `removed`
-/// ones removed (idempotent: filtered on `lastSeenPass < pass` and `removedAt: null`), and that
-/// take the `listKey` from a record its URL no longer stores (a removed one; the one before a
-/// page's natural key changed) — a listing item's key finds at most the record its URL's last
-/// fetch stored.
+/// ones removed (idempotent: filtered on `lastSeenPass < pass` and `removedAt: null`).
 fn seen_and_removed(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Document> {
     // Every filter carries `botId`, a prefix of the shard key (ARCHITECTURE.md, "Scaling out").
     let mut by_pass: HashMap<(&str, i64), Vec<&str>> = HashMap::new();
@@ -297,24 +266,8 @@ fn seen_and_removed(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Docume
         if let Some(id) = &page.removed {
             statements.push(doc! {
                 "q": { f::ID: id.as_str(), f::BOT: page.lease.bot.as_str(), f::REMOVED_AT: Bson::Null },
-                "u": { "$set": {
-                    f::REMOVED_AT: date(now), f::REMOVED_IN_PASS: page.lease.pass, f::LIST_KEY: Bson::Null,
-                } },
+                "u": { "$set": { f::REMOVED_AT: date(now), f::REMOVED_IN_PASS: page.lease.pass } },
             });
-        }
-        for (id, key) in &page.relisted {
-            statements.push(doc! {
-                "q": { f::ID: id.as_str(), f::BOT: page.lease.bot.as_str() },
-                "u": { "$set": { f::LIST_KEY: key.as_str() } },
-            });
-        }
-        if let (Some(record), Some(before)) = (page.record, &page.lease.record_id) {
-            if record.id() != *before {
-                statements.push(doc! {
-                    "q": { f::ID: before.as_str(), f::BOT: page.lease.bot.as_str() },
-                    "u": { "$set": { f::LIST_KEY: Bson::Null } },
-                });
-            }
         }
     }
     for ((bot, pass), ids) in by_pass {
@@ -415,7 +368,6 @@ impl Store {
             ),
             ("bot_last_changed", doc! { f::BOT: 1, f::LAST_CHANGED: 1 }),
             ("bot_removed_at", doc! { f::BOT: 1, f::REMOVED_AT: 1 }),
-            ("bot_list_key", doc! { f::BOT: 1, f::LIST_KEY: 1 }),
         ]
         .map(|(name, keys)| {
             IndexModel::builder()
@@ -447,7 +399,6 @@ impl Store {
             record,
             seen: Vec::new(),
             removed: None,
-            relisted: Vec::new(),
             mark: Mark::Done {
                 validators: lease.validators.clone(),
                 record_id: None,
@@ -885,54 +836,6 @@ impl Store {
             Err(e) if e.is_transient() => Err(e),
             Err(_) => Ok(false),
         }
-    }
-
-    /// Marks seen in `pass` the records stored from these listing items (`keys`: each item's
-    /// [`list_key`]) while their fingerprint stays what it was — one write for a listing page,
-    /// no read. Returns how many records matched: when that is every key, each item is an
-    /// unchanged stored one (a key finds at most one record); when not, [`Store::listed`] tells
-    /// which.
-    pub async fn seen_unchanged(
-        &self,
-        bot: &BotId,
-        keys: &[String],
-        pass: i64,
-        now: DateTime<Utc>,
-    ) -> Result<u64> {
-        if keys.is_empty() {
-            return Ok(0);
-        }
-        let records = self.records();
-        let update = records.update_many(
-            // `$max`: a late write never moves a pass back.
-            listed_filter(bot, keys),
-            doc! {
-                "$set": { f::LAST_SEEN: date(now), f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null },
-                "$max": { f::LAST_SEEN_PASS: pass },
-            },
-        );
-        Ok(self
-            .bounded("mark listed records seen", update)
-            .await?
-            .matched_count)
-    }
-
-    /// Which of `keys` ([`list_key`]s) a stored record carries.
-    pub async fn listed(&self, bot: &BotId, keys: &[String]) -> Result<HashSet<String>> {
-        if keys.is_empty() {
-            return Ok(HashSet::new());
-        }
-        let find = doc! {
-            "find": RECORDS,
-            "filter": listed_filter(bot, keys),
-            "projection": { f::ID: 0, f::LIST_KEY: 1 },
-            "batchSize": i64::try_from(keys.len()).unwrap_or(i64::MAX),
-        };
-        let reply = self.command("read listed records", find, None).await?;
-        Ok(cursor_docs(&reply)
-            .iter()
-            .filter_map(|d| d.get_str(f::LIST_KEY).ok().map(str::to_owned))
-            .collect())
     }
 
     /// Marks records seen in `pass` in one write (unchanged records get no other write).
