@@ -303,7 +303,7 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
                     if from_database {
                         // The database's crawling bots this instance runs.
                         for raw in store.spec_documents().await.unwrap_or_default() {
-                            let id = raw.get_str("_id").ok().and_then(|s| BotId::parse(s).ok());
+                            let id = crate::lock::fleet::spec_bot(&raw);
                             let crawls = raw.get_document("spec").is_ok_and(|spec| {
                                 matches!(spec.get("crawl"), Some(bson::Bson::Document(_)))
                             });

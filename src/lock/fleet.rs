@@ -43,9 +43,13 @@ enum Wanted {
     },
 }
 
-/// Reads one document; a spec equal to the running one is not parsed again.
-fn wanted(raw: &Document, running: Option<&Running>) -> Option<(BotId, Wanted)> {
-    let id = BotId::parse(raw.get_str(field::ID).ok()?).ok()?;
+/// The bot a document with a spec defines, when its `_id` is a valid bot id.
+pub(crate) fn spec_bot(raw: &Document) -> Option<BotId> {
+    BotId::parse(raw.get_str(field::ID).ok()?).ok()
+}
+
+/// What bot `id`'s document asks; a spec equal to the running one is not parsed again.
+fn wanted(id: &BotId, raw: &Document, running: Option<&Running>) -> Option<Wanted> {
     let version = raw.get(field::SPEC_VERSION).and_then(integer).unwrap_or(0);
     let wanted = match raw.get(field::SPEC) {
         Some(Bson::Document(spec)) => {
@@ -54,7 +58,7 @@ fn wanted(raw: &Document, running: Option<&Running>) -> Option<(BotId, Wanted)> 
             }) {
                 Wanted::Keep
             } else {
-                match bot_from_spec(&id, spec) {
+                match bot_from_spec(id, spec) {
                     Ok(settings) => Wanted::Run {
                         spec: (version, spec.clone()),
                         settings: Box::new(settings),
@@ -73,7 +77,7 @@ fn wanted(raw: &Document, running: Option<&Running>) -> Option<(BotId, Wanted)> 
         },
         None => return None,
     };
-    Some((id, wanted))
+    Some(wanted)
 }
 
 /// Runs the database's bots until `stop`. Returns when `stop` fires, every runner stopped.
@@ -91,14 +95,10 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
                 let mut starting = Vec::new();
                 let mut removed = Vec::new();
                 for raw in &docs {
-                    let id = raw
-                        .get_str(field::ID)
-                        .ok()
-                        .and_then(|s| BotId::parse(s).ok());
-                    let Some((id, want)) = id
-                        .filter(|id| settings.runs(id))
-                        .and_then(|id| wanted(raw, running.get(&id)))
-                    else {
+                    let Some(id) = spec_bot(raw).filter(|id| settings.runs(id)) else {
+                        continue;
+                    };
+                    let Some(want) = wanted(&id, raw, running.get(&id)) else {
                         continue;
                     };
                     seen.insert(id.clone());
