@@ -14,7 +14,8 @@
 //!   index of earlier versions added: what each costs the lease and commit paths.
 //! - `incremental [ITEMS]`: a full pass of ITEMS products (100 per listing page), then 500
 //!   changed and 200 added: detail requests and record writes of the second pass, wall time
-//!   against the full pass; watermark mode: listing pages read for 200 new items.
+//!   against the full pass, and the pass's database floor on the same server (its unchanged
+//!   records marked seen, nothing else); watermark mode: listing pages read for 200 new items.
 //! - `deletion`: 50 products deleted: exactly 50 `removedAt` after a complete pass, none after
 //!   an incomplete one.
 //!
@@ -1001,6 +1002,67 @@ async fn indexes(uri: &str) {
 
 // ---- incremental ------------------------------------------------------------------------------
 
+/// The least database work an incremental pass owes its unchanged items: each one's record
+/// marked seen, in seedlock's seen-mark statement (`_id $in` 100 ids, filtered on
+/// `lastSeenPass < pass`), 1, 2 and 4 statements at a time, with no HTTP, no frontier and nothing
+/// else on the server. Marks the records the last pass did not write (`lastChanged` before
+/// `since`) in passes numbered above every real one; returns how many, and the time each took.
+async fn seen_floor(db: &Database, since: bson::DateTime) -> (usize, Vec<(usize, Duration)>) {
+    let records = db.collection::<Document>("records");
+    let unchanged: Vec<Document> = records
+        .find(doc! { "botId": "shop", "lastChanged": { "$lt": since } })
+        .projection(doc! { "lastSeenPass": 1 })
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    let top = unchanged
+        .iter()
+        .filter_map(|r| r.get_i64("lastSeenPass").ok())
+        .max()
+        .unwrap_or(0);
+    let ids: Vec<String> = unchanged
+        .iter()
+        .filter_map(|r| r.get_str("_id").ok().map(str::to_owned))
+        .collect();
+    let mut floor = Vec::new();
+    for (round, concurrency) in [1usize, 2, 4].into_iter().enumerate() {
+        let pass = top + 1 + round as i64;
+        let chunks: Vec<Vec<String>> = ids.chunks(100).map(<[String]>::to_vec).collect();
+        let queue = std::sync::Arc::new(std::sync::Mutex::new(chunks));
+        let started = Instant::now();
+        let workers: Vec<_> = (0..concurrency)
+            .map(|_| {
+                let (records, queue) = (records.clone(), queue.clone());
+                tokio::spawn(async move {
+                    loop {
+                        let Some(chunk) = queue.lock().unwrap().pop() else {
+                            return;
+                        };
+                        let marked = records
+                            .update_many(
+                                doc! { "_id": { "$in": &chunk }, "botId": "shop", "lastSeenPass": { "$lt": pass } },
+                                doc! { "$set": {
+                                    "lastSeenPass": pass, "lastSeen": bson::DateTime::now(),
+                                    "removedAt": bson::Bson::Null, "removedInPass": bson::Bson::Null,
+                                } },
+                            )
+                            .await
+                            .unwrap();
+                        assert_eq!(marked.modified_count as usize, chunk.len(), "every record marked");
+                    }
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.await.unwrap();
+        }
+        floor.push((concurrency, started.elapsed()));
+    }
+    (ids.len(), floor)
+}
+
 async fn records_written_since(db: &Database, since: bson::DateTime) -> usize {
     docs(db, "records", doc! { "lastChanged": { "$gte": since } })
         .await
@@ -1076,6 +1138,22 @@ async fn incremental(uri: &str, items: u32) {
         truth.len()
     );
     let ok = details == 700 && writes == 700 && correct == truth.len();
+    let (unchanged, floor) = seen_floor(&db, before).await;
+    println!();
+    println!(
+        "The second pass's database floor, measured on the same server right after it: marking its {unchanged} unchanged records seen — the one write per unchanged item the pass owes (`lastSeenPass` moves on, tests/incremental.rs) — in seedlock's statement (`_id $in` 100 ids), with nothing else on the server:"
+    );
+    println!();
+    println!("| statements at a time | floor (s) | µs a record | second pass ÷ floor |");
+    println!("|---|---|---|---|");
+    for (concurrency, took) in &floor {
+        println!(
+            "| {concurrency} | {:.1} | {:.0} | {:.2} |",
+            took.as_secs_f64(),
+            took.as_secs_f64() * 1e6 / unchanged.max(1) as f64,
+            second.pass.as_secs_f64() / took.as_secs_f64()
+        );
+    }
     let _ = db.drop().await;
 
     // Watermark mode on an append-only catalogue: 200 new items.
