@@ -235,6 +235,7 @@ pub async fn run_with_store(
     let registered = crate::lock::presence::register(&store, &ctx.me, &clock, settings.lock.ttl)
         .await
         .map_err(RunError::Startup)?;
+    store.name_transaction_sessions(&ctx.me);
     let id_lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let presence = tokio::spawn(crate::lock::presence::keep_alive(
         store.clone(),

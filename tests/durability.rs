@@ -138,3 +138,94 @@ async fn every_write_is_majority_journaled_and_lock_decisions_read_majority() {
         }
     }
 }
+
+/// Whether a plain write (setting `field`) to `{_id: 1}` of `things` goes through within
+/// `within`.
+async fn writes_within(db: &mongodb::Database, field: &str, within: Duration) -> bool {
+    let things = db.collection::<Document>("things");
+    matches!(
+        tokio::time::timeout(
+            within,
+            things.update_one(doc! { "_id": 1 }, doc! { "$set": { field: true } })
+        )
+        .await,
+        Ok(Ok(_))
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_a_dead_process_left_open_is_ended_when_its_id_is_taken_over() {
+    use seedlock::clock::{LocalClock, ServerClock};
+    use seedlock::ids::InstanceId;
+
+    let db = test_db("dead_txn").await;
+    let me = InstanceId::parse("mortal").unwrap();
+    let past = bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 60_000);
+    db.db
+        .collection::<Document>("instances")
+        .insert_one(doc! {
+            "_id": me.as_str(), "host": "elsewhere", "pid": 1_i64, "token": "old",
+            "heartbeatAt": past, "expiresAt": past,
+        })
+        .await
+        .unwrap();
+    db.db
+        .collection::<Document>("things")
+        .insert_one(doc! { "_id": 1, "v": 0 })
+        .await
+        .unwrap();
+
+    // A process (its own client) names its session, writes inside a transaction, and dies there:
+    // nothing ends the transaction (the session is never dropped, committed or aborted).
+    let mortal = Client::with_uri_str(&db.uri).await.unwrap();
+    let doomed = Store::new(mortal.database(&db.name));
+    doomed.name_transaction_sessions(&me);
+    let mut session = mortal.start_session().await.unwrap();
+    doomed.name_session(&session).await.unwrap();
+    session.start_transaction().await.unwrap();
+    mortal
+        .database(&db.name)
+        .collection::<Document>("things")
+        .update_one(doc! { "_id": 1 }, doc! { "$set": { "v": 1 } })
+        .session(&mut session)
+        .await
+        .unwrap();
+    std::mem::forget(session);
+    let named = db
+        .db
+        .collection::<Document>("instances")
+        .find_one(doc! { "_id": me.as_str() })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(named.get_array("txnSessions").unwrap().len(), 1, "{named}");
+    assert!(
+        !writes_within(&db.db, "before", Duration::from_secs(2)).await,
+        "the open transaction holds the document"
+    );
+
+    // The successor takes the id over and ends the dead process's transaction: the document is
+    // free at once, not when the server's transaction lifetime (60 s) runs out.
+    let successor = db.store();
+    let clock = ServerClock::new(LocalClock::default());
+    seedlock::lock::presence::register(&successor, &me, &clock, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(
+        writes_within(&db.db, "after", Duration::from_secs(10)).await,
+        "the document is free after the takeover"
+    );
+    let thing = db
+        .db
+        .collection::<Document>("things")
+        .find_one(doc! { "_id": 1 })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(thing.get_bool("after"), Ok(true), "{thing}");
+    assert_eq!(
+        thing.get_i32("v"),
+        Ok(0),
+        "the dead transaction's write was not kept: {thing}"
+    );
+}

@@ -94,6 +94,7 @@ pub async fn register(
         token: format!("{:032x}", rand::random::<u128>()),
         heartbeat_at: None,
         expires_at: None,
+        sessions: Vec::new(),
     };
     let failed = |e: crate::error::Error| format!("cannot register instance id {me}: {e}");
     for _ in 0..10 {
@@ -114,7 +115,10 @@ pub async fn register(
                         .await
                         .map_err(failed)?
                     {
-                        info!(instance = %me, previous = %why, "took over this instance id from a process that is gone");
+                        // A transaction it was inside when it died holds what it wrote until the
+                        // server ends it: end it now.
+                        let ended = store.end_sessions(&theirs.sessions).await;
+                        info!(instance = %me, previous = %why, sessions = theirs.sessions.len(), ended, "took over this instance id from a process that is gone");
                         return Ok(mine);
                     }
                 }
@@ -190,6 +194,7 @@ mod tests {
             token: "t".into(),
             heartbeat_at: Some(now - chrono::Duration::seconds(1)),
             expires_at: Some(now + chrono::Duration::seconds(expires_in)),
+            sessions: Vec::new(),
         }
     }
 

@@ -4,16 +4,38 @@
 //! an instance registers its id before any lock work and refuses to start while a live process
 //! holds it (see `crate::lock::presence`). The token fences the heartbeat: a process whose id was
 //! taken over (it looked dead) learns so on its next beat.
+//!
+//! A registration also names the server sessions of the process's commit transactions
+//! (`txnSessions`, the newest 16), each before its first transaction: a process killed inside a
+//! commit leaves its transaction open on the server, holding every document it wrote until the
+//! server ends it (60 s on MongoDB), and whoever takes the id over ends it at once
+//! (`killSessions`).
+
+use std::collections::HashSet;
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
 
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
-use std::time::Duration;
+use mongodb::ClientSession;
 
 use super::{date, plus, Store};
 use crate::error::{is_duplicate_key, Result};
 use crate::ids::InstanceId;
 
 pub const INSTANCES: &str = "instances";
+
+/// How many sessions a registration names (the newest): a process's commit transactions use a
+/// few pooled sessions, one per writer at a time.
+const NAMED_SESSIONS: usize = 16;
+
+/// The sessions this process's commit transactions use, once its registration names them.
+#[derive(Debug, Default)]
+pub struct TransactionSessions {
+    owner: OnceLock<InstanceId>,
+    /// Sessions already named (as their `lsid` printed).
+    named: Mutex<HashSet<String>>,
+}
 
 /// The process behind an instance id.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,6 +45,8 @@ pub struct Presence {
     pub token: String,
     pub heartbeat_at: Option<DateTime<Utc>>,
     pub expires_at: Option<DateTime<Utc>>,
+    /// The sessions its commit transactions used (`txnSessions`: server session ids).
+    pub sessions: Vec<Document>,
 }
 
 impl Presence {
@@ -53,6 +77,14 @@ impl Presence {
             token: d.get_str("token").unwrap_or("").to_owned(),
             heartbeat_at: when("heartbeatAt"),
             expires_at: when("expiresAt"),
+            sessions: d
+                .get_array("txnSessions")
+                .map(|all| {
+                    all.iter()
+                        .filter_map(|s| s.as_document().cloned())
+                        .collect()
+                })
+                .unwrap_or_default(),
         }
     }
 }
@@ -150,6 +182,67 @@ impl Store {
         Ok(result.matched_count == 1)
     }
 
+    /// From now on, names each session of this process's commit transactions in `me`'s
+    /// registration before its first transaction.
+    pub fn name_transaction_sessions(&self, me: &InstanceId) {
+        let _ = self.sessions.owner.set(me.clone());
+    }
+
+    /// Names `session` in this process's registration, unless it already is (a session is
+    /// named once; the driver reuses a few). Without a registration (tests, one-off commands)
+    /// nothing is named.
+    pub async fn name_session(&self, session: &ClientSession) -> Result<()> {
+        let Some(me) = self.sessions.owner.get() else {
+            return Ok(());
+        };
+        let lsid = session.id().clone();
+        let key = lsid.to_string();
+        if names(&self.sessions).contains(&key) {
+            return Ok(());
+        }
+        self.bounded(
+            "name transaction session",
+            self.instances().update_one(
+                doc! { "_id": me.as_str() },
+                doc! { "$push": { "txnSessions": {
+                    "$each": [lsid], "$slice": -(NAMED_SESSIONS as i32),
+                } } },
+            ),
+        )
+        .await?;
+        let mut named = names(&self.sessions);
+        if named.len() >= NAMED_SESSIONS {
+            // The registration keeps the newest only: name the next ones again.
+            named.clear();
+        }
+        named.insert(key);
+        Ok(())
+    }
+
+    /// Ends the transactions a dead process may have left open in its `sessions`. Best effort:
+    /// the server ends them itself after its transaction lifetime. Returns whether it did.
+    pub async fn end_sessions(&self, sessions: &[Document]) -> bool {
+        if sessions.is_empty() {
+            return false;
+        }
+        let admin = self.database().client().database("admin");
+        let command = doc! { "killSessions": sessions.to_vec() };
+        match self
+            .bounded("end a dead process's sessions", admin.run_command(command))
+            .await
+        {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "could not end the sessions of the process this instance id belonged to: a \
+                     transaction it left open holds its documents until the server ends it"
+                );
+                false
+            }
+        }
+    }
+
     /// Ends this process's registration (at a clean stop).
     pub async fn remove_instance(&self, me: &InstanceId, token: &str) -> Result<()> {
         self.bounded(
@@ -160,4 +253,8 @@ impl Store {
         .await?;
         Ok(())
     }
+}
+
+fn names(sessions: &TransactionSessions) -> std::sync::MutexGuard<'_, HashSet<String>> {
+    sessions.named.lock().unwrap_or_else(|p| p.into_inner())
 }

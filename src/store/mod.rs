@@ -156,6 +156,9 @@ pub struct Store {
     /// hang a heartbeat or a shutdown.
     op_timeout: Duration,
     answers: std::sync::Arc<Answers>,
+    /// The sessions of this process's commit transactions, as its instance registration names
+    /// them (see [`Store::name_transaction_sessions`]).
+    sessions: std::sync::Arc<instances::TransactionSessions>,
 }
 
 /// Whether the server answers: operations in flight and when the last answer came. A partition
@@ -365,6 +368,7 @@ impl Store {
             commands: Default::default(),
             op_timeout: DEFAULT_OP_TIMEOUT,
             answers: Default::default(),
+            sessions: Default::default(),
         }
     }
 

@@ -611,6 +611,8 @@ impl Store {
             let mut session = self
                 .bounded("start session", self.database().client().start_session())
                 .await?;
+            // Named before it writes: a successor can end it if this process dies inside it.
+            self.name_session(&session).await?;
             self.bounded(
                 "start transaction",
                 session.start_transaction().write_concern(super::durable()),
