@@ -200,16 +200,22 @@ impl Store {
         if names(&self.sessions).contains(&key) {
             return Ok(());
         }
-        self.bounded(
-            "name transaction session",
-            self.instances().update_one(
-                doc! { "_id": me.as_str() },
-                doc! { "$push": { "txnSessions": {
-                    "$each": [lsid], "$slice": -(NAMED_SESSIONS as i32),
-                } } },
-            ),
-        )
-        .await?;
+        let pushed = self
+            .bounded(
+                "name transaction session",
+                self.instances().update_one(
+                    doc! { "_id": me.as_str() },
+                    doc! { "$push": { "txnSessions": {
+                        "$each": [lsid], "$slice": -(NAMED_SESSIONS as i32),
+                    } } },
+                ),
+            )
+            .await?;
+        if pushed.matched_count == 0 {
+            // No registration to name it in (the database lost it; the heartbeat writes it
+            // again): named on a later transaction.
+            return Ok(());
+        }
         let mut named = names(&self.sessions);
         if named.len() >= NAMED_SESSIONS {
             // The registration keeps the newest only: name the next ones again.
