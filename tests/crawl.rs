@@ -253,12 +253,8 @@ async fn a_stopped_crawler_resumes_without_fetching_the_urls_whose_lease_ran_out
     a.expect_ok(Duration::from_secs(20)).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
-    use seedlock::store::passes::DeletionRules;
-    let db = test_db("crawl_replaced_pass").await;
-    let store = db.store();
-    let now = chrono::Utc::now();
+/// Bot `shop`, ready, in pass 2 since `now`, not ended.
+async fn in_pass_2(db: &common::TestDb, now: chrono::DateTime<chrono::Utc>) {
     db.bots()
         .insert_one(doc! {
             "_id": "shop", "isReady": true, "isEditing": false, "seeds": [], "lockEpoch": 1_i64,
@@ -266,18 +262,31 @@ async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
         })
         .await
         .unwrap();
+}
+
+/// Deletion detection on, whatever the coverage and error rate.
+fn always_delete() -> seedlock::store::passes::DeletionRules {
+    seedlock::store::passes::DeletionRules {
+        known_since: None,
+        enabled: true,
+        min_coverage: 0.0,
+        max_error_rate: 1.0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
+    let db = test_db("crawl_replaced_pass").await;
+    let store = db.store();
+    let now = chrono::Utc::now();
+    in_pass_2(&db, now).await;
     db.db
         .collection::<Document>("records")
         .insert_one(doc! { "_id": "r1", "botId": "shop", "naturalKey": "SKU-1", "lastSeenPass": 0_i64, "removedAt": Bson::Null })
         .await
         .unwrap();
     let bot = seedlock::ids::BotId::parse("shop").unwrap();
-    let rules = DeletionRules {
-        known_since: None,
-        enabled: true,
-        min_coverage: 0.0,
-        max_error_rate: 1.0,
-    };
+    let rules = always_delete();
     // An instance still on pass 1, which a refresh replaced by pass 2: nothing is recorded and
     // nothing is removed, though pass 1 has no work left.
     let stale = store.finish_pass(&bot, 1, None, rules, now).await.unwrap();
@@ -291,6 +300,57 @@ async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
     assert_eq!(removed_keys(&db).await, ["SKU-1"]);
     let again = store.finish_pass(&bot, 2, None, rules, now).await.unwrap();
     assert!(!again.recorded, "the end is recorded once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_end_marks_every_unseen_record_removed_however_many_batches_they_take() {
+    let db = test_db("crawl_many_unseen").await;
+    let store = db.store();
+    store.ensure_record_indexes().await.unwrap();
+    let now = chrono::Utc::now();
+    in_pass_2(&db, now).await;
+    // 250 records pass 2 did not see (more than two batches), 30 it saw, and 20 an earlier
+    // pass removed already.
+    let earlier = bson::DateTime::from_chrono(now - chrono::Duration::days(1));
+    let records: Vec<Document> = (0..300)
+        .map(|i| {
+            let (seen, removed_at, removed_in) = match i {
+                0..250 => (1_i64, Bson::Null, Bson::Null),
+                250..280 => (2, Bson::Null, Bson::Null),
+                _ => (0, Bson::DateTime(earlier), Bson::Int64(1)),
+            };
+            doc! {
+                "_id": format!("r{i}"), "botId": "shop", "naturalKey": format!("SKU-{i:03}"),
+                "lastSeenPass": seen, "removedAt": removed_at, "removedInPass": removed_in,
+            }
+        })
+        .collect();
+    db.db
+        .collection::<Document>("records")
+        .insert_many(records)
+        .await
+        .unwrap();
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    let rules = always_delete();
+    let end = store.finish_pass(&bot, 2, None, rules, now).await.unwrap();
+    assert!(end.recorded);
+    assert_eq!(end.removed, 250, "every unseen record, once");
+    let expected: Vec<String> = (0..250)
+        .chain(280..300)
+        .map(|i| format!("SKU-{i:03}"))
+        .collect();
+    assert_eq!(removed_keys(&db).await, expected);
+    let by_pass = |pass: i64| {
+        let db = db.db.clone();
+        async move {
+            db.collection::<Document>("records")
+                .count_documents(doc! { "removedInPass": pass })
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(by_pass(2).await, 250);
+    assert_eq!(by_pass(1).await, 20, "an earlier removal keeps its pass");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

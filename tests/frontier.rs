@@ -637,3 +637,38 @@ async fn large_reads_come_back_in_one_round_trip() {
     assert_eq!(sent("find"), 2, "{after:?}");
     assert_eq!(sent("getMore"), 0, "{after:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_pass_numbers_above_every_pass_of_the_bot_in_the_frontier() {
+    let db = test_db("fr_pass_numbers").await;
+    let store = db.store();
+    store.ensure_frontier_indexes().await.unwrap();
+    let now = Utc::now();
+    // URLs in pass 5, which the bot document (restored from a backup, say) no longer shows; and
+    // another bot's in pass 50, which numbers nothing here.
+    store
+        .enqueue(&bot(), 5, PageKind::Detail, &urls(3), now)
+        .await
+        .unwrap();
+    let other = BotId::parse("other").unwrap();
+    store
+        .enqueue(&other, 50, PageKind::Detail, &urls(3), now)
+        .await
+        .unwrap();
+    let seeds = [NormalizedUrl::parse("http://shop.test/").unwrap()];
+    assert_eq!(
+        store.prepare_pass(&bot(), 2, &seeds, now).await.unwrap(),
+        6,
+        "above the frontier's pass 5, not the document's 2"
+    );
+    assert_eq!(
+        store.prepare_pass(&bot(), 0, &seeds, now).await.unwrap(),
+        7,
+        "a document without a pass: above the seed just prepared in 6"
+    );
+    assert_eq!(
+        store.prepare_pass(&bot(), 9, &seeds, now).await.unwrap(),
+        10,
+        "nothing above the document's pass: the next one"
+    );
+}

@@ -22,7 +22,7 @@ use std::time::Duration;
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
 use futures_util::TryStreamExt;
-use mongodb::options::IndexOptions;
+use mongodb::options::{Hint, IndexOptions};
 use mongodb::{Collection, IndexModel};
 
 use super::Store;
@@ -1579,8 +1579,26 @@ impl Store {
         Ok(known)
     }
 
-    /// The highest pass any of the bot's URLs is in (0 when none): a new pass numbers above it.
-    pub async fn highest_pass(&self, bot: &BotId) -> Result<i64> {
+    /// The highest pass any of the bot's URLs is in, or `floor` when none is above it: a new pass
+    /// numbers above it. `floor` is the bot document's pass, which every URL is at or below
+    /// unless a pass was prepared and never recorded, or the document was set back (restored,
+    /// repaired): one bounded probe above `floor` on the frontier index answers the usual case —
+    /// without the probe, a server that reads every entry a sort matches reads the whole frontier
+    /// (3.7 s at 200,000 entries on the test server; the probe 0.2 s) — and only when it finds
+    /// one does the full answer follow.
+    pub async fn highest_pass_above(&self, bot: &BotId, floor: i64) -> Result<i64> {
+        let above = self
+            .bounded(
+                "highest pass",
+                self.frontier()
+                    .find_one(doc! { f::BOT: bot.as_str(), f::PASS: { "$gt": floor } })
+                    .hint(Hint::Name(FRONTIER_INDEX.to_owned()))
+                    .projection(doc! { f::PASS: 1 }),
+            )
+            .await?;
+        if above.is_none() {
+            return Ok(floor);
+        }
         let top = self
             .bounded(
                 "highest pass",
@@ -1590,7 +1608,10 @@ impl Store {
                     .projection(doc! { f::PASS: 1 }),
             )
             .await?;
-        Ok(top.and_then(|d| get_int(&d, f::PASS)).unwrap_or(0))
+        Ok(top
+            .and_then(|d| get_int(&d, f::PASS))
+            .unwrap_or(0)
+            .max(floor))
     }
 
     /// True while any URL of the pass is pending, waiting or leased (by anyone): bounded index

@@ -80,7 +80,7 @@ impl Store {
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
     ) -> Result<i64> {
-        let next = current.max(self.highest_pass(bot).await?) + 1;
+        let next = self.highest_pass_above(bot, current.max(0)).await? + 1;
         let urls: Vec<NewUrl> = seeds
             .iter()
             .map(|url| NewUrl {
@@ -395,39 +395,49 @@ impl Store {
     }
 
     /// Marks the bot's records that pass `pass` did not see removed. The unseen are read by the
-    /// `{botId, lastSeenPass}` index as a stream, then marked by `_id` in chunks (filtered on
-    /// `removedAt: null`, so repeating this is a no-op).
+    /// `{botId, lastSeenPass}` index as a stream in batches of [`IN_CHUNK`] and each batch is
+    /// marked by `_id` as it arrives (filtered on `removedAt: null`, so repeating this is a
+    /// no-op): memory stays one batch, however many records a pass leaves unseen.
+    ///
+    /// [`IN_CHUNK`]: super::frontier::IN_CHUNK
     async fn mark_unseen_removed(&self, bot: &BotId, pass: i64, now: DateTime<Utc>) -> Result<u64> {
         use futures_util::TryStreamExt;
+        const BATCH: usize = super::frontier::IN_CHUNK;
         let records = self.records();
         let mut unseen = self
             .bounded(
                 "read unseen records",
                 records
                     .find(doc! { rf::BOT: bot.as_str(), rf::LAST_SEEN_PASS: { "$lt": pass } })
-                    .projection(doc! { rf::REMOVED_AT: 1 }),
+                    .projection(doc! { rf::REMOVED_AT: 1 })
+                    .batch_size(BATCH as u32),
             )
             .await?;
-        let mut ids: Vec<Bson> = Vec::new();
-        while let Some(record) = self
-            .bounded("read unseen records", unseen.try_next())
-            .await?
-        {
-            if matches!(record.get(rf::REMOVED_AT), None | Some(Bson::Null)) {
-                if let Some(id) = record.get("_id") {
-                    ids.push(id.clone());
+        let mut removed = 0;
+        let mut ids: Vec<Bson> = Vec::with_capacity(BATCH);
+        loop {
+            let next = self
+                .bounded("read unseen records", unseen.try_next())
+                .await?;
+            if let Some(record) = &next {
+                if matches!(record.get(rf::REMOVED_AT), None | Some(Bson::Null)) {
+                    if let Some(id) = record.get("_id") {
+                        ids.push(id.clone());
+                    }
                 }
             }
+            if ids.len() >= BATCH || (next.is_none() && !ids.is_empty()) {
+                let update = records.update_many(
+                    doc! { rf::ID: { "$in": &ids }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null },
+                    doc! { "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass } },
+                );
+                removed += self.bounded("mark removed", update).await?.modified_count;
+                ids.clear();
+            }
+            if next.is_none() {
+                return Ok(removed);
+            }
         }
-        let mut removed = 0;
-        for chunk in ids.chunks(super::frontier::IN_CHUNK) {
-            let update = records.update_many(
-                doc! { rf::ID: { "$in": chunk }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null },
-                doc! { "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass } },
-            );
-            removed += self.bounded("mark removed", update).await?.modified_count;
-        }
-        Ok(removed)
     }
 
     /// The current pass of a bot as `seedlock status` shows it.
