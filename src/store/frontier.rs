@@ -51,7 +51,7 @@ pub const RETIRED_INDEXES: [&str; 3] = [
 pub const SLOTS: u32 = 1024;
 /// Statements or documents per command: well under the servers' limits (100,000 statements,
 /// 16 MiB).
-const CHUNK: usize = 1000;
+pub(super) const CHUNK: usize = 1000;
 /// `_id`s per `$in` of one multi-document statement: the test server matches a statement's
 /// `$in` against every document it updates, so a statement of 1,000 ids costs half as much
 /// again per document as ten of 100 in one command (measured: 51 against 35 µs a document).

@@ -395,14 +395,16 @@ impl Store {
     }
 
     /// Marks the bot's records that pass `pass` did not see removed. The unseen are read by the
-    /// `{botId, lastSeenPass}` index as a stream in batches of [`IN_CHUNK`] and each batch is
-    /// marked by `_id` as it arrives (filtered on `removedAt: null`, so repeating this is a
-    /// no-op): memory stays one batch, however many records a pass leaves unseen.
+    /// `{botId, lastSeenPass}` index as a stream (cursor batches of [`CHUNK`]) and marked by `_id`
+    /// [`IN_CHUNK`] at a time as they arrive (filtered on `removedAt: null`, so repeating this is
+    /// a no-op): memory stays one cursor batch, however many records a pass leaves unseen.
     ///
+    /// [`CHUNK`]: super::frontier::CHUNK
     /// [`IN_CHUNK`]: super::frontier::IN_CHUNK
     async fn mark_unseen_removed(&self, bot: &BotId, pass: i64, now: DateTime<Utc>) -> Result<u64> {
         use futures_util::TryStreamExt;
         const BATCH: usize = super::frontier::IN_CHUNK;
+        const READ: u32 = super::frontier::CHUNK as u32;
         let records = self.records();
         let mut unseen = self
             .bounded(
@@ -410,7 +412,7 @@ impl Store {
                 records
                     .find(doc! { rf::BOT: bot.as_str(), rf::LAST_SEEN_PASS: { "$lt": pass } })
                     .projection(doc! { rf::REMOVED_AT: 1 })
-                    .batch_size(BATCH as u32),
+                    .batch_size(READ),
             )
             .await?;
         let mut removed = 0;
