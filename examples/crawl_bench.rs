@@ -956,7 +956,7 @@ async fn ceilings(uri: &str) {
 }
 
 /// What each frontier index costs the lease and commit paths: the database ceiling's loop with
-/// seedlock's one index, and with each index of earlier versions added.
+/// seedlock's indexes, and with each index of earlier versions added.
 async fn indexes(uri: &str) {
     println!("## Frontier indexes: what each one costs (the database ceiling's loop, 10,000 pages, 50 a batch)");
     println!();
@@ -977,7 +977,7 @@ async fn indexes(uri: &str) {
         ),
     ];
     let sets: Vec<(String, Vec<Document>)> = std::iter::once((
-        "`bot_pass_status_host_priority_slot` alone".to_owned(),
+        "seedlock's: `bot_pass_status_host_priority_slot` (and `bot_pass_listings`, which no detail page enters)".to_owned(),
         Vec::new(),
     ))
     .chain(

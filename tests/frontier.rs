@@ -12,8 +12,8 @@ use common::*;
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId};
 use seedlock::store::frontier::{
-    candidate_filter, status_filter, url_id, CandidateQuery, PageKind, PassProgress, Priority,
-    UrlStatus, FRONTIER_INDEX,
+    candidate_filter, status_filter, unreached_listings_filter, url_id, CandidateQuery, PageKind,
+    PassProgress, Priority, UrlStatus, FRONTIER_INDEX, LISTINGS_INDEX,
 };
 use seedlock::urls::NormalizedUrl;
 
@@ -339,6 +339,108 @@ async fn the_lease_query_uses_its_index() {
             "{text}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
+    let db = test_db("fr_listings").await;
+    let store = db.store();
+    store.ensure_frontier_indexes().await.unwrap();
+    let at = |path: &str| NormalizedUrl::parse(&format!("http://shop.test{path}")).unwrap();
+    let (seed, lists) = (at("/"), [at("/list/0"), at("/list/1"), at("/list/2")]);
+    let now = Utc::now();
+    let other = BotId::parse("other").unwrap();
+    store
+        .enqueue(&bot(), 1, PageKind::Detail, &urls(200), now)
+        .await
+        .unwrap();
+    store
+        .enqueue(&bot(), 1, PageKind::List, &lists, now)
+        .await
+        .unwrap();
+    store
+        .enqueue(&bot(), 1, PageKind::Seed, std::slice::from_ref(&seed), now)
+        .await
+        .unwrap();
+    store
+        .enqueue(&other, 1, PageKind::List, &lists, now)
+        .await
+        .unwrap();
+    db.db
+        .collection::<bson::Document>("frontier")
+        .update_many(
+            doc! {},
+            doc! { "$set": { "status": "done", "doneAt": bson::DateTime::from_chrono(now) } },
+        )
+        .await
+        .unwrap();
+    // Pass 2 has already reached list/2; another bot's pages and the detail pages are not
+    // listing pages of this bot.
+    store
+        .enqueue(&bot(), 2, PageKind::List, &lists[2..], now)
+        .await
+        .unwrap();
+    let since = now - chrono::Duration::minutes(5);
+    let mut unreached: Vec<String> = store
+        .unreached_list_urls(&bot(), 2, since)
+        .await
+        .unwrap()
+        .iter()
+        .map(|u| u.as_str().to_owned())
+        .collect();
+    unreached.sort();
+    let mut expected = vec![
+        seed.as_str().to_owned(),
+        lists[0].as_str().to_owned(),
+        lists[1].as_str().to_owned(),
+    ];
+    expected.sort();
+    assert_eq!(unreached, expected);
+    assert_eq!(store.unreached_lists(&bot(), 2, since).await.unwrap(), 3);
+    // Read before `since`: not the last complete pass's.
+    let later = now + chrono::Duration::minutes(5);
+    assert!(store
+        .unreached_list_urls(&bot(), 2, later)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(store.unreached_lists(&bot(), 2, later).await.unwrap(), 0);
+
+    // The query as the store sends it reads the listing index's entries of the bot's earlier
+    // passes (the seed and two listing pages), not the 200 detail pages beside them.
+    let explain = db
+        .db
+        .run_command(doc! {
+            "explain": {
+                "find": "frontier",
+                "filter": unreached_listings_filter(&bot(), 2, since),
+                "hint": LISTINGS_INDEX,
+            },
+            "verbosity": "executionStats",
+        })
+        .await
+        .expect("explain");
+    let text = explain.to_string();
+    eprintln!("explain: {text}");
+    let plan = explain
+        .get_document("queryPlanner")
+        .and_then(|q| q.get_document("winningPlan"))
+        .expect("a winning plan")
+        .to_string();
+    assert!(
+        plan.contains(LISTINGS_INDEX) && !plan.contains("COLLSCAN"),
+        "{plan}"
+    );
+    let stats = explain
+        .get_document("executionStats")
+        .expect("execution stats");
+    let number = |key: &str| match stats.get(key) {
+        Some(bson::Bson::Int32(n)) => i64::from(*n),
+        Some(bson::Bson::Int64(n)) => *n,
+        other => panic!("{key}: {other:?} in {stats}"),
+    };
+    assert_eq!(number("nReturned"), 3, "{stats}");
+    assert_eq!(number("totalKeysExamined"), 3, "{stats}");
 }
 
 /// A store on a client of its own (as another instance has).

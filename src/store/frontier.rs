@@ -33,11 +33,18 @@ use crate::urls::NormalizedUrl;
 
 pub const FRONTIER: &str = "frontier";
 
-/// The frontier's one index: `{botId, pass, status, host, priority, slot}`. It serves the lease
+/// The frontier's main index: `{botId, pass, status, host, priority, slot}`. It serves the lease
 /// queries (equalities down to `host`, then a range on `priority` or equalities down to
 /// `priority` and an `$in` on `slot`), the reads of a pass's leased and waiting entries, the
 /// progress counts and the pass's end (prefixes of it).
 pub const FRONTIER_INDEX: &str = "bot_pass_status_host_priority_slot";
+/// The listing pages' index: `{botId, pass}` over seed and listing entries only (a partial
+/// index, `kind` in `seed`, `list`; MongoDB 6.0 or later). A pass's start and end ask for the
+/// listing pages an earlier pass read: on [`FRONTIER_INDEX`] that query is bounded by every entry
+/// of the earlier passes (`kind` is not in it) and reads the whole frontier — at 200,000 entries
+/// on the test server 0.5–1.0 s alone and 3.9–4.6 s beside a running pass, against 0.2–0.4 s and
+/// 1.5–2.0 s here. Detail entries never enter it, so their writes do not pay for it.
+pub const LISTINGS_INDEX: &str = "bot_pass_listings";
 /// Indexes of earlier versions, dropped at start-up: every index is paid on every status change.
 pub const RETIRED_INDEXES: [&str; 3] = [
     "bot_pass_status_expiry",
@@ -375,6 +382,22 @@ pub fn candidate_filter(bot: &BotId, pass: i64, query: &CandidateQuery) -> Docum
     filter
 }
 
+/// The seed and listing entries of `bot` an earlier pass than `pass` read since `since`: the
+/// listing pages the last complete pass read and `pass` has not (yet) enqueued. Sent with a hint
+/// of [`LISTINGS_INDEX`], whose partial filter this filter carries word for word.
+pub fn unreached_listings_filter(bot: &BotId, pass: i64, since: DateTime<Utc>) -> Document {
+    let mut filter = doc! { f::BOT: bot.as_str(), f::PASS: { "$lt": pass } };
+    filter.extend(listing_kinds());
+    filter.insert(f::STATUS, UrlStatus::Done.as_str());
+    filter.insert(f::DONE_AT, doc! { "$gte": date(since) });
+    filter
+}
+
+/// [`LISTINGS_INDEX`]'s partial filter: the entries of the kinds that link to other pages.
+fn listing_kinds() -> Document {
+    doc! { f::KIND: { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] } }
+}
+
 /// The filter that reads a pass's entries of one status (a prefix of the index).
 pub fn status_filter(bot: &BotId, pass: i64, status: UrlStatus) -> Document {
     doc! { f::BOT: bot.as_str(), f::PASS: pass, f::STATUS: status.as_str() }
@@ -546,7 +569,7 @@ impl Store {
         self.database().collection(FRONTIER)
     }
 
-    /// Creates the frontier's index and drops those of earlier versions (idempotent).
+    /// Creates the frontier's indexes and drops those of earlier versions (idempotent).
     pub async fn ensure_frontier_indexes(&self) -> Result<()> {
         let index = IndexModel::builder()
             .keys(doc! { f::BOT: 1, f::PASS: 1, f::STATUS: 1, f::HOST: 1, f::PRIORITY: 1, f::SLOT: 1 })
@@ -556,8 +579,20 @@ impl Store {
                     .build(),
             )
             .build();
-        self.index_build("create frontier index", self.frontier().create_index(index))
-            .await?;
+        let listings = IndexModel::builder()
+            .keys(doc! { f::BOT: 1, f::PASS: 1 })
+            .options(
+                IndexOptions::builder()
+                    .name(LISTINGS_INDEX.to_owned())
+                    .partial_filter_expression(listing_kinds())
+                    .build(),
+            )
+            .build();
+        self.index_build(
+            "create frontier indexes",
+            self.frontier().create_indexes([index, listings]),
+        )
+        .await?;
         let present = self
             .bounded("list frontier indexes", self.frontier().list_index_names())
             .await?;

@@ -16,8 +16,12 @@
 
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
+use mongodb::options::Hint;
 
-use super::frontier::{field as fr, NewUrl, PageKind, PassProgress, UrlStatus};
+use super::frontier::{
+    field as fr, unreached_listings_filter, NewUrl, PageKind, PassProgress, UrlStatus,
+    LISTINGS_INDEX,
+};
 use super::records::field as rf;
 use super::Store;
 use crate::error::Result;
@@ -350,15 +354,12 @@ impl Store {
         pass: i64,
         since: DateTime<Utc>,
     ) -> Result<u64> {
-        let filter = doc! {
-            fr::BOT: bot.as_str(), fr::PASS: { "$lt": pass }, fr::STATUS: UrlStatus::Done.as_str(),
-            fr::KIND: { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] },
-            fr::DONE_AT: { "$gte": date(since) },
-        };
         let n = self
             .bounded(
                 "count unreached listing pages",
-                self.frontier().count_documents(filter),
+                self.frontier()
+                    .count_documents(unreached_listings_filter(bot, pass, since))
+                    .hint(Hint::Name(LISTINGS_INDEX.to_owned())),
             )
             .await?;
         Ok(n)
@@ -372,15 +373,11 @@ impl Store {
         since: DateTime<Utc>,
     ) -> Result<Vec<NormalizedUrl>> {
         use futures_util::TryStreamExt;
-        let filter = doc! {
-            fr::BOT: bot.as_str(), fr::PASS: { "$lt": pass }, fr::STATUS: UrlStatus::Done.as_str(),
-            fr::KIND: { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] },
-            fr::DONE_AT: { "$gte": date(since) },
-        };
         let docs: Vec<Document> = self
             .bounded("read unreached listing pages", async {
                 self.frontier()
-                    .find(filter)
+                    .find(unreached_listings_filter(bot, pass, since))
+                    .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
                     .projection(doc! { fr::URL: 1 })
                     .await?
                     .try_collect()
