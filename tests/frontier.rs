@@ -407,7 +407,8 @@ async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
     assert_eq!(store.unreached_lists(&bot(), 2, later).await.unwrap(), 0);
 
     // The query as the store sends it reads the listing index's entries of the bot's earlier
-    // passes (the seed and two listing pages), not the 200 detail pages beside them.
+    // passes (the seed and two listing pages), not the 200 detail pages beside them (the main
+    // index would examine 203 keys).
     let explain = db
         .db
         .run_command(doc! {
@@ -440,7 +441,9 @@ async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
         other => panic!("{key}: {other:?} in {stats}"),
     };
     assert_eq!(number("nReturned"), 3, "{stats}");
-    assert_eq!(number("totalKeysExamined"), 3, "{stats}");
+    // MongoDB may also count the one key past the range that ends the scan.
+    let keys = number("totalKeysExamined");
+    assert!((3..=4).contains(&keys), "{keys} keys examined: {stats}");
 }
 
 /// A store on a client of its own (as another instance has).
