@@ -134,9 +134,13 @@ impl PageKind {
         }
     }
 
+    /// The kinds [`PageKind::is_listing`] answers yes for. In this order in
+    /// [`LISTINGS_INDEX`]'s partial filter, which an existing index keeps as it was built.
+    pub const LISTING: [PageKind; 2] = [PageKind::List, PageKind::Seed];
+
     /// Seeds and listing pages: read every pass, their links are the pass's evidence.
     pub fn is_listing(self) -> bool {
-        matches!(self, PageKind::Seed | PageKind::List)
+        Self::LISTING.contains(&self)
     }
 }
 
@@ -395,7 +399,7 @@ pub fn unreached_listings_filter(bot: &BotId, pass: i64, since: DateTime<Utc>) -
 
 /// [`LISTINGS_INDEX`]'s partial filter: the entries of the kinds that link to other pages.
 fn listing_kinds() -> Document {
-    doc! { f::KIND: { "$in": [PageKind::List.as_str(), PageKind::Seed.as_str()] } }
+    doc! { f::KIND: { "$in": PageKind::LISTING.map(PageKind::as_str).to_vec() } }
 }
 
 /// The filter that reads a pass's entries of one status (a prefix of the index).
