@@ -802,8 +802,8 @@ async fn db_ceiling(
                 doc! {
                     "_id": id, "botId": "shop", "naturalKey": id, "url": "http://shop.test/",
                     "data": { "title": "Lamp", "price": "$1.00", "status": "in stock" },
-                    "contentHash": "h", "firstSeen": now, "lastChanged": now, "lastSeen": now,
-                    "lastSeenPass": 1_i64, "removedAt": bson::Bson::Null, "fetchedAt": now,
+                    "contentHash": "h", "firstSeen": now, "lastChanged": now,
+                    "fetchedPass": 1_i64, "removedAt": bson::Bson::Null, "fetchedAt": now,
                 }
             })
             .collect();
@@ -1002,69 +1002,40 @@ async fn indexes(uri: &str) {
 
 // ---- incremental ------------------------------------------------------------------------------
 
-/// The least database work an incremental pass owes its unchanged items: each one's record
-/// marked seen by seedlock's own seen mark ([`Store::mark_seen`]: `_id $in` 100 ids, filtered on
-/// `lastSeenPass < pass`, with the store's write concern), 1, 2 and 4 statements at a time, with
-/// no HTTP, no frontier and nothing else on the server. Marks the records the last pass did not
-/// write (`lastChanged` before `since`) in passes numbered above every real one; returns how
-/// many, and the time each took.
-///
-/// [`Store::mark_seen`]: seedlock::store::Store::mark_seen
-async fn seen_floor(db: &Database, since: bson::DateTime) -> (usize, Vec<(usize, Duration)>) {
-    let unchanged: Vec<Document> = db
-        .collection::<Document>("records")
-        .find(doc! { "botId": "shop", "lastChanged": { "$lt": since } })
-        .projection(doc! { "lastSeenPass": 1 })
+/// Counts the writes a collection's change stream reports (one event per document written:
+/// inserts, updates, replacements, deletes) from now until `stop`, by operation type.
+async fn count_writes(
+    db: &Database,
+    collection: &str,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<BTreeMap<String, u64>> {
+    use futures_util::StreamExt;
+    let mut stream = db
+        .collection::<Document>(collection)
+        .watch()
         .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
-    let top = unchanged
-        .iter()
-        .filter_map(|r| r.get_i64("lastSeenPass").ok())
-        .max()
-        .unwrap_or(0);
-    let ids: Vec<String> = unchanged
-        .iter()
-        .filter_map(|r| r.get_str("_id").ok().map(str::to_owned))
-        .collect();
-    let store = seedlock::store::Store::new(db.clone());
-    let mut floor = Vec::new();
-    for (round, concurrency) in [1usize, 2, 4].into_iter().enumerate() {
-        let pass = top + 1 + round as i64;
-        let chunks: Vec<Vec<String>> = ids.chunks(100).map(<[String]>::to_vec).collect();
-        let queue = std::sync::Arc::new(std::sync::Mutex::new(chunks));
-        let started = Instant::now();
-        let workers: Vec<_> = (0..concurrency)
-            .map(|_| {
-                let (store, queue) = (store.clone(), queue.clone());
-                tokio::spawn(async move {
-                    loop {
-                        let Some(chunk) = queue.lock().unwrap().pop() else {
-                            return;
-                        };
-                        let marked = store
-                            .mark_seen(&chunk, pass, chrono::Utc::now())
-                            .await
-                            .unwrap();
-                        assert_eq!(marked as usize, chunk.len(), "every record marked");
-                    }
-                })
-            })
-            .collect();
-        for worker in workers {
-            worker.await.unwrap();
+        .expect("a change stream");
+    tokio::spawn(async move {
+        let mut counts: BTreeMap<String, u64> = BTreeMap::new();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                event = stream.next() => match event {
+                    Some(Ok(e)) => *counts.entry(format!("{:?}", e.operation_type).to_lowercase()).or_default() += 1,
+                    _ => break,
+                },
+            }
         }
-        floor.push((concurrency, started.elapsed()));
-    }
-    (ids.len(), floor)
-}
-
-async fn records_written_since(db: &Database, since: bson::DateTime) -> usize {
-    docs(db, "records", doc! { "lastChanged": { "$gte": since } })
-        .await
-        .len()
+        // What was written before the stop and is still on its way.
+        while let Ok(Some(Ok(e))) =
+            tokio::time::timeout(Duration::from_millis(1500), stream.next()).await
+        {
+            *counts
+                .entry(format!("{:?}", e.operation_type).to_lowercase())
+                .or_default() += 1;
+        }
+        counts
+    })
 }
 
 /// Frontier entries of `kinds` that are done: the pages a finished pass fetched.
@@ -1075,7 +1046,26 @@ async fn frontier_done(db: &Database, kinds: &[&str]) -> u64 {
         .unwrap()
 }
 
-async fn incremental(uri: &str, items: u32) {
+/// The pass as the bot document shows it, its deletion evaluation included: from
+/// `crawlPassStartedAt` to `crawlLastPass.evaluatedAt` (server time).
+async fn pass_with_evaluation(db: &Database) -> Option<Duration> {
+    let bot = db
+        .collection::<Document>("bots")
+        .find_one(doc! { "_id": "shop" })
+        .await
+        .ok()??;
+    let start = bot.get_datetime("crawlPassStartedAt").ok()?;
+    let end = bot
+        .get_document("crawlLastPass")
+        .ok()?
+        .get_datetime("evaluatedAt")
+        .ok()?;
+    Some(Duration::from_millis(
+        (end.timestamp_millis() - start.timestamp_millis()).max(0) as u64,
+    ))
+}
+
+async fn incremental(uri: &str, items: u32, change: u32, add: u32, delete: u32) {
     let dir = tempfile::tempdir().unwrap();
     let lists = items.div_ceil(100);
     println!("## Incremental passes (seed 003): {items} products, 100 per listing page");
@@ -1083,6 +1073,7 @@ async fn incremental(uri: &str, items: u32) {
     let shop = Shop::start(lists, 100).await;
     let db = fresh_db(uri, "incremental").await;
     let full = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "").await;
+    let full_pass = pass_with_evaluation(&db).await.unwrap_or(full.pass);
     let stats = shop.stats().await;
     // The shop's per-path table keeps 100,000 paths (the rest count as "(other)"): past that,
     // the full pass's pages are counted in the frontier, which holds one done entry per page.
@@ -1099,59 +1090,97 @@ async fn incremental(uri: &str, items: u32) {
         .count_documents(doc! {})
         .await
         .unwrap();
-    shop.post("/__mutate", json!({"change": 500, "add": 200}))
+    let report = shop
+        .post(
+            "/__mutate",
+            json!({"change": change, "add": add, "delete": delete}),
+        )
         .await;
-    let before = bson::DateTime::now();
+    let list = |name: &str| -> HashSet<String> {
+        report[name]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let deleted = list("deleted");
+    let changed: HashSet<String> = list("changed").difference(&deleted).cloned().collect();
+    let added = list("added");
+    let expect_fetch = (changed.len() + added.len()) as u64;
+    let expect_writes = (changed.len() + added.len() + deleted.len()) as u64;
+    // Every document written in the second pass, as the collections' change streams see them.
+    let stop = CancellationToken::new();
+    let record_writes = count_writes(&db, "records", stop.clone()).await;
+    let frontier_writes = count_writes(&db, "frontier", stop.clone()).await;
     request_refresh(&db).await;
     let second = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "").await;
+    stop.cancel();
+    let record_writes = record_writes.await.unwrap();
+    let frontier_writes = frontier_writes.await.unwrap();
+    let second_pass = pass_with_evaluation(&db).await.unwrap_or(second.pass);
     let stats = shop.stats().await;
     let details = under(&stats, "/product/");
-    let writes = records_written_since(&db, before).await;
+    let listings = under(&stats, "/list/");
+    let fetched = total(&stats) - under(&stats, "/__");
+    let writes: u64 = record_writes.values().sum();
+    let frontier_docs: u64 = frontier_writes.values().sum();
     let truth = shop.truth().await;
     let (_, _, correct) = judge_records(&db, &truth).await;
+    let removed = docs(&db, "records", doc! { "removedAt": { "$type": "date" } })
+        .await
+        .into_iter()
+        .filter_map(|r| r.get_str("naturalKey").ok().map(str::to_owned))
+        .collect::<HashSet<String>>();
+    let last = db
+        .collection::<Document>("bots")
+        .find_one(doc! { "_id": "shop" })
+        .await
+        .unwrap()
+        .unwrap_or_default()
+        .get_document("crawlLastPass")
+        .cloned()
+        .unwrap_or_default();
     println!(
-        "| pass | listing pages | detail requests | record writes | pass (s) | pages/s | wall (s) | peak RSS (MiB) |"
+        "| pass | listing pages | detail requests | record documents written | pass (s) | pages/s | wall (s) | peak RSS (MiB) |"
     );
     println!("|---|---|---|---|---|---|---|---|");
     println!(
         "| full | {full_lists} | {full_details} | {full_writes} | {:.1} | {:.0} | {:.1} | {:.1} |",
-        full.pass.as_secs_f64(),
-        (full_lists + full_details) as f64 / full.pass.as_secs_f64(),
+        full_pass.as_secs_f64(),
+        (full_lists + full_details) as f64 / full_pass.as_secs_f64(),
         full.wall.as_secs_f64(),
         full.peak_kib as f64 / 1024.0
     );
     println!(
-        "| after 500 changed + 200 added (fingerprint) | {} | {details} | {writes} | {:.1} | {:.0} | {:.1} | {:.1} |",
-        under(&stats, "/list/"),
-        second.pass.as_secs_f64(),
-        (under(&stats, "/list/") + details) as f64 / second.pass.as_secs_f64(),
+        "| after {} changed + {} added + {} deleted | {listings} | {details} | {writes} | {:.2} | {:.0} | {:.1} | {:.1} |",
+        changed.len(),
+        added.len(),
+        deleted.len(),
+        second_pass.as_secs_f64(),
+        (listings + details) as f64 / second_pass.as_secs_f64(),
         second.wall.as_secs_f64(),
         second.peak_kib as f64 / 1024.0
     );
     println!();
     println!(
-        "Second pass: {details} detail requests and {writes} record writes (expected 700 and 700); {:.1} s, {:.1}% of the full pass; records correct: {correct}/{}.",
-        second.pass.as_secs_f64(),
-        100.0 * second.pass.as_secs_f64() / full.pass.as_secs_f64(),
-        truth.len()
+        "Second pass (its deletion evaluation included): {details} detail requests (expected {expect_fetch}), {writes} record documents written (expected {expect_writes} = changed + added + removed; by operation {record_writes:?}), {} records removed (exactly the deleted: {}); {:.2} s = {:.1}% of the full pass; records correct: {correct}/{}. Frontier documents written: {frontier_docs} ({frontier_writes:?}) for {fetched} pages fetched. Evaluation: {} listing pages changed, {} candidates, {} removed, {} restored.",
+        removed.len(),
+        removed == deleted,
+        second_pass.as_secs_f64(),
+        100.0 * second_pass.as_secs_f64() / full_pass.as_secs_f64(),
+        truth.len(),
+        last.get_i64("changedPages").unwrap_or(-1),
+        last.get_i64("candidates").unwrap_or(-1),
+        last.get_i64("removed").unwrap_or(-1),
+        last.get_i64("restored").unwrap_or(-1),
     );
-    let ok = details == 700 && writes == 700 && correct == truth.len();
-    let (unchanged, floor) = seen_floor(&db, before).await;
-    println!();
-    println!(
-        "The second pass's database floor, measured on the same server right after it: marking its {unchanged} unchanged records seen — the one write per unchanged item the pass owes (`lastSeenPass` moves on, tests/incremental.rs) — in seedlock's statement (`_id $in` 100 ids), with nothing else on the server:"
-    );
-    println!();
-    println!("| statements at a time | floor (s) | µs a record | second pass ÷ floor |");
-    println!("|---|---|---|---|");
-    for (concurrency, took) in &floor {
-        println!(
-            "| {concurrency} | {:.1} | {:.0} | {:.2} |",
-            took.as_secs_f64(),
-            took.as_secs_f64() * 1e6 / unchanged.max(1) as f64,
-            second.pass.as_secs_f64() / took.as_secs_f64()
-        );
-    }
+    let ok = details == expect_fetch
+        && writes == expect_writes
+        && removed == deleted
+        && correct == truth.len();
     let _ = db.drop().await;
 
     // Watermark mode on an append-only catalogue: 200 new items.
@@ -1494,8 +1523,8 @@ fn export_record(i: u32, at: bson::DateTime) -> Document {
         "url": format!("http://127.0.0.1:9/product/SKU-{i:08}"),
         "data": {"title": format!("Item, \"{i}\""), "price": format!("${}.{:02}", i % 1000, i % 100), "status": "in stock"},
         "contentHash": format!("{:032x}", u128::from(i) * 7919),
-        "firstSeen": at, "lastChanged": at, "lastSeen": at, "lastSeenPass": 1_i64,
-        "fetchedAt": at, "removedAt": null,
+        "firstSeen": at, "lastChanged": at, "fetchedAt": at, "fetchedPass": 1_i64,
+        "removedAt": null,
     }
 }
 
@@ -1647,7 +1676,20 @@ async fn main() {
         Some("throughput") => throughput(&uri).await,
         Some("ceilings") => ceilings(&uri).await,
         Some("indexes") => indexes(&uri).await,
-        Some("incremental") => incremental(&uri, number(1, 200_000)).await,
+        Some("incremental") => {
+            let items = number(1, 200_000);
+            // Default changes: 500 changed + 200 added at 200,000 items (seed 003's figures),
+            // scaled to the catalogue, none deleted.
+            let scale = |n: u32| (u64::from(n) * u64::from(items) / 200_000).max(1) as u32;
+            incremental(
+                &uri,
+                items,
+                number(2, scale(500)),
+                number(3, scale(200)),
+                number(4, 0),
+            )
+            .await
+        }
         Some("deletion") => deletion(&uri).await,
         Some("head-of-line") => head_of_line(&uri).await,
         Some("throttling") => throttling(&uri).await,
@@ -1655,7 +1697,7 @@ async fn main() {
         Some("export") => export(&uri, number(1, 1_000_000)).await,
         _ => {
             eprintln!(
-                "usage: crawl_bench kill [RUNS] | throughput | ceilings | indexes | incremental [ITEMS] | deletion | head-of-line | throttling | memory [URLS] | export [RECORDS]"
+                "usage: crawl_bench kill [RUNS] | throughput | ceilings | indexes | incremental [ITEMS [CHANGED ADDED DELETED]] | deletion | head-of-line | throttling | memory [URLS] | export [RECORDS]"
             );
             std::process::exit(2);
         }

@@ -111,6 +111,19 @@ impl fmt::Display for LockEpoch {
 
 /// The first `bytes` bytes of the SHA-256 of `chunks` (concatenated), as lower-case hex: the one
 /// way seedlock derives ids, content hashes and digests from data.
+/// The first 8 bytes of the SHA-256 of `chunks`, as a number (big-endian).
+pub fn sha256_u64(chunks: &[&[u8]]) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for chunk in chunks {
+        hasher.update(chunk);
+    }
+    let digest = hasher.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    u64::from_be_bytes(first)
+}
+
 pub fn sha256_hex(chunks: &[&[u8]], bytes: usize) -> String {
     use sha2::{Digest, Sha256};
     let mut hasher = Sha256::new();

@@ -274,67 +274,127 @@ fn always_delete() -> seedlock::store::passes::DeletionRules {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
-    let db = test_db("crawl_replaced_pass").await;
-    let store = db.store();
-    let now = chrono::Utc::now();
-    in_pass_2(&db, now).await;
+/// A listing page of bot `shop` read in `pass`: it lists the detail pages `listed` now, and
+/// listed `since` since the last evaluation (a superset of `listed`, as its done marks keep it).
+async fn listing_page(
+    db: &common::TestDb,
+    page: &str,
+    pass: i64,
+    listed: &[String],
+    since: &[String],
+) {
     db.db
-        .collection::<Document>("records")
-        .insert_one(doc! { "_id": "r1", "botId": "shop", "naturalKey": "SKU-1", "lastSeenPass": 0_i64, "removedAt": Bson::Null })
+        .collection::<Document>("frontier")
+        .insert_one(doc! {
+            "_id": page, "botId": "shop", "url": format!("http://shop.test/{page}"), "kind": "list",
+            "pass": pass, "status": "done", "listed": listed, "listedPass": pass,
+            "listedSince": since, "listedSinceMore": since.len() > listed.len(),
+        })
         .await
         .unwrap();
-    let bot = seedlock::ids::BotId::parse("shop").unwrap();
-    let rules = always_delete();
-    // An instance still on pass 1, which a refresh replaced by pass 2: nothing is recorded and
-    // nothing is removed, though pass 1 has no work left.
-    let stale = store.finish_pass(&bot, 1, None, rules, now).await.unwrap();
-    assert!(stale.finished && !stale.recorded);
-    assert_eq!(stale.removed, 0);
-    assert!(removed_keys(&db).await.is_empty());
-    // The current pass ends once, and its end marks the unseen record.
-    let end = store.finish_pass(&bot, 2, None, rules, now).await.unwrap();
-    assert!(end.recorded);
-    assert_eq!(end.removed, 1);
-    assert_eq!(removed_keys(&db).await, ["SKU-1"]);
-    let again = store.finish_pass(&bot, 2, None, rules, now).await.unwrap();
-    assert!(!again.recorded, "the end is recorded once");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pass_end_marks_every_unseen_record_removed_however_many_batches_they_take() {
-    let db = test_db("crawl_many_unseen").await;
-    let store = db.store();
-    store.ensure_record_indexes().await.unwrap();
-    let now = chrono::Utc::now();
-    in_pass_2(&db, now).await;
-    // 250 records pass 2 did not see (more than two batches), 30 it saw, and 20 an earlier
-    // pass removed already.
-    let earlier = bson::DateTime::from_chrono(now - chrono::Duration::days(1));
-    let records: Vec<Document> = (0..300)
+/// Detail page `d{i}` of bot `shop`, stored in pass 1 as record `r{i}` (SKU-{i:03}), live or
+/// removed in `removed_in`.
+async fn stored_items(db: &common::TestDb, items: std::ops::Range<usize>, removed_in: Option<i64>) {
+    let now = bson::DateTime::now();
+    let (entries, records): (Vec<Document>, Vec<Document>) = items
         .map(|i| {
-            let (seen, removed_at, removed_in) = match i {
-                0..250 => (1_i64, Bson::Null, Bson::Null),
-                250..280 => (2, Bson::Null, Bson::Null),
-                _ => (0, Bson::DateTime(earlier), Bson::Int64(1)),
-            };
-            doc! {
-                "_id": format!("r{i}"), "botId": "shop", "naturalKey": format!("SKU-{i:03}"),
-                "lastSeenPass": seen, "removedAt": removed_at, "removedInPass": removed_in,
-            }
+            (
+                doc! {
+                    "_id": format!("d{i}"), "botId": "shop", "url": format!("http://shop.test/p/{i}"),
+                    "kind": "detail", "pass": 1_i64, "status": "done", "recordId": format!("r{i}"),
+                },
+                doc! {
+                    "_id": format!("r{i}"), "botId": "shop", "naturalKey": format!("SKU-{i:03}"),
+                    "url": format!("http://shop.test/p/{i}"), "fetchedPass": 1_i64,
+                    "removedAt": removed_in.map_or(Bson::Null, |_| Bson::DateTime(now)),
+                    "removedInPass": removed_in.map_or(Bson::Null, Bson::Int64),
+                },
+            )
         })
-        .collect();
+        .unzip();
+    db.db
+        .collection::<Document>("frontier")
+        .insert_many(entries)
+        .await
+        .unwrap();
     db.db
         .collection::<Document>("records")
         .insert_many(records)
         .await
         .unwrap();
+}
+
+fn detail_ids(range: std::ops::Range<usize>) -> Vec<String> {
+    range.map(|i| format!("d{i}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
+    let db = test_db("crawl_replaced_pass").await;
+    let store = db.store();
+    store.ensure_frontier_indexes().await.unwrap();
+    let now = chrono::Utc::now();
+    in_pass_2(&db, now).await;
+    // A listing page listed d1 at the last evaluation; pass 2 read it without d1.
+    stored_items(&db, 1..2, None).await;
+    listing_page(&db, "l1", 2, &[], &detail_ids(1..2)).await;
     let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    let me = seedlock::ids::InstanceId::parse("a").unwrap();
     let rules = always_delete();
-    let end = store.finish_pass(&bot, 2, None, rules, now).await.unwrap();
+    // An instance still on pass 1, which a refresh replaced by pass 2: nothing is recorded and
+    // nothing is removed, though pass 1 has no work left.
+    let stale = store
+        .finish_pass(&bot, 1, None, rules, &me, now)
+        .await
+        .unwrap();
+    assert!(stale.finished && !stale.recorded);
+    assert_eq!(stale.removed, 0);
+    assert!(removed_keys(&db).await.is_empty());
+    // The current pass ends once, and its end marks the departed record.
+    let end = store
+        .finish_pass(&bot, 2, None, rules, &me, now)
+        .await
+        .unwrap();
     assert!(end.recorded);
-    assert_eq!(end.removed, 250, "every unseen record, once");
+    assert_eq!(end.removed, 1);
+    assert_eq!(removed_keys(&db).await, ["SKU-001"]);
+    let again = store
+        .finish_pass(&bot, 2, None, rules, &me, now)
+        .await
+        .unwrap();
+    assert!(!again.recorded, "the end is recorded once");
+    let last = bot_doc(&db)
+        .await
+        .get_document("crawlLastPass")
+        .unwrap()
+        .clone();
+    assert_eq!(last.get_str("evaluation").unwrap(), "done", "{last}");
+    assert_eq!(last.get_i64("removed").unwrap(), 1, "{last}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_end_marks_every_departed_record_removed_however_many_batches_they_take() {
+    let db = test_db("crawl_many_unseen").await;
+    let store = db.store();
+    store.ensure_record_indexes().await.unwrap();
+    store.ensure_frontier_indexes().await.unwrap();
+    let now = chrono::Utc::now();
+    in_pass_2(&db, now).await;
+    // 250 detail pages the listing showed at the last evaluation and no longer does (more than
+    // two batches), 30 it still shows, and 20 an earlier pass removed already.
+    stored_items(&db, 0..280, None).await;
+    stored_items(&db, 280..300, Some(1)).await;
+    listing_page(&db, "l1", 2, &detail_ids(250..280), &detail_ids(0..280)).await;
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    let me = seedlock::ids::InstanceId::parse("a").unwrap();
+    let end = store
+        .finish_pass(&bot, 2, None, always_delete(), &me, now)
+        .await
+        .unwrap();
+    assert!(end.recorded);
+    assert_eq!(end.removed, 250, "every departed record, once");
     let expected: Vec<String> = (0..250)
         .chain(280..300)
         .map(|i| format!("SKU-{i:03}"))
@@ -351,6 +411,128 @@ async fn a_pass_end_marks_every_unseen_record_removed_however_many_batches_they_
     };
     assert_eq!(by_pass(2).await, 250);
     assert_eq!(by_pass(1).await, 20, "an earlier removal keeps its pass");
+    // The pages pass 2 read start their baselines anew from that read, at their next read.
+    assert_eq!(bot_doc(&db).await.get_i64("crawlEvaluatedPass").unwrap(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evaluation_cut_short_is_taken_over_once_its_claim_expires_and_runs_once_more_harmlessly(
+) {
+    let db = test_db("crawl_resume_evaluation").await;
+    let store = db.store();
+    store.ensure_frontier_indexes().await.unwrap();
+    store.ensure_record_indexes().await.unwrap();
+    let now = chrono::Utc::now();
+    // Pass 2 ended; the instance that ended it died before its evaluation (claimed until a
+    // moment ago) — two items the page listed at the last evaluation are gone from it.
+    db.bots()
+        .insert_one(doc! {
+            "_id": "shop", "isReady": true, "isEditing": false, "seeds": [], "lockEpoch": 1_i64,
+            "crawlPass": 2_i64, "crawlPassStartedAt": bson::DateTime::from_chrono(now),
+            "crawlPassEndedAt": bson::DateTime::from_chrono(now),
+            "crawlLastPass": {
+                "pass": 2_i64, "deletion": "applied", "evaluation": "pending", "evaluatingBy": "dead",
+                "evaluatingUntil": bson::DateTime::from_chrono(now - chrono::Duration::seconds(1)),
+            },
+        })
+        .await
+        .unwrap();
+    stored_items(&db, 0..5, None).await;
+    listing_page(&db, "l1", 2, &detail_ids(2..5), &detail_ids(0..5)).await;
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    let me = seedlock::ids::InstanceId::parse("b").unwrap();
+    let claimed = now - chrono::Duration::seconds(1);
+    // A claim read wrongly (another instance moved it) takes nothing.
+    let wrong = store
+        .resume_evaluation(&bot, 2, now, &me, now)
+        .await
+        .unwrap();
+    assert!(wrong.is_none());
+    let done = store
+        .resume_evaluation(&bot, 2, claimed, &me, now)
+        .await
+        .unwrap()
+        .expect("the expired claim is taken over");
+    assert_eq!(done.removed, 2);
+    assert_eq!(removed_keys(&db).await, ["SKU-000", "SKU-001"]);
+    let last = bot_doc(&db)
+        .await
+        .get_document("crawlLastPass")
+        .unwrap()
+        .clone();
+    assert_eq!(last.get_str("evaluation").unwrap(), "done", "{last}");
+    assert!(!last.contains_key("evaluatingBy"), "{last}");
+    // Once done, nobody takes it again; run again by hand it changes nothing.
+    assert!(store
+        .resume_evaluation(&bot, 2, claimed, &me, now)
+        .await
+        .unwrap()
+        .is_none());
+    let again = store
+        .evaluate_pass(&bot, 2, true, false, now)
+        .await
+        .unwrap();
+    assert_eq!((again.removed, again.restored), (0, 0));
+    assert_eq!(removed_keys(&db).await, ["SKU-000", "SKU-001"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_that_failed_keeps_what_it_listed_and_an_item_that_moved_pages_stays() {
+    let db = test_db("crawl_evaluation_pages").await;
+    let store = db.store();
+    store.ensure_frontier_indexes().await.unwrap();
+    store.ensure_record_indexes().await.unwrap();
+    let now = chrono::Utc::now();
+    in_pass_2(&db, now).await;
+    stored_items(&db, 0..6, None).await;
+    // d0 moved from page l1 to page l2 (a shift); d1 left l1 and is listed nowhere; d2 and d3
+    // were on l3, which failed in pass 2 (unknown: kept); d4 was on l4, which pass 2 never
+    // reached (gone); d5 stays on l2.
+    listing_page(&db, "l1", 2, &[], &detail_ids(0..2)).await;
+    listing_page(
+        &db,
+        "l2",
+        2,
+        &["d0".into(), "d5".into()],
+        &["d0".into(), "d5".into()],
+    )
+    .await;
+    let frontier = db.db.collection::<Document>("frontier");
+    frontier
+        .insert_many([
+            doc! {
+                "_id": "l3", "botId": "shop", "url": "http://shop.test/l3", "kind": "list", "pass": 2_i64,
+                "status": "failed", "listed": ["d2", "d3"], "listedPass": 1_i64,
+                "listedSince": ["d2", "d3"], "listedSinceMore": false,
+            },
+            doc! {
+                "_id": "l4", "botId": "shop", "url": "http://shop.test/l4", "kind": "list", "pass": 1_i64,
+                "status": "done", "listed": ["d4"], "listedPass": 1_i64,
+                "listedSince": ["d4"], "listedSinceMore": false,
+            },
+        ])
+        .await
+        .unwrap();
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    let me = seedlock::ids::InstanceId::parse("a").unwrap();
+    let end = store
+        .finish_pass(&bot, 2, None, always_delete(), &me, now)
+        .await
+        .unwrap();
+    assert_eq!(end.removed, 2, "{end:?}");
+    assert_eq!(removed_keys(&db).await, ["SKU-001", "SKU-004"]);
+    let l4 = frontier
+        .find_one(doc! { "_id": "l4" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(l4.get_array("listedSince").unwrap().is_empty(), "{l4}");
+    let l3 = frontier
+        .find_one(doc! { "_id": "l3" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(l3.get_array("listedSince").unwrap().len(), 2, "{l3}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

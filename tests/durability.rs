@@ -3,38 +3,16 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bson::{doc, Bson, Document};
 use common::crawl::*;
 use common::test_db;
-use mongodb::event::command::CommandEvent;
-use mongodb::event::EventHandler;
-use mongodb::options::ClientOptions;
 use mongodb::Client;
 use seedlock::daemon::{run_with_store, Mode};
 use seedlock::store::Store;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-
-/// The commands a monitored client sent, in order: (name, body).
-type Sent = Arc<Mutex<Vec<(String, Document)>>>;
-
-async fn monitored_store(uri: &str, database: &str) -> (Store, Sent) {
-    let sent: Sent = Default::default();
-    let mut options = ClientOptions::parse(uri).await.unwrap();
-    let log = sent.clone();
-    options.command_event_handler = Some(EventHandler::callback(move |event| {
-        if let CommandEvent::Started(started) = event {
-            log.lock()
-                .unwrap()
-                .push((started.command_name.clone(), started.command.clone()));
-        }
-    }));
-    let client = Client::with_options(options).unwrap();
-    (Store::new(client.database(database)), sent)
-}
 
 const WRITES: [&str; 4] = ["insert", "update", "delete", "findAndModify"];
 

@@ -264,7 +264,7 @@ async fn a_spec_changed_mid_pass_takes_effect_at_the_next_pass() {
     for r in &stored {
         let key = r.get_str("naturalKey").unwrap();
         let title = r.get_document("data").unwrap().get_str("title").unwrap();
-        match r.get_i64("lastSeenPass").unwrap() {
+        match r.get_i64("fetchedPass").unwrap() {
             1 => {
                 by_pass_1 += 1;
                 assert_eq!(title, truth[key].0, "pass 1 stored {key} with the old spec");

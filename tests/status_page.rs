@@ -218,8 +218,11 @@ async fn the_daemon_creates_the_indexes_the_mongosh_recipes_use_and_host_rows_ex
     };
     assert!(names(&indexes("bots").await).contains(&"editing_ready".to_owned()));
     let records = names(&indexes("records").await);
-    for name in ["bot_last_seen_pass", "bot_last_changed", "bot_removed_at"] {
+    for name in ["bot_natural_key", "bot_last_changed", "bot_removed_at"] {
         assert!(records.contains(&name.to_owned()), "{records:?}");
+    }
+    for retired in seedlock::store::records::RETIRED_RECORD_INDEXES {
+        assert!(!records.contains(&retired.to_owned()), "{records:?}");
     }
     let hosts = indexes("hosts").await;
     let ttl = hosts

@@ -31,7 +31,6 @@ impl Crawler {
             .map(|s| PageCommit {
                 lease: &s.lease,
                 record: s.record.as_ref(),
-                seen: s.seen.clone(),
                 removed: s.removed.clone(),
                 mark: s.mark.clone(),
             })

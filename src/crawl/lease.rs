@@ -415,6 +415,15 @@ impl Crawler {
             .store
             .enqueue_urls(&self.bot, pass.number, &links, self.clock.now())
             .await?;
+        // In the pass now: a listing page that links to one of them (the next page of the chain)
+        // needs no round trip to enqueue it again.
+        self.remember_enqueued(
+            pass.number,
+            links
+                .iter()
+                .map(|l| crate::store::frontier::url_id(&self.bot, &l.url))
+                .collect(),
+        );
         debug!(bot = %self.bot, pass = pass.number, pages = links.len(), added, "the last pass's listing pages enqueued");
         Ok(())
     }
@@ -531,17 +540,21 @@ impl Crawler {
                 pass.number,
                 pass.started_at,
                 rules,
+                &self.me,
                 self.clock.now(),
             )
             .await?;
         if !end.finished {
             return Ok(LeaseStep::Idle);
         }
+        // The pass's table of listed items is of no use any more (the next pass reads its own).
+        self.forget_known(pass.number).await;
         if end.recorded {
             self.metrics.pass_finished(&self.bot);
             info!(
                 bot = %self.bot, pass = end.pass, done = end.progress.done, failed = end.progress.failed,
                 coverage = end.coverage, error_rate = end.error_rate, removed = end.removed,
+                restored = end.restored,
                 deletion = end.deletion_skipped.as_deref().unwrap_or("applied"),
                 "crawl pass finished"
             );

@@ -17,8 +17,9 @@
 //! when its listing fingerprint changed (`fingerprint`), when its item changed since the last
 //! run minus the overlap (`updated_at`), or — in every mode — when a conditional GET with the
 //! stored ETag / Last-Modified says it changed. `watermark` stops paginating at the first
-//! listing page that shows an item already stored. Items a pass sees on a listing page without
-//! fetching their detail page are marked seen with that page's commit.
+//! listing page that shows an item already stored. An item a pass does not fetch is not
+//! written: a listing page's done mark carries what it listed (its manifest), and deletion
+//! detection compares the manifests at the pass's end.
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
@@ -49,6 +50,7 @@ pub mod commit;
 pub mod dispatch;
 pub mod extract;
 pub mod fetch;
+pub mod known;
 pub mod lease;
 pub mod parse;
 pub mod queue;
@@ -78,6 +80,9 @@ pub struct Pass {
     /// The pass started on another spec than the one before it (`crawlPassRefetch`): every
     /// detail page is fetched, unconditionally, so every record is extracted by the new rules.
     pub refetch: bool,
+    /// The last pass whose deletion evaluation applied its removals (`crawlEvaluatedPass`): a
+    /// listing page read then has that read as its baseline.
+    pub evaluated: i64,
 }
 
 /// A crawling bot's pass as its document shows it.
@@ -93,6 +98,9 @@ pub enum PassState {
         number: i64,
         /// A refresh succeeded while it ran: the next pass starts now, on the current seeds.
         next: Option<Vec<String>>,
+        /// Its deletion evaluation is pending, claimed until then (see
+        /// [`Store::resume_evaluation`]).
+        evaluation_claimed_until: Option<DateTime<Utc>>,
     },
 }
 
@@ -107,6 +115,10 @@ impl PassState {
             PassState::Finished {
                 number: doc.crawl_pass,
                 next: doc.crawl_next_pass_at.map(|_| doc.seeds.clone()),
+                evaluation_claimed_until: doc
+                    .crawl_evaluation_pending
+                    .filter(|(pass, _)| *pass == doc.crawl_pass)
+                    .map(|(_, until)| until),
             }
         } else {
             let mut seed_hosts: Vec<String> = doc
@@ -124,6 +136,7 @@ impl PassState {
                 seed_hosts,
                 spec: doc.crawl_pass_spec.clone(),
                 refetch: doc.crawl_pass_refetch,
+                evaluated: doc.crawl_evaluated_pass,
             })
         }
     }
@@ -136,7 +149,7 @@ pub enum PageResult {
     Stored(RecordWrite),
     /// A page without a record (a listing page), done.
     Done,
-    /// `304`: the stored record still holds; marked seen.
+    /// `304`: the stored record still holds (not written).
     NotModified,
     /// Not HTML: done, nothing read.
     Skipped,
@@ -192,6 +205,8 @@ pub struct Crawler {
     listings_in: std::sync::atomic::AtomicI64,
     /// Frontier ids of links this instance enqueued in a pass (bounded; cleared when full).
     enqueued: std::sync::Mutex<(i64, HashSet<String>)>,
+    /// The listed items known stored, read from the manifests once per pass.
+    known: tokio::sync::Mutex<Option<Arc<known::Known>>>,
     flow: Arc<Flow>,
     robots: Arc<RobotsCache>,
     stages: Arc<Stages>,
@@ -328,6 +343,7 @@ impl Crawler {
             hosts: std::sync::Mutex::new((0, BTreeSet::new())),
             listings_in: std::sync::atomic::AtomicI64::new(0),
             enqueued: std::sync::Mutex::new((0, HashSet::new())),
+            known: Default::default(),
             flow: ctx.flow.clone(),
             robots: ctx.robots.clone(),
             stages: Arc::new(Stages::default()),
@@ -840,6 +856,7 @@ fn write_label(write: RecordWrite) -> &'static str {
         RecordWrite::Inserted => "inserted",
         RecordWrite::Changed => "changed",
         RecordWrite::Unchanged => "unchanged",
+        RecordWrite::Restored => "restored",
         RecordWrite::Superseded => "superseded",
     }
 }

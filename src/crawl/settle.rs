@@ -4,15 +4,18 @@
 //! page's links are enqueued right away, not behind the pages waiting to be committed — and
 //! enqueues the links this instance has room for **leased to it** (always the next listing page),
 //! straight into the host queues: a pagination hop is fetch + parse + one write. On listing
-//! pages the incremental mode decides which items' detail pages this pass fetches; the others
-//! are marked seen with the page's commit.
+//! pages the incremental mode decides which items' detail pages this pass fetches — an item the
+//! manifests of earlier passes show known stored with the same fingerprint costs no read at all
+//! ([`Known`]) — and the page's [`Manifest`] (what it listed) goes with its done mark. An item
+//! not fetched is not written: nothing per unchanged item.
 //!
 //! [`Crawler::settle`] turns a page into a [`Settled`] for the group commit: its record, the
-//! records it shows seen or gone, and how its URL's lease ends ([`Mark`]) — done, failed with the
-//! reason, or back to the frontier for a retry after max(`Retry-After`, jittered backoff) within
-//! the host's retry budget.
+//! record it shows gone, and how its URL's lease ends ([`Mark`]) — done (with the manifest),
+//! failed with the reason, or back to the frontier for a retry after max(`Retry-After`,
+//! jittered backoff) within the host's retry budget.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -20,6 +23,7 @@ use tokio::time::Instant;
 use tracing::debug;
 
 use super::dispatch::{Fetched, HostQueues, Queued};
+use super::known::{Known, Listed};
 use super::parse::Parsed;
 use super::{Crawler, PageResult, Pass};
 use crate::backoff::full_jitter;
@@ -27,7 +31,9 @@ use crate::config::IncrementalMode;
 use crate::crawl::extract::PageData;
 use crate::crawl::fetch::FetchOutcome;
 use crate::error::Result;
-use crate::store::frontier::{url_id, LeaseTo, Mark, NewUrl, PageKind, UrlLease, UrlStatus};
+use crate::store::frontier::{
+    fingerprint_hash, url_id, LeaseTo, Manifest, Mark, NewUrl, PageKind, UrlLease, UrlStatus,
+};
 use crate::store::records::Extracted;
 use crate::urls::NormalizedUrl;
 
@@ -39,9 +45,6 @@ pub(super) const ENQUEUED_CACHE: usize = 100_000;
 pub struct Settled {
     pub lease: UrlLease,
     pub record: Option<Extracted>,
-    /// Records the page shows exist without their own fetch (a listing page's unfetched items,
-    /// a 304's record, a failed page's): marked seen in the pass.
-    pub seen: Vec<String>,
     /// A record whose detail page is gone (marked removed).
     pub removed: Option<String>,
     pub mark: Mark,
@@ -55,8 +58,8 @@ pub struct Settled {
 /// What following a page's links did.
 #[derive(Debug, Default, PartialEq)]
 pub struct Followed {
-    /// Records of listing items this pass does not fetch (seen without a fetch).
-    pub seen: Vec<String>,
+    /// What a listing or seed page listed (for its done mark).
+    pub manifest: Option<Box<Manifest>>,
     /// Links added to the pass (new, or back from an earlier pass).
     pub added: u64,
     /// Of those, leased to this instance as they were enqueued (now in its host queues).
@@ -65,8 +68,8 @@ pub struct Followed {
 
 impl Crawler {
     /// Enqueues what a fetched page leads to, leasing to this instance the links it has room
-    /// for (see the module comment). Returns the records of the listing items seen without a
-    /// fetch, for the page's commit.
+    /// for (see the module comment), and — for a listing or seed page — what it listed: its
+    /// [`Manifest`] for the page's done mark.
     pub async fn follow(
         &self,
         lease: &UrlLease,
@@ -80,15 +83,30 @@ impl Crawler {
         } else {
             self.rules.incremental.mode
         };
+        let listing = lease.kind.is_listing();
         let mut item_urls: HashSet<&NormalizedUrl> = HashSet::new();
-        let items: Vec<_> = if lease.kind == PageKind::Detail {
-            Vec::new()
-        } else {
+        let items: Vec<_> = if listing {
             data.items
                 .iter()
                 .filter_map(|item| item.url.as_ref().map(|url| (item, url)))
                 .filter(|(_, url)| item_urls.insert(url))
                 .collect()
+        } else {
+            Vec::new()
+        };
+        let mut manifest = listing.then(|| Manifest {
+            evaluated: pass.evaluated,
+            ..Manifest::default()
+        });
+        // The detail pages the page links to besides its items are listed too (a fingerprint
+        // of 0: nothing to compare). They are enqueued below like every link.
+        let detail_links: Vec<&NormalizedUrl> = if listing {
+            data.links
+                .iter()
+                .filter(|link| !item_urls.contains(link) && self.kind_of(link) == PageKind::Detail)
+                .collect()
+        } else {
+            Vec::new()
         };
         // Links this instance already put into this pass (every product page links back to the
         // first listing page, say) need no round trip: enqueuing them again would be a no-op.
@@ -117,51 +135,119 @@ impl Crawler {
             followed.leased += f.leased;
             self.remember_enqueued(lease.pass, ids);
         }
-        if items.is_empty() && plain.is_empty() {
-            return Ok(followed);
-        }
-        let ids: Vec<String> = items
-            .iter()
-            .map(|(_, url)| url_id(&self.bot, url))
-            .chain(plain.iter().map(|(_, id)| id.clone()))
-            .collect();
-        let known = self.store.known_by_id(&self.bot, &ids).await?;
-
+        // What the manifests of earlier passes say of the items: an item listed with the same
+        // fingerprint and known stored needs no read and no fetch.
+        let table = if items.is_empty() {
+            None
+        } else {
+            Some(self.known_items(lease.pass).await?)
+        };
         let since = pass.last_run_at.map(|t| {
             t - chrono::Duration::from_std(self.rules.incremental.overlap).unwrap_or_default()
         });
-        let mut new: Vec<NewUrl> = Vec::new();
-        let mut seen = Vec::new();
         let mut stop_paginating = false;
-        for (item, url) in &items {
-            // Known: stored by an earlier fetch (done, with a record).
-            let stored = known
-                .get(&url_id(&self.bot, url))
-                .filter(|k| k.status == Some(UrlStatus::Done) && k.record_id.is_some());
-            let fetch = match (mode, stored) {
-                (IncrementalMode::Full, _) | (_, None) => true,
-                (IncrementalMode::Fingerprint, Some(k)) => {
-                    k.fingerprint.as_deref() != Some(item.fingerprint.as_str())
+        // Items decided without a read, in page order: `false` skipped (known stored, as
+        // listed), `true` fetched (known stored, but changed: nothing to read for it — a changed
+        // page needs no validators).
+        let mut decided: HashMap<usize, bool> = HashMap::new();
+        for (i, (item, url)) in items.iter().enumerate() {
+            let known = match table.as_ref().map(|t| t.get(&url_id(&self.bot, url))) {
+                Some(Listed::Stored(fp)) => Some(fp),
+                _ => None,
+            };
+            let fetch = match (mode, known) {
+                (IncrementalMode::Full, _) | (_, None) => None,
+                (IncrementalMode::Fingerprint, Some(fp)) => {
+                    Some(fp != fingerprint_hash(&item.fingerprint))
                 }
                 (IncrementalMode::Watermark, Some(_)) => {
                     stop_paginating = true;
-                    false
+                    Some(false)
                 }
                 (IncrementalMode::UpdatedAt, Some(_)) => match (item.updated_at, since) {
-                    (Some(updated), Some(since)) => updated >= since,
-                    _ => true,
+                    (Some(updated), Some(since)) => Some(updated >= since),
+                    _ => None,
                 },
             };
+            if let Some(fetch) = fetch {
+                decided.insert(i, fetch);
+            }
+        }
+        let to_read: Vec<String> = items
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !decided.contains_key(i))
+            .map(|(_, (_, url))| url_id(&self.bot, url))
+            .chain(plain.iter().map(|(_, id)| id.clone()))
+            .collect();
+        let known = if to_read.is_empty() {
+            HashMap::new()
+        } else {
+            self.store.known_by_id(&self.bot, &to_read).await?
+        };
+
+        let mut new: Vec<NewUrl> = Vec::new();
+        // Changed items known stored: enqueued without a read of their entries.
+        let mut changed: Vec<NewUrl> = Vec::new();
+        for (i, (item, url)) in items.iter().enumerate() {
+            let id = url_id(&self.bot, url);
+            let fingerprint = fingerprint_hash(&item.fingerprint);
+            let fetch = match decided.get(&i) {
+                Some(fetch) => *fetch,
+                None => {
+                    // Known: stored by an earlier fetch (done, with a record).
+                    let stored = known
+                        .get(&id)
+                        .filter(|k| k.status == Some(UrlStatus::Done) && k.record_id.is_some());
+                    match (mode, stored) {
+                        (IncrementalMode::Full, _) | (_, None) => true,
+                        (IncrementalMode::Fingerprint, Some(k)) => {
+                            k.fingerprint.as_deref() != Some(item.fingerprint.as_str())
+                        }
+                        (IncrementalMode::Watermark, Some(_)) => {
+                            stop_paginating = true;
+                            false
+                        }
+                        (IncrementalMode::UpdatedAt, Some(_)) => match (item.updated_at, since) {
+                            (Some(updated), Some(since)) => updated >= since,
+                            _ => true,
+                        },
+                    }
+                }
+            };
+            if let Some(m) = manifest.as_mut() {
+                m.push(id, fingerprint, fetch);
+            }
             if fetch {
-                new.push(NewUrl {
+                let link = NewUrl {
                     url: (*url).clone(),
                     kind: PageKind::Detail,
                     fingerprint: Some(item.fingerprint.clone()),
                     priority: self.priority_of(url, PageKind::Detail),
-                });
-            } else if let Some(id) = stored.and_then(|k| k.record_id.clone()) {
-                seen.push(id);
+                };
+                if decided.contains_key(&i) {
+                    changed.push(link);
+                } else {
+                    new.push(link);
+                }
             }
+        }
+        if !changed.is_empty() {
+            changed.sort_by_key(|n| -n.priority);
+            let (added, leased) = self
+                .upsert_links(lease, &changed, queues, false, now)
+                .await?;
+            followed.added += added;
+            followed.leased += leased;
+        }
+        if let Some(m) = manifest.as_mut() {
+            for link in &detail_links {
+                m.push(url_id(&self.bot, link), 0, false);
+            }
+        }
+        followed.manifest = manifest.map(Box::new);
+        if items.is_empty() && plain.is_empty() {
+            return Ok(followed);
         }
         for (link, _) in &plain {
             let kind = self.kind_of(link);
@@ -174,6 +260,9 @@ impl Crawler {
                 fingerprint: None,
                 priority: self.priority_of(link, kind),
             });
+        }
+        if new.is_empty() {
+            return Ok(followed);
         }
         for n in &new {
             self.note_host(lease.pass, n.url.host_port());
@@ -241,10 +330,33 @@ impl Crawler {
             .await;
         let (added, leased) = self.take_reserved(queues, &granted, result)?;
         self.remember_enqueued(lease.pass, plain.into_iter().map(|(_, id)| id).collect());
-        followed.seen = seen;
         followed.added += added;
         followed.leased += leased;
         Ok(followed)
+    }
+
+    /// Drops the table of listed items of `pass` (its pass is over).
+    pub(super) async fn forget_known(&self, pass: i64) {
+        let mut held = self.known.lock().await;
+        if held.as_ref().is_some_and(|t| t.pass == pass) {
+            *held = None;
+        }
+    }
+
+    /// The table of listed items known stored ([`Known`]) for `pass`: read once per pass (the
+    /// first listing page waits for it), then shared.
+    async fn known_items(&self, pass: i64) -> Result<Arc<Known>> {
+        let mut held = self.known.lock().await;
+        if let Some(table) = held.as_ref().filter(|t| t.pass == pass) {
+            return Ok(table.clone());
+        }
+        // The last pass's table goes first: two at once would double the memory.
+        *held = None;
+        let t0 = tokio::time::Instant::now();
+        let table = Arc::new(Known::read(&self.store, &self.bot, pass).await?);
+        debug!(bot = %self.bot, pass, items = table.len(), took = ?t0.elapsed(), "listed items read from the manifests");
+        *held = Some(table.clone());
+        Ok(table)
     }
 
     /// Settles the host-queue room `granted` for an enqueue whose links could be leased here:
@@ -282,7 +394,7 @@ impl Crawler {
     }
 
     /// Remembers frontier ids this instance put into `pass` (bounded: cleared when full).
-    fn remember_enqueued(&self, pass: i64, ids: Vec<String>) {
+    pub(super) fn remember_enqueued(&self, pass: i64, ids: Vec<String>) {
         let mut cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
         if cache.0 != pass || cache.1.len() + ids.len() > ENQUEUED_CACHE {
             *cache = (pass, HashSet::new());
@@ -290,9 +402,9 @@ impl Crawler {
         cache.1.extend(ids);
     }
 
-    /// Enqueues listing links in one write ([`Store::enqueue_listing`]), the ones there is
-    /// room for — always the first — leased here and queued for their host at once. Returns
-    /// what it did and the links' frontier ids.
+    /// Enqueues listing links in one write ([`Crawler::upsert_links`]) — the first of each host
+    /// leased here whatever the room (the pagination never waits for a lease round), more if
+    /// there is room. Returns what it did and the links' frontier ids.
     async fn follow_listing(
         &self,
         lease: &UrlLease,
@@ -312,16 +424,44 @@ impl Crawler {
                 priority: self.priority_of(url, PageKind::List),
             })
             .collect();
-        // Room for the first of each host whatever the room; more if there is room.
+        let (added, leased) = self.upsert_links(lease, &links, queues, true, now).await?;
+        let ids = lists.iter().map(|(_, id)| id.clone()).collect();
+        Ok((
+            Followed {
+                manifest: None,
+                added,
+                leased,
+            },
+            ids,
+        ))
+    }
+
+    /// Enqueues `links` in one write without reading what the frontier holds of them
+    /// ([`Store::enqueue_listing`]: an upsert per link, which inserts it, resets it when it was
+    /// last crawled in an earlier pass, and leaves it alone when it is in this pass already),
+    /// the ones this instance has room for leased here and queued for their host at once — with
+    /// `always_first`, the first of each host whatever the room. The URLs added and leased.
+    async fn upsert_links(
+        &self,
+        lease: &UrlLease,
+        links: &[NewUrl],
+        queues: &HostQueues,
+        always_first: bool,
+        now: DateTime<Utc>,
+    ) -> Result<(u64, usize)> {
+        if links.is_empty() {
+            return Ok((0, 0));
+        }
+        // The leased ones are a prefix: as many as have room, in order.
         let mut granted: HashMap<String, usize> = HashMap::new();
         let mut first = 0;
-        for link in &links {
+        for link in links {
             let host = link.url.host_port();
             self.note_host(lease.pass, host.clone());
-            let got = if granted.contains_key(&host) {
-                queues.reserve(&host, 1, self.queue_target(&host, queues))
-            } else {
+            let got = if always_first && !granted.contains_key(&host) {
                 queues.reserve_beyond_room(&host, 1)
+            } else {
+                queues.reserve(&host, 1, self.queue_target(&host, queues))
             };
             if got == 0 {
                 break;
@@ -334,23 +474,14 @@ impl Crawler {
             .enqueue_listing(
                 &self.bot,
                 lease.pass,
-                &links,
+                links,
                 &self.me,
                 self.limits.url_lease,
                 first,
                 now,
             )
             .await;
-        let (added, leased) = self.take_reserved(queues, &granted, result)?;
-        let ids = lists.iter().map(|(_, id)| id.clone()).collect();
-        Ok((
-            Followed {
-                seen: Vec::new(),
-                added,
-                leased,
-            },
-            ids,
-        ))
+        self.take_reserved(queues, &granted, result)
     }
 
     /// The settle step: what the page came to, as the group commit will store it. A parsed page
@@ -366,7 +497,6 @@ impl Crawler {
         let settled = |lease: UrlLease, mark: Mark, result: Option<PageResult>| Settled {
             lease,
             record: None,
-            seen: Vec::new(),
             removed: None,
             mark,
             result,
@@ -379,6 +509,7 @@ impl Crawler {
                 let done = Mark::Done {
                     validators: lease.validators.clone(),
                     record_id: None,
+                    manifest: followed.manifest,
                 };
                 let mut page = match data.record {
                     Some(Ok((natural_key, fields))) => {
@@ -400,7 +531,6 @@ impl Crawler {
                     Some(Err(reason)) => self.fail(lease, &reason),
                     None => settled(lease, done, Some(PageResult::Done)),
                 };
-                page.seen.extend(followed.seen);
                 page.new_pending = followed.added.saturating_sub(followed.leased as u64);
                 return Ok(page);
             }
@@ -426,13 +556,12 @@ impl Crawler {
         let done = |lease: &UrlLease| Mark::Done {
             validators: lease.validators.clone(),
             record_id: None,
+            manifest: None,
         };
         Ok(match outcome {
             FetchOutcome::Ok(_) => unreachable!("pages are parsed before they are settled"),
             FetchOutcome::NotModified => {
-                let mut s = settled(lease.clone(), done(&lease), Some(PageResult::NotModified));
-                s.seen.extend(lease.record_id.clone());
-                s
+                settled(lease.clone(), done(&lease), Some(PageResult::NotModified))
             }
             FetchOutcome::Skipped { reason } => {
                 debug!(bot = %self.bot, url = %lease.url, %reason, "skipped");
@@ -440,8 +569,19 @@ impl Crawler {
             }
             FetchOutcome::Gone { status } if lease.kind == PageKind::Detail => {
                 debug!(bot = %self.bot, url = %lease.url, status, "detail page gone; record marked removed");
+                // A lease taken without a read of its entry (a changed item) does not carry the
+                // record's id: the entry does.
+                let record = match &lease.record_id {
+                    Some(id) => Some(id.clone()),
+                    None => self
+                        .store
+                        .known_by_id(&self.bot, std::slice::from_ref(&lease.id))
+                        .await?
+                        .remove(&lease.id)
+                        .and_then(|k| k.record_id),
+                };
                 let mut s = settled(lease.clone(), done(&lease), Some(PageResult::Gone));
-                s.removed = lease.record_id.clone();
+                s.removed = record;
                 s
             }
             FetchOutcome::Gone { status } => self.fail(lease, &format!("HTTP {status}")),
@@ -455,12 +595,11 @@ impl Crawler {
         })
     }
 
-    /// Failed with its reason. A detail page that failed is no evidence its item is gone: its
-    /// record is marked seen, so deletion detection leaves it alone.
+    /// Failed with its reason. (A detail page that failed is no evidence its item is gone:
+    /// deletion detection reads the listings, not the detail pages.)
     fn fail(&self, lease: UrlLease, reason: &str) -> Settled {
         debug!(bot = %self.bot, url = %lease.url, %reason, "page failed");
         Settled {
-            seen: lease.record_id.iter().cloned().collect(),
             record: None,
             removed: None,
             mark: Mark::Failed {
@@ -500,7 +639,6 @@ impl Crawler {
                 reason: reason.to_owned(),
             },
             record: None,
-            seen: Vec::new(),
             removed: None,
             result: Some(PageResult::Retry),
             new_pending: 0,

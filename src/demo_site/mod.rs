@@ -7,7 +7,7 @@
 //!   and `Last-Modified` and answer conditional GETs with `304`.
 //! - The seed source: `/seeds.txt` and `/seeds.json` (the first listing page), `/sitemap.xml`
 //!   (every listing page).
-//! - Control: `POST /__mutate` `{"change": K, "add": K, "delete": K}` answers which products it
+//! - Control: `POST /__mutate` `{"change": K, "add": K, "delete": K, "remove": [SKU…]}` answers which products it
 //!   touched; `POST /__faults` installs fault rules (latency, a status such as 429 with
 //!   `Retry-After`, huge bodies, redirect loops) on path patterns, `DELETE /__faults` clears them;
 //!   `GET /__stats` counts requests per path; `GET /__truth` lists every current product;
@@ -224,7 +224,14 @@ impl Catalog {
             report.changed.push(self.products[i].sku.clone());
         }
         let mut delete = self.pick(request.delete);
+        delete.extend(
+            request
+                .remove
+                .iter()
+                .filter_map(|sku| self.by_sku.get(sku).copied()),
+        );
         delete.sort_unstable_by(|a, b| b.cmp(a));
+        delete.dedup();
         for i in delete {
             report.deleted.push(self.products.remove(i).sku);
         }
@@ -244,6 +251,8 @@ pub struct Mutation {
     pub change: usize,
     pub add: usize,
     pub delete: usize,
+    /// These products (by SKU) are deleted too.
+    pub remove: Vec<String>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -565,7 +574,13 @@ async fn product_page(
 }
 
 async fn mutate(State(c): State<Shared>, Json(request): Json<Mutation>) -> Response {
-    if request.change.max(request.add).max(request.delete) > MAX_MUTATION {
+    if request
+        .change
+        .max(request.add)
+        .max(request.delete)
+        .max(request.remove.len())
+        > MAX_MUTATION
+    {
         return (
             StatusCode::BAD_REQUEST,
             format!("at most {MAX_MUTATION} products per kind of change\n"),

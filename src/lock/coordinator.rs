@@ -770,6 +770,7 @@ impl BotRunner {
             PassState::Finished {
                 number,
                 next: Some(seeds),
+                ..
             } if until == Until::Shutdown => {
                 let seeds = crawler.seed_urls(&seeds);
                 if let Some(pass) = ctx
@@ -786,6 +787,23 @@ impl BotRunner {
                     info!(bot = %crawler.bot(), pass, seeds = seeds.len(), "the pass is over; started the next, on the latest seeds");
                 }
                 Ok(CrawlTurn::Started)
+            }
+            PassState::Finished {
+                number,
+                evaluation_claimed_until: Some(claimed_until),
+                ..
+            } if claimed_until <= ctx.clock.now() => {
+                // The instance that ended the pass stopped before its evaluation did.
+                ctx.store
+                    .resume_evaluation(
+                        crawler.bot(),
+                        number,
+                        claimed_until,
+                        &ctx.me,
+                        ctx.clock.now(),
+                    )
+                    .await?;
+                Ok(CrawlTurn::Finished)
             }
             PassState::Finished { .. } => Ok(CrawlTurn::Finished),
             PassState::NotStarted { seeds, current } => {

@@ -418,6 +418,8 @@ mod tests {
             crawl_last_run_at: None,
             crawl_next_pass_at: None,
             crawl_last_pass_pages: None,
+            crawl_evaluation_pending: None,
+            crawl_evaluated_pass: 0,
             paused: false,
             crawl_pass_spec: None,
             spec_error: None,

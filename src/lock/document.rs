@@ -43,6 +43,7 @@ pub mod field {
     pub const CRAWL_PASS_SPEC_VERSION: &str = "crawlPassSpecVersion";
     /// The pass started on another spec than the pass before it: it fetches every page anew.
     pub const CRAWL_PASS_REFETCH: &str = "crawlPassRefetch";
+    pub const CRAWL_EVALUATED_PASS: &str = "crawlEvaluatedPass";
     /// Paused by an operator: no instance takes the lock or leases a URL.
     pub const PAUSED: &str = "paused";
     pub const PAUSED_BY: &str = "pausedBy";
@@ -83,6 +84,9 @@ pub struct BotDoc {
     /// The size (frontier entries) of the last completed pass, `crawlLastPass.pages`: what the
     /// progress displays expect of a running pass. Advisory: an unreadable value is ignored.
     pub crawl_last_pass_pages: Option<u64>,
+    /// The last completed pass's deletion evaluation while it is pending: the pass and until
+    /// when its claim holds (`crawlLastPass.evaluation`, `evaluatingUntil`). Advisory.
+    pub crawl_evaluation_pending: Option<(i64, DateTime<Utc>)>,
     /// Paused by an operator (`paused: true`): no lock is taken and no URL leased.
     pub paused: bool,
     /// The spec the current pass started with (`crawlPassSpecVersion`, `crawlPassSpec`), for bots
@@ -92,10 +96,15 @@ pub struct BotDoc {
     pub spec_error: Option<String>,
     /// `crawlPassRefetch`: the current pass re-extracts every record (its spec changed).
     pub crawl_pass_refetch: bool,
+    /// `crawlEvaluatedPass`: the last pass whose deletion evaluation applied its removals (0:
+    /// none) — the listing pages' baselines are what they listed then.
+    pub crawl_evaluated_pass: i64,
 }
 
-/// What one read of a bot's document found.
+/// What one read of a bot's document found. (`Valid` is much larger than the others; an
+/// `Observed` lives for one decision, so it is not boxed.)
 #[derive(Clone, Debug, PartialEq)]
+#[allow(clippy::large_enum_variant)]
 pub enum Observed {
     Missing,
     Malformed {
@@ -211,8 +220,23 @@ impl BotDoc {
             .and_then(|last| last.get("pages"))
             .and_then(integer)
             .and_then(|n| u64::try_from(n).ok());
+        let crawl_evaluation_pending = raw
+            .get_document(field::CRAWL_LAST_PASS)
+            .ok()
+            .filter(|last| last.get_str("evaluation").ok() == Some("pending"))
+            .and_then(|last| {
+                let pass = last.get("pass").and_then(integer)?;
+                match last.get("evaluatingUntil") {
+                    Some(Bson::DateTime(t)) => Some((pass, t.to_chrono())),
+                    _ => None,
+                }
+            });
         let paused = matches!(raw.get(field::PAUSED), Some(Bson::Boolean(true)));
         let spec_error = raw.get_str(field::SPEC_ERROR).ok().map(str::to_owned);
+        let crawl_evaluated_pass = raw
+            .get(field::CRAWL_EVALUATED_PASS)
+            .and_then(integer)
+            .unwrap_or(0);
         let crawl_pass_refetch = matches!(
             raw.get(field::CRAWL_PASS_REFETCH),
             Some(Bson::Boolean(true))
@@ -275,10 +299,12 @@ impl BotDoc {
                     crawl_last_run_at,
                     crawl_next_pass_at,
                     crawl_last_pass_pages,
+                    crawl_evaluation_pending,
                     paused,
                     crawl_pass_spec,
                     spec_error,
                     crawl_pass_refetch,
+                    crawl_evaluated_pass,
                 })
             }
             _ => Err(problems),

@@ -26,6 +26,9 @@ pub struct StatusRow {
     pub failed_refreshes: i64,
     pub last_error: Option<String>,
     pub problems: Vec<String>,
+    /// The last completed pass's deletion evaluation: how many records it removed and restored,
+    /// or why it removed nothing (`crawlLastPass`).
+    pub last_evaluation: Option<String>,
     /// The current crawl pass, for bots that crawl (filled in by [`with_pass`]).
     pub crawl: Option<CrawlColumns>,
 }
@@ -131,6 +134,36 @@ pub fn with_pass(
     });
 }
 
+/// What the last completed pass's deletion evaluation did, in a few words: `pass 4: 2 removed,
+/// 1 restored`, `pass 4: nothing removed (listing coverage 80.0% is under 95.0%), 0 restored`,
+/// `pass 4: evaluating`.
+pub fn evaluation_text(raw: &Document) -> Option<String> {
+    let last = raw.get_document(field::CRAWL_LAST_PASS).ok()?;
+    let pass = last.get("pass").and_then(crate::lock::document::integer)?;
+    let count = |name: &str| {
+        last.get(name)
+            .and_then(crate::lock::document::integer)
+            .unwrap_or(0)
+    };
+    let deletion = last.get_str("deletion").unwrap_or("applied");
+    Some(match last.get_str("evaluation") {
+        Ok("pending") => format!("pass {pass}: evaluating"),
+        Ok(_) => match deletion.strip_prefix("skipped: ") {
+            Some(why) => format!(
+                "pass {pass}: nothing removed ({why}), {} restored",
+                count("restored")
+            ),
+            None => format!(
+                "pass {pass}: {} removed, {} restored",
+                count("removed"),
+                count("restored")
+            ),
+        },
+        // A pass ended by a version without manifests.
+        Err(_) => format!("pass {pass}: deletion {deletion}"),
+    })
+}
+
 /// Builds rows for every document read, plus configured bots that have no document yet.
 pub fn status_rows(
     docs: Vec<Document>,
@@ -144,6 +177,7 @@ pub fn status_rows(
             Some(other) => other.to_string(),
             None => "?".into(),
         };
+        let last_evaluation = evaluation_text(&raw);
         let observed = Observed::from_raw(Some(raw));
         let state = state_of(&observed).as_str().to_owned();
         let row = match observed {
@@ -168,6 +202,7 @@ pub fn status_rows(
                     failed_refreshes: doc.failed_refreshes,
                     last_error: doc.last_error,
                     problems: Vec::new(),
+                    last_evaluation,
                     crawl: None,
                 }
             }
@@ -184,6 +219,7 @@ pub fn status_rows(
                 failed_refreshes: 0,
                 last_error: Some(format!("malformed: {}", problems.join("; "))),
                 problems,
+                last_evaluation,
                 crawl: None,
             },
             Observed::Missing => unreachable!("built from a document"),
@@ -205,6 +241,7 @@ pub fn status_rows(
                 failed_refreshes: 0,
                 last_error: None,
                 problems: Vec::new(),
+                last_evaluation: None,
                 crawl: None,
             });
         }
@@ -307,6 +344,7 @@ pub fn render_table(rows: &[StatusRow]) -> String {
         "PAGES/S",
         "ETA",
         "OLDEST PENDING",
+        "LAST EVALUATION",
         "LAST ERROR",
     ];
     let cells: Vec<Vec<String>> = rows
@@ -349,6 +387,7 @@ pub fn render_table(rows: &[StatusRow]) -> String {
                         .as_ref()
                         .and_then(|c| c.oldest_pending_seconds.map(|s| -s)),
                 ),
+                r.last_evaluation.clone().unwrap_or_else(|| "-".into()),
                 r.last_error
                     .as_deref()
                     .map(|e| one_line(e, 80))
@@ -622,5 +661,35 @@ mod tests {
         assert!(acquired < text.find("refreshed").unwrap());
         assert!(text.contains("state: ready"));
         assert!(text.contains("\"lockEpoch\": 2"));
+    }
+
+    #[test]
+    fn the_last_evaluation_says_what_it_removed_or_why_it_removed_nothing() {
+        let of = |last: Document| evaluation_text(&doc! {"_id": "a", "crawlLastPass": last});
+        assert_eq!(
+            of(
+                doc! {"pass": 4_i64, "deletion": "applied", "evaluation": "done", "removed": 2_i64, "restored": 1_i64}
+            ),
+            Some("pass 4: 2 removed, 1 restored".into())
+        );
+        assert_eq!(
+            of(
+                doc! {"pass": 4_i64, "deletion": "skipped: listing coverage 80.0% is under 95.0%", "evaluation": "done", "restored": 0_i64}
+            ),
+            Some(
+                "pass 4: nothing removed (listing coverage 80.0% is under 95.0%), 0 restored"
+                    .into()
+            )
+        );
+        assert_eq!(
+            of(doc! {"pass": 4_i64, "deletion": "applied", "evaluation": "pending"}),
+            Some("pass 4: evaluating".into())
+        );
+        assert_eq!(
+            of(doc! {"pass": 3_i64, "deletion": "applied"}),
+            Some("pass 3: deletion applied".into()),
+            "a pass ended by an earlier version"
+        );
+        assert_eq!(evaluation_text(&doc! {"_id": "a"}), None);
     }
 }

@@ -113,6 +113,22 @@ fn pass_cell(c: &CrawlColumns) -> String {
     out
 }
 
+/// The pass cell: the pass, then what the last completed pass's deletion evaluation did.
+fn crawl_cell(r: &StatusRow) -> String {
+    let mut out = r
+        .crawl
+        .as_ref()
+        .map_or_else(|| "<span class=\"small\">-</span>".into(), pass_cell);
+    if let Some(evaluation) = &r.last_evaluation {
+        let _ = write!(
+            out,
+            "<div class=\"small\">last evaluation: {}</div>",
+            escape(evaluation)
+        );
+    }
+    out
+}
+
 fn bot_row(r: &StatusRow) -> String {
     let lock = match &r.holder {
         Some(holder) => format!(
@@ -149,10 +165,7 @@ fn bot_row(r: &StatusRow) -> String {
         },
         seeds = r.seeds,
         refresh = escape(r.last_refresh.as_deref().unwrap_or("-")),
-        pass = r
-            .crawl
-            .as_ref()
-            .map_or_else(|| "<span class=\"small\">-</span>".into(), pass_cell),
+        pass = crawl_cell(r),
     )
 }
 

@@ -63,6 +63,9 @@ pub(super) const CHUNK: usize = 1000;
 /// `$in` against every document it updates, so a statement of 1,000 ids costs half as much
 /// again per document as ten of 100 in one command (measured: 51 against 35 µs a document).
 pub(super) const IN_CHUNK: usize = 100;
+/// Listing pages per cursor batch when manifests are streamed (each several KiB: a reply stays
+/// small enough that decoding it never takes much memory at once).
+pub(super) const MANIFESTS_PER_BATCH: u32 = 25;
 
 /// Frontier document field names.
 pub mod field {
@@ -95,6 +98,22 @@ pub mod field {
     pub const ENQUEUED_AT: &str = "enqueuedAt";
     pub const DISCOVERED_AT: &str = "discoveredAt";
     pub const DONE_AT: &str = "doneAt";
+    /// A listing (or seed) page's manifest, as its last done mark wrote it ([`Manifest`]): the
+    /// frontier ids of the detail pages it listed, in page order…
+    pub const LISTED: &str = "listed";
+    /// …each one's fingerprint hash (0: a plain link, no item)…
+    pub const LISTED_FP: &str = "listedFp";
+    /// …the positions of those that pass enqueued to fetch (not yet known to be stored)…
+    pub const LISTED_FETCH: &str = "listedFetch";
+    /// …a hash of the list as a set, and the pass that read it.
+    pub const LISTED_HASH: &str = "listedHash";
+    pub const LISTED_PASS: &str = "listedPass";
+    /// Every detail page the page listed since the last deletion evaluation (this pass's list
+    /// included): the evaluation's baseline for this page.
+    pub const LISTED_SINCE: &str = "listedSince";
+    /// True when `listedSince` holds pages `listed` no longer does: the page's list changed
+    /// since the last evaluation.
+    pub const LISTED_SINCE_MORE: &str = "listedSinceMore";
 }
 
 use field as f;
@@ -262,14 +281,72 @@ impl PassProgress {
     }
 }
 
+/// What a listing (or seed) page listed when this pass read it, carried by the page's fenced done
+/// mark — one write per listing page, none per item, and nothing at all for where an item sits in
+/// the pagination. `listed` holds the frontier ids of the detail pages the page points at (its
+/// items' links, then its other links the record rules match), `fingerprints` the hash of each
+/// item's listing fingerprint ([`fingerprint_hash`]; 0 for a plain link), `fetched` the
+/// positions of the items this pass enqueued to fetch (their records are not known stored until
+/// the fetch commits).
+///
+/// The next pass decides from the manifests which items need no fetch and no read
+/// (`crawl::known`); deletion detection compares them with what the page listed at the last
+/// evaluation (`store::deletions`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Manifest {
+    pub listed: Vec<String>,
+    pub fingerprints: Vec<i64>,
+    pub fetched: Vec<i32>,
+    /// The last pass whose evaluation applied its removals, as the reader knew it: a page whose
+    /// previous read was that pass's starts its baseline anew from that read (an older value
+    /// only keeps more — a superset is always safe).
+    pub evaluated: i64,
+}
+
+impl Manifest {
+    /// Adds a detail page (once: a page that lists an item twice lists it once).
+    pub fn push(&mut self, id: String, fingerprint: i64, fetched: bool) -> bool {
+        if self.listed.contains(&id) {
+            return false;
+        }
+        if fetched {
+            self.fetched
+                .push(i32::try_from(self.listed.len()).unwrap_or(i32::MAX));
+        }
+        self.listed.push(id);
+        self.fingerprints.push(fingerprint);
+        true
+    }
+
+    /// A hash of the list as a set (order and repeats do not count).
+    pub fn hash(&self) -> String {
+        let mut ids: Vec<&str> = self.listed.iter().map(String::as_str).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let joined = ids.join("\n");
+        crate::ids::sha256_hex(&[joined.as_bytes()], 16)
+    }
+}
+
+/// A listing fingerprint as a manifest keeps it: 64 bits of its hash, never 0 (0 marks a plain
+/// link).
+pub fn fingerprint_hash(fingerprint: &str) -> i64 {
+    match crate::ids::sha256_u64(&[fingerprint.as_bytes()]) as i64 {
+        0 => 1,
+        n => n,
+    }
+}
+
 /// How a leased URL ends its lease.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Mark {
     /// Done: its validators, listing fingerprint (`listFingerprint` → `fingerprint`) and the
-    /// record it produced (if any; else the one it had) are kept for the next pass.
+    /// record it produced (if any; else the one it had) are kept for the next pass; a listing
+    /// or seed page's done mark carries its [`Manifest`].
     Done {
         validators: Validators,
         record_id: Option<String>,
+        manifest: Option<Box<Manifest>>,
     },
     /// Failed for good, with the reason.
     Failed { reason: String },
@@ -291,7 +368,10 @@ pub enum Mark {
 impl Mark {
     fn group(&self) -> u8 {
         match self {
-            Mark::Done { .. } => 0,
+            Mark::Done { manifest: None, .. } => 0,
+            Mark::Done {
+                manifest: Some(_), ..
+            } => 5,
             Mark::Failed { .. } => 1,
             Mark::Retry { .. } => 2,
             Mark::Release { .. } => 3,
@@ -450,7 +530,7 @@ fn literal(value: impl Into<Bson>) -> Bson {
 
 /// The `writeErrors` of a write command's reply, by statement index: duplicate keys (E11000) are
 /// returned, anything else is an error.
-fn duplicate_indexes(what: &'static str, reply: &Document) -> Result<Vec<usize>> {
+pub(super) fn duplicate_indexes(what: &'static str, reply: &Document) -> Result<Vec<usize>> {
     let mut duplicates = Vec::new();
     if let Ok(errors) = reply.get_array("writeErrors") {
         for error in errors {
@@ -1406,8 +1486,12 @@ pub(super) fn settle_statements(
                         }),
                     );
                 };
+                // Stages before the main `$set` (a listing page's baseline, read before its
+                // manifest is replaced) and after it.
+                let mut before: Vec<Document> = Vec::new();
+                let mut stages = Vec::new();
                 match group {
-                    0 => {
+                    0 | 5 => {
                         set.insert(f::STATUS, UrlStatus::Done.as_str());
                         set.insert(f::DONE_AT, date(now));
                         set.insert(f::LAST_ERROR, Bson::Null);
@@ -1441,6 +1525,10 @@ pub(super) fn settle_statements(
                                 format!("${}", f::RECORD_ID),
                             ] },
                         );
+                        if *group == 5 {
+                            manifest_stages(&mut set, &mut stages, &column);
+                            before.push(stages.remove(0));
+                        }
                     }
                     1 => {
                         set.insert(f::STATUS, UrlStatus::Failed.as_str());
@@ -1470,18 +1558,86 @@ pub(super) fn settle_statements(
                         set.insert(f::SHEDS, doc! { "$add": [format!("${}", f::SHEDS), 1_i64] });
                     }
                 }
+                stages.insert(0, doc! { "$set": set });
+                before.append(&mut stages);
+                let stages = before;
                 statements.push(doc! {
                     "q": {
                         f::ID: { "$in": &ids }, f::BOT: bot.as_str(),
                         f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_TOKEN: *token,
                     },
-                    "u": [ { "$set": set } ],
+                    "u": stages,
                     "multi": true,
                 });
             }
         }
         statements
     }
+}
+
+/// A listing page's done mark: first — while `listed` and `listedPass` are still the previous
+/// read's — what the page listed since the last evaluation becomes that baseline (the previous
+/// read, if it was the evaluated pass's; else what it held) with this list added; then the
+/// manifest's fields (per URL, by `_id`); then whether the baseline holds pages this list lacks.
+/// A settle statement's per-URL column: one value per mark, picked by `_id` (see [`pick`]).
+type Column<'a> = &'a dyn Fn(&dyn Fn(&Mark) -> Bson) -> Bson;
+
+fn manifest_stages(set: &mut Document, stages: &mut Vec<Document>, column: Column<'_>) {
+    fn of<T>(m: &Mark, value: impl Fn(&Manifest) -> T) -> Option<T> {
+        match m {
+            Mark::Done {
+                manifest: Some(manifest),
+                ..
+            } => Some(value(manifest)),
+            _ => None,
+        }
+    }
+    set.insert(
+        f::LISTED,
+        column(&|m| of(m, |x| Bson::from(x.listed.clone())).unwrap_or(Bson::Null)),
+    );
+    set.insert(
+        f::LISTED_FP,
+        column(&|m| of(m, |x| Bson::from(x.fingerprints.clone())).unwrap_or(Bson::Null)),
+    );
+    // Usually none after a pass that fetched everything once: then the field is null.
+    set.insert(
+        f::LISTED_FETCH,
+        column(&|m| {
+            of(m, |x| {
+                (!x.fetched.is_empty()).then(|| Bson::from(x.fetched.clone()))
+            })
+            .flatten()
+            .unwrap_or(Bson::Null)
+        }),
+    );
+    set.insert(
+        f::LISTED_HASH,
+        column(&|m| of(m, |x| Bson::String(x.hash())).unwrap_or(Bson::Null)),
+    );
+    set.insert(f::LISTED_PASS, format!("${}", f::PASS));
+    let listed = format!("${}", f::LISTED);
+    let since = format!("${}", f::LISTED_SINCE);
+    let evaluated = column(&|m| of(m, |x| Bson::Int64(x.evaluated)).unwrap_or(Bson::Null));
+    // Before the manifest's `$set` (it still sees the previous read): the baseline — the
+    // previous read if it was the evaluated pass's, else what the page kept (null: the same as
+    // its previous list).
+    stages.push(doc! { "$set": {
+        f::LISTED_SINCE: { "$cond": [
+            { "$eq": [ format!("${}", f::LISTED_PASS), evaluated ] },
+            { "$ifNull": [&listed, []] },
+            { "$ifNull": [&since, { "$ifNull": [&listed, []] }] },
+        ] },
+    } });
+    // After it: this read's list added, whether the baseline holds more — and if it does not,
+    // it is stored as null (the same as `listed`), so an unchanged page carries its list once.
+    stages.push(doc! { "$set": { f::LISTED_SINCE: { "$setUnion": [&since, &listed] } } });
+    stages.push(doc! { "$set": {
+        f::LISTED_SINCE_MORE: { "$gt": [ { "$size": &since }, { "$size": &listed } ] },
+    } });
+    stages.push(doc! { "$set": {
+        f::LISTED_SINCE: { "$cond": [ format!("${}", f::LISTED_SINCE_MORE), &since, Bson::Null ] },
+    } });
 }
 
 impl Store {
@@ -1500,6 +1656,7 @@ impl Store {
         let mark = Mark::Done {
             validators: lease.validators.clone(),
             record_id: None,
+            manifest: None,
         };
         self.settle_one(lease, mark, now).await
     }
@@ -1708,6 +1865,116 @@ impl Store {
     pub async fn pass_progress(&self, bot: &BotId, pass: i64) -> Result<PassProgress> {
         // The same one aggregation that ends a pass; its coverage figures are not needed here.
         Ok(self.pass_coverage(bot, pass).await?.0)
+    }
+}
+
+/// One item of a stored manifest, as [`Store::listing_manifests`] hands it out: the detail
+/// page's frontier id, its fingerprint hash (0: a plain link) and whether the pass that read the
+/// manifest enqueued it to fetch.
+pub type ListedItem<'a> = (&'a str, i64, bool);
+
+/// The strings of a raw array field (missing or of another type: none).
+pub(super) fn raw_strings<'a>(doc: &'a bson::RawDocument, name: &str) -> Vec<&'a str> {
+    doc.get_array(name)
+        .ok()
+        .map(|a| a.into_iter().filter_map(|v| v.ok()?.as_str()).collect())
+        .unwrap_or_default()
+}
+
+/// The whole numbers of a raw array field.
+fn raw_numbers(doc: &bson::RawDocument, name: &str) -> Vec<i64> {
+    doc.get_array(name)
+        .ok()
+        .map(|a| {
+            a.into_iter()
+                .filter_map(|v| match v.ok()? {
+                    bson::RawBsonRef::Int64(n) => Some(n),
+                    bson::RawBsonRef::Int32(n) => Some(i64::from(n)),
+                    bson::RawBsonRef::Double(n) => Some(n as i64),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A raw document's whole number field.
+pub(super) fn raw_integer(doc: &bson::RawDocument, name: &str) -> Option<i64> {
+    match doc.get(name).ok()?? {
+        bson::RawBsonRef::Int64(n) => Some(n),
+        bson::RawBsonRef::Int32(n) => Some(i64::from(n)),
+        bson::RawBsonRef::Double(n) if n.fract() == 0.0 => Some(n as i64),
+        _ => None,
+    }
+}
+
+impl Store {
+    /// Every manifest the bot's listing and seed pages carry (one per page, as its last read
+    /// wrote it), streamed raw on [`LISTINGS_INDEX`] — what the next pass knows of the items
+    /// without reading them one by one. `visit` gets the pass that read each manifest and its
+    /// items.
+    pub async fn listing_manifests(
+        &self,
+        bot: &BotId,
+        mut visit: impl FnMut(i64, &[ListedItem<'_>]),
+    ) -> Result<()> {
+        let mut filter = doc! { f::BOT: bot.as_str() };
+        filter.extend(listing_kinds());
+        filter.insert(f::LISTED_PASS, doc! { "$exists": true });
+        let frontier = self.database().collection::<bson::RawDocumentBuf>(FRONTIER);
+        let find = frontier
+            .find(filter)
+            .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
+            .projection(
+                doc! { f::LISTED: 1, f::LISTED_FP: 1, f::LISTED_FETCH: 1, f::LISTED_PASS: 1 },
+            )
+            .batch_size(MANIFESTS_PER_BATCH);
+        self.each_raw("read listing manifests", find, |doc| {
+            let Some(pass) = raw_integer(doc, f::LISTED_PASS) else {
+                return Ok(());
+            };
+            let listed = raw_strings(doc, f::LISTED);
+            let fingerprints = raw_numbers(doc, f::LISTED_FP);
+            let mut fetched = vec![false; listed.len()];
+            for i in raw_numbers(doc, f::LISTED_FETCH) {
+                if let Some(slot) = usize::try_from(i).ok().and_then(|i| fetched.get_mut(i)) {
+                    *slot = true;
+                }
+            }
+            let items: Vec<ListedItem<'_>> = listed
+                .iter()
+                .enumerate()
+                .map(|(i, id)| (*id, fingerprints.get(i).copied().unwrap_or(0), fetched[i]))
+                .collect();
+            visit(pass, &items);
+            Ok(())
+        })
+        .await
+    }
+
+    /// The frontier ids of pass `pass`'s entries that did not end done (pending, waiting, leased,
+    /// failed): after a pass, the detail pages it enqueued whose records are not known stored.
+    /// One read per status on the main index.
+    pub async fn not_done_in(&self, bot: &BotId, pass: i64) -> Result<Vec<String>> {
+        let mut ids = Vec::new();
+        for status in [
+            UrlStatus::Failed,
+            UrlStatus::Pending,
+            UrlStatus::Waiting,
+            UrlStatus::Leased,
+        ] {
+            let frontier = self.frontier();
+            let find = frontier
+                .find(status_filter(bot, pass, status))
+                .projection(doc! { f::ID: 1 })
+                .batch_size(whole_batch(CHUNK));
+            self.each_doc("read the entries a pass did not finish", find, |doc| {
+                ids.extend(get_text(&doc, f::ID));
+                Ok(())
+            })
+            .await?;
+        }
+        Ok(ids)
     }
 }
 

@@ -9,10 +9,13 @@
 //!
 //! A pass finishes when none of its URLs is pending, waiting or leased by anyone. One conditional
 //! write (`crawlPass` unchanged, `crawlPassEndedAt` unset) records the end — so the last-run mark
-//! is saved only after every record write of the pass was committed. The instance whose write
-//! won then gives the records the pass did not see `removedAt` — only when the pass covered
-//! enough of its listing pages and failed few enough pages, and only in the modes that read every
-//! listing page.
+//! is saved only after every record write of the pass was committed — and claims the pass's
+//! deletion evaluation for the instance whose write won (`crawlLastPass.evaluation: "pending"`,
+//! `evaluatingBy`, `evaluatingUntil`). That instance evaluates the pass from the listing
+//! manifests (`store::deletions`: removals only when the pass covered enough of its listing pages
+//! and failed few enough pages, in the modes that read every listing page; restorations always)
+//! and records what it did (`evaluation: "done"`, `removed`, `restored`). A claim whose holder
+//! died is taken over once it expires ([`Store::resume_evaluation`]).
 
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
@@ -22,10 +25,9 @@ use super::frontier::{
     field as fr, unreached_listings_filter, NewUrl, PageKind, PassProgress, UrlStatus,
     LISTINGS_INDEX,
 };
-use super::records::field as rf;
 use super::Store;
 use crate::error::Result;
-use crate::ids::BotId;
+use crate::ids::{BotId, InstanceId};
 use crate::lock::document::field;
 use crate::urls::NormalizedUrl;
 
@@ -53,6 +55,8 @@ pub struct PassEnd {
     pub error_rate: f64,
     /// Records this call marked removed.
     pub removed: u64,
+    /// Records this call restored (marked removed earlier, listed again).
+    pub restored: u64,
     /// Why deletion detection did not run, if it did not.
     pub deletion_skipped: Option<String>,
     /// True for the instance whose write recorded the end (the others found it recorded).
@@ -251,10 +255,13 @@ impl Store {
         pass: i64,
         started_at: Option<DateTime<Utc>>,
         rules: DeletionRules,
+        me: &InstanceId,
         now: DateTime<Utc>,
     ) -> Result<PassEnd> {
+        let t0 = std::time::Instant::now();
         let (progress, (mut lists, lists_done, all, failed)) =
             self.pass_coverage(bot, pass).await?;
+        tracing::debug!(%bot, pass, took = ?t0.elapsed(), "pass end: counted");
         if rules.enabled && progress.is_finished() {
             if let Some(since) = rules.known_since {
                 lists += self.unreached_lists(bot, pass, since).await?;
@@ -279,6 +286,7 @@ impl Store {
                 coverage,
                 error_rate,
                 removed: 0,
+                restored: 0,
                 deletion_skipped: Some("the pass is not finished".to_owned()),
                 recorded: false,
                 finished: false,
@@ -301,7 +309,24 @@ impl Store {
         } else {
             None
         };
+        // A last pass evaluated by a version before the manifests (no `evaluation` field), or
+        // whose upgrade sweep never finished, calls for the upgrade's sweep.
+        let previous = self
+            .bounded(
+                "read the last pass",
+                self.bots
+                    .find_one(doc! { field::ID: bot.as_str() })
+                    .projection(doc! { field::CRAWL_LAST_PASS: 1 }),
+            )
+            .await?;
+        let sweep = previous
+            .as_ref()
+            .and_then(|b| b.get_document(field::CRAWL_LAST_PASS).ok())
+            .is_some_and(|last| {
+                !last.contains_key("evaluation") || last.get_bool("sweep") == Ok(true)
+            });
         let summary = doc! {
+            "sweep": sweep,
             "pass": pass,
             "pages": all as i64,
             "done": progress.done as i64,
@@ -310,6 +335,9 @@ impl Store {
             "errorRate": error_rate,
             "deletion": deletion_skipped.clone().map_or_else(|| Bson::String("applied".into()), |why| Bson::String(format!("skipped: {why}"))),
             "endedAt": date(now),
+            "evaluation": "pending",
+            "evaluatingBy": me.as_str(),
+            "evaluatingUntil": date(super::plus(now, self.evaluation_claim())),
         };
         let filter = doc! {
             field::ID: bot.as_str(),
@@ -326,20 +354,25 @@ impl Store {
             .await?
             .modified_count
             == 1;
-        // Deletion detection only by the instance whose write ended the pass: that write proves
-        // the pass was still the bot's current one and complete. (An instance still working on a
+        tracing::debug!(%bot, pass, took = ?t0.elapsed(), recorded, "pass end: recorded");
+        // The evaluation only by the instance whose write ended the pass: that write proves the
+        // pass was still the bot's current one and complete. (An instance still working on a
         // pass a refresh has replaced must not mark the records it cut short as removed.) A crash
-        // right here loses no data: the records stay unseen, and the next complete pass marks them.
-        let mut removed = 0;
-        if recorded && deletion_skipped.is_none() {
-            removed = self.mark_unseen_removed(bot, pass, now).await?;
+        // here loses nothing: another instance takes the claim over once it expires, or the next
+        // complete pass evaluates everything since the last evaluation that finished.
+        let mut evaluation = super::deletions::Evaluation::default();
+        if recorded {
+            evaluation = self
+                .evaluate_and_record(bot, pass, deletion_skipped.is_none(), sweep, now)
+                .await?;
         }
         Ok(PassEnd {
             pass,
             progress,
             coverage,
             error_rate,
-            removed,
+            removed: evaluation.removed,
+            restored: evaluation.restored,
             deletion_skipped,
             recorded,
             finished: true,
@@ -391,52 +424,94 @@ impl Store {
             .collect())
     }
 
-    /// Marks the bot's records that pass `pass` did not see removed. The unseen are read by the
-    /// `{botId, lastSeenPass}` index as a stream (cursor batches of [`CHUNK`]) and marked by `_id`
-    /// [`IN_CHUNK`] at a time as they arrive (filtered on `removedAt: null`, so repeating this is
-    /// a no-op): memory stays one cursor batch, however many records a pass leaves unseen.
-    ///
-    /// [`CHUNK`]: super::frontier::CHUNK
-    /// [`IN_CHUNK`]: super::frontier::IN_CHUNK
-    async fn mark_unseen_removed(&self, bot: &BotId, pass: i64, now: DateTime<Utc>) -> Result<u64> {
-        use futures_util::TryStreamExt;
-        const BATCH: usize = super::frontier::IN_CHUNK;
-        const READ: u32 = super::frontier::CHUNK as u32;
-        let records = self.records();
-        let mut unseen = self
-            .bounded(
-                "read unseen records",
-                records
-                    .find(doc! { rf::BOT: bot.as_str(), rf::LAST_SEEN_PASS: { "$lt": pass } })
-                    .projection(doc! { rf::REMOVED_AT: 1 })
-                    .batch_size(READ),
-            )
-            .await?;
-        let mut removed = 0;
-        let mut ids: Vec<Bson> = Vec::with_capacity(BATCH);
-        loop {
-            let next = self
-                .bounded("read unseen records", unseen.try_next())
-                .await?;
-            if let Some(record) = &next {
-                if matches!(record.get(rf::REMOVED_AT), None | Some(Bson::Null)) {
-                    if let Some(id) = record.get("_id") {
-                        ids.push(id.clone());
-                    }
-                }
-            }
-            if ids.len() >= BATCH || (next.is_none() && !ids.is_empty()) {
-                let update = records.update_many(
-                    doc! { rf::ID: { "$in": &ids }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null },
-                    doc! { "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass } },
-                );
-                removed += self.bounded("mark removed", update).await?.modified_count;
-                ids.clear();
-            }
-            if next.is_none() {
-                return Ok(removed);
-            }
+    /// How long an instance's claim on a pass's evaluation holds before another may take it over.
+    fn evaluation_claim(&self) -> std::time::Duration {
+        (self.op_timeout * 6).max(std::time::Duration::from_secs(30))
+    }
+
+    /// Evaluates pass `pass` ([`Store::evaluate_pass`]) and records what it did in
+    /// `crawlLastPass` (while it is still this pass's).
+    async fn evaluate_and_record(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        remove: bool,
+        sweep: bool,
+        now: DateTime<Utc>,
+    ) -> Result<super::deletions::Evaluation> {
+        let evaluation = self.evaluate_pass(bot, pass, remove, sweep, now).await?;
+        let last = field::CRAWL_LAST_PASS;
+        let mut unset = doc! {
+            format!("{last}.evaluatingBy"): "", format!("{last}.evaluatingUntil"): "",
+        };
+        if remove {
+            // A sweep that did not run (removals gated off) waits for the next complete pass.
+            unset.insert(format!("{last}.sweep"), "");
         }
+        let mut update = doc! {
+                "$set": {
+                    format!("{last}.evaluation"): "done",
+                    format!("{last}.removed"): evaluation.removed as i64,
+                    format!("{last}.restored"): evaluation.restored as i64,
+                    format!("{last}.candidates"): evaluation.candidates as i64,
+                    format!("{last}.changedPages"): evaluation.changed_pages as i64,
+                },
+                "$currentDate": { format!("{last}.evaluatedAt"): true },
+                "$unset": unset,
+        };
+        if remove {
+            // The pages this pass read start their baselines anew from that read.
+            update.insert("$max", doc! { field::CRAWL_EVALUATED_PASS: pass });
+        }
+        let update = self.bots.update_one(
+            doc! { field::ID: bot.as_str(), format!("{last}.pass"): pass },
+            update,
+        );
+        self.bounded("record the evaluation", update).await?;
+        tracing::info!(
+            bot = %bot, pass, removed = evaluation.removed, restored = evaluation.restored,
+            candidates = evaluation.candidates, changed_pages = evaluation.changed_pages,
+            "deletion evaluation done"
+        );
+        Ok(evaluation)
+    }
+
+    /// Takes over the evaluation of pass `pass` whose claim expired (its instance died or hung
+    /// mid-way) — conditional on the claim read — and runs it again (it is idempotent). `None`
+    /// when another instance took it first or it is no longer pending.
+    pub async fn resume_evaluation(
+        &self,
+        bot: &BotId,
+        pass: i64,
+        claimed_until: DateTime<Utc>,
+        me: &InstanceId,
+        now: DateTime<Utc>,
+    ) -> Result<Option<super::deletions::Evaluation>> {
+        let last = field::CRAWL_LAST_PASS;
+        let claim = self.bots.find_one_and_update(
+            doc! {
+                field::ID: bot.as_str(),
+                field::CRAWL_PASS: pass,
+                format!("{last}.pass"): pass,
+                format!("{last}.evaluation"): "pending",
+                format!("{last}.evaluatingUntil"): date(claimed_until),
+            },
+            doc! { "$set": {
+                format!("{last}.evaluatingBy"): me.as_str(),
+                format!("{last}.evaluatingUntil"): date(super::plus(now, self.evaluation_claim())),
+            } },
+        );
+        let Some(doc) = self.bounded("claim an evaluation", claim).await? else {
+            return Ok(None);
+        };
+        let summary = doc.get_document(last).ok();
+        let remove = summary.and_then(|l| l.get_str("deletion").ok()) == Some("applied");
+        let sweep = summary.is_some_and(|l| l.get_bool("sweep") == Ok(true));
+        tracing::warn!(bot = %bot, pass, "taking over a pass evaluation whose instance stopped mid-way");
+        Ok(Some(
+            self.evaluate_and_record(bot, pass, remove, sweep, now)
+                .await?,
+        ))
     }
 
     /// The current pass of a bot as `seedlock status` shows it.

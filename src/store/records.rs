@@ -1,10 +1,11 @@
 //! Records (collection `records`): one document per item, `_id` = a hash of (source, natural key)
 //! — never the URL, never an auto id — so a repeated write is an update, not a duplicate.
 //!
-//! A record is rewritten only when its content hash changes (`lastChanged` keeps its meaning).
-//! A fetched page whose content is unchanged costs one small `$set` (`lastSeenPass`, `lastSeen`,
-//! `fetchedAt`) in the same commit; items a pass sees without fetching them (listing pages, in
-//! fingerprint mode) are marked seen with that page's commit, in one statement per commit.
+//! A record is written only when its content changes, it comes back after a removal, or its
+//! page answers 404/410 — never because a pass saw it unchanged: an incremental pass writes as
+//! many records as changed. A record with `removedAt: null` is present in the bot's last
+//! completed pass by definition; deletion detection reads the listing pages' manifests
+//! (`store::deletions`), not per-record marks.
 //!
 //! [`Store::commit_batch`] is the **group commit**: the pages waiting in the store queue are
 //! committed together, the record of each and its URL's settle mark — on the ordered path, in
@@ -31,6 +32,11 @@ use crate::ids::BotId;
 
 pub const RECORDS: &str = "records";
 
+/// Indexes of earlier versions, dropped at start-up: `bot_last_seen_pass` served deletion
+/// detection by per-record seen marks (replaced by the listing manifests); `bot_list_key` a
+/// listing check that was backed out.
+pub const RETIRED_RECORD_INDEXES: [&str; 2] = ["bot_last_seen_pass", "bot_list_key"];
+
 /// How many times a batch's records are read and written again when they change under concurrent
 /// writers (each time only the pages whose compare-and-swap lost).
 const ROUNDS: usize = 5;
@@ -45,9 +51,10 @@ pub mod field {
     pub const CONTENT_HASH: &str = "contentHash";
     pub const FIRST_SEEN: &str = "firstSeen";
     pub const LAST_CHANGED: &str = "lastChanged";
-    pub const LAST_SEEN: &str = "lastSeen";
-    pub const LAST_SEEN_PASS: &str = "lastSeenPass";
+    /// The lease time of the fetch whose result is stored (moves only with a write)…
     pub const FETCHED_AT: &str = "fetchedAt";
+    /// …and its pass.
+    pub const FETCHED_PASS: &str = "fetchedPass";
     pub const REMOVED_AT: &str = "removedAt";
     pub const REMOVED_IN_PASS: &str = "removedInPass";
 }
@@ -95,22 +102,20 @@ impl Extracted {
 pub enum RecordWrite {
     Inserted,
     Changed,
-    /// Same content as stored: not rewritten, only marked seen in this pass.
+    /// Same content as stored: not written.
     Unchanged,
+    /// Same content as stored, but the record was marked removed: back, `removedAt` cleared.
+    Restored,
     /// A newer result (a later lease of the same URL) is already stored: nothing written.
     Superseded,
 }
 
-/// One page of a group commit: its record (if it produced one), the records it shows exist or
-/// are gone, and how its URL's lease ends.
+/// One page of a group commit: its record (if it produced one), the record it shows gone, and
+/// how its URL's lease ends.
 #[derive(Clone, Debug)]
 pub struct PageCommit<'a> {
     pub lease: &'a UrlLease,
     pub record: Option<&'a Extracted>,
-    /// Records this page shows exist without a fetch of their own (a listing page's items that
-    /// were not fetched, a `304`'s record, a failed detail page's record): marked seen in the
-    /// lease's pass, so deletion detection leaves them alone.
-    pub seen: Vec<String>,
     /// A record whose detail page answered 404/410: marked removed.
     pub removed: Option<String>,
     /// How the URL's lease ends. A `Done` carries the id of the record written here.
@@ -136,6 +141,8 @@ enum Plan {
     Insert(Document),
     /// A compare-and-swap on the version read: the statement, and what it does when it matches.
     Swap(Document, RecordWrite),
+    /// The same content as stored, by the URL's first lease of the pass: nothing to write.
+    Unchanged,
     Superseded,
 }
 
@@ -145,6 +152,11 @@ use super::date;
 /// `removedAt`). A compare-and-swap statement filters on exactly the version read; with
 /// `report_misses` it is an upsert, so that a swap that misses (the record changed since it was
 /// read) fails with a duplicate `_id` at its own index in the reply instead of passing silently.
+///
+/// The same content as stored is not written — except by a lease that is not the URL's first
+/// of the pass (a retry, or a dead predecessor's reclaimed): an earlier lease of the same URL
+/// may still commit late, and its older result must find `fetchedAt` moved past its own lease
+/// time, or it would replace this one's.
 fn plan(
     record: &Extracted,
     lease: &UrlLease,
@@ -160,8 +172,9 @@ fn plan(
         return Plan::Insert(doc! {
             f::ID: &id, f::BOT: record.bot.as_str(), f::NATURAL_KEY: &record.natural_key,
             f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: &hash,
-            f::FIRST_SEEN: now_b.clone(), f::LAST_CHANGED: now_b.clone(), f::LAST_SEEN: now_b.clone(),
-            f::LAST_SEEN_PASS: lease.pass, f::REMOVED_AT: Bson::Null, f::FETCHED_AT: fetched_at,
+            f::FIRST_SEEN: now_b.clone(), f::LAST_CHANGED: now_b.clone(),
+            f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null, f::FETCHED_AT: fetched_at,
+            f::FETCHED_PASS: lease.pass,
         });
     };
     let newer_stored = matches!(old.get(f::FETCHED_AT), Some(Bson::DateTime(t)) if t.to_chrono() > lease.leased_at);
@@ -173,6 +186,10 @@ fn plan(
     let removed = !old
         .get(f::REMOVED_AT)
         .is_none_or(|v| matches!(v, Bson::Null));
+    let first_lease = lease.attempt <= 1 && !lease.reclaimed;
+    if old_hash == hash && !removed && first_lease {
+        return Plan::Unchanged;
+    }
     // Equalities only, which every server answers from the `_id` lookup; `botId` too, a prefix
     // of the shard key (ARCHITECTURE.md, "Scaling out").
     let filter = doc! {
@@ -185,37 +202,32 @@ fn plan(
         f::NATURAL_KEY: &record.natural_key, f::FIRST_SEEN: now_b.clone(),
     };
     let (update, write) = if old_hash == hash && !removed {
-        // Same content: no rewrite, but record that this pass saw it (deletion detection) and
-        // move `fetchedAt` on, so an older lease cannot write over it. `$max`: a late commit from
-        // an older pass never moves `lastSeenPass` back.
+        // Same content, by a retry: only `fetchedAt` moves on (see above).
         on_insert.insert(f::URL, lease.url.as_str());
         on_insert.insert(f::DATA, record.data.clone());
         on_insert.insert(f::LAST_CHANGED, now_b.clone());
         on_insert.insert(f::REMOVED_AT, Bson::Null);
+        on_insert.insert(f::FETCHED_PASS, lease.pass);
         (
-            doc! {
-                "$set": { f::FETCHED_AT: fetched_at, f::LAST_SEEN: now_b },
-                "$max": { f::LAST_SEEN_PASS: lease.pass },
-            },
+            doc! { "$set": { f::FETCHED_AT: fetched_at } },
             RecordWrite::Unchanged,
         )
     } else {
         let changed = old_hash != hash;
         let mut set = doc! {
             f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: &hash,
-            f::LAST_SEEN: now_b.clone(), f::REMOVED_AT: Bson::Null, f::FETCHED_AT: fetched_at,
+            f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null, f::FETCHED_AT: fetched_at,
+            f::FETCHED_PASS: lease.pass,
         };
-        if changed {
-            set.insert(f::LAST_CHANGED, now_b);
-        } else {
-            on_insert.insert(f::LAST_CHANGED, now_b);
-        }
+        // A change, or a record back after a removal: `lastChanged` moves either way (an
+        // export `--changed-since` must carry a record that came back).
+        set.insert(f::LAST_CHANGED, now_b);
         (
-            doc! { "$set": set, "$max": { f::LAST_SEEN_PASS: lease.pass } },
+            doc! { "$set": set },
             if changed {
                 RecordWrite::Changed
             } else {
-                RecordWrite::Unchanged
+                RecordWrite::Restored
             },
         )
     };
@@ -252,43 +264,20 @@ fn waves(ids: &[Option<String>]) -> Vec<Vec<usize>> {
     waves.into_iter().map(|(_, members)| members).collect()
 }
 
-/// The statements that mark the `seen` records of `pages` seen in their pass and the `removed`
-/// ones removed (idempotent: filtered on `lastSeenPass < pass` and `removedAt: null`).
-fn seen_and_removed(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Document> {
+/// The statements that mark the records of `pages` whose detail pages are gone removed
+/// (idempotent: filtered on `removedAt: null`).
+fn removed_statements(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Document> {
     // Every filter carries `botId`, a prefix of the shard key (ARCHITECTURE.md, "Scaling out").
-    let mut by_pass: HashMap<(&str, i64), Vec<&str>> = HashMap::new();
-    let mut statements = Vec::new();
-    for page in pages {
-        by_pass
-            .entry((page.lease.bot.as_str(), page.lease.pass))
-            .or_default()
-            .extend(page.seen.iter().map(String::as_str));
-        if let Some(id) = &page.removed {
-            statements.push(doc! {
+    pages
+        .iter()
+        .filter_map(|page| {
+            let id = page.removed.as_ref()?;
+            Some(doc! {
                 "q": { f::ID: id.as_str(), f::BOT: page.lease.bot.as_str(), f::REMOVED_AT: Bson::Null },
                 "u": { "$set": { f::REMOVED_AT: date(now), f::REMOVED_IN_PASS: page.lease.pass } },
-            });
-        }
-    }
-    for ((bot, pass), ids) in by_pass {
-        for chunk in ids
-            .chunks(super::frontier::IN_CHUNK)
-            .filter(|c| !c.is_empty())
-        {
-            statements.push(doc! {
-                "q": { f::ID: { "$in": chunk }, f::BOT: bot, f::LAST_SEEN_PASS: { "$lt": pass } },
-                // Seen on a listing page: it exists. A record marked removed by an earlier pass —
-                // its item shifted across a page boundary while that pass read the listing
-                // (items deleted above it moved it to a page already read) — is back.
-                "u": { "$set": {
-                    f::LAST_SEEN_PASS: pass, f::LAST_SEEN: date(now),
-                    f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null,
-                } },
-                "multi": true,
-            });
-        }
-    }
-    statements
+            })
+        })
+        .collect()
 }
 
 fn write_error_indexes(what: &'static str, reply: &Document) -> Result<HashSet<usize>> {
@@ -357,15 +346,14 @@ impl Store {
         self.database().collection(RECORDS)
     }
 
-    /// Creates the records' indexes (idempotent): deletion detection scans by bot and pass; an
-    /// operator's "changed since" and "removed" reads (the README's mongosh recipes, `export`)
-    /// by bot and `lastChanged` / `removedAt`.
+    /// Creates the records' indexes (idempotent) — an operator's reads by natural key, "changed
+    /// since" and "removed" (the README's mongosh recipes, `export`, restoring records at a
+    /// pass's end) by bot and `naturalKey` / `lastChanged` / `removedAt`; the natural key never
+    /// changes, so its index costs an insert, not a rewrite — and drops those of earlier
+    /// versions.
     pub async fn ensure_record_indexes(&self) -> Result<()> {
         let indexes = [
-            (
-                "bot_last_seen_pass",
-                doc! { f::BOT: 1, f::LAST_SEEN_PASS: 1 },
-            ),
+            ("bot_natural_key", doc! { f::BOT: 1, f::NATURAL_KEY: 1 }),
             ("bot_last_changed", doc! { f::BOT: 1, f::LAST_CHANGED: 1 }),
             ("bot_removed_at", doc! { f::BOT: 1, f::REMOVED_AT: 1 }),
         ]
@@ -380,6 +368,22 @@ impl Store {
             self.records().create_indexes(indexes),
         )
         .await?;
+        let present = self
+            .bounded("list records indexes", self.records().list_index_names())
+            .await?;
+        for retired in RETIRED_RECORD_INDEXES {
+            if present.iter().any(|n| n == retired) {
+                self.index_build(
+                    "drop a retired records index",
+                    self.records().drop_index(retired),
+                )
+                .await?;
+                tracing::info!(
+                    index = retired,
+                    "dropped a records index this version does not use"
+                );
+            }
+        }
         Ok(())
     }
 
@@ -397,11 +401,11 @@ impl Store {
         let page = PageCommit {
             lease,
             record,
-            seen: Vec::new(),
             removed: None,
             mark: Mark::Done {
                 validators: lease.validators.clone(),
                 record_id: None,
+                manifest: None,
             },
         };
         match self
@@ -504,7 +508,7 @@ impl Store {
             .filter(|i| pages[*i].record.is_some())
             .collect();
         let members: Vec<&PageCommit<'_>> = wave.iter().map(|i| &pages[*i]).collect();
-        let mut extra = seen_and_removed(&members, now);
+        let mut extra = removed_statements(&members, now);
         for _ in 0..ROUNDS {
             if todo.is_empty() && extra.is_empty() {
                 break;
@@ -521,6 +525,9 @@ impl Store {
                 match plan(record, page.lease, stored.get(id), now, true) {
                     Plan::Insert(doc) => inserts.push((*i, doc)),
                     Plan::Swap(statement, write) => swaps.push((*i, statement, write)),
+                    Plan::Unchanged => {
+                        writes.insert(*i, RecordWrite::Unchanged);
+                    }
                     Plan::Superseded => {
                         writes.insert(*i, RecordWrite::Superseded);
                     }
@@ -720,6 +727,9 @@ impl Store {
                     swaps.push(statement);
                     writes.insert(*i, write);
                 }
+                Plan::Unchanged => {
+                    writes.insert(*i, RecordWrite::Unchanged);
+                }
                 Plan::Superseded => {
                     writes.insert(*i, RecordWrite::Superseded);
                 }
@@ -753,7 +763,7 @@ impl Store {
             }
         }
         let members: Vec<&PageCommit<'_>> = alive.iter().map(|i| &pages[*i]).collect();
-        let extra = seen_and_removed(&members, now);
+        let extra = removed_statements(&members, now);
         if !extra.is_empty() {
             self.command(
                 "mark records",
@@ -839,30 +849,22 @@ impl Store {
             Err(_) => Ok(false),
         }
     }
-
-    /// Marks records seen in `pass` in one write (unchanged records get no other write).
-    pub async fn mark_seen(&self, ids: &[String], pass: i64, now: DateTime<Utc>) -> Result<u64> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let records = self.records();
-        let update = records.update_many(
-            doc! { f::ID: { "$in": ids }, f::LAST_SEEN_PASS: { "$lt": pass } },
-            doc! { "$set": {
-                f::LAST_SEEN_PASS: pass, f::LAST_SEEN: date(now),
-                f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null,
-            } },
-        );
-        Ok(self.bounded("mark seen", update).await?.modified_count)
-    }
 }
 
 /// A page's mark, with the id of the record it wrote on a `Done`.
 fn mark_of(page: &PageCommit<'_>, record_id: Option<&str>) -> Mark {
     match (&page.mark, record_id) {
-        (Mark::Done { validators, .. }, Some(id)) => Mark::Done {
+        (
+            Mark::Done {
+                validators,
+                manifest,
+                ..
+            },
+            Some(id),
+        ) => Mark::Done {
             validators: validators.clone(),
             record_id: Some(id.to_owned()),
+            manifest: manifest.clone(),
         },
         (mark, _) => mark.clone(),
     }

@@ -345,3 +345,130 @@ pub async fn request_log(base: &str) -> Vec<(String, i64)> {
         .map(|e| (e[0].as_str().unwrap().to_owned(), e[1].as_i64().unwrap()))
         .collect()
 }
+
+/// The commands a monitored client sent, in order: (name, body).
+pub type Sent = std::sync::Arc<std::sync::Mutex<Vec<(String, Document)>>>;
+
+/// A store whose client records every command it sends (the driver's command monitoring).
+pub async fn monitored_store(uri: &str, database: &str) -> (seedlock::store::Store, Sent) {
+    use mongodb::event::command::CommandEvent;
+    let sent: Sent = Default::default();
+    let mut options = mongodb::options::ClientOptions::parse(uri).await.unwrap();
+    let log = sent.clone();
+    options.command_event_handler = Some(mongodb::event::EventHandler::callback(move |event| {
+        if let CommandEvent::Started(started) = event {
+            log.lock()
+                .unwrap()
+                .push((started.command_name.clone(), started.command.clone()));
+        }
+    }));
+    let client = mongodb::Client::with_options(options).unwrap();
+    (seedlock::store::Store::new(client.database(database)), sent)
+}
+
+/// Counts the documents written to `collection` (its change stream's events: inserts,
+/// updates, replacements, deletes) from now until the returned counter is stopped.
+pub struct WriteCount {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<std::collections::BTreeMap<String, u64>>,
+}
+
+impl WriteCount {
+    pub async fn start(db: &TestDb, collection: &str) -> WriteCount {
+        use futures_util::StreamExt;
+        let mut stream = db
+            .db
+            .collection::<Document>(collection)
+            .watch()
+            .await
+            .expect("a change stream");
+        let stop = CancellationToken::new();
+        let until = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut by_id: std::collections::BTreeMap<String, u64> = Default::default();
+            let mut count = |e: mongodb::change_stream::event::ChangeStreamEvent<Document>| {
+                let id = e
+                    .document_key
+                    .and_then(|k| k.get("_id").map(ToString::to_string))
+                    .unwrap_or_default();
+                *by_id.entry(id).or_default() += 1;
+            };
+            loop {
+                tokio::select! {
+                    _ = until.cancelled() => break,
+                    event = stream.next() => match event {
+                        Some(Ok(e)) => count(e),
+                        _ => break,
+                    },
+                }
+            }
+            // What was written before the stop and is still on its way.
+            while let Ok(Some(Ok(e))) =
+                tokio::time::timeout(Duration::from_millis(500), stream.next()).await
+            {
+                count(e);
+            }
+            by_id
+        });
+        WriteCount { stop, task }
+    }
+
+    /// Writes per document (by `_id`), since the start.
+    pub async fn stop(self) -> std::collections::BTreeMap<String, u64> {
+        self.stop.cancel();
+        self.task.await.unwrap()
+    }
+}
+
+/// `run --once` of `settings` on `store`, in-process.
+pub async fn once_on(settings: Settings, store: seedlock::store::Store) -> Vec<BotSummary> {
+    seedlock::daemon::run_with_store(
+        settings,
+        store,
+        Mode::Once {
+            timeout: Duration::from_secs(60),
+        },
+        CancellationToken::new(),
+    )
+    .await
+    .expect("run --once finishes the pass")
+}
+
+/// The `_id`s the frontier reads of `sent` asked for to decide listing items (the known-pages
+/// read: its projection holds `fingerprint`), leaving out the listing pages `listings`.
+pub fn item_reads(sent: &Sent, listings: &[String]) -> usize {
+    sent.lock()
+        .unwrap()
+        .iter()
+        .filter(|(name, body)| name == "find" && body.get_str("find") == Ok("frontier"))
+        .filter(|(_, body)| {
+            body.get_document("projection")
+                .is_ok_and(|p| p.contains_key("fingerprint"))
+        })
+        .map(|(_, body)| {
+            body.get_document("filter")
+                .ok()
+                .and_then(|f| f.get_document("_id").ok())
+                .and_then(|id| id.get_array("$in").ok())
+                .map_or(0, |ids| {
+                    ids.iter()
+                        .filter(|id| {
+                            !id.as_str()
+                                .is_some_and(|id| listings.iter().any(|l| l == id))
+                        })
+                        .count()
+                })
+        })
+        .sum()
+}
+
+/// The frontier ids of the shop's listing pages 1 to `n` (bot `shop`).
+pub fn listing_ids(base: &str, n: u32) -> Vec<String> {
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    (1..=n)
+        .map(|i| {
+            let url = seedlock::urls::NormalizedUrl::parse(&format!("{base}/list/{i}")).unwrap();
+            seedlock::store::frontier::url_id(&bot, &url)
+        })
+        .collect()
+}
