@@ -432,7 +432,11 @@ async fn stop_on_signal(shutdown: CancellationToken) {
 }
 
 async fn status(settings: Settings, json: bool) -> ExitCode {
-    let configured: Vec<BotId> = settings.bots.iter().map(|b| b.id.clone()).collect();
+    let configured: Vec<_> = settings
+        .bots
+        .iter()
+        .map(|b| (b.id.clone(), b.refresh))
+        .collect();
     with_store(&settings, |store, clock| async move {
         match crate::ops::fleet::read(&store, &configured, clock.now()).await {
             Err(e) => fail(EXIT_FAILED, e),

@@ -158,8 +158,11 @@ pub struct MongoSettings {
     pub uri: String,
     pub database: String,
     pub connect_timeout: Duration,
-    /// Longest any one database operation may take before it counts as failed (transient).
+    /// Longest any one database operation may take before it counts as failed (transient);
+    /// the wait for a pooled connection counts toward it.
     pub op_timeout: Duration,
+    /// The driver's connection pool, at most (`mongo.max_pool_size`).
+    pub max_pool_size: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -184,6 +187,8 @@ pub struct RefreshLimits {
     pub backoff_max: Duration,
     pub sitemap_depth: u32,
     pub user_agent: String,
+    /// Refreshes one instance runs at once (`refresh.concurrency`), across all its bots.
+    pub concurrency: usize,
 }
 
 /// `[crawl]`: how every bot's crawl runs on this instance.
@@ -324,6 +329,24 @@ pub enum RefreshSchedule {
     Every(Duration),
 }
 
+impl RefreshSchedule {
+    /// `"daily"`, or an interval such as `"6h"` (1 s to 7 days).
+    pub fn parse(text: &str) -> Result<RefreshSchedule, String> {
+        match text.trim() {
+            "daily" => Ok(RefreshSchedule::Daily),
+            other => {
+                let every = positive("refresh", other).map_err(|_| {
+                    format!("{other:?} is neither \"daily\" nor an interval such as \"6h\" (at most 7 days)")
+                })?;
+                if every < Duration::from_secs(1) {
+                    return Err("an interval must be at least 1s".into());
+                }
+                Ok(RefreshSchedule::Every(every))
+            }
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OnRefreshFailure {
@@ -356,6 +379,12 @@ struct RawConfig {
     bots: Vec<RawBot>,
 }
 
+/// The default of `mongo.max_pool_size`: connections one instance opens, at most. Every bot's
+/// crawl keeps a few operations in flight (a lease round, group commits, enqueues) and the hub
+/// one change stream; 32 leave room for a handful of crawling bots and a burst of refreshes
+/// without opening a connection per bot (the driver's default is 10).
+pub const DEFAULT_MAX_POOL_SIZE: u32 = 32;
+
 #[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 struct RawMongo {
@@ -363,6 +392,7 @@ struct RawMongo {
     database: String,
     connect_timeout: String,
     op_timeout: String,
+    max_pool_size: u32,
 }
 
 impl Default for RawMongo {
@@ -372,6 +402,7 @@ impl Default for RawMongo {
             database: "seedlock".into(),
             connect_timeout: "5s".into(),
             op_timeout: "10s".into(),
+            max_pool_size: DEFAULT_MAX_POOL_SIZE,
         }
     }
 }
@@ -418,6 +449,7 @@ struct RawRefresh {
     backoff_max: String,
     sitemap_depth: u32,
     user_agent: String,
+    concurrency: u32,
 }
 
 impl Default for RawRefresh {
@@ -431,6 +463,7 @@ impl Default for RawRefresh {
             backoff_max: "5m".into(),
             sitemap_depth: 2,
             user_agent: concat!("seedlock/", env!("CARGO_PKG_VERSION")).into(),
+            concurrency: crate::lock::hub::DEFAULT_REFRESH_CONCURRENCY as u32,
         }
     }
 }
@@ -1056,6 +1089,14 @@ impl RawConfig {
             database: validate_database(&self.mongo.database)?,
             connect_timeout: positive("mongo.connect_timeout", &self.mongo.connect_timeout)?,
             op_timeout: positive("mongo.op_timeout", &self.mongo.op_timeout)?,
+            max_pool_size: match self.mongo.max_pool_size {
+                n @ 1..=1000 => n,
+                n => {
+                    return Err(format!(
+                        "key `mongo.max_pool_size`: {n} must be between 1 and 1000"
+                    ))
+                }
+            },
         };
         if !(mongo.uri.starts_with("mongodb://") || mongo.uri.starts_with("mongodb+srv://")) {
             return Err(format!(
@@ -1218,6 +1259,14 @@ impl RawRefresh {
             backoff_max,
             sitemap_depth: self.sitemap_depth,
             user_agent: user_agent.to_owned(),
+            concurrency: match self.concurrency {
+                n @ 1..=10_000 => n as usize,
+                n => {
+                    return Err(format!(
+                        "key `refresh.concurrency`: {n} must be between 1 and 10000"
+                    ))
+                }
+            },
         })
     }
 }
@@ -1248,20 +1297,8 @@ impl RawBot {
                 format: source.format,
             },
         };
-        let refresh = match self.refresh.trim() {
-            "daily" => RefreshSchedule::Daily,
-            other => {
-                let every = positive(&format!("{p}.refresh"), other).map_err(|_| {
-                    format!("key `{p}.refresh`: {other:?} is neither \"daily\" nor an interval such as \"6h\" (at most 7 days)")
-                })?;
-                if every < Duration::from_secs(1) {
-                    return Err(format!(
-                        "key `{p}.refresh`: an interval must be at least 1s"
-                    ));
-                }
-                RefreshSchedule::Every(every)
-            }
-        };
+        let refresh = RefreshSchedule::parse(&self.refresh)
+            .map_err(|why| format!("key `{p}.refresh`: {why}"))?;
         let crawl = match self.crawl {
             Some(c) => Some(c.validate(p)?),
             None => None,
@@ -1401,6 +1438,7 @@ on_refresh_failure = "wait"
                 database: "d".into(),
                 connect_timeout: "1s".into(),
                 op_timeout: "1s".into(),
+                max_pool_size: 1,
             },
             instance: RawInstance {
                 id: "i".into(),
@@ -1422,6 +1460,7 @@ on_refresh_failure = "wait"
                 backoff_max: "1s".into(),
                 sitemap_depth: 1,
                 user_agent: "u".into(),
+                concurrency: 1,
             },
             crawl: RawCrawlLimits {
                 workers: 1,

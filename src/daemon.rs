@@ -202,6 +202,8 @@ pub async fn run_with_store(
         let store = store.clone();
         metrics.add_source(Box::new(move |m| {
             m.observe_db_commands(&store.command_counts());
+            let (waited, checkouts) = store.pool_wait();
+            m.observe_pool_wait(waited, checkouts);
             true
         }));
     }
@@ -226,6 +228,12 @@ pub async fn run_with_store(
         metrics: metrics.clone(),
         refresh_backoff: (settings.refresh.backoff_base, settings.refresh.backoff_max),
         crawl,
+        hub: crate::lock::hub::Hub::new(
+            store.clone(),
+            clock.clone(),
+            settings.lock,
+            settings.refresh.concurrency,
+        ),
     });
     info!(instance = %ctx.me, bots = settings.bots.len(), database = %settings.mongo.database, "seedlock starting");
 
@@ -252,7 +260,11 @@ pub async fn run_with_store(
         let status = crate::ops::http::StatusSource {
             store: store.clone(),
             clock: clock.clone(),
-            configured: settings.bots.iter().map(|b| b.id.clone()).collect(),
+            configured: settings
+                .bots
+                .iter()
+                .map(|b| (b.id.clone(), b.refresh))
+                .collect(),
             me: ctx.me.clone(),
             started: std::time::Instant::now(),
             cache: Default::default(),
@@ -336,6 +348,7 @@ pub async fn run_with_store(
     stop.cancel();
     tracker.close();
     tracker.wait().await;
+    ctx.hub.close().await;
     // The registration goes last: no lock work of this process outlives it.
     let _ = presence.await;
     let result = if id_lost.load(std::sync::atomic::Ordering::SeqCst) {

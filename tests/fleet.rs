@@ -562,3 +562,65 @@ async fn a_paused_bot_takes_no_lock_until_it_is_resumed() {
     .await;
     stop_all(&mut [&mut a, &mut b]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_bots_on_three_instances_are_each_refreshed_exactly_once() {
+    // A fleet larger than the refresh permits of all three instances together (3 × 16), each
+    // bot with a seed source of its own that answers at once: every bot becomes ready, each
+    // refreshed by exactly one request, and no instance loses a lock or times out.
+    let f = Fleet::start("fleet200", 1, 1, 0).await;
+    let source = SeedSourceServer::start().await;
+    let names: Vec<String> = (0..200).map(|i| format!("b{i:03}")).collect();
+    let file: String = names
+        .iter()
+        .map(|bot| url_bot(bot, &source.bot_url(bot)))
+        .collect();
+    let mut procs: Vec<Proc> = ["f1", "f2", "f3"].iter().map(|n| f.instance(n)).collect();
+    f.apply(&file).await;
+    let ready = || async {
+        let mut cursor =
+            f.db.bots()
+                .find(doc! { "isReady": true, "isEditing": false })
+                .await
+                .unwrap();
+        let mut n = 0;
+        while cursor.try_next().await.unwrap().is_some() {
+            n += 1;
+        }
+        n
+    };
+    eventually("all 200 bots ready", Duration::from_secs(120), || async {
+        ready().await == 200
+    })
+    .await;
+    let hits = source.bot_hits();
+    let wrong: Vec<(&String, usize)> = names
+        .iter()
+        .map(|bot| (bot, hits.get(bot).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n != 1)
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "bots not refreshed exactly once: {wrong:?}"
+    );
+    // Nobody is left waiting, and the refreshes did not trip over each other.
+    assert_eq!(
+        f.db.bots()
+            .count_documents(doc! { "$or": [{ "isReady": false }, { "isEditing": true }] })
+            .await
+            .unwrap(),
+        0
+    );
+    let mut refs: Vec<&mut Proc> = procs.iter_mut().collect();
+    stop_all(&mut refs).await;
+    for p in &procs {
+        let log = p.log();
+        for bad in [
+            "edit lock lost",
+            "did not finish within",
+            "cannot read the bots",
+        ] {
+            assert!(!log.contains(bad), "{bad:?} in an instance's log:\n{log}");
+        }
+    }
+}

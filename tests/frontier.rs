@@ -714,6 +714,7 @@ async fn large_reads_come_back_in_one_round_trip() {
         database: db.name.clone(),
         connect_timeout: Duration::from_secs(10),
         op_timeout: Duration::from_secs(10),
+        max_pool_size: seedlock::config::DEFAULT_MAX_POOL_SIZE,
     })
     .await
     .unwrap();

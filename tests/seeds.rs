@@ -80,6 +80,7 @@ fn limits(max_bytes: usize, attempts: u32, sitemap_depth: u32) -> RefreshLimits 
         backoff_max: Duration::from_millis(50),
         sitemap_depth,
         user_agent: "seedlock-test".into(),
+        concurrency: 16,
     }
 }
 

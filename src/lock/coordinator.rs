@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use futures_util::StreamExt;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -19,8 +18,9 @@ use crate::config::{BotSettings, LockSettings, OnRefreshFailure};
 use crate::crawl::{CrawlContext, Crawler, PassState, SliceEnd};
 use crate::error::{Error, Result};
 use crate::ids::{BotId, InstanceId};
-use crate::lock::decide::{decide, BotState, Claim, Decision, Me, Policy};
+use crate::lock::decide::{decide, ready_until, BotState, Claim, Decision, Me, Policy};
 use crate::lock::document::Observed;
+use crate::lock::hub::{Beat, Hub, Permit};
 use crate::lock::seeds::{SeedError, SeedFetcher, Seeds};
 use crate::ops::metrics::Metrics;
 use crate::store::{EditLock, NextPass, Store};
@@ -39,6 +39,8 @@ pub struct Context {
     pub refresh_backoff: (Duration, Duration),
     /// What crawling bots need (`None`: bots only keep their seeds fresh).
     pub crawl: Option<CrawlContext>,
+    /// The instance's shared wake-ups, lock upkeep and refresh permits.
+    pub hub: Hub,
 }
 
 /// The result of one [`BotRunner::step`].
@@ -72,6 +74,9 @@ pub enum StepOutcome {
     Released,
     /// The bot, defined in the database, was removed: its runner ends.
     Removed,
+    /// A refresh is due, but every refresh permit of this instance is in use: nothing was
+    /// claimed; the runner waits for a permit (or for another instance to do it).
+    Busy,
 }
 
 /// When [`BotRunner::run`] returns.
@@ -112,7 +117,22 @@ pub struct BotRunner {
     pass_crawler: std::sync::Mutex<Option<(RecordedSpec, Arc<Crawler>)>>,
     /// The spec the bot's current (or last) pass recorded, as last read.
     last_pass_spec: std::sync::Mutex<Option<RecordedSpec>>,
+    /// A refresh permit the loop waited for, for the next step's claim.
+    reserved: std::sync::Mutex<Option<Permit>>,
+    /// While the bot is Ready: when its document says a refresh falls due (or its backoff
+    /// ends), as last read — until then the loop waits for a wake-up only.
+    ready_until: std::sync::Mutex<Option<DateTime<Utc>>>,
 }
+
+impl Drop for BotRunner {
+    fn drop(&mut self) {
+        self.ctx.hub.unregister(&self.bot.id, &self.wake);
+    }
+}
+
+/// The longest a runner waits without reading its document when nothing it knows of can change
+/// it: the hub's wake-ups and poll carry every change, so this only bounds a mistake.
+const IDLE_CHECK: Duration = Duration::from_secs(300);
 
 /// How one crawl turn of a ready bot ended.
 enum CrawlTurn {
@@ -157,14 +177,16 @@ impl BotRunner {
             _ => None,
         };
         Self {
+            wake: ctx.hub.register(&bot.id),
             bot,
             policy,
             ctx,
-            wake: Arc::new(Notify::new()),
             crawler,
             spec: None,
             pass_crawler: std::sync::Mutex::new(None),
             last_pass_spec: std::sync::Mutex::new(None),
+            reserved: std::sync::Mutex::new(None),
+            ready_until: std::sync::Mutex::new(None),
         }
     }
 
@@ -175,10 +197,9 @@ impl BotRunner {
         spec: bson::Document,
         ctx: Arc<Context>,
     ) -> Self {
-        Self {
-            spec: Some((version, spec)),
-            ..Self::new(bot, ctx)
-        }
+        let mut runner = Self::new(bot, ctx);
+        runner.spec = Some((version, spec));
+        runner
     }
 
     /// What a pass started by this runner records of the spec it runs on — and, when the pass
@@ -247,6 +268,8 @@ impl BotRunner {
     pub async fn step(&self, shutdown: &CancellationToken) -> Result<StepOutcome> {
         let ctx = &self.ctx;
         let id = &self.bot.id;
+        // The permit the loop waited for serves this step's claim; any other step gives it back.
+        let reserved = self.reserved.lock().expect("permit lock").take();
         let observed = ctx.store.load(id).await?;
         ctx.metrics.db_ok();
         if let Observed::Valid(doc) = &observed {
@@ -277,6 +300,8 @@ impl BotRunner {
                 let Observed::Valid(doc) = observed else {
                     unreachable!("UseSeeds comes from a valid document")
                 };
+                *self.ready_until.lock().expect("ready lock") =
+                    ready_until(&doc, now, &self.policy);
                 if let Some(note) = note {
                     debug!(bot = %id, %note, "using the previous seeds");
                 }
@@ -334,6 +359,24 @@ impl BotRunner {
                 reason,
                 ..
             } => {
+                // A permit first: a bot this instance cannot refresh now is not locked.
+                let Some(permit) = reserved.or_else(|| ctx.hub.try_permit()) else {
+                    debug!(bot = %id, "every refresh permit is in use; waiting for one");
+                    return Ok(StepOutcome::Busy);
+                };
+                // An instance that holds locks leaves a moment for those that hold fewer.
+                let delay = ctx.hub.claim_delay();
+                if !delay.is_zero() {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(StepOutcome::LostRace),
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                }
+                let now = if delay.is_zero() {
+                    now
+                } else {
+                    ctx.clock.now()
+                };
                 let held = ctx
                     .store
                     .claim(id, &ctx.me, expected, claim, now, ctx.lock.ttl, &reason)
@@ -351,7 +394,9 @@ impl BotRunner {
                 ctx.metrics.acquired(id, takeover);
                 ctx.metrics.saw_epoch(id, held.epoch.get());
                 info!(bot = %id, epoch = held.epoch.get(), %reason, takeover = takeover.unwrap_or("no"), "won the edit lock");
-                self.refresh(held, shutdown).await
+                let outcome = self.refresh(held, shutdown).await;
+                drop(permit);
+                outcome
             }
         }
     }
@@ -371,9 +416,8 @@ impl BotRunner {
         let end = {
             let fetch = ctx.fetcher.fetch(&self.bot.seeds, &work);
             tokio::pin!(fetch);
-            let mut beat =
-                tokio::time::interval_at(Instant::now() + ctx.lock.heartbeat, ctx.lock.heartbeat);
-            beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // Renewed with every other lock this instance holds, one round trip a tick.
+            let mut heartbeats = ctx.hub.heartbeats(&held);
             // The holder gives up at `max_refresh` exactly (others wait out a grace on top), so
             // its failure and backoff land before anyone may take the lock over as stuck.
             let give_up = Instant::now()
@@ -381,6 +425,12 @@ impl BotRunner {
                     .to_std()
                     .unwrap_or(Duration::ZERO);
             loop {
+                // Raced against the lock's confirmed end: a database that swallows the
+                // heartbeats (a partition) must not keep this holder refreshing past it.
+                let runs_out = Instant::now()
+                    + (confirmed_until - ctx.clock.now())
+                        .to_std()
+                        .unwrap_or(Duration::ZERO);
                 tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => break End::Shutdown,
@@ -388,42 +438,29 @@ impl BotRunner {
                         break End::Fetched(result)
                     }
                     _ = tokio::time::sleep_until(give_up) => break End::Abandoned,
-                    _ = beat.tick() => {
-                        let now = ctx.clock.now();
-                        if now >= deadline {
-                            break End::Abandoned;
+                    _ = tokio::time::sleep_until(runs_out) => break End::Lost,
+                    changed = heartbeats.beats.changed() => {
+                        if changed.is_err() {
+                            break End::Lost;
                         }
-                        // Raced against the lock's confirmed end: a database that swallows the
-                        // heartbeat (a partition) must not keep this holder refreshing past it.
-                        let runs_out = Instant::now()
-                            + (confirmed_until - now).to_std().unwrap_or(Duration::ZERO);
-                        let beat = tokio::time::timeout_at(
-                            runs_out,
-                            ctx.store.heartbeat(&held, now, ctx.lock.ttl),
-                        );
-                        let beat = match beat.await {
-                            Ok(result) => result,
-                            Err(_) => break End::Lost,
-                        };
+                        let beat = heartbeats.beats.borrow_and_update().clone();
                         match beat {
-                            Ok(expires) => {
+                            Beat::Taken => {}
+                            Beat::Renewed(expires) => {
                                 ctx.metrics.db_ok();
                                 confirmed_until = expires;
                             }
-                            Err(Error::EditLockLost { .. }) => break End::Lost,
-                            Err(e) => {
+                            Beat::Lost => break End::Lost,
+                            Beat::Failed(error) => {
                                 ctx.metrics.db_error();
-                                warn!(bot = %id, epoch = held.epoch.get(), error = %e, "heartbeat failed");
-                                if ctx.clock.now() >= confirmed_until {
-                                    break End::Lost;
-                                }
+                                warn!(bot = %id, epoch = held.epoch.get(), %error, "heartbeat failed");
                             }
                         }
                     }
                 }
             }
             // `fetch` is dropped here: the HTTP request (and any retry sleep) stops before any
-            // last write is attempted.
+            // last write is attempted — and so are the heartbeats.
         };
         work.cancel();
         let finish = match end {
@@ -616,24 +653,20 @@ impl BotRunner {
         })
     }
 
-    /// Loops over [`step`](Self::step) until `until` or shutdown. Every wait is bounded by the poll
-    /// interval (±20% jitter) and ends early when the document changes (change streams, where the
-    /// server has them); database errors back off exponentially with full jitter.
+    /// Loops over [`step`](Self::step) until `until` or shutdown. Every wait ends early when the
+    /// bot's document changes (the instance's hub: one change stream, one poll of every bot's
+    /// digest); a waiting bot otherwise sleeps until the moment its document says something can
+    /// change (±20% jitter on the poll where one applies). Database errors back off
+    /// exponentially with full jitter.
     pub async fn run(&self, until: Until, shutdown: &CancellationToken) -> RunEnd {
         let ctx = &self.ctx;
         let id = &self.bot.id;
         let poll = ctx.lock.poll;
-        let stop_watcher = shutdown.child_token();
-        // The change stream is open only while this loop waits: during a crawl slice nothing
-        // reads its wake-ups, and every open stream makes the server read every write of the
-        // crawl (all instances' frontier and record writes) to find this document's changes.
-        let (watching, wanted) = tokio::sync::watch::channel(true);
-        let watcher = self.spawn_watcher(stop_watcher.clone(), wanted);
         let mut db_failures: u32 = 0;
         let mut waiting_since: Option<Instant> = None;
-        let end = loop {
+        loop {
             if shutdown.is_cancelled() {
-                break RunEnd::Shutdown;
+                return RunEnd::Shutdown;
             }
             let outcome = match self.step(shutdown).await {
                 Ok(StepOutcome::Usable {
@@ -644,10 +677,7 @@ impl BotRunner {
                     if let Some(since) = waiting_since.take() {
                         ctx.metrics.waited(id, since.elapsed());
                     }
-                    watching.send_replace(false);
-                    let turn = self.crawl_turn(pass, until, shutdown).await;
-                    watching.send_replace(true);
-                    match turn {
+                    match self.crawl_turn(pass, until, shutdown).await {
                         Ok(turn) => {
                             if db_failures > 0 {
                                 info!(bot = %id, after = db_failures, "database reachable again");
@@ -655,17 +685,18 @@ impl BotRunner {
                             db_failures = 0;
                             let pause = match turn {
                                 CrawlTurn::Finished if until == Until::Done => {
-                                    break RunEnd::Done { seeds, epoch };
+                                    return RunEnd::Done { seeds, epoch };
                                 }
-                                CrawlTurn::Shutdown => break RunEnd::Shutdown,
+                                CrawlTurn::Shutdown => return RunEnd::Shutdown,
                                 CrawlTurn::Started | CrawlTurn::TimeUp => None,
                                 // Others hold the rest of the pass: look again soon.
                                 CrawlTurn::Idle => Some(jittered(poll / 4, 0.2)),
-                                CrawlTurn::Finished => Some(jittered(poll, 0.2)),
+                                // Nothing to do until the document changes or a refresh is due.
+                                CrawlTurn::Finished => Some(self.idle_for()),
                             };
                             if let Some(delay) = pause {
                                 if self.pause(delay, shutdown).await {
-                                    break RunEnd::Shutdown;
+                                    return RunEnd::Shutdown;
                                 }
                             }
                             continue;
@@ -696,7 +727,7 @@ impl BotRunner {
                     }
                     let delay = full_jitter(poll / 4, poll * 8, db_failures);
                     if self.pause(delay, shutdown).await {
-                        break RunEnd::Shutdown;
+                        return RunEnd::Shutdown;
                     }
                     continue;
                 }
@@ -707,27 +738,38 @@ impl BotRunner {
                     if let Some(since) = waiting_since.take() {
                         ctx.metrics.waited(id, since.elapsed());
                     }
-                    if matches!(outcome, StepOutcome::Usable { .. }) && until == Until::Done {
-                        break RunEnd::Done { seeds, epoch };
-                    }
-                    if matches!(outcome, StepOutcome::Usable { .. })
-                        && self.pause(jittered(poll, 0.2), shutdown).await
-                    {
-                        break RunEnd::Shutdown;
+                    if matches!(outcome, StepOutcome::Usable { .. }) {
+                        if until == Until::Done {
+                            return RunEnd::Done { seeds, epoch };
+                        }
+                        if self.pause(self.idle_for(), shutdown).await {
+                            return RunEnd::Shutdown;
+                        }
                     }
                 }
                 StepOutcome::Wait { until: wake_at, .. } => {
                     waiting_since.get_or_insert_with(Instant::now);
-                    let mut delay = jittered(poll, 0.2);
-                    if let Some(at) = wake_at {
-                        // Wake just after the moment the situation can change, if that is sooner.
-                        let left = (at - ctx.clock.now()).to_std().unwrap_or_default()
-                            + Duration::from_millis(20);
-                        delay = delay.min(left);
-                    }
+                    // Until the moment the situation can change, if the document names one:
+                    // any change before it wakes the loop.
+                    let delay = match wake_at {
+                        Some(at) => ((at - ctx.clock.now()).to_std().unwrap_or_default()
+                            + Duration::from_millis(20))
+                        .min(IDLE_CHECK),
+                        None => jittered(IDLE_CHECK, 0.2),
+                    };
                     if self.pause(delay, shutdown).await {
-                        break RunEnd::Shutdown;
+                        return RunEnd::Shutdown;
                     }
+                }
+                StepOutcome::Busy => {
+                    waiting_since.get_or_insert_with(Instant::now);
+                    // A permit, or a change of the document (another instance refreshed it).
+                    let permit = tokio::select! {
+                        _ = shutdown.cancelled() => return RunEnd::Shutdown,
+                        permit = ctx.hub.permit() => Some(permit),
+                        _ = self.wake.notified() => None,
+                    };
+                    *self.reserved.lock().expect("permit lock") = permit;
                 }
                 StepOutcome::Initialized
                 | StepOutcome::Repaired
@@ -738,18 +780,26 @@ impl BotRunner {
                         .pause(full_jitter(poll / 20, poll / 4, 1), shutdown)
                         .await
                     {
-                        break RunEnd::Shutdown;
+                        return RunEnd::Shutdown;
                     }
                 }
-                StepOutcome::Released => break RunEnd::Shutdown,
-                StepOutcome::Removed => break RunEnd::Removed,
+                StepOutcome::Released => return RunEnd::Shutdown,
+                StepOutcome::Removed => return RunEnd::Removed,
             }
-        };
-        // The watcher's change stream is closed before the loop returns, so no database work of
-        // this bot outlives it.
-        stop_watcher.cancel();
-        let _ = watcher.await;
-        end
+        }
+    }
+
+    /// How long a Ready bot with nothing to crawl sleeps unless woken: until its refresh falls
+    /// due, at most [`IDLE_CHECK`].
+    fn idle_for(&self) -> Duration {
+        let until = *self.ready_until.lock().expect("ready lock");
+        let cap = jittered(IDLE_CHECK, 0.2);
+        match until {
+            Some(at) => ((at - self.ctx.clock.now()).to_std().unwrap_or_default()
+                + Duration::from_millis(20))
+            .min(cap),
+            None => cap,
+        }
     }
 
     /// One crawl turn of a ready bot: start its first pass, or crawl its current pass for a
@@ -856,94 +906,6 @@ impl BotRunner {
             _ = shutdown.cancelled() => true,
             _ = tokio::time::sleep(delay) => false,
             _ = self.wake.notified() => false,
-        }
-    }
-
-    /// Watches the bot's document and wakes the loop on every change. Where the server has no
-    /// change streams, polling alone carries on.
-    fn spawn_watcher(
-        &self,
-        stop: CancellationToken,
-        wanted: tokio::sync::watch::Receiver<bool>,
-    ) -> tokio::task::JoinHandle<()> {
-        let store = self.ctx.store.clone();
-        let id = self.bot.id.clone();
-        tokio::spawn(wake_on_changes(
-            move || {
-                let (store, id) = (store.clone(), id.clone());
-                async move { store.watch_bot(&id).await }
-            },
-            self.wake.clone(),
-            self.ctx.lock.poll,
-            stop,
-            wanted,
-        ))
-    }
-}
-
-type Changes = mongodb::change_stream::ChangeStream<
-    mongodb::change_stream::event::ChangeStreamEvent<bson::Document>,
->;
-
-/// Wakes `wake` on every event of the change stream `open` opens — and once whenever it opens (a
-/// change made while it was opening is in no event) — while `wanted` is true; reopens it with
-/// backoff when it ends, until `stop`. Where the server has no change streams it returns, and
-/// polling alone carries on.
-pub(crate) async fn wake_on_changes<F, Fut>(
-    open: F,
-    wake: Arc<Notify>,
-    poll: Duration,
-    stop: CancellationToken,
-    mut wanted: tokio::sync::watch::Receiver<bool>,
-) where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = Result<Changes>>,
-{
-    let mut failures: u32 = 0;
-    loop {
-        // Closed while the loop crawls; opened again when it waits.
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            changed = wanted.wait_for(|w| *w) => if changed.is_err() { return },
-        }
-        let stream = tokio::select! {
-            _ = stop.cancelled() => return,
-            s = open() => s,
-        };
-        match stream {
-            Ok(mut stream) => {
-                failures = 0;
-                wake.notify_one();
-                loop {
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = wanted.wait_for(|w| !*w) => break,
-                        event = stream.next() => match event {
-                            Some(Ok(_)) => wake.notify_one(),
-                            Some(Err(e)) => {
-                                debug!(error = %e, "change stream ended; reopening");
-                                break;
-                            }
-                            None => break,
-                        },
-                    }
-                }
-                if !*wanted.borrow() {
-                    // Paused, not failed.
-                    continue;
-                }
-            }
-            Err(e) if !e.is_transient() => {
-                debug!(error = %e, "no change streams on this server; polling only");
-                return;
-            }
-            Err(_) => {}
-        }
-        failures += 1;
-        let delay = full_jitter(poll, poll * 16, failures);
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(delay) => {}
         }
     }
 }

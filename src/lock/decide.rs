@@ -357,6 +357,34 @@ fn decide_idle(doc: &BotDoc, now: DateTime<Utc>) -> Decision {
     )
 }
 
+/// For a Ready bot (the decision was to use its seeds): the first moment its decision can
+/// change without its document changing — its refresh falling due (`daily`: the next UTC
+/// midnight after the last refresh; an interval: the last refresh plus the interval), or, while
+/// a due refresh backs off after a failure, the backoff's end. `None`: nothing but a change of
+/// the document will change it.
+pub fn ready_until(doc: &BotDoc, now: DateTime<Utc>, policy: &Policy) -> Option<DateTime<Utc>> {
+    if refresh_due(doc, now, policy.refresh).is_some() {
+        return backing_off(doc, now);
+    }
+    scheduled_refresh(doc, policy.refresh)
+}
+
+/// When the schedule makes the bot's next refresh due (from its last refresh); `None` for a bot
+/// never refreshed (due at once).
+pub fn scheduled_refresh(doc: &BotDoc, schedule: RefreshSchedule) -> Option<DateTime<Utc>> {
+    let last = doc.last_seed_updated_at?;
+    match schedule {
+        RefreshSchedule::Daily => last
+            .date_naive()
+            .succ_opt()
+            .and_then(|d| d.and_hms_opt(0, 0, 0))
+            .map(|t| t.and_utc()),
+        RefreshSchedule::Every(every) => chrono::Duration::from_std(every)
+            .ok()
+            .and_then(|d| last.checked_add_signed(d)),
+    }
+}
+
 /// The state an admin sees for a document (status, metrics), independent of any instance.
 pub fn state_of(observed: &Observed) -> BotState {
     match observed {
@@ -731,5 +759,44 @@ mod tests {
         };
         assert_eq!(state_of(&Observed::Valid(failed)), BotState::Error);
         assert_eq!(state_of(&Observed::Missing), BotState::Waiting);
+    }
+
+    #[test]
+    fn a_ready_bot_knows_when_its_decision_changes_without_a_change_of_its_document() {
+        // Daily: the next UTC midnight after the last refresh; until then, it uses its seeds.
+        let doc = ready(&["x"], at(9, 0));
+        let midnight = Utc.with_ymd_and_hms(2026, 12, 1, 0, 0, 0).unwrap();
+        assert_eq!(ready_until(&doc, at(10, 0), &daily()), Some(midnight));
+        assert!(matches!(
+            decide(
+                &Observed::Valid(doc.clone()),
+                midnight - chrono::Duration::seconds(1),
+                me(&me_id()),
+                &daily()
+            ),
+            Decision::UseSeeds { .. }
+        ));
+        assert!(matches!(
+            decide(&Observed::Valid(doc), midnight, me(&me_id()), &daily()),
+            Decision::Claim { .. }
+        ));
+        // An interval: the last refresh plus the interval.
+        let doc = ready(&["x"], at(9, 0));
+        assert_eq!(ready_until(&doc, at(9, 30), &hourly()), Some(at(10, 0)));
+        // Due but backing off after a failure (keep_previous): the backoff's end.
+        let backing_off = BotDoc {
+            retry_refresh_after: Some(at(11, 0)),
+            ..ready(&["x"], at(9, 0))
+        };
+        assert_eq!(
+            ready_until(&backing_off, at(10, 30), &hourly()),
+            Some(at(11, 0))
+        );
+        // Never refreshed: nothing to wait for (it is due at once).
+        let never = BotDoc {
+            last_seed_updated_at: None,
+            ..ready(&["x"], at(9, 0))
+        };
+        assert_eq!(scheduled_refresh(&never, RefreshSchedule::Daily), None);
     }
 }

@@ -15,6 +15,8 @@ use bson::{Bson, Document};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+use crate::backoff::jittered;
+
 use crate::config::{bot_from_spec, Settings};
 use crate::ids::BotId;
 use crate::lock::coordinator::{BotRunner, Context, RunEnd, Until};
@@ -83,8 +85,9 @@ fn wanted(id: &BotId, raw: &Document, running: Option<&Running>) -> Option<Wante
 /// Runs the database's bots until `stop`. Returns when `stop` fires, every runner stopped.
 pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationToken) {
     let poll = ctx.lock.poll;
-    let wake = Arc::new(tokio::sync::Notify::new());
-    let watcher = tokio::spawn(watch_bots(ctx.clone(), wake.clone(), stop.clone()));
+    // The hub wakes this loop when a bot is added, removed or replaced, or its spec version
+    // changes; a spec edited by hand (same version) is read within `RECHECK`.
+    let wake = ctx.hub.fleet_changes();
     let mut running: HashMap<BotId, Running> = HashMap::new();
     let mut reported: HashMap<BotId, i64> = HashMap::new();
     loop {
@@ -175,16 +178,21 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
         }
         tokio::select! {
             _ = stop.cancelled() => break,
-            _ = tokio::time::sleep(poll) => {}
+            _ = tokio::time::sleep(jittered(RECHECK.max(poll), 0.2)) => {}
             _ = wake.notified() => {
-                // A burst of changes is read once.
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                // A burst of changes (`bots apply` of a whole file) is read once.
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(poll / 4) => {}
+                }
             }
         }
     }
     futures_util::future::join_all(running.drain().map(|(_, old)| stop_runner(old))).await;
-    watcher.abort();
 }
+
+/// The longest the loop goes without reading the specs when nothing woke it.
+const RECHECK: Duration = Duration::from_secs(60);
 
 /// Stops a runner as shutdown would (its work settles, its lock is released) and waits for it.
 async fn stop_runner(old: Running) {
@@ -192,23 +200,4 @@ async fn stop_runner(old: Running) {
     if let Err(e) = old.handle.await {
         error!(error = %e, "a bot task crashed");
     }
-}
-
-/// Wakes [`follow`] on any change of the `bots` collection (where the server has change
-/// streams; the poll carries on alone otherwise).
-async fn watch_bots(ctx: Arc<Context>, wake: Arc<tokio::sync::Notify>, stop: CancellationToken) {
-    // Always wanted: the sender lives as long as the watch.
-    let (_wanted, wanted_rx) = tokio::sync::watch::channel(true);
-    let store = ctx.store.clone();
-    crate::lock::coordinator::wake_on_changes(
-        move || {
-            let store = store.clone();
-            async move { store.watch_bots().await }
-        },
-        wake,
-        ctx.lock.poll,
-        stop,
-        wanted_rx,
-    )
-    .await;
 }

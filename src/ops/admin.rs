@@ -5,6 +5,7 @@ use bson::{Bson, Document};
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::{json, Value};
 
+use crate::config::RefreshSchedule;
 use crate::ids::BotId;
 use crate::lock::decide::state_of;
 use crate::lock::document::{field, Observed};
@@ -31,6 +32,63 @@ pub struct StatusRow {
     pub last_evaluation: Option<String>,
     /// The current crawl pass, for bots that crawl (filled in by [`with_pass`]).
     pub crawl: Option<CrawlColumns>,
+    /// Why the bot needs an operator's look, if it does (an error, a refresh past its time,
+    /// paused): these rows come first in every view.
+    pub attention: Option<String>,
+}
+
+/// A refresh this long past the moment its schedule (or an admin's request) made it due is
+/// "past its time": a fleet working normally starts a due refresh within a poll or two.
+pub const OVERDUE_AFTER: chrono::Duration = chrono::Duration::minutes(10);
+
+/// Why a bot in `state` needs a look: its error, a refresh overdue, or a pause.
+fn attention(
+    state: &str,
+    doc: Option<&crate::lock::document::BotDoc>,
+    schedule: Option<RefreshSchedule>,
+    now: DateTime<Utc>,
+) -> Option<String> {
+    if state == "error" {
+        return Some("error".into());
+    }
+    let doc = doc?;
+    let due = match (doc.refresh_requested_at, doc.last_update_started_at) {
+        (Some(requested), Some(started)) if requested > started => Some(requested),
+        (Some(requested), None) => Some(requested),
+        _ => schedule.and_then(|s| crate::lock::decide::scheduled_refresh(doc, s)),
+    };
+    let overdue = due
+        .filter(|due| !doc.is_editing && now - *due > OVERDUE_AFTER)
+        .map(|due| {
+            let late = (now - due).to_std().unwrap_or_default();
+            format!(
+                "refresh overdue by {}",
+                humantime::format_duration(std::time::Duration::from_secs(late.as_secs()))
+            )
+        });
+    match (overdue, doc.paused) {
+        (Some(overdue), true) => Some(format!("paused; {overdue}")),
+        (None, true) => Some("paused".into()),
+        (overdue, false) => overdue,
+    }
+}
+
+/// `1000 bots: 997 ready · 1 waiting · 0 updating · 2 error · 3 need a look (1 paused)`.
+pub fn counts_line(rows: &[StatusRow]) -> String {
+    let states = ["ready", "waiting", "updating", "error"]
+        .iter()
+        .map(|s| format!("{} {s}", rows.iter().filter(|r| r.state == *s).count()))
+        .collect::<Vec<_>>()
+        .join(" · ");
+    let missing = rows.iter().filter(|r| r.state == "missing").count();
+    let paused = rows.iter().filter(|r| r.paused).count();
+    let attention = rows.iter().filter(|r| r.attention.is_some()).count();
+    let mut out = format!("{} bots: {states}", rows.len());
+    if missing > 0 {
+        out.push_str(&format!(" · {missing} missing"));
+    }
+    out.push_str(&format!(" · {attention} need a look ({paused} paused)"));
+    out
 }
 
 /// A crawl pass as `status` shows it.
@@ -164,14 +222,28 @@ pub fn evaluation_text(raw: &Document) -> Option<String> {
     })
 }
 
-/// Builds rows for every document read, plus configured bots that have no document yet.
+/// Builds rows for every document read, plus configured bots (with their refresh schedules)
+/// that have no document yet, in that order ([`problems_first`] orders them for the views).
 pub fn status_rows(
     docs: Vec<Document>,
-    configured: &[BotId],
+    configured: &[(BotId, RefreshSchedule)],
     now: DateTime<Utc>,
 ) -> Vec<StatusRow> {
     let mut rows = Vec::new();
     for raw in docs {
+        // The schedule: the bot's spec's, else its config file entry's.
+        let schedule = raw
+            .get_document(field::SPEC)
+            .ok()
+            .and_then(|spec| spec.get_str("refresh").ok())
+            .and_then(|text| RefreshSchedule::parse(text).ok())
+            .or_else(|| {
+                let id = raw.get_str(field::ID).ok()?;
+                configured
+                    .iter()
+                    .find(|(bot, _)| bot.as_str() == id)
+                    .map(|(_, schedule)| *schedule)
+            });
         let name = match raw.get(field::ID) {
             Some(Bson::String(s)) => s.clone(),
             Some(other) => other.to_string(),
@@ -183,7 +255,9 @@ pub fn status_rows(
         let row = match observed {
             Observed::Valid(doc) => {
                 let editing = doc.is_editing;
+                let attention = attention(&state, Some(&doc), schedule, now);
                 StatusRow {
+                    attention,
                     bot: name,
                     state,
                     paused: doc.paused,
@@ -207,6 +281,7 @@ pub fn status_rows(
                 }
             }
             Observed::Malformed { problems, .. } => StatusRow {
+                attention: attention(&state, None, None, now),
                 bot: name,
                 state,
                 paused: false,
@@ -226,9 +301,11 @@ pub fn status_rows(
         };
         rows.push(row);
     }
-    for bot in configured {
-        if !rows.iter().any(|r| r.bot == bot.as_str()) {
+    let known: std::collections::HashSet<String> = rows.iter().map(|r| r.bot.clone()).collect();
+    for (bot, _) in configured {
+        if !known.contains(bot.as_str()) {
             rows.push(StatusRow {
+                attention: None,
                 bot: bot.to_string(),
                 state: "missing".into(),
                 paused: false,
@@ -247,6 +324,11 @@ pub fn status_rows(
         }
     }
     rows
+}
+
+/// The rows that need a look first; each group keeps its order (a stable sort).
+pub fn problems_first(rows: &mut [StatusRow]) {
+    rows.sort_by_key(|r| r.attention.is_none());
 }
 
 /// The hosts worth an operator's look: throttled an instance within the last minute, or paused.
@@ -345,6 +427,7 @@ pub fn render_table(rows: &[StatusRow]) -> String {
         "ETA",
         "OLDEST PENDING",
         "LAST EVALUATION",
+        "NEEDS A LOOK",
         "LAST ERROR",
     ];
     let cells: Vec<Vec<String>> = rows
@@ -388,6 +471,7 @@ pub fn render_table(rows: &[StatusRow]) -> String {
                         .and_then(|c| c.oldest_pending_seconds.map(|s| -s)),
                 ),
                 r.last_evaluation.clone().unwrap_or_else(|| "-".into()),
+                r.attention.clone().unwrap_or_else(|| "-".into()),
                 r.last_error
                     .as_deref()
                     .map(|e| one_line(e, 80))
@@ -423,6 +507,9 @@ pub fn render_table(rows: &[StatusRow]) -> String {
     for row in &cells {
         out.push_str(&line(row));
     }
+    // The counts close the table: with a thousand bots they are what one reads first.
+    out.push_str(&counts_line(rows));
+    out.push('\n');
     out
 }
 
@@ -542,7 +629,10 @@ mod tests {
             "editingBy": "host:1:x", "lastUpdateStartedAt": started, "lockExpiresAt": expires},
             doc! {"_id": "b", "isReady": "true", "isEditing": false, "seeds": [], "lockEpoch": 1_i64},
         ];
-        let configured = [BotId::parse("a").unwrap(), BotId::parse("c").unwrap()];
+        let configured = [
+            (BotId::parse("a").unwrap(), RefreshSchedule::Daily),
+            (BotId::parse("c").unwrap(), RefreshSchedule::Daily),
+        ];
         let rows = status_rows(docs, &configured, now);
         assert_eq!(rows.len(), 3);
         assert_eq!(
@@ -691,5 +781,47 @@ mod tests {
             "a pass ended by an earlier version"
         );
         assert_eq!(evaluation_text(&doc! {"_id": "a"}), None);
+    }
+
+    #[test]
+    fn rows_that_need_a_look_come_first_and_the_counts_close_the_table() {
+        let now = Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap();
+        let at = |h: i64| bson::DateTime::from_chrono(now - chrono::Duration::hours(h));
+        let docs = vec![
+            doc! {"_id": "fresh", "isReady": true, "isEditing": false, "seeds": ["x"], "lockEpoch": 1_i64,
+            "lastSeedUpdatedAt": at(1), "lastUpdateStartedAt": at(1)},
+            doc! {"_id": "paused", "isReady": true, "isEditing": false, "seeds": ["x"], "lockEpoch": 1_i64,
+            "lastSeedUpdatedAt": at(1), "lastUpdateStartedAt": at(1), "paused": true},
+            // An interval of 1 h, last refreshed 3 h ago: due for 2 h.
+            doc! {"_id": "late", "isReady": true, "isEditing": false, "seeds": ["x"], "lockEpoch": 1_i64,
+            "lastSeedUpdatedAt": at(3), "lastUpdateStartedAt": at(3), "spec": {"refresh": "1h"}},
+            doc! {"_id": "broken", "isReady": false, "isEditing": false, "seeds": [], "lockEpoch": 1_i64,
+            "lastError": "refresh failed: 500"},
+        ];
+        let mut rows = status_rows(docs, &[], now);
+        problems_first(&mut rows);
+        let order: Vec<(&str, Option<&str>)> = rows
+            .iter()
+            .map(|r| (r.bot.as_str(), r.attention.as_deref()))
+            .collect();
+        assert_eq!(
+            order,
+            [
+                ("paused", Some("paused")),
+                ("late", Some("refresh overdue by 2h")),
+                ("broken", Some("error")),
+                ("fresh", None),
+            ]
+        );
+        let table = render_table(&rows);
+        assert_eq!(
+            table.lines().last(),
+            Some("4 bots: 3 ready · 0 waiting · 0 updating · 1 error · 3 need a look (1 paused)"),
+            "{table}"
+        );
+        assert!(
+            table.lines().nth(1).unwrap().starts_with("paused "),
+            "{table}"
+        );
     }
 }

@@ -80,11 +80,30 @@ async fn apply(settings: Settings, file: &std::path::Path, prune: bool, dry_run:
 }
 
 async fn list(settings: Settings, json: bool) -> ExitCode {
-    with_store(&settings, |store, _| async move {
+    with_store(&settings, |store, clock| async move {
         let docs = match store.load_all().await {
             Ok(d) => d,
             Err(e) => return fail(EXIT_FAILED, e),
         };
+        // The status views' judgement of each bot: those that need a look come first.
+        let mut status = crate::ops::admin::status_rows(docs.clone(), &[], clock.now());
+        let attention: std::collections::HashMap<String, Option<String>> = status
+            .iter()
+            .map(|r| (r.bot.clone(), r.attention.clone()))
+            .collect();
+        crate::ops::admin::problems_first(&mut status);
+        let order: std::collections::HashMap<String, usize> = status
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.bot.clone(), i))
+            .collect();
+        let mut docs = docs;
+        docs.sort_by_key(|raw| {
+            order
+                .get(raw.get_str(field::ID).unwrap_or("?"))
+                .copied()
+                .unwrap_or(usize::MAX)
+        });
         let rows: Vec<serde_json::Value> = docs
             .into_iter()
             .map(|raw| {
@@ -98,9 +117,11 @@ async fn list(settings: Settings, json: bool) -> ExitCode {
                     .map(|t| iso(t.to_chrono()));
                 let spec_error = raw.get_str(field::SPEC_ERROR).ok().map(str::to_owned);
                 let state = state_of(&Observed::from_raw(Some(raw))).as_str();
+                let attention = attention.get(&id).cloned().flatten();
                 json!({
                     "bot": id, "spec_version": version, "state": state, "paused": paused,
                     "pass": pass, "spec_updated_at": changed, "spec_error": spec_error,
+                    "attention": attention,
                 })
             })
             .collect();
@@ -108,6 +129,7 @@ async fn list(settings: Settings, json: bool) -> ExitCode {
             println!("{}", serde_json::to_string_pretty(&rows).expect("json"));
             return ExitCode::SUCCESS;
         }
+        println!("{}", crate::ops::admin::counts_line(&status));
         println!(
             "{:<24} {:>5} {:<9} {:<6} {:>6}  LAST CHANGE",
             "BOT", "SPEC", "STATE", "PAUSED", "PASS"
@@ -119,6 +141,8 @@ async fn list(settings: Settings, json: bool) -> ExitCode {
             let mut last = r["spec_updated_at"].as_str().unwrap_or("-").to_owned();
             if let Some(e) = r["spec_error"].as_str() {
                 last.push_str(&format!("  {e}"));
+            } else if let Some(why) = r["attention"].as_str() {
+                last.push_str(&format!("  ({why})"));
             }
             println!(
                 "{:<24} {:>5} {:<9} {:<6} {:>6}  {last}",

@@ -4,10 +4,11 @@
 
 use chrono::{DateTime, Utc};
 
+use crate::config::RefreshSchedule;
 use crate::error::Result;
 use crate::ids::BotId;
 use crate::lock::document::BotDoc;
-use crate::ops::admin::{status_rows, with_pass, StatusRow};
+use crate::ops::admin::{problems_first, status_rows, with_pass, StatusRow};
 use crate::store::hosts::HostRow;
 use crate::store::Store;
 
@@ -25,8 +26,13 @@ pub struct Fleet {
 }
 
 /// Reads every bot document (and `configured` bots that have none yet, as `missing`), each
-/// crawling bot's current pass, and the hosts rows published since `now − HOSTS_FRESH_FOR`.
-pub async fn read(store: &Store, configured: &[BotId], now: DateTime<Utc>) -> Result<Fleet> {
+/// crawling bot's current pass, and the hosts rows published since `now − HOSTS_FRESH_FOR`; the
+/// rows that need a look come first.
+pub async fn read(
+    store: &Store,
+    configured: &[(BotId, RefreshSchedule)],
+    now: DateTime<Utc>,
+) -> Result<Fleet> {
     let docs = store.load_all().await?;
     let crawling: Vec<BotDoc> = docs
         .iter()
@@ -50,6 +56,7 @@ pub async fn read(store: &Store, configured: &[BotId], now: DateTime<Utc>) -> Re
             }
         }
     }
+    problems_first(&mut rows);
     let hosts = store.recent_hosts(now - HOSTS_FRESH_FOR).await?;
     Ok(Fleet { now, rows, hosts })
 }

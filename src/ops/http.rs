@@ -26,7 +26,7 @@ pub struct StatusSource {
     pub store: Store,
     pub clock: Arc<ServerClock>,
     /// The bots in this instance's config (shown as `missing` until they have a document).
-    pub configured: Vec<BotId>,
+    pub configured: Vec<(BotId, crate::config::RefreshSchedule)>,
     pub me: InstanceId,
     pub started: std::time::Instant,
     /// The last read, shared for [`FRESH_FOR`] by every page and JSON request (many open tabs

@@ -76,6 +76,10 @@ struct FlowMetrics {
     shed: Family<BotLabel, Counter>,
     requests_per_record: Family<BotLabel, Ratio>,
     db_commands: Family<CommandLabel, Counter>,
+    pool_wait: Counter<f64, std::sync::atomic::AtomicU64>,
+    pool_checkouts: Counter,
+    /// The last pool-wait totals, so the counters advance by the difference.
+    last_pool: std::sync::Mutex<(Duration, u64)>,
     /// The last command counts, so the counters advance by the difference.
     last_commands: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
     /// The last snapshot per host, so counters advance by the difference.
@@ -99,6 +103,9 @@ impl FlowMetrics {
             shed: Default::default(),
             requests_per_record: Default::default(),
             db_commands: Default::default(),
+            pool_wait: Default::default(),
+            pool_checkouts: Default::default(),
+            last_pool: Default::default(),
             last_commands: Default::default(),
             last: Default::default(),
         };
@@ -106,6 +113,16 @@ impl FlowMetrics {
             "db_commands",
             "Database commands (round trips) this instance sent, by command name",
             m.db_commands.clone(),
+        );
+        registry.register(
+            "db_pool_wait_seconds",
+            "Time database operations waited for a pooled connection (counted toward mongo.op_timeout)",
+            m.pool_wait.clone(),
+        );
+        registry.register(
+            "db_pool_checkouts",
+            "Connections checked out of the driver's pool (one per command sent)",
+            m.pool_checkouts.clone(),
         );
         registry.register(
             "crawl_stage_depth",
@@ -562,6 +579,22 @@ impl Metrics {
                 .inc_by(n.saturating_sub(before));
             last.insert(name.clone(), *n);
         }
+    }
+
+    /// The pool's waits so far (from [`crate::store::Store::pool_wait`]).
+    pub fn observe_pool_wait(&self, waited: Duration, checkouts: u64) {
+        let mut last = self
+            .flow
+            .last_pool
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        self.flow
+            .pool_wait
+            .inc_by(waited.saturating_sub(last.0).as_secs_f64());
+        self.flow
+            .pool_checkouts
+            .inc_by(checkouts.saturating_sub(last.1));
+        *last = (waited, checkouts);
     }
 
     /// One bot's pipeline: items per stage and the age of each stage's oldest.

@@ -152,6 +152,13 @@ fn bot_row(r: &StatusRow) -> String {
         Some(e) => format!("<div class=\"err\">{}</div>", escape(&one_line(e, 300))),
         None => "<span class=\"small\">-</span>".into(),
     };
+    // Why the row comes first (an error, a refresh past its time, paused).
+    let error = match &r.attention {
+        Some(why) if why != "error" => {
+            format!("<div class=\"err\"><b>{}</b></div>{error}", escape(why))
+        }
+        _ => error,
+    };
     format!(
         "<tr><td><b>{bot}</b></td><td><span class=\"state {class}\">{state}</span>{paused}</td><td>{lock}</td>\
          <td>{seeds}</td><td>{refresh}</td><td>{pass}</td><td>{error}</td></tr>\n",
@@ -198,15 +205,11 @@ pub fn render(fleet: &Fleet, serving: &Serving<'_>) -> String {
             fleet.now.format("%Y-%m-%d %H:%M:%S UTC")
         ),
     ));
-    let counts = ["ready", "waiting", "updating", "error"]
-        .iter()
-        .map(|s| {
-            let n = fleet.rows.iter().filter(|r| r.state == *s).count();
-            format!("{n} {s}")
-        })
-        .collect::<Vec<_>>()
-        .join(" · ");
-    let _ = writeln!(out, "<h2>Bots ({} — {counts})</h2>", fleet.rows.len());
+    let _ = writeln!(
+        out,
+        "<h2>Bots ({})</h2>",
+        escape(&crate::ops::admin::counts_line(&fleet.rows))
+    );
     out.push_str(
         "<table><thead><tr><th>bot</th><th>state</th><th>lock</th><th>seeds</th>\
          <th>last refresh</th><th>crawl pass <span class=\"legend small\"><span class=\"done\"></span>done\

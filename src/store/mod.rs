@@ -186,6 +186,34 @@ pub struct Store {
     /// The sessions of this process's commit transactions, as its instance registration names
     /// them (see [`Store::name_transaction_sessions`]).
     sessions: std::sync::Arc<instances::TransactionSessions>,
+    /// Time spent waiting for a pooled connection.
+    pool_wait: std::sync::Arc<PoolWait>,
+}
+
+/// Time the driver's check-outs waited for a connection (`seedlock_db_pool_wait_seconds`).
+#[derive(Debug, Default)]
+struct PoolWait {
+    micros: std::sync::atomic::AtomicU64,
+    count: std::sync::atomic::AtomicU64,
+}
+
+impl PoolWait {
+    fn add(&self, waited: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.micros.fetch_add(
+            u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
+            Relaxed,
+        );
+        self.count.fetch_add(1, Relaxed);
+    }
+
+    fn total(&self) -> (Duration, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            Duration::from_micros(self.micros.load(Relaxed)),
+            self.count.load(Relaxed),
+        )
+    }
 }
 
 /// Whether the server answers: operations in flight and when the last answer came. A partition
@@ -327,17 +355,23 @@ impl Store {
             .await
             .map_err(|e| fail(format!("invalid URI: {e}")))?;
         options.app_name = Some("seedlock".into());
-        // Round trips are counted from the pool's check-outs: cheap events, no command bodies.
+        // Round trips are counted from the pool's check-outs: cheap events, no command bodies;
+        // the time each check-out waited for a connection is summed beside them.
         let checkouts = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let pool_wait = std::sync::Arc::new(PoolWait::default());
         {
-            let checkouts = checkouts.clone();
+            let (checkouts, pool_wait) = (checkouts.clone(), pool_wait.clone());
             options.cmap_event_handler =
                 Some(mongodb::event::EventHandler::callback(move |event| {
-                    if let mongodb::event::cmap::CmapEvent::ConnectionCheckedOut(_) = event {
+                    if let mongodb::event::cmap::CmapEvent::ConnectionCheckedOut(out) = event {
                         checkouts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        pool_wait.add(out.duration);
                     }
                 }));
         }
+        // Sized on purpose (`mongo.max_pool_size`); an operation waiting for a connection is
+        // still bounded by `op_timeout`, which covers the wait.
+        options.max_pool_size = Some(settings.max_pool_size);
         options.server_selection_timeout = Some(settings.connect_timeout);
         options.connect_timeout = Some(settings.connect_timeout);
         let client = Client::with_options(options).map_err(|e| fail(e.to_string()))?;
@@ -357,7 +391,14 @@ impl Store {
             checkouts: Some(checkouts),
             ..CommandCounts::default()
         });
+        store.pool_wait = pool_wait;
         Ok(store)
+    }
+
+    /// How long this store's operations waited for a pooled connection, in all, and how many
+    /// check-outs there were (zero for a store made from its caller's database handle).
+    pub fn pool_wait(&self) -> (Duration, u64) {
+        self.pool_wait.total()
     }
 
     /// The round trips this store sent, by operation; with [`FURTHER_BATCHES`] for a store that
@@ -398,6 +439,7 @@ impl Store {
             op_timeout: DEFAULT_OP_TIMEOUT,
             answers: Default::default(),
             sessions: Default::default(),
+            pool_wait: Default::default(),
         }
     }
 
@@ -611,11 +653,17 @@ impl Store {
         Ok(found.map(|d| matches!(d.get(field::PAUSED), Some(Bson::Boolean(true)))))
     }
 
-    /// Every bot document, sorted by id (for `status`).
+    /// Every bot document without its history and the spec its pass recorded, sorted by id (for
+    /// `status` and `bots list`: at a thousand bots the histories alone are megabytes).
     pub async fn load_all(&self) -> Result<Vec<Document>> {
         use futures_util::TryStreamExt;
         let all = async {
-            let cursor = self.bots.find(doc! {}).sort(doc! { field::ID: 1 }).await?;
+            let cursor = self
+                .bots
+                .find(doc! {})
+                .projection(doc! { field::HISTORY: 0, field::CRAWL_PASS_SPEC: 0 })
+                .sort(doc! { field::ID: 1 })
+                .await?;
             cursor.try_collect().await
         };
         self.bounded("list bots", all).await
@@ -761,6 +809,116 @@ impl Store {
         )
         .await?;
         Ok(expires)
+    }
+
+    /// Renews every lock in `held` until `now + ttl` in one round trip: one statement per lock,
+    /// each fenced on its own lock. Returns the new expiry and, per lock, whether it is still
+    /// this instance's — when fewer statements matched than were sent, one read of the locks'
+    /// documents tells which (a fence once broken never holds again: epochs only rise).
+    pub async fn heartbeat_all(
+        &self,
+        held: &[&EditLock],
+        now: DateTime<Utc>,
+        ttl: Duration,
+    ) -> Result<(DateTime<Utc>, Vec<bool>)> {
+        let expires = plus(now, ttl);
+        if held.is_empty() {
+            return Ok((expires, Vec::new()));
+        }
+        let statements: Vec<Document> = held
+            .iter()
+            .map(|lock| {
+                doc! {
+                    "q": lock.fence(),
+                    "u": {
+                        "$set": { field::LOCK_EXPIRES_AT: date(expires) },
+                        "$currentDate": { field::HEARTBEAT_AT: true },
+                    },
+                }
+            })
+            .collect();
+        let reply = self
+            .command(
+                "heartbeat locks",
+                doc! { "update": BOTS, "updates": statements, "ordered": false },
+                None,
+            )
+            .await?;
+        if let Ok(errors) = reply.get_array("writeErrors") {
+            if let Some(first) = errors.first() {
+                return Err(Error::Protocol {
+                    what: "heartbeat locks",
+                    detail: format!("{first}"),
+                });
+            }
+        }
+        let matched = reply.get("n").and_then(integer).unwrap_or(0);
+        if usize::try_from(matched).is_ok_and(|n| n == held.len()) {
+            return Ok((expires, vec![true; held.len()]));
+        }
+        let ids: Vec<&str> = held.iter().map(|l| l.bot.as_str()).collect();
+        let mut found: std::collections::HashMap<String, Document> = Default::default();
+        let read = self
+            .bots
+            .find(doc! { field::ID: { "$in": &ids } })
+            .projection(doc! {
+                field::IS_EDITING: 1, field::EDITING_BY: 1, field::LOCK_EPOCH: 1,
+            });
+        self.each_doc("read held locks", read, |d| {
+            if let Ok(id) = d.get_str(field::ID) {
+                found.insert(id.to_owned(), d.clone());
+            }
+            Ok(())
+        })
+        .await?;
+        let alive = held
+            .iter()
+            .map(|lock| {
+                found.get(lock.bot.as_str()).is_some_and(|d| {
+                    d.get_bool(field::IS_EDITING).ok() == Some(true)
+                        && d.get_str(field::EDITING_BY).ok() == Some(lock.me.as_str())
+                        && d.get(field::LOCK_EPOCH).and_then(integer) == Some(lock.epoch.get())
+                })
+            })
+            .collect();
+        Ok((expires, alive))
+    }
+
+    /// Every bot document's digest (see [`BotDigest`]), in one read.
+    pub async fn bot_digests(&self) -> Result<Vec<BotDigest>> {
+        use std::hash::{Hash, Hasher};
+        // Read concern `majority`, as every read of the bots: a wake-up never rests on a write
+        // a failover could roll back.
+        let bots = self.bots.clone_with_type::<bson::RawDocumentBuf>();
+        // One reply for any fleet up to 10,000 bots (the driver's first batch is 101).
+        let find = bots
+            .find(doc! {})
+            .projection(doc! {
+                field::SEEDS: 0, field::HISTORY: 0, field::SPEC: 0, field::CRAWL_PASS_SPEC: 0,
+                field::HEARTBEAT_AT: 0, field::LOCK_EXPIRES_AT: 0,
+            })
+            .batch_size(10_000);
+        let mut out = Vec::new();
+        self.each_raw("read bot digests", find, |raw| {
+            let Ok(id) = raw.get_str(field::ID) else {
+                return Ok(());
+            };
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            raw.as_bytes().hash(&mut hasher);
+            let spec_version = match raw.get(field::SPEC_VERSION) {
+                Ok(Some(bson::RawBsonRef::Int64(v))) => Some(v),
+                Ok(Some(bson::RawBsonRef::Int32(v))) => Some(i64::from(v)),
+                _ => None,
+            };
+            out.push(BotDigest {
+                id: id.to_owned(),
+                digest: hasher.finish(),
+                spec_version,
+            });
+            Ok(())
+        })
+        .await?;
+        Ok(out)
     }
 
     /// Replaces the seeds and marks the bot ready, releasing the lock — fenced. For a crawling
@@ -1079,41 +1237,81 @@ impl Store {
         Ok(result.matched_count == 1)
     }
 
-    /// A change stream on the whole `bots` collection (the fleet's bots defined in the database):
-    /// its events only prompt a read of the specs.
-    pub async fn watch_bots(
-        &self,
-    ) -> Result<
-        mongodb::change_stream::ChangeStream<
-            mongodb::change_stream::event::ChangeStreamEvent<Document>,
-        >,
-    > {
-        // Only what changes the fleet: a bot added, removed or replaced, or its spec changed —
-        // not the heartbeats and pass writes of every bot.
+    /// The one change stream on the `bots` collection an instance keeps open ([`lock::hub`]):
+    /// each event names the bot it concerns and whether the fleet loop should look (a bot added,
+    /// removed or replaced, or its `specVersion` changed). Only those fields travel — not the
+    /// seeds a refresh wrote. Its events only prompt reads, so it uses the server's default read
+    /// concern (the test server delivers no events on a stream opened with `majority`).
+    ///
+    /// [`lock::hub`]: crate::lock::hub
+    pub async fn watch_bots(&self) -> Result<BotChanges> {
         let bots = self.db.collection::<Document>(BOTS);
-        let watch = bots.watch().pipeline([doc! { "$match": { "$or": [
-            { "operationType": { "$in": ["insert", "delete", "replace"] } },
-            { format!("updateDescription.updatedFields.{}", field::SPEC_VERSION): { "$exists": true } },
-        ] } }]);
-        self.bounded("watch bots", watch).await
+        let spec_version = format!("updateDescription.updatedFields.{}", field::SPEC_VERSION);
+        let watch = bots.watch().pipeline([doc! { "$project": {
+            "operationType": 1, "documentKey": 1, &spec_version: 1,
+        } }]);
+        let stream = self.bounded("watch bots", watch).await?;
+        // Events as plain documents: the projection leaves out what the driver's typed event
+        // requires (`ns`, `removedFields`).
+        Ok(BotChanges {
+            stream: stream.with_type::<Document>(),
+        })
     }
+}
 
-    /// A change stream on one bot's document, where the server supports change streams.
-    pub async fn watch_bot(
-        &self,
-        bot: &BotId,
-    ) -> Result<
-        mongodb::change_stream::ChangeStream<
-            mongodb::change_stream::event::ChangeStreamEvent<Document>,
-        >,
-    > {
-        // The stream's events are only wake-ups (the loop reads the document again), so it uses
-        // the server's default read concern.
-        let bots = self.db.collection::<Document>(BOTS);
-        let watch = bots
-            .watch()
-            .pipeline([doc! { "$match": { "documentKey._id": bot.as_str() } }]);
-        self.bounded("watch", watch).await
+/// A bot document as [`Store::bot_digests`] reads it: its `_id`, a digest of every field that can
+/// change what an instance does (not the seeds, history, specs, or the holder's heartbeat —
+/// waiters wake at the lock's expiry anyway), and its `specVersion`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BotDigest {
+    pub id: String,
+    pub digest: u64,
+    pub spec_version: Option<i64>,
+}
+
+/// One event of [`Store::watch_bots`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BotChange {
+    /// The bot's `_id` (when it is a string).
+    pub id: Option<String>,
+    /// A bot added, removed or replaced, or its spec changed.
+    pub concerns_fleet: bool,
+}
+
+/// The stream of [`BotChange`]s.
+pub struct BotChanges {
+    stream: mongodb::change_stream::ChangeStream<Document>,
+}
+
+impl futures_util::Stream for BotChanges {
+    type Item = Result<BotChange>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.stream)
+            .poll_next(cx)
+            .map(|event| {
+                event.map(|event| {
+                    let event = event?;
+                    let id = event
+                        .get_document("documentKey")
+                        .ok()
+                        .and_then(|k| k.get_str(field::ID).ok())
+                        .map(str::to_owned);
+                    let concerns_fleet = match event.get_str("operationType") {
+                        Ok("insert" | "delete" | "replace") => true,
+                        Ok("update") => event
+                            .get_document("updateDescription")
+                            .ok()
+                            .and_then(|u| u.get_document("updatedFields").ok())
+                            .is_some_and(|f| f.contains_key(field::SPEC_VERSION)),
+                        _ => false,
+                    };
+                    Ok(BotChange { id, concerns_fleet })
+                })
+            })
     }
 }
 

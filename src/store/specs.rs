@@ -166,13 +166,14 @@ impl Store {
         Ok(applied)
     }
 
-    /// Every bot document that carries a spec (without history), by id.
+    /// Every bot document that carries a spec, by id: its `_id`, `spec`, `specVersion` and
+    /// `specError` only (not its seeds and history).
     pub async fn spec_documents(&self) -> Result<Vec<Document>> {
         let all = async {
             let cursor = self
                 .bots
                 .find(doc! { field::SPEC: { "$exists": true } })
-                .projection(doc! { field::HISTORY: 0 })
+                .projection(doc! { field::SPEC: 1, field::SPEC_VERSION: 1, field::SPEC_ERROR: 1 })
                 .sort(doc! { field::ID: 1 })
                 .await?;
             cursor.try_collect().await

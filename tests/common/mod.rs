@@ -26,6 +26,7 @@ use seedlock::config::{
 };
 use seedlock::ids::{BotId, InstanceId};
 use seedlock::lock::coordinator::{BotRunner, Context};
+use seedlock::lock::hub::Hub;
 use seedlock::lock::seeds::SeedFetcher;
 use seedlock::ops::metrics::Metrics;
 use seedlock::store::Store;
@@ -129,6 +130,10 @@ where
 #[derive(Default)]
 pub struct SeedState {
     pub hits: AtomicUsize,
+    /// Requests per bot at `/bots/{bot}.txt`.
+    per_bot: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    /// While true, every bot's own seed source holds its answer back.
+    bots_held: Option<watch::Sender<bool>>,
     /// Requests numbered 1..=stall wait until `release` is called.
     stall: AtomicUsize,
     failing: AtomicBool,
@@ -150,10 +155,12 @@ impl SeedSourceServer {
         let (gate, _) = watch::channel(false);
         let state = Arc::new(SeedState {
             gate: Some(gate.clone()),
+            bots_held: Some(watch::channel(false).0),
             ..Default::default()
         });
         let app = axum::Router::new()
             .route("/seeds.txt", get(serve_seeds))
+            .route("/bots/{file}", get(serve_bot_seeds))
             .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -167,6 +174,25 @@ impl SeedSourceServer {
 
     pub fn hits(&self) -> usize {
         self.state.hits.load(Ordering::SeqCst)
+    }
+
+    /// A seed source of bot `bot`'s own: it answers at once (two seeds), and counts its requests
+    /// apart from every other bot's ([`bot_hits`](Self::bot_hits)).
+    pub fn bot_url(&self, bot: &str) -> String {
+        format!("http://{}/bots/{bot}.txt", self.addr)
+    }
+
+    /// Requests so far at each bot's own seed source ([`bot_url`](Self::bot_url)).
+    pub fn bot_hits(&self) -> std::collections::HashMap<String, usize> {
+        self.state.per_bot.lock().unwrap().clone()
+    }
+
+    /// Every bot's own seed source holds its answers back (`true`) until released (`false`):
+    /// refreshes hang mid-fetch, their locks held.
+    pub fn hold_bot_sources(&self, held: bool) {
+        if let Some(gate) = &self.state.bots_held {
+            gate.send_replace(held);
+        }
     }
 
     /// Requests numbered up to `n` (counting from the first ever) hang until
@@ -190,6 +216,24 @@ impl SeedSourceServer {
             format!("http://site.test/gen{n}/b"),
         ]
     }
+}
+
+async fn serve_bot_seeds(
+    axum::extract::State(state): axum::extract::State<Arc<SeedState>>,
+    axum::extract::Path(file): axum::extract::Path<String>,
+) -> String {
+    let bot = file.trim_end_matches(".txt").to_owned();
+    *state
+        .per_bot
+        .lock()
+        .unwrap()
+        .entry(bot.clone())
+        .or_default() += 1;
+    if let Some(gate) = &state.bots_held {
+        let mut held = gate.subscribe();
+        let _ = held.wait_for(|held| !*held).await;
+    }
+    format!("http://site.test/{bot}/a\nhttp://site.test/{bot}/b\n")
 }
 
 async fn serve_seeds(
@@ -235,6 +279,7 @@ pub fn limits() -> RefreshLimits {
         backoff_max: Duration::from_secs(5),
         sitemap_depth: 2,
         user_agent: "seedlock-test".into(),
+        concurrency: seedlock::lock::hub::DEFAULT_REFRESH_CONCURRENCY,
     }
 }
 
@@ -258,6 +303,24 @@ pub fn bot(
 
 /// An instance's context in this process, with its clock synced to the server.
 pub async fn context(db: &TestDb, me: &str, lock: LockSettings, local: LocalClock) -> Arc<Context> {
+    context_with_permits(
+        db,
+        me,
+        lock,
+        local,
+        seedlock::lock::hub::DEFAULT_REFRESH_CONCURRENCY,
+    )
+    .await
+}
+
+/// [`context`] with `permits` refreshes at once (`refresh.concurrency`).
+pub async fn context_with_permits(
+    db: &TestDb,
+    me: &str,
+    lock: LockSettings,
+    local: LocalClock,
+    permits: usize,
+) -> Arc<Context> {
     let store = db.store();
     let clock = Arc::new(ServerClock::new(local));
     for _ in 0..3 {
@@ -267,7 +330,7 @@ pub async fn context(db: &TestDb, me: &str, lock: LockSettings, local: LocalCloc
             .expect("hello answers with localTime");
     }
     Arc::new(Context {
-        store,
+        store: store.clone(),
         clock: clock.clone(),
         me: InstanceId::parse(me).unwrap(),
         started_at: clock.now(),
@@ -276,6 +339,7 @@ pub async fn context(db: &TestDb, me: &str, lock: LockSettings, local: LocalCloc
         metrics: Arc::new(Metrics::new()),
         refresh_backoff: (limits().backoff_base, limits().backoff_max),
         crawl: None,
+        hub: Hub::new(store, clock.clone(), lock, permits),
     })
 }
 
