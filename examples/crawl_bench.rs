@@ -595,13 +595,47 @@ async fn crawl_measured(config: &Path, db: &Database, instances: usize) -> Crawl
             while !stop.is_cancelled() {
                 let mut sample = Some((0.0, 0.0));
                 for addr in &addrs {
-                    let text = match http.get(format!("http://{addr}/metrics")).send().await {
+                    let asked = Instant::now();
+                    let text = match http
+                        .get(format!("http://{addr}/metrics"))
+                        .timeout(Duration::from_secs(2))
+                        .send()
+                        .await
+                    {
                         Ok(r) => r.text().await.unwrap_or_default(),
                         Err(_) => String::new(),
                     };
+                    if std::env::var_os("BENCH_TRACE_STAGES").is_some() && text.is_empty() {
+                        eprintln!(
+                            "{:>8.3} /metrics unanswered after {:?}",
+                            started.elapsed().as_secs_f64(),
+                            asked.elapsed()
+                        );
+                    }
                     if text.is_empty() {
                         sample = None;
                         break;
+                    }
+                    // BENCH_TRACE_STAGES=1 prints every sample's pipeline depths (stderr).
+                    if std::env::var_os("BENCH_TRACE_STAGES").is_some() {
+                        let depths: Vec<String> = text
+                            .lines()
+                            .filter(|l| {
+                                l.starts_with("seedlock_crawl_stage_depth")
+                                    || l.starts_with("seedlock_host_limit")
+                                    || l.starts_with("seedlock_host_in_flight")
+                            })
+                            .map(|l| {
+                                let name = l.split('"').nth(3).unwrap_or(l);
+                                let value = l.rsplit(' ').next().unwrap_or("");
+                                format!("{name}={value}")
+                            })
+                            .collect();
+                        eprintln!(
+                            "{:>8.3} {}",
+                            started.elapsed().as_secs_f64(),
+                            depths.join(" ")
+                        );
                     }
                     if let Some((commands, stored)) = sample.as_mut() {
                         *commands += sum_series(&text, "seedlock_db_commands_total", "");
@@ -1072,7 +1106,9 @@ async fn incremental(uri: &str, items: u32, change: u32, add: u32, delete: u32) 
     println!();
     let shop = Shop::start(lists, 100).await;
     let db = fresh_db(uri, "incremental").await;
-    let full = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "").await;
+    // BENCH_CRAWL adds `[crawl]` lines to both passes (for experiments).
+    let extra = std::env::var("BENCH_CRAWL").unwrap_or_default();
+    let full = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", &extra).await;
     let full_pass = pass_with_evaluation(&db).await.unwrap_or(full.pass);
     let stats = shop.stats().await;
     // The shop's per-path table keeps 100,000 paths (the rest count as "(other)"): past that,
@@ -1116,7 +1152,7 @@ async fn incremental(uri: &str, items: u32, change: u32, add: u32, delete: u32) 
     let record_writes = count_writes(&db, "records", stop.clone()).await;
     let frontier_writes = count_writes(&db, "frontier", stop.clone()).await;
     request_refresh(&db).await;
-    let second = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "").await;
+    let second = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", &extra).await;
     stop.cancel();
     let record_writes = record_writes.await.unwrap();
     let frontier_writes = frontier_writes.await.unwrap();

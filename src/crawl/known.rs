@@ -28,9 +28,7 @@ const CHECKED_PASSES: i64 = 3;
 /// one key; if their fingerprints differ the key is unknown (read), so a collision costs a read,
 /// never a missed change.
 pub fn key(url_id: &str) -> u64 {
-    let end = url_id.len().min(16);
-    u64::from_str_radix(&url_id[..end], 16)
-        .unwrap_or_else(|_| crate::ids::sha256_u64(&[url_id.as_bytes()]))
+    crate::store::frontier::id_key(url_id)
 }
 
 /// The listed items of a bot known stored, with their fingerprint hashes, as of the start of
@@ -69,11 +67,11 @@ impl Known {
         let mut items: Vec<(u64, i64)> = Vec::new();
         store
             .listing_manifests(bot, |read_in, listed| {
-                for (id, fp, fetch) in listed {
+                for (k, fp, fetch) in listed {
                     if *fp == 0 {
                         continue; // a plain link: nothing to decide from
                     }
-                    let k = key(id);
+                    let k = *k;
                     // Enqueued to fetch in `read_in`: stored only if that pass finished it.
                     let stored = !fetch || (checked.contains(&read_in) && !unfinished.contains(&k));
                     items.push((k, if stored { *fp } else { 0 }));

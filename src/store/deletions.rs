@@ -46,7 +46,7 @@ use chrono::{DateTime, Utc};
 use mongodb::options::Hint;
 
 use super::frontier::{
-    field as fr, raw_integer, raw_strings, url_id, PageKind, UrlStatus, FRONTIER, IN_CHUNK,
+    baseline_lists, field as fr, raw_integer, url_id, Ids, PageKind, UrlStatus, FRONTIER, IN_CHUNK,
     LISTINGS_INDEX,
 };
 use super::records::field as rf;
@@ -70,9 +70,9 @@ pub struct Evaluation {
     pub restored: u64,
 }
 
-/// The key of a detail page's frontier id in the sets below (see `crawl::known::key`).
+/// The key of a detail page's frontier id in the sets below (see [`super::frontier::id_key`]).
 fn key(id: &str) -> u64 {
-    crate::crawl::known::key(id)
+    super::frontier::id_key(id)
 }
 
 /// The detail pages the listings of a pass show, as a sorted set of keys (8 bytes an item).
@@ -95,13 +95,12 @@ impl Present {
     }
 }
 
-/// A listing page's baseline: `listedSince`, or — where that is null (no more than the page's
-/// list) — `listed`.
-fn baseline(page: &bson::RawDocument) -> Vec<&str> {
-    match page.get(fr::LISTED_SINCE) {
-        Ok(Some(bson::RawBsonRef::Array(_))) => raw_strings(page, fr::LISTED_SINCE),
-        _ => raw_strings(page, fr::LISTED),
-    }
+/// The keys of a listing page's baseline (every list it showed since the last evaluation).
+fn baseline_keys(page: &bson::RawDocument) -> Vec<u64> {
+    baseline_lists(page)
+        .iter()
+        .flat_map(|list| list.keys().collect::<Vec<_>>())
+        .collect()
 }
 
 /// Listing pages per cursor batch when the present is read: at a pass's end the pipeline is
@@ -163,29 +162,25 @@ impl Store {
         self.each_raw("read this pass's listings", find, |page| {
             let read_now = page.get_str(fr::STATUS).ok() == Some(UrlStatus::Done.as_str())
                 && raw_integer(page, fr::LISTED_PASS) == Some(pass);
-            let since = baseline(page);
             if !read_now {
-                unknown.extend(since.iter().map(|id| key(id)));
+                unknown.extend(baseline_keys(page));
                 return Ok(());
             }
             outcome.pages += 1;
-            let listed: Vec<u64> = raw_strings(page, fr::LISTED)
-                .iter()
-                .map(|id| key(id))
-                .collect();
+            let listed: Vec<u64> = Ids::of(page, fr::LISTED).keys().collect();
             present.extend(&listed);
             if page.get_bool(fr::LISTED_SINCE_MORE).ok() == Some(true) {
-                outcome.changed_pages += 1;
-                let at = pages.len();
-                pages.extend(page.get_str(fr::ID).ok().map(str::to_owned));
                 let listed: HashSet<u64> = listed.into_iter().collect();
-                departures.extend(
-                    since
-                        .iter()
-                        .map(|id| key(id))
-                        .filter(|k| !listed.contains(k))
-                        .map(|k| (k, at)),
-                );
+                let departed: Vec<u64> = baseline_keys(page)
+                    .into_iter()
+                    .filter(|k| !listed.contains(k))
+                    .collect();
+                if !departed.is_empty() {
+                    outcome.changed_pages += 1;
+                    let at = pages.len();
+                    pages.extend(page.get_str(fr::ID).ok().map(str::to_owned));
+                    departures.extend(departed.into_iter().map(|k| (k, at)));
+                }
             }
             Ok(())
         })
@@ -206,12 +201,12 @@ impl Store {
                 .projection(doc! { fr::LISTED_SINCE: 1, fr::LISTED: 1 })
                 .batch_size(super::frontier::MANIFESTS_PER_BATCH);
             self.each_raw("read unreached listings", find, |page| {
-                let since = baseline(page);
+                let since = baseline_keys(page);
                 if let (false, Ok(id)) = (since.is_empty(), page.get_str(fr::ID)) {
                     let at = pages.len();
                     pages.push(id.to_owned());
                     unreached.push(id.to_owned());
-                    departures.extend(since.iter().map(|id| (key(id), at)));
+                    departures.extend(since.into_iter().map(|k| (k, at)));
                 }
                 Ok(())
             })
@@ -263,12 +258,13 @@ impl Store {
                 .projection(doc! { fr::LISTED_SINCE: 1, fr::LISTED: 1 })
                 .batch_size(u32::try_from(chunk.len() + 1).unwrap_or(u32::MAX));
             self.each_raw("read departed listings", find, |page| {
-                ids.extend(
-                    baseline(page)
-                        .into_iter()
-                        .filter(|id| wanted.contains(&key(id)))
-                        .map(str::to_owned),
-                );
+                for list in baseline_lists(page) {
+                    ids.extend(
+                        (0..list.len())
+                            .filter(|i| wanted.contains(&list.key(*i)))
+                            .map(|i| list.id(i)),
+                    );
+                }
                 Ok(())
             })
             .await?;

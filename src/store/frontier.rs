@@ -1432,7 +1432,12 @@ pub(super) fn settle_statements(
         }
         let mut statements = Vec::new();
         for ((group, token), members) in &groups {
-            for chunk in members.chunks(IN_CHUNK) {
+            // A listing page's done mark carries its manifest (a hundred ids or so): one
+            // statement per page, so that no document's update reads every other page's list
+            // (a statement's per-URL columns are literal arrays, evaluated for each document it
+            // matches: a shared statement of k pages costs each of them k lists).
+            let per_statement = if *group == 5 { 1 } else { IN_CHUNK };
+            for chunk in members.chunks(per_statement) {
                 let ids: Vec<Bson> = chunk
                     .iter()
                     .map(|i| Bson::String(marks[*i].0.id.clone()))
@@ -1594,11 +1599,11 @@ fn manifest_stages(set: &mut Document, stages: &mut Vec<Document>, column: Colum
     }
     set.insert(
         f::LISTED,
-        column(&|m| of(m, |x| Bson::from(x.listed.clone())).unwrap_or(Bson::Null)),
+        column(&|m| of(m, |x| pack_ids(&x.listed)).unwrap_or(Bson::Null)),
     );
     set.insert(
         f::LISTED_FP,
-        column(&|m| of(m, |x| Bson::from(x.fingerprints.clone())).unwrap_or(Bson::Null)),
+        column(&|m| of(m, |x| pack_numbers(&x.fingerprints)).unwrap_or(Bson::Null)),
     );
     // Usually none after a pass that fetched everything once: then the field is null.
     set.insert(
@@ -1619,21 +1624,23 @@ fn manifest_stages(set: &mut Document, stages: &mut Vec<Document>, column: Colum
     let listed = format!("${}", f::LISTED);
     let since = format!("${}", f::LISTED_SINCE);
     let evaluated = column(&|m| of(m, |x| Bson::Int64(x.evaluated)).unwrap_or(Bson::Null));
-    // Before the manifest's `$set` (it still sees the previous read): the baseline — the
-    // previous read if it was the evaluated pass's, else what the page kept (null: the same as
-    // its previous list).
+    // Before the manifest's `$set` (it still sees the previous read): the baseline, as a list of
+    // lists — the previous read alone if it was the evaluated pass's, else what the page kept
+    // (null: the same as its previous list; none for a page never read).
+    let previous = doc! { "$cond": [ { "$ifNull": [&listed, false] }, [&listed], [] ] };
     stages.push(doc! { "$set": {
         f::LISTED_SINCE: { "$cond": [
             { "$eq": [ format!("${}", f::LISTED_PASS), evaluated ] },
-            { "$ifNull": [&listed, []] },
-            { "$ifNull": [&since, { "$ifNull": [&listed, []] }] },
+            previous.clone(),
+            { "$ifNull": [&since, previous] },
         ] },
     } });
-    // After it: this read's list added, whether the baseline holds more — and if it does not,
-    // it is stored as null (the same as `listed`), so an unchanged page carries its list once.
-    stages.push(doc! { "$set": { f::LISTED_SINCE: { "$setUnion": [&since, &listed] } } });
+    // After it: this read's list added (lists compare as whole values: a list seen again adds
+    // nothing), whether the baseline holds another list — and if it does not, it is stored as
+    // null (the same as `listed`), so an unchanged page carries its list once.
+    stages.push(doc! { "$set": { f::LISTED_SINCE: { "$setUnion": [&since, [&listed]] } } });
     stages.push(doc! { "$set": {
-        f::LISTED_SINCE_MORE: { "$gt": [ { "$size": &since }, { "$size": &listed } ] },
+        f::LISTED_SINCE_MORE: { "$gt": [ { "$size": &since }, 1 ] },
     } });
     stages.push(doc! { "$set": {
         f::LISTED_SINCE: { "$cond": [ format!("${}", f::LISTED_SINCE_MORE), &since, Bson::Null ] },
@@ -1868,34 +1875,161 @@ impl Store {
     }
 }
 
-/// One item of a stored manifest, as [`Store::listing_manifests`] hands it out: the detail
-/// page's frontier id, its fingerprint hash (0: a plain link) and whether the pass that read the
-/// manifest enqueued it to fetch.
-pub type ListedItem<'a> = (&'a str, i64, bool);
+/// One item of a stored manifest, as [`Store::listing_manifests`] hands it out: the key of the
+/// detail page's frontier id ([`id_key`]), its fingerprint hash (0: a plain link) and whether the
+/// pass that read the manifest enqueued it to fetch.
+pub type ListedItem = (u64, i64, bool);
 
-/// The strings of a raw array field (missing or of another type: none).
-pub(super) fn raw_strings<'a>(doc: &'a bson::RawDocument, name: &str) -> Vec<&'a str> {
-    doc.get_array(name)
-        .ok()
-        .map(|a| a.into_iter().filter_map(|v| v.ok()?.as_str()).collect())
-        .unwrap_or_default()
+/// Bytes of a frontier id as a manifest packs it (`url_id` is 32 hex digits: 16 bytes).
+const ID_BYTES: usize = 16;
+
+/// The key of a frontier id: its first 64 bits (16 hex digits). Two ids that share them are one
+/// key; whoever compares by key must treat a collision as "unsure", never as "the same".
+pub fn id_key(id: &str) -> u64 {
+    let end = id.len().min(16);
+    u64::from_str_radix(&id[..end], 16).unwrap_or_else(|_| crate::ids::sha256_u64(&[id.as_bytes()]))
 }
 
-/// The whole numbers of a raw array field.
+/// A manifest's ids as they are stored: packed, 16 bytes an id in one binary value (what this
+/// version writes — a tenth of the BSON of an array of strings, and one value for the server to
+/// copy), or an array of hex strings (a hand-written document, or ids that are not hex).
+#[derive(Clone, Debug)]
+pub(super) enum Ids<'a> {
+    Packed(&'a [u8]),
+    Strings(Vec<&'a str>),
+}
+
+impl<'a> Ids<'a> {
+    /// The ids in `value` (anything else: none).
+    pub(super) fn of_value(value: Option<bson::RawBsonRef<'a>>) -> Ids<'a> {
+        match value {
+            Some(bson::RawBsonRef::Binary(b)) => Ids::Packed(b.bytes),
+            Some(bson::RawBsonRef::Array(a)) => {
+                Ids::Strings(a.into_iter().filter_map(|v| v.ok()?.as_str()).collect())
+            }
+            _ => Ids::Strings(Vec::new()),
+        }
+    }
+
+    /// The ids of field `name`.
+    pub(super) fn of(doc: &'a bson::RawDocument, name: &str) -> Ids<'a> {
+        Ids::of_value(doc.get(name).ok().flatten())
+    }
+
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Ids::Packed(bytes) => bytes.len() / ID_BYTES,
+            Ids::Strings(ids) => ids.len(),
+        }
+    }
+
+    /// The key ([`id_key`]) of id `i`.
+    pub(super) fn key(&self, i: usize) -> u64 {
+        match self {
+            Ids::Packed(bytes) => {
+                let mut first = [0u8; 8];
+                first.copy_from_slice(&bytes[i * ID_BYTES..i * ID_BYTES + 8]);
+                u64::from_be_bytes(first)
+            }
+            Ids::Strings(ids) => id_key(ids[i]),
+        }
+    }
+
+    pub(super) fn keys(&self) -> impl Iterator<Item = u64> + '_ {
+        (0..self.len()).map(|i| self.key(i))
+    }
+
+    /// Id `i` in full, as the frontier's `_id` spells it.
+    pub(super) fn id(&self, i: usize) -> String {
+        match self {
+            Ids::Packed(bytes) => bytes[i * ID_BYTES..(i + 1) * ID_BYTES]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect(),
+            Ids::Strings(ids) => ids[i].to_owned(),
+        }
+    }
+}
+
+/// A page's baseline as stored in `listedSince` (see `store::deletions`): null or missing means
+/// its list itself; otherwise every list it showed since the last evaluation — packed lists, or
+/// the ids of an array of strings (an empty array: an empty baseline).
+pub(super) fn baseline_lists(page: &bson::RawDocument) -> Vec<Ids<'_>> {
+    match page.get(f::LISTED_SINCE).ok().flatten() {
+        Some(bson::RawBsonRef::Array(items)) => {
+            let mut lists = Vec::new();
+            let mut loose: Vec<&str> = Vec::new();
+            for item in items.into_iter().flatten() {
+                match item {
+                    bson::RawBsonRef::String(id) => loose.push(id),
+                    other => lists.push(Ids::of_value(Some(other))),
+                }
+            }
+            if !loose.is_empty() {
+                lists.push(Ids::Strings(loose));
+            }
+            lists
+        }
+        _ => vec![Ids::of(page, f::LISTED)],
+    }
+}
+
+/// A manifest's ids as this version stores them: packed when every id is 32 hex digits (every
+/// `url_id` is), else as an array of strings.
+fn pack_ids(ids: &[String]) -> Bson {
+    let mut bytes = Vec::with_capacity(ids.len() * ID_BYTES);
+    for id in ids {
+        if id.len() != 2 * ID_BYTES {
+            return Bson::from(ids.to_vec());
+        }
+        for pair in id.as_bytes().chunks(2) {
+            match std::str::from_utf8(pair)
+                .ok()
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
+                Some(b) => bytes.push(b),
+                None => return Bson::from(ids.to_vec()),
+            }
+        }
+    }
+    Bson::Binary(bson::Binary {
+        subtype: bson::spec::BinarySubtype::Generic,
+        bytes,
+    })
+}
+
+/// Fingerprint hashes as this version stores them: 8 bytes each (little-endian) in one binary.
+fn pack_numbers(values: &[i64]) -> Bson {
+    Bson::Binary(bson::Binary {
+        subtype: bson::spec::BinarySubtype::Generic,
+        bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    })
+}
+
+/// The whole numbers of a raw field: an array of numbers, or packed 8 bytes each
+/// ([`pack_numbers`]).
 fn raw_numbers(doc: &bson::RawDocument, name: &str) -> Vec<i64> {
-    doc.get_array(name)
-        .ok()
-        .map(|a| {
-            a.into_iter()
-                .filter_map(|v| match v.ok()? {
-                    bson::RawBsonRef::Int64(n) => Some(n),
-                    bson::RawBsonRef::Int32(n) => Some(i64::from(n)),
-                    bson::RawBsonRef::Double(n) => Some(n as i64),
-                    _ => None,
-                })
-                .collect()
-        })
-        .unwrap_or_default()
+    match doc.get(name).ok().flatten() {
+        Some(bson::RawBsonRef::Binary(b)) => b
+            .bytes
+            .chunks_exact(8)
+            .map(|c| {
+                let mut le = [0u8; 8];
+                le.copy_from_slice(c);
+                i64::from_le_bytes(le)
+            })
+            .collect(),
+        Some(bson::RawBsonRef::Array(a)) => a
+            .into_iter()
+            .filter_map(|v| match v.ok()? {
+                bson::RawBsonRef::Int64(n) => Some(n),
+                bson::RawBsonRef::Int32(n) => Some(i64::from(n)),
+                bson::RawBsonRef::Double(n) => Some(n as i64),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// A raw document's whole number field.
@@ -1916,7 +2050,7 @@ impl Store {
     pub async fn listing_manifests(
         &self,
         bot: &BotId,
-        mut visit: impl FnMut(i64, &[ListedItem<'_>]),
+        mut visit: impl FnMut(i64, &[ListedItem]),
     ) -> Result<()> {
         let mut filter = doc! { f::BOT: bot.as_str() };
         filter.extend(listing_kinds());
@@ -1933,7 +2067,7 @@ impl Store {
             let Some(pass) = raw_integer(doc, f::LISTED_PASS) else {
                 return Ok(());
             };
-            let listed = raw_strings(doc, f::LISTED);
+            let listed = Ids::of(doc, f::LISTED);
             let fingerprints = raw_numbers(doc, f::LISTED_FP);
             let mut fetched = vec![false; listed.len()];
             for i in raw_numbers(doc, f::LISTED_FETCH) {
@@ -1941,10 +2075,10 @@ impl Store {
                     *slot = true;
                 }
             }
-            let items: Vec<ListedItem<'_>> = listed
-                .iter()
+            let items: Vec<ListedItem> = listed
+                .keys()
                 .enumerate()
-                .map(|(i, id)| (*id, fingerprints.get(i).copied().unwrap_or(0), fetched[i]))
+                .map(|(i, k)| (k, fingerprints.get(i).copied().unwrap_or(0), fetched[i]))
                 .collect();
             visit(pass, &items);
             Ok(())

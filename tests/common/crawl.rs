@@ -472,3 +472,13 @@ pub fn listing_ids(base: &str, n: u32) -> Vec<String> {
         })
         .collect()
 }
+
+/// How many detail pages a listing page's manifest (`listed`) names: packed 16 bytes an id, or
+/// an array of ids; `None` when it has none.
+pub fn manifest_len(page: &Document) -> Option<usize> {
+    match page.get("listed")? {
+        bson::Bson::Binary(b) => Some(b.bytes.len() / 16),
+        bson::Bson::Array(a) => Some(a.len()),
+        _ => None,
+    }
+}
