@@ -34,6 +34,15 @@ pub enum Error {
     /// A task of this process failed (it panicked or was cancelled): a bug, not the server's.
     #[error("{what} failed: {detail}")]
     Task { what: &'static str, detail: String },
+    /// The server applied a write but did not acknowledge it as the write concern asks (a
+    /// `writeConcernError` in an `ok: 1` reply).
+    #[error("database: {what}: the write concern was not satisfied (code {code}): {message}")]
+    WriteConcern {
+        what: &'static str,
+        code: i32,
+        message: String,
+        labels: Vec<String>,
+    },
     /// The operation did not finish within `mongo.op_timeout`.
     #[error("database: {what} did not finish within {}", humantime::format_duration(*.after))]
     Timeout {
@@ -67,6 +76,12 @@ impl Error {
         match self {
             Error::Db(e) => is_transient_db(e),
             Error::Timeout { .. } => true,
+            Error::WriteConcern { code, labels, .. } => {
+                TRANSIENT_CODES.contains(code)
+                    || labels
+                        .iter()
+                        .any(|l| l == "RetryableWriteError" || l == "TransientTransactionError")
+            }
             Error::EditLockLost { .. }
             | Error::EpochExhausted { .. }
             | Error::UrlLeaseLost { .. }

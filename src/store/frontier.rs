@@ -16,14 +16,16 @@
 //! update pipeline). The test server applies every statement under one collection lock with its
 //! own storage transaction, so statements, not documents, are what a write costs.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
 use futures_util::TryStreamExt;
-use mongodb::options::{Hint, IndexOptions};
-use mongodb::{Collection, IndexModel};
+use mongodb::options::Hint;
+use mongodb::Collection;
+
+use super::indexes::Wanted;
 
 use super::Store;
 use crate::crawl::fetch::Validators;
@@ -653,47 +655,19 @@ impl Store {
         self.database().collection(FRONTIER)
     }
 
-    /// Creates the frontier's indexes and drops those of earlier versions (idempotent).
+    /// Creates the frontier's indexes, rebuilds one whose definition changed, drops those of
+    /// earlier versions (idempotent; see `store::indexes`).
     pub async fn ensure_frontier_indexes(&self) -> Result<()> {
-        let index = IndexModel::builder()
-            .keys(doc! { f::BOT: 1, f::PASS: 1, f::STATUS: 1, f::HOST: 1, f::PRIORITY: 1, f::SLOT: 1 })
-            .options(
-                IndexOptions::builder()
-                    .name(FRONTIER_INDEX.to_owned())
-                    .build(),
-            )
-            .build();
-        let listings = IndexModel::builder()
-            .keys(doc! { f::BOT: 1, f::PASS: 1 })
-            .options(
-                IndexOptions::builder()
-                    .name(LISTINGS_INDEX.to_owned())
-                    .partial_filter_expression(listing_kinds())
-                    .build(),
-            )
-            .build();
-        self.index_build(
-            "create frontier indexes",
-            self.frontier().create_indexes([index, listings]),
-        )
-        .await?;
-        let present = self
-            .bounded("list frontier indexes", self.frontier().list_index_names())
-            .await?;
-        for retired in RETIRED_INDEXES {
-            if present.iter().any(|n| n == retired) {
-                self.index_build(
-                    "drop a retired frontier index",
-                    self.frontier().drop_index(retired),
-                )
-                .await?;
-                tracing::info!(
-                    index = retired,
-                    "dropped a frontier index this version does not use"
-                );
-            }
-        }
-        Ok(())
+        let main = Wanted::new(
+            FRONTIER_INDEX,
+            doc! { f::BOT: 1, f::PASS: 1, f::STATUS: 1, f::HOST: 1, f::PRIORITY: 1, f::SLOT: 1 },
+        );
+        let listings = Wanted {
+            partial: Some(listing_kinds()),
+            ..Wanted::new(LISTINGS_INDEX, doc! { f::BOT: 1, f::PASS: 1 })
+        };
+        self.ensure_indexes(FRONTIER, &[main, listings], &RETIRED_INDEXES)
+            .await
     }
 
     /// Adds `urls` (all of one kind) to pass `pass`; see [`Store::enqueue_urls`].
@@ -840,8 +814,21 @@ impl Store {
             // there, and not ours to fetch).
             let duplicates = duplicate_indexes("enqueue", &reply)?;
             out.added += reply_count(&reply, "n");
+            // A duplicate this very insert made on an earlier attempt (its answer lost, the
+            // command sent again) carries our token: it is ours after all.
+            let taken_before = self
+                .ours_after_all(
+                    bot,
+                    chunk
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, (_, _, leased))| *leased && duplicates.contains(i))
+                        .map(|(_, (_, id, _))| id.as_str()),
+                    &token,
+                )
+                .await?;
             for (i, (link, id, leased)) in chunk.iter().enumerate() {
-                if *leased && !duplicates.contains(&i) {
+                if *leased && (!duplicates.contains(&i) || taken_before.contains(id.as_str())) {
                     out.leased.push(lease_for_new(link, id, None));
                 }
             }
@@ -1015,8 +1002,19 @@ impl Store {
         // A duplicate `_id`: the link is in this pass already (someone else's).
         let duplicates = duplicate_indexes("enqueue listing pages", &reply)?;
         out.added = reply_count(&reply, "n");
+        // As in `enqueue_links`: a duplicate of an earlier attempt of this very command is ours.
+        let ids: Vec<String> = links.iter().map(|l| url_id(bot, &l.url)).collect();
+        let taken_before = self
+            .ours_after_all(
+                bot,
+                (0..first.min(links.len()))
+                    .filter(|i| duplicates.contains(i))
+                    .map(|i| ids[i].as_str()),
+                &token,
+            )
+            .await?;
         for (i, link) in links.iter().enumerate().take(first) {
-            if duplicates.contains(&i) {
+            if duplicates.contains(&i) && !taken_before.contains(ids[i].as_str()) {
                 continue;
             }
             out.leased.push(UrlLease {
@@ -1039,6 +1037,34 @@ impl Store {
             });
         }
         Ok(out)
+    }
+
+    /// Of `ids`, those leased with `token` now: entries an earlier attempt of a write that was
+    /// sent again already took (none read when `ids` is empty).
+    async fn ours_after_all<'a>(
+        &self,
+        bot: &BotId,
+        ids: impl Iterator<Item = &'a str>,
+        token: &str,
+    ) -> Result<HashSet<String>> {
+        let ids: Vec<&str> = ids.collect();
+        if ids.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let found = self
+            .find_once(
+                "read own leases",
+                FRONTIER,
+                doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str(), f::LEASE_TOKEN: token },
+                doc! { f::ID: 1 },
+                ids.len(),
+                None,
+            )
+            .await?;
+        Ok(found
+            .iter()
+            .filter_map(|d| d.get_str(f::ID).ok().map(str::to_owned))
+            .collect())
     }
 
     /// Pending URLs that `queries` find (one round trip each, all at once), highest priority
@@ -1378,18 +1404,16 @@ impl Store {
         }
         let ids: Vec<&str> = marks.iter().map(|(l, _)| l.id.as_str()).collect();
         let bot = &marks[0].0.bot;
-        let find = doc! {
-            "find": FRONTIER,
-            "filter": { f::ID: { "$in": ids }, f::BOT: bot.as_str() },
-            "projection": { f::LAST_LEASE_TOKEN: 1, f::SETTLED_BY: 1 },
-            "batchSize": i64::try_from(marks.len()).unwrap_or(i64::MAX).max(1),
-        };
-        let reply = self.command("read settled urls", find, session).await?;
-        let docs: Vec<Document> = reply
-            .get_document("cursor")
-            .and_then(|c| c.get_array("firstBatch"))
-            .map(|a| a.iter().filter_map(|d| d.as_document().cloned()).collect())
-            .unwrap_or_default();
+        let docs = self
+            .find_once(
+                "read settled urls",
+                FRONTIER,
+                doc! { f::ID: { "$in": ids }, f::BOT: bot.as_str() },
+                doc! { f::LAST_LEASE_TOKEN: 1, f::SETTLED_BY: 1 },
+                marks.len(),
+                session,
+            )
+            .await?;
         let settled: HashMap<&str, (Option<&str>, Option<&str>)> = docs
             .iter()
             .filter_map(|d| {

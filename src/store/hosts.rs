@@ -41,25 +41,14 @@ fn read_date(d: &Document, key: &str) -> Option<DateTime<Utc>> {
 pub const HOSTS_EXPIRE_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
 
 impl Store {
-    /// The `hosts` TTL index on `updatedAt` (idempotent); it also serves "published lately".
+    /// The `hosts` TTL index on `updatedAt` (idempotent; rebuilt if its definition changed); it
+    /// also serves "published lately".
     pub async fn ensure_host_indexes(&self) -> Result<()> {
-        let index = mongodb::IndexModel::builder()
-            .keys(doc! { "updatedAt": 1 })
-            .options(
-                mongodb::options::IndexOptions::builder()
-                    .name("updated_at_ttl".to_owned())
-                    .expire_after(HOSTS_EXPIRE_AFTER)
-                    .build(),
-            )
-            .build();
-        self.index_build(
-            "create hosts index",
-            self.database()
-                .collection::<Document>(HOSTS)
-                .create_index(index),
-        )
-        .await?;
-        Ok(())
+        let ttl = super::indexes::Wanted {
+            expire_after: Some(HOSTS_EXPIRE_AFTER),
+            ..super::indexes::Wanted::new("updated_at_ttl", doc! { "updatedAt": 1 })
+        };
+        self.ensure_indexes(HOSTS, &[ttl], &[]).await
     }
 
     /// Upserts this instance's rows (one write per host).

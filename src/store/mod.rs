@@ -23,6 +23,7 @@ use crate::lock::document::{field, integer, BotDoc, Observed, HISTORY_LEN};
 pub mod deletions;
 pub mod frontier;
 pub mod hosts;
+pub mod indexes;
 pub mod instances;
 pub mod passes;
 pub mod records;
@@ -372,6 +373,10 @@ impl Store {
         // Sized on purpose (`mongo.max_pool_size`); an operation waiting for a connection is
         // still bounded by `op_timeout`, which covers the wait.
         options.max_pool_size = Some(settings.max_pool_size);
+        // A server marked unknown (a primary that stepped down, a dropped connection) is checked
+        // again within 2 s, not at the driver's default 10 s: a write sent again within
+        // `op_timeout` finds the new primary.
+        options.heartbeat_freq = Some(Duration::from_secs(2));
         options.server_selection_timeout = Some(settings.connect_timeout);
         options.connect_timeout = Some(settings.connect_timeout);
         let client = Client::with_options(options).map_err(|e| fail(e.to_string()))?;
@@ -453,9 +458,17 @@ impl Store {
     where
         F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
     {
+        self.bounded_for(what, self.op_timeout, op).await
+    }
+
+    /// As [`Store::bounded`], within `limit`.
+    async fn bounded_for<T, F>(&self, what: &'static str, limit: Duration, op: F) -> Result<T>
+    where
+        F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
+    {
         self.commands.add(what);
         let sent = std::time::Instant::now();
-        let result = self.unaccounted(what, op).await;
+        let result = self.unaccounted_for(what, limit, op).await;
         self.commands.took(what, sent.elapsed());
         result
     }
@@ -466,12 +479,19 @@ impl Store {
     where
         F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
     {
+        self.unaccounted_for(what, self.op_timeout, op).await
+    }
+
+    async fn unaccounted_for<T, F>(&self, what: &'static str, limit: Duration, op: F) -> Result<T>
+    where
+        F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
+    {
         self.answers.sent();
         let mut flight = InFlight {
             answers: &self.answers,
             answered: false,
         };
-        match tokio::time::timeout(self.op_timeout, op.into_future()).await {
+        match tokio::time::timeout(limit, op.into_future()).await {
             Ok(result) => {
                 // An error from the server is an answer too; one from the network is not.
                 flight.answered = match &result {
@@ -534,8 +554,17 @@ impl Store {
         Ok(())
     }
 
-    /// Runs one database command under the operation timeout, inside `session` when there is
-    /// one (a transaction).
+    /// Runs one database command — the store's own writes and reads, sent with `run_command` —
+    /// under the operation timeout, inside `session` when there is one (a transaction). Its
+    /// reply is checked as the driver checks its own writes': a `writeConcernError` in an
+    /// `ok: 1` reply is an error ([`Error::WriteConcern`]), not a success. Outside a transaction
+    /// a failure that may pass on another attempt ([`retryable`]: the `RetryableWriteError`
+    /// label, a primary stepping down or shutting down, a network error) is sent again, with
+    /// backoff, until it succeeds or `op_timeout` — counted from the first attempt — runs out.
+    /// That is safe because every statement the store writes is fenced or conditional, so an
+    /// attempt that was applied before its answer was lost makes the next one match nothing or
+    /// the same thing (ARCHITECTURE.md, "Durability": why, for each kind); inside a transaction
+    /// the whole transaction is retried instead.
     pub(crate) async fn command(
         &self,
         what: &'static str,
@@ -550,13 +579,65 @@ impl Store {
         if writes && session.is_none() && !command.contains_key("writeConcern") {
             command.insert("writeConcern", durable_field());
         }
-        match session {
-            Some(session) => {
-                self.bounded(what, self.db.run_command(command).session(session))
-                    .await
-            }
-            None => self.bounded(what, self.db.run_command(command)).await,
+        if let Some(session) = session {
+            let reply = self
+                .bounded(what, self.db.run_command(command).session(session))
+                .await?;
+            return checked(what, reply);
         }
+        let deadline = std::time::Instant::now() + self.op_timeout;
+        let mut attempt: u32 = 0;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let result = self
+                .bounded_for(what, left, self.db.run_command(command.clone()))
+                .await
+                .and_then(|reply| checked(what, reply));
+            match result {
+                Err(e) if retryable(&e) => {
+                    attempt += 1;
+                    let pause = crate::backoff::full_jitter(
+                        Duration::from_millis(50),
+                        Duration::from_secs(1),
+                        attempt,
+                    );
+                    if std::time::Instant::now() + pause >= deadline {
+                        return Err(e);
+                    }
+                    tracing::debug!(what, error = %e, attempt, "a write was not acknowledged; sending it again");
+                    tokio::time::sleep(pause).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// A `find` sent with `run_command` that returns every document it matches in its one
+    /// reply: `singleBatch` (the server closes the cursor after it) and a batch of one more than
+    /// `at_most` (a batch the answer fills exactly leaves the cursor open on the test server).
+    /// No cursor is left open on the server.
+    pub(crate) async fn find_once(
+        &self,
+        what: &'static str,
+        collection: &str,
+        filter: Document,
+        projection: Document,
+        at_most: usize,
+        session: Option<&mut mongodb::ClientSession>,
+    ) -> Result<Vec<Document>> {
+        let find = doc! {
+            "find": collection,
+            "filter": filter,
+            "projection": projection,
+            "batchSize": i64::try_from(at_most.saturating_add(1)).unwrap_or(i64::MAX),
+            "singleBatch": true,
+        };
+        let reply = self.command(what, find, session).await?;
+        Ok(reply
+            .get_document("cursor")
+            .and_then(|c| c.get_array("firstBatch"))
+            .map(|a| a.iter().filter_map(|d| d.as_document().cloned()).collect())
+            .unwrap_or_default())
     }
 
     /// As `bounded`, for an index build: it reads the whole collection, which on a large one
@@ -623,20 +704,15 @@ impl Store {
         .await
     }
 
-    /// The bots' state index (idempotent): an operator's reads of bots by state — ready, locked,
-    /// failing, stuck (the README's mongosh recipes) — select on `isEditing` and `isReady`.
+    /// The bots' state index (idempotent; rebuilt if its definition changed): an operator's
+    /// reads of bots by state — ready, locked, failing, stuck (the README's mongosh recipes) —
+    /// select on `isEditing` and `isReady`.
     pub async fn ensure_bot_indexes(&self) -> Result<()> {
-        let index = mongodb::IndexModel::builder()
-            .keys(doc! { field::IS_EDITING: 1, field::IS_READY: 1 })
-            .options(
-                mongodb::options::IndexOptions::builder()
-                    .name("editing_ready".to_owned())
-                    .build(),
-            )
-            .build();
-        self.index_build("create bots index", self.bots.create_index(index))
-            .await?;
-        Ok(())
+        let state = indexes::Wanted::new(
+            "editing_ready",
+            doc! { field::IS_EDITING: 1, field::IS_READY: 1 },
+        );
+        self.ensure_indexes(BOTS, &[state], &[]).await
     }
 
     /// Whether the bot is paused (`paused: true`), read alone — not its seeds and history;
@@ -1312,6 +1388,63 @@ impl futures_util::Stream for BotChanges {
                     Ok(BotChange { id, concerns_fleet })
                 })
             })
+    }
+}
+
+/// A command's reply as the store accepts it: a `writeConcernError` (the write was applied on the
+/// primary but not acknowledged as the write concern asks — `w: "majority", j: true`) is an
+/// error, whatever `ok` says.
+fn checked(what: &'static str, reply: Document) -> Result<Document> {
+    let Ok(wce) = reply.get_document("writeConcernError") else {
+        return Ok(reply);
+    };
+    let labels: Vec<String> = reply
+        .get_array("errorLabels")
+        .map(|a| {
+            a.iter()
+                .filter_map(|l| l.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    Err(Error::WriteConcern {
+        what,
+        code: wce.get("code").and_then(integer).unwrap_or(0) as i32,
+        message: wce.get_str("errmsg").unwrap_or("").to_owned(),
+        labels,
+    })
+}
+
+/// Whether a failed command may be sent again as it is: the server labelled it retryable, the
+/// primary stepped down or is shutting down (or this node is not the primary), the network
+/// dropped it, or its write concern failed for one of those reasons.
+pub(crate) fn retryable(e: &Error) -> bool {
+    const CODES: &[i32] = &[
+        6,     // HostUnreachable
+        7,     // HostNotFound
+        89,    // NetworkTimeout
+        91,    // ShutdownInProgress
+        189,   // PrimarySteppedDown
+        9001,  // SocketException
+        10107, // NotWritablePrimary
+        11600, // InterruptedAtShutdown
+        11602, // InterruptedDueToReplStateChange
+        13435, // NotPrimaryNoSecondaryOk
+        13436, // NotPrimaryOrSecondary
+    ];
+    match e {
+        Error::Db(e) => {
+            e.contains_label("RetryableWriteError")
+                || match e.kind.as_ref() {
+                    mongodb::error::ErrorKind::Io(_)
+                    | mongodb::error::ErrorKind::ConnectionPoolCleared { .. } => true,
+                    mongodb::error::ErrorKind::Command(c) => CODES.contains(&c.code),
+                    _ => false,
+                }
+        }
+        Error::WriteConcern { code, labels, .. } => {
+            CODES.contains(code) || labels.iter().any(|l| l == "RetryableWriteError")
+        }
+        _ => false,
     }
 }
 

@@ -22,8 +22,9 @@ use std::collections::{HashMap, HashSet};
 
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
-use mongodb::options::IndexOptions;
-use mongodb::{ClientSession, Collection, IndexModel};
+use mongodb::{ClientSession, Collection};
+
+use super::indexes::Wanted;
 
 use super::frontier::{field as fr, settle_statements, Mark, UrlLease, UrlStatus, FRONTIER};
 use super::Store;
@@ -315,14 +316,6 @@ fn reply_count(reply: &Document) -> usize {
         .max(0) as usize
 }
 
-fn cursor_docs(reply: &Document) -> Vec<Document> {
-    reply
-        .get_document("cursor")
-        .and_then(|c| c.get_array("firstBatch"))
-        .map(|a| a.iter().filter_map(|d| d.as_document().cloned()).collect())
-        .unwrap_or_default()
-}
-
 /// Why a transaction attempt stopped.
 enum Abort {
     /// Try the whole batch again (a conflict, a record that changed, a lease lost meanwhile).
@@ -346,45 +339,19 @@ impl Store {
         self.database().collection(RECORDS)
     }
 
-    /// Creates the records' indexes (idempotent) — an operator's reads by natural key, "changed
-    /// since" and "removed" (the README's mongosh recipes, `export`, restoring records at a
-    /// pass's end) by bot and `naturalKey` / `lastChanged` / `removedAt`; the natural key never
-    /// changes, so its index costs an insert, not a rewrite — and drops those of earlier
-    /// versions.
+    /// Creates the records' indexes — an operator's reads by natural key, "changed since" and
+    /// "removed" (the README's mongosh recipes, `export`, restoring records at a pass's end) by
+    /// bot and `naturalKey` / `lastChanged` / `removedAt`; the natural key never changes, so its
+    /// index costs an insert, not a rewrite — rebuilds one whose definition changed and drops
+    /// those of earlier versions (idempotent; see `store::indexes`).
     pub async fn ensure_record_indexes(&self) -> Result<()> {
-        let indexes = [
-            ("bot_natural_key", doc! { f::BOT: 1, f::NATURAL_KEY: 1 }),
-            ("bot_last_changed", doc! { f::BOT: 1, f::LAST_CHANGED: 1 }),
-            ("bot_removed_at", doc! { f::BOT: 1, f::REMOVED_AT: 1 }),
-        ]
-        .map(|(name, keys)| {
-            IndexModel::builder()
-                .keys(keys)
-                .options(IndexOptions::builder().name(name.to_owned()).build())
-                .build()
-        });
-        self.index_build(
-            "create records indexes",
-            self.records().create_indexes(indexes),
-        )
-        .await?;
-        let present = self
-            .bounded("list records indexes", self.records().list_index_names())
-            .await?;
-        for retired in RETIRED_RECORD_INDEXES {
-            if present.iter().any(|n| n == retired) {
-                self.index_build(
-                    "drop a retired records index",
-                    self.records().drop_index(retired),
-                )
-                .await?;
-                tracing::info!(
-                    index = retired,
-                    "dropped a records index this version does not use"
-                );
-            }
-        }
-        Ok(())
+        let wanted = [
+            Wanted::new("bot_natural_key", doc! { f::BOT: 1, f::NATURAL_KEY: 1 }),
+            Wanted::new("bot_last_changed", doc! { f::BOT: 1, f::LAST_CHANGED: 1 }),
+            Wanted::new("bot_removed_at", doc! { f::BOT: 1, f::REMOVED_AT: 1 }),
+        ];
+        self.ensure_indexes(RECORDS, &wanted, &RETIRED_RECORD_INDEXES)
+            .await
     }
 
     /// Stores the page's record (if any) and marks its URL done, together: a group commit of one
@@ -479,14 +446,17 @@ impl Store {
         if ids.is_empty() {
             return Ok(HashMap::new());
         }
-        let find = doc! {
-            "find": RECORDS,
-            "filter": { f::ID: { "$in": ids }, f::BOT: bot.as_str() },
-            "projection": { f::CONTENT_HASH: 1, f::FETCHED_AT: 1, f::REMOVED_AT: 1 },
-            "batchSize": i64::try_from(ids.len()).unwrap_or(i64::MAX),
-        };
-        let reply = self.command("read records", find, session).await?;
-        Ok(cursor_docs(&reply)
+        let docs = self
+            .find_once(
+                "read records",
+                RECORDS,
+                doc! { f::ID: { "$in": ids }, f::BOT: bot.as_str() },
+                doc! { f::CONTENT_HASH: 1, f::FETCHED_AT: 1, f::REMOVED_AT: 1 },
+                ids.len(),
+                session,
+            )
+            .await?;
+        Ok(docs
             .into_iter()
             .filter_map(|d| Some((d.get_str(f::ID).ok()?.to_owned(), d)))
             .collect())
@@ -667,18 +637,16 @@ impl Store {
         let bot = &pages[wave[0]].lease.bot;
         let urls: Vec<&str> = wave.iter().map(|i| pages[*i].lease.id.as_str()).collect();
         let fences = self
-            .command(
+            .find_once(
                 "read leases",
-                doc! {
-                    "find": FRONTIER,
-                    "filter": { fr::ID: { "$in": &urls }, fr::BOT: bot.as_str() },
-                    "projection": { fr::STATUS: 1, fr::LEASE_TOKEN: 1 },
-                    "batchSize": i64::try_from(urls.len()).unwrap_or(i64::MAX),
-                },
+                FRONTIER,
+                doc! { fr::ID: { "$in": &urls }, fr::BOT: bot.as_str() },
+                doc! { fr::STATUS: 1, fr::LEASE_TOKEN: 1 },
+                urls.len(),
                 Some(session),
             )
             .await?;
-        let tokens: HashMap<String, Option<String>> = cursor_docs(&fences)
+        let tokens: HashMap<String, Option<String>> = fences
             .into_iter()
             .filter_map(|d| {
                 let leased = d.get_str(fr::STATUS).ok() == Some(UrlStatus::Leased.as_str());

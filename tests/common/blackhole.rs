@@ -53,11 +53,10 @@ impl Blackhole {
         Blackhole { addr, cut }
     }
 
-    /// `uri` (a `mongodb://host:port/...` URI) pointed at this proxy instead.
+    /// `uri` (a `mongodb://host:port/...` URI) pointed at this proxy instead (see
+    /// [`direct_uri`]).
     pub fn uri(&self, uri: &str) -> String {
-        let rest = uri.strip_prefix("mongodb://").expect("a mongodb:// URI");
-        let (_, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
-        format!("mongodb://{}{tail}", self.addr)
+        direct_uri(uri, self.addr)
     }
 
     pub fn cut(&self) {
@@ -67,6 +66,32 @@ impl Blackhole {
     pub fn heal(&self) {
         self.cut.send_replace(false);
     }
+}
+
+/// `uri` with its hosts replaced by the proxy at `addr`, connecting to it directly: without
+/// `directConnection=true` a driver given `replicaSet=…` would discover the set's real members
+/// from the proxied server and talk to them, around the proxy.
+pub fn direct_uri(uri: &str, addr: SocketAddr) -> String {
+    let rest = uri.strip_prefix("mongodb://").expect("a mongodb:// URI");
+    let rest = rest.split_once('@').map_or(rest, |(_, hosts)| hosts);
+    let credentials = uri
+        .strip_prefix("mongodb://")
+        .and_then(|r| r.split_once('@'))
+        .map(|(c, _)| format!("{c}@"))
+        .unwrap_or_default();
+    let (_, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+    let (path, query) = tail.split_once('?').unwrap_or((tail, ""));
+    let mut options: Vec<&str> = query
+        .split('&')
+        .filter(|o| {
+            !o.is_empty()
+                && !o.to_ascii_lowercase().starts_with("replicaset=")
+                && !o.to_ascii_lowercase().starts_with("directconnection=")
+        })
+        .collect();
+    options.push("directConnection=true");
+    let path = if path.is_empty() { "/" } else { path };
+    format!("mongodb://{credentials}{addr}{path}?{}", options.join("&"))
 }
 
 async fn wait_open(cut: &watch::Receiver<bool>) {

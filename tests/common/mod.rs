@@ -6,6 +6,7 @@
 pub mod blackhole;
 pub mod chaos;
 pub mod crawl;
+pub mod faults;
 pub mod shop;
 
 use std::future::Future;

@@ -1,0 +1,184 @@
+//! seedlock's own indexes, kept as this version defines them at every start-up: a missing one is
+//! built, one whose definition under the same name changed (its keys, its partial filter, its
+//! expiry) is dropped and built again — MongoDB refuses to create a changed definition under an
+//! existing name (codes 85 and 86) — and those of earlier versions (the collection's retired
+//! names) are dropped. Each rebuild and drop is one log line. An operator's own indexes (other
+//! names) are left alone.
+
+use std::time::Duration;
+
+use bson::{Bson, Document};
+use futures_util::TryStreamExt;
+use mongodb::options::IndexOptions;
+use mongodb::IndexModel;
+
+use super::Store;
+use crate::error::Result;
+
+/// One index as this version wants it.
+#[derive(Clone, Debug)]
+pub struct Wanted {
+    pub name: &'static str,
+    pub keys: Document,
+    /// Only the documents this filter matches are in the index.
+    pub partial: Option<Document>,
+    /// A TTL index: documents expire this long after the indexed date.
+    pub expire_after: Option<Duration>,
+}
+
+impl Wanted {
+    pub fn new(name: &'static str, keys: Document) -> Wanted {
+        Wanted {
+            name,
+            keys,
+            partial: None,
+            expire_after: None,
+        }
+    }
+
+    fn model(&self) -> IndexModel {
+        IndexModel::builder()
+            .keys(self.keys.clone())
+            .options(
+                IndexOptions::builder()
+                    .name(self.name.to_owned())
+                    .partial_filter_expression(self.partial.clone())
+                    .expire_after(self.expire_after)
+                    .build(),
+            )
+            .build()
+    }
+
+    /// Whether `existing` (as the server lists it) is this definition.
+    fn is(&self, existing: &IndexModel) -> bool {
+        let options = existing.options.as_ref();
+        same_keys(&self.keys, &existing.keys)
+            && options.and_then(|o| o.partial_filter_expression.as_ref()) == self.partial.as_ref()
+            && options.and_then(|o| o.expire_after) == self.expire_after
+    }
+}
+
+/// Key patterns compare by field and direction: a server may list `1` as an `Int32`, an `Int64`
+/// or a `Double`.
+fn same_keys(a: &Document, b: &Document) -> bool {
+    let direction = |v: &Bson| match v {
+        Bson::Int32(n) => Some(f64::from(*n)),
+        Bson::Int64(n) => Some(*n as f64),
+        Bson::Double(n) => Some(*n),
+        _ => None,
+    };
+    a.len() == b.len()
+        && a.iter()
+            .zip(b.iter())
+            .all(|((ka, va), (kb, vb))| ka == kb && direction(va) == direction(vb))
+}
+
+impl Store {
+    /// Makes `collection`'s indexes named in `wanted` exactly those definitions, and drops those
+    /// named in `retired` (see the module comment). Idempotent: a second call changes nothing.
+    pub(crate) async fn ensure_indexes(
+        &self,
+        collection: &str,
+        wanted: &[Wanted],
+        retired: &[&str],
+    ) -> Result<()> {
+        let coll = self.database().collection::<Document>(collection);
+        let existing: Vec<IndexModel> = self
+            .bounded("list indexes", async {
+                coll.list_indexes().await?.try_collect().await
+            })
+            .await
+            // A collection that does not exist yet has no indexes.
+            .or_else(|e| match &e {
+                crate::error::Error::Db(db) if is_namespace_not_found(db) => Ok(Vec::new()),
+                _ => Err(e),
+            })?;
+        let named = |name: &str| {
+            existing
+                .iter()
+                .find(|i| i.options.as_ref().and_then(|o| o.name.as_deref()) == Some(name))
+        };
+        let mut create = Vec::new();
+        for index in wanted {
+            match named(index.name) {
+                Some(found) if index.is(found) => {}
+                Some(found) => {
+                    tracing::info!(
+                        collection,
+                        index = index.name,
+                        was = %found.keys,
+                        "rebuilding an index whose definition changed in this version"
+                    );
+                    self.index_build("drop a changed index", coll.drop_index(index.name))
+                        .await
+                        .or_else(gone)?;
+                    create.push(index.model());
+                }
+                None => create.push(index.model()),
+            }
+        }
+        if !create.is_empty() {
+            self.index_build("create indexes", coll.create_indexes(create))
+                .await?;
+        }
+        for name in retired {
+            if named(name).is_some() {
+                self.index_build("drop a retired index", coll.drop_index(*name))
+                    .await
+                    .or_else(gone)?;
+                tracing::info!(
+                    collection,
+                    index = *name,
+                    "dropped an index this version does not use"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An index already gone (another instance, upgraded at the same moment, dropped it first) is as
+/// good as dropped.
+fn gone(e: crate::error::Error) -> Result<()> {
+    match &e {
+        crate::error::Error::Db(db) if index_not_found(db) => Ok(()),
+        _ => Err(e),
+    }
+}
+
+fn code_of(e: &mongodb::error::Error) -> Option<i32> {
+    match e.kind.as_ref() {
+        mongodb::error::ErrorKind::Command(c) => Some(c.code),
+        _ => None,
+    }
+}
+
+/// IndexNotFound (27).
+fn index_not_found(e: &mongodb::error::Error) -> bool {
+    code_of(e) == Some(27)
+}
+
+/// NamespaceNotFound (26).
+fn is_namespace_not_found(e: &mongodb::error::Error) -> bool {
+    code_of(e) == Some(26)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bson::doc;
+
+    #[test]
+    fn key_patterns_compare_by_field_and_direction_whatever_the_number_type() {
+        assert!(same_keys(
+            &doc! { "a": 1, "b": -1 },
+            &doc! { "a": 1_i64, "b": -1.0 }
+        ));
+        assert!(!same_keys(
+            &doc! { "a": 1, "b": 1 },
+            &doc! { "b": 1, "a": 1 }
+        ));
+        assert!(!same_keys(&doc! { "a": 1 }, &doc! { "a": 1, "b": 1 }));
+        assert!(!same_keys(&doc! { "a": 1 }, &doc! { "a": -1 }));
+    }
+}
