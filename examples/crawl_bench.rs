@@ -5,6 +5,11 @@
 //!   a random 0.2–1.0 s of its life, ten times, then let it finish. seedlock with 1 instance and
 //!   with 3 (kills spread among them), each with one request in flight, next to the naive
 //!   baseline (auto ids, no persisted frontier: every restart begins again at page 1).
+//! - `kill-new-ids [RUNS]`: the kill test with a new instance id for every restart — 520
+//!   products, two instances, 8 SIGKILLs, `crawl.lease` 60 s: the pass must end at most 15 s
+//!   after the last kill (dead owners' URL leases are taken at their registration's expiry).
+//! - `network [RUNS]`: one instance, 5,000 products, the database behind a delay proxy adding a
+//!   round trip of 0, 2 and 10 ms: pages/s at each, and as a share of the 0 ms speed.
 //! - `throughput`: pages/s over the pass, process wall, database commands per detail page (the
 //!   whole run, and the steady state from `/metrics`), 500 and 10,000 products, 1 and 3
 //!   instances, peak RSS.
@@ -236,6 +241,8 @@ struct KillRun {
     repeated: u64,
     kills: usize,
     wall: Duration,
+    /// From the last kill to the end of the pass.
+    after_last_kill: Duration,
 }
 
 const KILLS: usize = 10;
@@ -245,8 +252,30 @@ const KILL_TEST_CAP: u64 = 4;
 /// Per-request latency of the shop in the kill test, so a crawl outlives ten kills.
 const KILL_TEST_LATENCY_MS: u64 = 20;
 
-async fn kill_seedlock(uri: &str, instances: usize, transactions: &str, dir: &Path) -> KillRun {
-    let shop = Shop::start(25, 20).await;
+/// The shape of one seedlock kill run.
+struct KillShape<'a> {
+    instances: usize,
+    transactions: &'a str,
+    /// Listing pages of 20 products.
+    lists: u32,
+    kills: usize,
+    /// Every restart under an instance id never used before (a pod restarted under a new
+    /// name), instead of the victim's own.
+    fresh_ids: bool,
+    /// `crawl.lease`.
+    lease: &'a str,
+}
+
+async fn kill_seedlock(uri: &str, shape: &KillShape<'_>, dir: &Path) -> KillRun {
+    let &KillShape {
+        instances,
+        transactions,
+        lists,
+        kills: wanted_kills,
+        fresh_ids,
+        lease,
+    } = shape;
+    let shop = Shop::start(lists, 20).await;
     shop.post(
         "/__faults",
         json!([{"path": "/", "latency_ms": KILL_TEST_LATENCY_MS}]),
@@ -260,7 +289,7 @@ async fn kill_seedlock(uri: &str, instances: usize, transactions: &str, dir: &Pa
         &shop.base,
         &Run {
             crawl: &format!(
-                "workers = 1\nmax_uncommitted = {KILL_TEST_CAP}\nlease = \"10s\"\ntransactions = \"{transactions}\""
+                "workers = 1\nmax_uncommitted = {KILL_TEST_CAP}\nlease = \"{lease}\"\ntransactions = \"{transactions}\""
             ),
             mode: "fingerprint",
         },
@@ -273,8 +302,9 @@ async fn kill_seedlock(uri: &str, instances: usize, transactions: &str, dir: &Pa
         .collect();
     let mut born: Vec<Instant> = vec![Instant::now(); instances];
     let mut kills = 0;
+    let mut last_kill = started;
     let mut rng = rand::rng();
-    while kills < KILLS {
+    while kills < wanted_kills {
         // The next victim: a random running instance, at a random 0.2–1.0 s of its life.
         let running: Vec<usize> = (0..instances).filter(|&i| children[i].is_some()).collect();
         if running.is_empty() {
@@ -291,7 +321,13 @@ async fn kill_seedlock(uri: &str, instances: usize, transactions: &str, dir: &Pa
         }
         child.kill().await.unwrap();
         kills += 1;
-        children[victim] = Some(seedlock(&config, &names[victim], &["run", "--once"]));
+        last_kill = Instant::now();
+        let name = if fresh_ids {
+            format!("{}-{kills}", names[victim])
+        } else {
+            names[victim].clone()
+        };
+        children[victim] = Some(seedlock(&config, &name, &["run", "--once"]));
         born[victim] = Instant::now();
     }
     for child in children.iter_mut().flatten() {
@@ -299,6 +335,7 @@ async fn kill_seedlock(uri: &str, instances: usize, transactions: &str, dir: &Pa
         assert!(status.success(), "an instance failed: {status}");
     }
     let wall = started.elapsed();
+    let after_last_kill = last_kill.elapsed();
     let stats = shop.stats().await;
     let truth = shop.truth().await;
     let (rows, distinct, correct) = judge_records(&db, &truth).await;
@@ -311,6 +348,7 @@ async fn kill_seedlock(uri: &str, instances: usize, transactions: &str, dir: &Pa
         repeated: repeated(&stats),
         kills,
         wall,
+        after_last_kill,
     }
 }
 
@@ -426,6 +464,8 @@ async fn kill_naive(uri: &str) -> KillRun {
         repeated: repeated(&stats),
         kills,
         wall,
+        // Not measured for the baseline.
+        after_last_kill: Duration::ZERO,
     }
 }
 
@@ -464,7 +504,15 @@ async fn kill(uri: &str, runs: usize) {
             let r = if instances == 0 {
                 kill_naive(uri).await
             } else {
-                kill_seedlock(uri, instances, transactions, dir.path()).await
+                let shape = KillShape {
+                    instances,
+                    transactions,
+                    lists: 25,
+                    kills: KILLS,
+                    fresh_ids: false,
+                    lease: "10s",
+                };
+                kill_seedlock(uri, &shape, dir.path()).await
             };
             let verdict = if instances == 0 {
                 naive_walls.push(r.wall.as_secs_f64());
@@ -513,6 +561,78 @@ async fn kill(uri: &str, runs: usize) {
     }
     if failures > 0 {
         eprintln!("kill test: {failures} seedlock run(s) broke the guarantee");
+        std::process::exit(1);
+    }
+}
+
+/// The kill test with a new instance id for every restart (issue 27): 520 products, two
+/// instances, 8 SIGKILLs, `crawl.lease` at its default (60 s). The dead processes' URL leases
+/// must be taken when their registrations expire (`lock.ttl`, 5 s here), so the pass ends at
+/// most 15 s after the last kill.
+async fn kill_new_ids(uri: &str, runs: usize) {
+    const LISTS: u32 = 26;
+    const NEW_ID_KILLS: usize = 8;
+    const AFTER_LAST_KILL: Duration = Duration::from_secs(15);
+    let dir = tempfile::tempdir().unwrap();
+    println!("## Kill test under new instance ids: {} products, 2 instances, {NEW_ID_KILLS} SIGKILLs, each restart under an id never used before", LISTS * 20);
+    println!();
+    println!("`crawl.lease` 60 s (the default), `lock.ttl` 5 s, one request in flight per instance, at most {KILL_TEST_CAP} pages fetched and not yet committed, the shop answers after {KILL_TEST_LATENCY_MS} ms. A run passes with every record exact, repeated ≤ kills × {KILL_TEST_CAP} and the pass over ≤ {} s after the last kill.", AFTER_LAST_KILL.as_secs());
+    println!();
+    println!("| run | kills | rows | correct | requests | repeated | after the last kill (s) | wall (s) | verdict |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut failures = 0;
+    let mut after: Vec<f64> = Vec::new();
+    for run in 1..=runs {
+        let shape = KillShape {
+            instances: 2,
+            transactions: "off",
+            lists: LISTS,
+            kills: NEW_ID_KILLS,
+            fresh_ids: true,
+            lease: "60s",
+        };
+        let r = kill_seedlock(uri, &shape, dir.path()).await;
+        let products = LISTS as usize * 20;
+        let bound = r.kills as u64 * KILL_TEST_CAP;
+        let mut problems = Vec::new();
+        if !(r.rows == products && r.distinct == products && r.correct == products) {
+            problems.push("records not exact".to_owned());
+        }
+        if r.repeated > bound {
+            problems.push(format!("repeated > {bound}"));
+        }
+        if r.after_last_kill > AFTER_LAST_KILL {
+            problems.push(format!(
+                "over {} s after the last kill",
+                AFTER_LAST_KILL.as_secs()
+            ));
+        }
+        let verdict = if problems.is_empty() {
+            "ok".to_owned()
+        } else {
+            failures += 1;
+            format!("FAILED: {}", problems.join(", "))
+        };
+        after.push(r.after_last_kill.as_secs_f64());
+        println!(
+            "| {run} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {verdict} |",
+            r.kills,
+            r.rows,
+            r.correct,
+            r.requests,
+            r.repeated,
+            r.after_last_kill.as_secs_f64(),
+            r.wall.as_secs_f64()
+        );
+    }
+    after.sort_by(f64::total_cmp);
+    println!();
+    println!(
+        "Median after the last kill: {:.1} s",
+        after[after.len() / 2]
+    );
+    if failures > 0 {
+        eprintln!("kill test under new ids: {failures} run(s) failed");
         std::process::exit(1);
     }
 }
@@ -947,6 +1067,65 @@ async fn throughput(uri: &str) {
             truth.len()
         );
         let _ = db.drop().await;
+    }
+}
+
+/// One instance crawling 5,000 products with the database behind a proxy that adds a round-trip
+/// time (`tests/common/delay.rs`): pages/s at each RTT, and as a share of the 0 ms speed measured
+/// in the same run (runs interleaved, medians).
+async fn network(uri: &str, runs: usize) {
+    const RTTS_MS: [u64; 3] = [0, 2, 10];
+    let dir = tempfile::tempdir().unwrap();
+    println!("## The database across a network: 5,000 products, one instance, a delay proxy in front of the database");
+    println!();
+    println!("The proxy holds every byte for half the round trip in each direction (no bandwidth limit). `0 ms` goes through the proxy too. Runs interleaved; medians of {runs}.");
+    println!();
+    println!("| RTT (ms) | run | pages | pass (s) | pages/s | correct |");
+    println!("|---|---|---|---|---|---|");
+    let upstream = common::blackhole::server_of(uri);
+    let mut rates: HashMap<u64, Vec<f64>> = HashMap::new();
+    for run in 1..=runs {
+        for rtt in RTTS_MS {
+            let proxy = common::delay::Delay::start(&upstream, Duration::from_millis(rtt));
+            let through = proxy.uri(uri);
+            let shop = Shop::start(50, 100).await;
+            let db = fresh_db(uri, "network").await;
+            let config = config(
+                dir.path(),
+                &through,
+                db.name(),
+                &shop.base,
+                &Run {
+                    crawl: &std::env::var("BENCH_CRAWL").unwrap_or_default(),
+                    mode: "fingerprint",
+                },
+            );
+            let c = crawl_measured(&config, &db, 1).await;
+            let stats = shop.stats().await;
+            let pages = under(&stats, "/list/") + under(&stats, "/product/");
+            let truth = shop.truth().await;
+            let (_, _, correct) = judge_records(&db, &truth).await;
+            let rate = pages as f64 / c.pass.as_secs_f64();
+            rates.entry(rtt).or_default().push(rate);
+            println!(
+                "| {rtt} | {run} | {pages} | {:.3} | {rate:.0} | {correct}/{} |",
+                c.pass.as_secs_f64(),
+                truth.len()
+            );
+            let _ = db.drop().await;
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let base = median(rates.get_mut(&0).unwrap());
+    println!();
+    println!("| RTT (ms) | median pages/s | share of 0 ms |");
+    println!("|---|---|---|");
+    for rtt in RTTS_MS {
+        let m = median(rates.get_mut(&rtt).unwrap());
+        println!("| {rtt} | {m:.0} | {:.2} |", m / base);
     }
 }
 
@@ -1709,6 +1888,8 @@ async fn main() {
     };
     match args.first().map(String::as_str) {
         Some("kill") => kill(&uri, number(1, 3) as usize).await,
+        Some("network") => network(&uri, number(1, 3) as usize).await,
+        Some("kill-new-ids") => kill_new_ids(&uri, number(1, 3) as usize).await,
         Some("throughput") => throughput(&uri).await,
         Some("ceilings") => ceilings(&uri).await,
         Some("indexes") => indexes(&uri).await,
@@ -1733,7 +1914,7 @@ async fn main() {
         Some("export") => export(&uri, number(1, 1_000_000)).await,
         _ => {
             eprintln!(
-                "usage: crawl_bench kill [RUNS] | throughput | ceilings | indexes | incremental [ITEMS [CHANGED ADDED DELETED]] | deletion | head-of-line | throttling | memory [URLS] | export [RECORDS]"
+                "usage: crawl_bench kill [RUNS] | kill-new-ids [RUNS] | network [RUNS] | throughput | ceilings | indexes | incremental [ITEMS [CHANGED ADDED DELETED]] | deletion | head-of-line | throttling | memory [URLS] | export [RECORDS]"
             );
             std::process::exit(2);
         }

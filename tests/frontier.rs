@@ -487,7 +487,7 @@ async fn two_leasers_racing_for_one_batch_never_get_the_same_url() {
             a.take_leases(&bot, 1, &ma, now, LEASE, takes.clone()),
             b.take_leases(&bot, 1, &mb, now, LEASE, takes.clone()),
         );
-        let (got_a, got_b) = (got_a.unwrap(), got_b.unwrap());
+        let (got_a, got_b) = (got_a.unwrap().leases, got_b.unwrap().leases);
         assert_eq!(
             got_a.len() + got_b.len(),
             30,
@@ -636,7 +636,8 @@ async fn a_batch_of_marks_lands_for_every_lease_still_held_and_not_for_a_lost_on
             },
         )
         .await
-        .unwrap();
+        .unwrap()
+        .leases;
     assert_eq!(leases.len(), 5);
     // One lease runs out and another worker takes the URL.
     let later = t0 + chrono::Duration::seconds(6);
@@ -655,6 +656,7 @@ async fn a_batch_of_marks_lands_for_every_lease_still_held_and_not_for_a_lost_on
         )
         .await
         .unwrap()
+        .leases
         .pop()
         .expect("the expired lease is leased again");
     assert_eq!(other.id, lost.id);

@@ -181,3 +181,73 @@ async fn a_permanent_error_is_not_retried_and_a_503_is_retried_then_recorded_fai
     );
     assert_eq!(live_records(&db).await.len(), products.len() - 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redirect_is_judged_hop_by_hop_out_of_scope_is_refused_in_scope_goes_through_its_host() {
+    let db = test_db("crawl_redirects").await;
+    let base = shop(2, 5).await;
+    // Another shop on another port, in the bot's scope, seeded nowhere: it hears from the crawl
+    // only through a redirect.
+    let other = common::shop::Shop::start_with(1, 5, "ALT", 12).await.leak();
+    // A server out of scope (say a cloud metadata address): it must hear nothing at all.
+    let canary = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let canary_addr = canary.local_addr().unwrap();
+    let knocked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    {
+        let knocked = knocked.clone();
+        tokio::spawn(async move {
+            while let Ok((_socket, _)) = canary.accept().await {
+                knocked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
+    }
+    let products: Vec<String> = truth(&base).await.into_keys().collect();
+    let (away, moved) = (&products[0], &products[1]);
+    let elsewhere = truth(&other).await.into_keys().next().unwrap();
+    post(
+        &format!("{base}/__faults"),
+        json!([
+            {"path": format!("/product/{away}"), "redirect_to": format!("http://{canary_addr}/latest/meta-data/")},
+            {"path": format!("/product/{moved}"), "redirect_to": format!("{other}/product/{elsewhere}")},
+        ]),
+    )
+    .await;
+    Requests::take(&other).await;
+    let other_host = other.trim_start_matches("http://").to_owned();
+    let scope = [other_host.as_str()];
+    let setup = Setup {
+        scope: &scope,
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    let failed = frontier(&db, doc! { "status": "failed" }).await;
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(failed[0]
+        .get_str("url")
+        .unwrap()
+        .ends_with(&format!("/product/{away}")));
+    assert_eq!(
+        failed[0].get_str("lastError").unwrap(),
+        format!("redirect out of scope: {canary_addr}")
+    );
+    assert_eq!(
+        knocked.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the out-of-scope server received a connection"
+    );
+    // The in-scope hop went through that host's robots.txt (once, before any page of it), then
+    // the page — and the links on it, in scope too, led the crawl over that shop as well.
+    let heard = Requests::take(&other).await;
+    assert_eq!(heard.0.get("/robots.txt"), Some(&1), "{:?}", heard.0);
+    assert!(
+        heard.0.contains_key(&format!("/product/{elsewhere}")),
+        "{:?}",
+        heard.0
+    );
+    // Every product of both shops is stored but the two whose pages now lead elsewhere: the one
+    // out of scope (failed) and the one whose page is the other shop's product (stored as that).
+    let stored = live_records(&db).await;
+    assert!(!stored.contains_key(away.as_str()), "{stored:?}");
+    assert!(!stored.contains_key(moved.as_str()), "{stored:?}");
+    assert_eq!(stored.len(), products.len() - 2 + 5, "{stored:?}");
+}

@@ -452,7 +452,11 @@ async fn the_database_restarting_while_instances_wait_is_survived() {
             w.log()
         );
         w.assert_clean();
-        assert!(w.log().contains("database reachable again"), "{}", w.log());
+        // A waiter reads nothing until its bot changes (lock::hub): one may sit the outage out
+        // without an operation of its own failing. One that noticed says it is over.
+        if w.log().contains("database unavailable") {
+            assert!(w.log().contains("database reachable again"), "{}", w.log());
+        }
     }
     let doc = db.doc("shop").await.unwrap();
     assert_eq!(doc.get_bool("isReady").unwrap(), true);

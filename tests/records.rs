@@ -438,6 +438,7 @@ async fn a_group_commit_marks_done_only_pages_whose_record_was_written_and_whose
             )
             .await
             .unwrap()
+            .leases
             .pop()
             .unwrap();
         assert_eq!(newer.id, leases[1].id);

@@ -18,11 +18,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::Crawler;
-use crate::crawl::fetch::{FetchOutcome, Validators};
+use crate::crawl::fetch::{FetchOutcome, Validators, MAX_REDIRECTS};
 use crate::crawl::stages::Ticket;
 use crate::flow::robots::Verdict;
 use crate::flow::{Admission, Busy, HostPermit, Signal};
 use crate::store::frontier::{PageKind, UrlLease};
+use crate::urls::NormalizedUrl;
 
 /// How far ahead a host's queue is filled: enough URLs for this long at its pace.
 const QUEUE_HORIZON: Duration = Duration::from_millis(100);
@@ -304,15 +305,65 @@ impl Crawler {
     }
 
     /// The fetch stage for one admitted URL: robots.txt, then the page (raced against
-    /// shutdown). The host's limiter learns from the answer.
+    /// shutdown); the host's limiter learns from the answer. A redirect is followed hop by hop,
+    /// each hop judged before it is requested: out of the bot's scope (or its allow/deny
+    /// patterns) the page fails (`redirect out of scope: HOST`) and that host hears nothing; an
+    /// in-scope hop goes through its host's robots.txt and flow control like any page.
     pub async fn fetch(
         &self,
         lease: &UrlLease,
         permit: HostPermit,
         shutdown: &CancellationToken,
     ) -> Fetched {
+        let mut url = lease.url.clone();
+        let mut permit = permit;
+        // Listing pages are read every pass (their items are the pass's evidence of what
+        // exists); only detail pages are fetched conditionally — and only at the first hop.
+        let mut validators = match lease.kind {
+            PageKind::Detail => lease.validators.clone(),
+            PageKind::List | PageKind::Seed => Validators::default(),
+        };
+        for hop in 0..=MAX_REDIRECTS {
+            let outcome = match self.fetch_hop(&url, permit, &validators, shutdown).await {
+                Ok(outcome) => outcome,
+                Err(other) => return other,
+            };
+            let FetchOutcome::Redirect { status, to } = outcome else {
+                return Fetched::Outcome(outcome);
+            };
+            if hop == MAX_REDIRECTS {
+                break;
+            }
+            if !self.rules.links.admits(&to) {
+                debug!(bot = %self.bot, from = %url, %to, status, "redirect out of scope: not followed");
+                return Fetched::Outcome(FetchOutcome::Permanent {
+                    reason: format!("redirect out of scope: {}", to.host_port()),
+                });
+            }
+            debug!(bot = %self.bot, from = %url, %to, status, "following a redirect");
+            permit = match self.admit(&to.host_port(), lease, shutdown).await {
+                Some(permit) => permit,
+                None => return Fetched::Released,
+            };
+            url = to;
+            validators = Validators::default();
+        }
+        Fetched::Outcome(FetchOutcome::Permanent {
+            reason: format!("more than {MAX_REDIRECTS} redirects"),
+        })
+    }
+
+    /// One request of a fetch, on `url`'s host, whose `permit` it holds: robots.txt, then the
+    /// page. `Err` ends the fetch as it says (disallowed, the host paused, shutdown).
+    async fn fetch_hop(
+        &self,
+        url: &NormalizedUrl,
+        permit: HostPermit,
+        validators: &Validators,
+        shutdown: &CancellationToken,
+    ) -> std::result::Result<FetchOutcome, Fetched> {
         let host = permit.host().to_owned();
-        match self.robots.check(&self.fetcher, &lease.url).await {
+        match self.robots.check(&self.fetcher, url).await {
             Verdict::Allowed { crawl_delay } => {
                 if let Some(delay) = crawl_delay {
                     self.flow.set_crawl_delay(&host, delay);
@@ -320,37 +371,28 @@ impl Crawler {
             }
             Verdict::Disallowed => {
                 permit.finish(Signal::Neutral);
-                return Fetched::Disallowed;
+                return Err(Fetched::Disallowed);
             }
             Verdict::Unavailable { reason } => {
                 let wait = self.limits.robots_retry;
                 self.flow.pause(&host, Instant::now() + wait);
                 permit.finish(Signal::Neutral);
                 warn!(bot = %self.bot, %host, %reason, ?wait, "host paused");
-                return Fetched::HostPaused { wait, reason };
+                return Err(Fetched::HostPaused { wait, reason });
             }
         }
-        // Listing pages are read every pass (their items are the pass's evidence of what
-        // exists); only detail pages are fetched conditionally.
-        let validators = match lease.kind {
-            PageKind::Detail => lease.validators.clone(),
-            PageKind::List | PageKind::Seed => Validators::default(),
-        };
         self.requests
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.metrics.page_requested(&self.bot);
         let started = Instant::now();
         self.flow.sending(&host, started);
-        if lease.kind.is_listing() {
-            tracing::trace!(url = %lease.url, "fetching a listing page");
-        }
         let outcome = tokio::select! {
             biased;
             _ = shutdown.cancelled() => {
                 permit.finish(Signal::Neutral);
-                return Fetched::Released;
+                return Err(Fetched::Released);
             }
-            outcome = self.fetcher.fetch(&lease.url, &validators) => outcome,
+            outcome = self.fetcher.fetch_one(url, validators) => outcome,
         };
         permit.finish(match &outcome {
             FetchOutcome::Throttled { retry_after, .. } => Signal::Throttled {
@@ -363,7 +405,38 @@ impl Crawler {
                 latency: started.elapsed(),
             },
         });
-        Fetched::Outcome(outcome)
+        Ok(outcome)
+    }
+
+    /// Waits until `host`'s limiter admits one more request for a redirect of `lease` (as a
+    /// retry would be: it is the same page's fetch going on). `None` at shutdown, while the host
+    /// is paused, or once the lease has run out (no fetch starts on an expired lease).
+    async fn admit(
+        &self,
+        host: &str,
+        lease: &UrlLease,
+        shutdown: &CancellationToken,
+    ) -> Option<HostPermit> {
+        loop {
+            if self.clock.now() >= lease.expires_at {
+                return None;
+            }
+            let share = self.flow.fair_share(self.limits.workers, [host]);
+            let wait = match self.flow.try_admit(host, false, Instant::now(), share) {
+                Admission::Admitted(permit) => return Some(permit),
+                Admission::Wait {
+                    why: Busy::Paused, ..
+                } => return None,
+                Admission::Wait { until, .. } => until
+                    .map(|u| u.saturating_duration_since(Instant::now()))
+                    .unwrap_or(Duration::from_millis(20))
+                    .clamp(Duration::from_millis(5), Duration::from_secs(1)),
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => return None,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
     }
 
     /// The target queue length of `host` (see [`Flow::queue_target`]).

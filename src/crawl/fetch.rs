@@ -45,6 +45,12 @@ pub enum FetchOutcome {
     Transient {
         reason: String,
     },
+    /// `301`, `302`, `303`, `307`, `308` to `to`: not followed here — the caller judges every hop
+    /// (scope, robots.txt, the host's flow control) before it is requested.
+    Redirect {
+        status: u16,
+        to: NormalizedUrl,
+    },
 }
 
 /// What fetching a host's robots.txt came to.
@@ -71,7 +77,11 @@ pub struct Validators {
 
 #[derive(Clone, Debug)]
 pub struct PageFetcher {
+    /// Follows no redirect: each hop is a fetch of its own ([`FetchOutcome::Redirect`]).
     http: reqwest::Client,
+    /// For robots.txt: follows up to [`MAX_REDIRECTS`] redirects on the same host (a scheme or
+    /// path change, as RFC 9309 allows), none to another host.
+    robots_http: reqwest::Client,
     max_bytes: usize,
 }
 
@@ -82,17 +92,56 @@ pub const MAX_REDIRECTS: usize = 5;
 
 impl PageFetcher {
     pub fn new(user_agent: &str, timeout: Duration, max_bytes: usize) -> Result<Self, String> {
-        let http = reqwest::Client::builder()
-            .user_agent(user_agent)
-            .timeout(timeout)
-            .connect_timeout(timeout.min(Duration::from_secs(10)))
-            .redirect(reqwest::redirect::Policy::limited(MAX_REDIRECTS))
-            .build()
-            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
-        Ok(Self { http, max_bytes })
+        let client = |redirect| {
+            reqwest::Client::builder()
+                .user_agent(user_agent)
+                .timeout(timeout)
+                .connect_timeout(timeout.min(Duration::from_secs(10)))
+                .redirect(redirect)
+                .build()
+                .map_err(|e| format!("cannot build the HTTP client: {e}"))
+        };
+        let same_host = reqwest::redirect::Policy::custom(|attempt| {
+            let same = attempt.previous().first().is_some_and(|first| {
+                first.host_str() == attempt.url().host_str()
+                    && first.port_or_known_default() == attempt.url().port_or_known_default()
+            });
+            if same && attempt.previous().len() <= MAX_REDIRECTS {
+                attempt.follow()
+            } else {
+                attempt.stop()
+            }
+        });
+        Ok(Self {
+            http: client(reqwest::redirect::Policy::none())?,
+            robots_http: client(same_host)?,
+            max_bytes,
+        })
     }
 
+    /// Fetches `url`, following redirects that stay on its host and port (at most
+    /// [`MAX_REDIRECTS`]); a redirect elsewhere comes back as [`FetchOutcome::Redirect`],
+    /// unfollowed. (The crawl judges every hop itself: [`PageFetcher::fetch_one`].)
     pub async fn fetch(&self, url: &NormalizedUrl, validators: &Validators) -> FetchOutcome {
+        let mut at = url.clone();
+        let mut validators = validators.clone();
+        for _ in 0..=MAX_REDIRECTS {
+            match self.fetch_one(&at, &validators).await {
+                FetchOutcome::Redirect { to, .. } if to.host_port() == url.host_port() => {
+                    at = to;
+                    validators = Validators::default();
+                }
+                outcome => return outcome,
+            }
+        }
+        FetchOutcome::Permanent {
+            reason: format!("more than {MAX_REDIRECTS} redirects"),
+        }
+    }
+
+    /// One request: a redirect comes back as [`FetchOutcome::Redirect`], for the caller to judge
+    /// (scope, robots.txt, the target host's flow control) before it asks for the next hop.
+    pub async fn fetch_one(&self, url: &NormalizedUrl, validators: &Validators) -> FetchOutcome {
         let mut request = self.http.get(url.as_str());
         if let Some(etag) = &validators.etag {
             request = request.header(reqwest::header::IF_NONE_MATCH, etag);
@@ -114,6 +163,17 @@ impl PageFetcher {
         };
         match status {
             304 => return FetchOutcome::NotModified,
+            301 | 302 | 303 | 307 | 308 => {
+                let target = header(reqwest::header::LOCATION)
+                    .and_then(|to| response.url().join(&to).ok())
+                    .and_then(|to| NormalizedUrl::parse(to.as_str()).ok());
+                return match target {
+                    Some(to) => FetchOutcome::Redirect { status, to },
+                    None => FetchOutcome::Permanent {
+                        reason: format!("HTTP {status} without a usable Location"),
+                    },
+                };
+            }
             404 | 410 => return FetchOutcome::Gone { status },
             429 | 503 => {
                 let retry_after = header(reqwest::header::RETRY_AFTER)
@@ -187,14 +247,21 @@ impl PageFetcher {
 
     /// Fetches `origin/robots.txt` (at most [`MAX_ROBOTS_BYTES`]; the rest is ignored).
     pub async fn fetch_robots(&self, origin: &str) -> RobotsFetch {
-        let response = match self.http.get(format!("{origin}/robots.txt")).send().await {
+        let response = match self
+            .robots_http
+            .get(format!("{origin}/robots.txt"))
+            .send()
+            .await
+        {
             Ok(r) => r,
             Err(e) => return RobotsFetch::Unavailable(error_chain(&e)),
         };
         let status = response.status().as_u16();
         match status {
             200..=299 => {}
-            400..=499 => return RobotsFetch::Missing { status },
+            // A redirect to another host, or a chain over the limit, is as good as no file
+            // (RFC 9309 §2.3.1.2), as is a 4xx: no rules.
+            300..=499 => return RobotsFetch::Missing { status },
             _ => return RobotsFetch::Unavailable(format!("HTTP {status}")),
         }
         let mut response = response;
@@ -225,10 +292,6 @@ impl PageFetcher {
 fn classify_error(e: &reqwest::Error) -> FetchOutcome {
     if e.is_timeout() {
         FetchOutcome::Timeout
-    } else if e.is_redirect() {
-        FetchOutcome::Permanent {
-            reason: format!("more than {MAX_REDIRECTS} redirects"),
-        }
     } else if e.is_builder() {
         FetchOutcome::Permanent {
             reason: format!("invalid request: {e}"),

@@ -42,6 +42,9 @@ const HOSTS_REFRESH: Duration = Duration::from_secs(30);
 const FIRST_SLOTS: u32 = 8;
 /// The most slots one query asks for: an eighth of a level, whatever its density was.
 const MAX_SLOTS: u32 = 128;
+/// How long URLs whose lease write met an open transaction's documents are left alone (the
+/// transaction ends by then, or is ended: a killed process's lives at most 60 s on MongoDB).
+const BUSY_FOR: Duration = Duration::from_secs(10);
 
 /// What one lease round found.
 #[derive(Debug)]
@@ -67,8 +70,14 @@ pub struct Leaser {
     last_promotion: Option<Instant>,
     last_leased_check: Option<Instant>,
     last_hosts_refresh: Option<Instant>,
-    /// No dead predecessor's lease is left in this pass.
+    /// No lease of a dead process (a predecessor under this id, or an owner whose registration
+    /// expired or was taken over) is left in this pass.
     reclaimed: bool,
+    /// URLs a lease write found held by an open transaction, left alone until then.
+    busy: HashMap<String, Instant>,
+    /// Tokens of lease writes given up on before their answer: entries leased to this
+    /// instance under one of them (the write landed late) are reclaimed.
+    abandoned: HashSet<String>,
     /// Where the next round starts among the hosts.
     rotate: usize,
 }
@@ -182,11 +191,23 @@ impl Crawler {
             !leaser.reclaimed || Leaser::due(&mut leaser.last_leased_check, LEASED_CHECK, now);
         if check {
             let server_now = self.clock.now();
+            let entries = self.store.leased_entries(&self.bot, pass.number).await?;
+            let dead = self.dead_owners(&entries, server_now).await?;
             let mut predecessor = false;
-            for entry in self.store.leased_entries(&self.bot, pass.number).await? {
+            for entry in entries {
                 let mine = entry.owner.as_deref() == Some(self.me.as_str());
                 let before = entry.leased_at.is_some_and(|t| t < self.started_at);
-                let reclaim = mine && before;
+                let orphan = entry
+                    .owner
+                    .as_deref()
+                    .and_then(|o| dead.get(o))
+                    .is_some_and(|since| entry.leased_at.is_none_or(|at| at < *since));
+                let late = mine
+                    && entry
+                        .token
+                        .as_ref()
+                        .is_some_and(|t| leaser.abandoned.contains(t));
+                let reclaim = (mine && (before || late)) || orphan;
                 predecessor |= reclaim;
                 if reclaim || entry.expires_at.is_some_and(|t| t <= server_now) {
                     hosts.insert(entry.host.clone());
@@ -239,6 +260,42 @@ impl Crawler {
             refresh,
         )
         .await
+    }
+
+    /// Among the owners of `entries` other than this instance, those whose process is gone:
+    /// its registration expired (no heartbeat for `lock.ttl`), or another process took the id
+    /// over. Each maps to the time before which its leases are a dead process's (a taken-over
+    /// id's new process leases too). One read, only when others hold leases that have not
+    /// expired; an owner without a registration is left to its lease's expiry.
+    async fn dead_owners(
+        &self,
+        entries: &[crate::store::frontier::LeasedEntry],
+        server_now: chrono::DateTime<chrono::Utc>,
+    ) -> Result<HashMap<String, chrono::DateTime<chrono::Utc>>> {
+        let mut owners: Vec<&str> = entries
+            .iter()
+            .filter(|e| e.expires_at.is_some_and(|t| t > server_now))
+            .filter_map(|e| e.owner.as_deref())
+            .filter(|o| *o != self.me.as_str())
+            .collect();
+        owners.sort_unstable();
+        owners.dedup();
+        if owners.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let registrations = self.store.registrations(&owners).await?;
+        Ok(registrations
+            .into_iter()
+            .filter_map(|(id, p)| {
+                if p.expires_at.is_none_or(|t| t <= server_now) {
+                    // Every lease it took is a dead process's.
+                    Some((id, chrono::DateTime::<chrono::Utc>::MAX_UTC))
+                } else {
+                    // Taken over: the leases its predecessor took before this process started.
+                    p.started_at.map(|started| (id, started))
+                }
+            })
+            .collect())
     }
 
     /// The round trips of a round: candidates of every host with room (one query per level,
@@ -298,11 +355,14 @@ impl Crawler {
                 .or_default()
                 .push(candidate);
         }
+        let now = Instant::now();
+        leaser.busy.retain(|_, until| *until > now);
+        let busy = &leaser.busy;
         let mut pending: Vec<Candidate> = Vec::new();
         for (host, mut candidates) in by_host {
             candidates.sort_by_key(|c| std::cmp::Reverse(c.priority));
             let mut seen = HashSet::new();
-            candidates.retain(|c| seen.insert(c.id.clone()));
+            candidates.retain(|c| !busy.contains_key(&c.id) && seen.insert(c.id.clone()));
             candidates.truncate(room_of.get(host).copied().unwrap_or(0));
             pending.extend(candidates);
         }
@@ -316,6 +376,9 @@ impl Crawler {
         let mut expired = Vec::new();
         let mut reclaim = Vec::new();
         for (entry, reclaiming) in takeovers {
+            if busy.contains_key(&entry.id) {
+                continue;
+            }
             let Some(room) = left.get_mut(entry.host.as_str()).filter(|r| **r > 0) else {
                 continue;
             };
@@ -331,7 +394,7 @@ impl Crawler {
         if pending.is_empty() && expired.is_empty() && reclaim.is_empty() {
             return Ok(0);
         }
-        let leases = self
+        let taken = self
             .store
             .take_leases(
                 &self.bot,
@@ -346,8 +409,28 @@ impl Crawler {
                 },
             )
             .await?;
-        let n = leases.len();
-        self.queue_leases(leases, queues).await?;
+        if let Some(token) = taken.abandoned {
+            leaser.abandoned.insert(token);
+            // Checked every round until none of its entries is left.
+            leaser.reclaimed = false;
+        }
+        if taken.held {
+            // What the write could not take is held by a transaction: other URLs first.
+            let ours: HashSet<&str> = taken.leases.iter().map(|l| l.id.as_str()).collect();
+            let until = Instant::now() + BUSY_FOR;
+            let held = pending
+                .iter()
+                .map(|c| c.id.as_str())
+                .chain(expired.iter().map(String::as_str))
+                .chain(reclaim.iter().map(|(id, _)| id.as_str()))
+                .filter(|id| !ours.contains(id));
+            for id in held {
+                leaser.busy.insert(id.to_owned(), until);
+            }
+            debug!(bot = %self.bot, busy = leaser.busy.len(), "lease write met an open transaction; leasing other URLs");
+        }
+        let n = taken.leases.len();
+        self.queue_leases(taken.leases, queues).await?;
         Ok(n)
     }
 
@@ -358,7 +441,7 @@ impl Crawler {
         let mut shed = Vec::new();
         for lease in leases {
             if lease.reclaimed {
-                debug!(bot = %self.bot, url = %lease.url, "reclaimed a dead predecessor's lease");
+                debug!(bot = %self.bot, url = %lease.url, "reclaimed a dead process's lease");
             }
             if self.should_shed(&lease, now) {
                 shed.push(lease);

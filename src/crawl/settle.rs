@@ -592,6 +592,10 @@ impl Crawler {
             } => self.retry_or_fail(lease, now, &format!("HTTP {status}"), retry_after),
             FetchOutcome::Timeout => self.retry_or_fail(lease, now, "timed out", None),
             FetchOutcome::Transient { reason } => self.retry_or_fail(lease, now, &reason, None),
+            // The fetch stage follows redirects; one that comes back unfollowed is a bug.
+            FetchOutcome::Redirect { status, to } => {
+                self.fail(lease, &format!("HTTP {status} to {to} not followed"))
+            }
         })
     }
 

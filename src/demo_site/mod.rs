@@ -9,7 +9,7 @@
 //!   (every listing page).
 //! - Control: `POST /__mutate` `{"change": K, "add": K, "delete": K, "remove": [SKU…]}` answers which products it
 //!   touched; `POST /__faults` installs fault rules (latency, a status such as 429 with
-//!   `Retry-After`, huge bodies, redirect loops) on path patterns, `DELETE /__faults` clears them;
+//!   `Retry-After`, huge bodies, redirect loops or redirects elsewhere) on path patterns, `DELETE /__faults` clears them;
 //!   `GET /__stats` counts requests per path; `GET /__truth` lists every current product;
 //!   `POST /__robots` sets the text of `/robots.txt` (404 until then).
 //!
@@ -278,6 +278,8 @@ pub struct FaultRule {
     /// Redirect to the same path again (a loop).
     #[serde(default)]
     pub redirect_loop: bool,
+    /// Redirect (`302`) to this URL, anywhere.
+    pub redirect_to: Option<String>,
     #[serde(default = "one")]
     pub every: u64,
     /// Applies at most this many times (then the rule is spent).
@@ -405,6 +407,11 @@ async fn visit(catalog: &Shared, uri: &Uri) -> Fault {
     }
     if rule.redirect_loop {
         return Fault::Respond((StatusCode::FOUND, [(header::LOCATION, path)]).into_response());
+    }
+    if let Some(to) = &rule.redirect_to {
+        return Fault::Respond(
+            (StatusCode::FOUND, [(header::LOCATION, to.clone())]).into_response(),
+        );
     }
     if let Some(status) = rule.status {
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

@@ -532,6 +532,55 @@ fn literal(value: impl Into<Bson>) -> Bson {
 
 /// The `writeErrors` of a write command's reply, by statement index: duplicate keys (E11000) are
 /// returned, anything else is an error.
+/// How long a lease write may wait on the server (`maxTimeMS`) for documents an open
+/// transaction holds before it gives up on them.
+pub const LEASE_WRITE_MAX_TIME: Duration = Duration::from_secs(2);
+
+/// What [`Store::take_leases`] took.
+#[derive(Debug, Default)]
+pub struct Taken {
+    /// Highest priority first.
+    pub leases: Vec<UrlLease>,
+    /// The write met documents an open transaction holds (it was cut short at
+    /// [`LEASE_WRITE_MAX_TIME`], or refused with a write conflict): the URLs not in `leases`
+    /// are busy, and worth leaving alone for a while.
+    pub held: bool,
+    /// The token of a write given up on before its answer: what it takes when it lands later
+    /// carries this token, and is this process's to reclaim.
+    pub abandoned: Option<String>,
+}
+
+/// How long the leaser waits for a lease write's answer: its `maxTimeMS` and a second more,
+/// for a server that does not honour `maxTimeMS` on a write that waits for a transaction.
+const LEASE_WRITE_WAIT: Duration = Duration::from_secs(3);
+
+/// MaxTimeMSExpired (50): the command ran past its `maxTimeMS`.
+fn is_max_time_expired(e: &Error) -> bool {
+    match e {
+        Error::Db(e) => {
+            matches!(e.kind.as_ref(), mongodb::error::ErrorKind::Command(c) if c.code == 50)
+        }
+        _ => false,
+    }
+}
+
+/// Whether an `ok` reply's write errors are all of statements that met a transaction's
+/// documents (cut short by `maxTimeMS`, or a write conflict) — and there is at least one.
+fn held_by_transaction(reply: &Document) -> bool {
+    let Ok(errors) = reply.get_array("writeErrors") else {
+        return false;
+    };
+    !errors.is_empty()
+        && errors.iter().all(|e| {
+            matches!(
+                e.as_document()
+                    .and_then(|e| e.get("code"))
+                    .and_then(crate::lock::document::integer),
+                Some(50 | 112)
+            )
+        })
+}
+
 pub(super) fn duplicate_indexes(what: &'static str, reply: &Document) -> Result<Vec<usize>> {
     let mut duplicates = Vec::new();
     if let Ok(errors) = reply.get_array("writeErrors") {
@@ -1161,10 +1210,10 @@ impl Store {
         now: DateTime<Utc>,
         lease_for: Duration,
         takes: Takes<'_>,
-    ) -> Result<Vec<UrlLease>> {
+    ) -> Result<Taken> {
         let wanted = takes.pending.len() + takes.expired.len() + takes.reclaim.len();
         if wanted == 0 {
-            return Ok(Vec::new());
+            return Ok(Taken::default());
         }
         let expires_at = super::plus(now, lease_for);
         let token = new_token();
@@ -1197,31 +1246,44 @@ impl Store {
                 "u": { "$set": set.clone() },
             });
         }
-        let reply = self
-            .command(
-                "lease urls",
-                doc! { "update": FRONTIER, "updates": statements, "ordered": false },
-                None,
-            )
+        // On MongoDB a write outside a transaction that meets a document an open transaction
+        // holds (a killed worker's commit, until the server ends it) waits for it: bounded, so
+        // the leaser takes what it could and moves on to other URLs.
+        let command = doc! {
+            "update": FRONTIER, "updates": statements, "ordered": false,
+            "maxTimeMS": i64::try_from(LEASE_WRITE_MAX_TIME.as_millis()).unwrap_or(i64::MAX),
+        };
+        let mut abandoned = None;
+        let sent = self
+            .command_within("lease urls", command, None, LEASE_WRITE_WAIT)
             .await;
-        let reply = match reply {
-            Ok(reply) => reply,
-            // A candidate is held by an open transaction (a killed worker's commit, until the
-            // server ends it): take nothing this time.
-            Err(e) if crate::error::is_write_conflict(&e) => {
-                tracing::debug!(bot = %bot, error = %e, "lease candidates are busy");
-                return Ok(Vec::new());
+        let (taken, held) = match sent {
+            Ok(reply) if held_by_transaction(&reply) => (0, true),
+            Ok(reply) => {
+                duplicate_indexes("lease urls", &reply)?;
+                (reply_count(&reply, "n") as usize, false)
+            }
+            Err(e) if crate::error::is_write_conflict(&e) || is_max_time_expired(&e) => {
+                tracing::debug!(bot = %bot, error = %e, "lease candidates are held by a transaction");
+                (0, true)
+            }
+            Err(Error::Timeout { .. }) => {
+                // A server that does not bound the write itself (the test server waits out the
+                // transaction): given up here, it may still land later under this token.
+                tracing::debug!(bot = %bot, "a lease write waited past its bound; leasing other URLs");
+                abandoned = Some(token.clone());
+                (0, true)
             }
             Err(e) => return Err(e),
         };
-        duplicate_indexes("lease urls", &reply)?;
-        let taken = reply_count(&reply, "n") as usize;
-        // Which are ours: all, or (after a race) those that carry our token now — read back
-        // with everything a lease needs for the expired and reclaimed ones, which were not read.
+        // Which are ours: all, or (after a race, or a write cut short) those that carry our
+        // token now — read back with everything a lease needs for the expired and reclaimed
+        // ones, which were not read.
         let mut leases = Vec::with_capacity(taken);
         let reclaimed: std::collections::HashSet<&str> =
             takes.reclaim.iter().map(|(id, _)| id.as_str()).collect();
-        let must_read = taken < wanted || !takes.expired.is_empty() || !takes.reclaim.is_empty();
+        let must_read =
+            held || taken < wanted || !takes.expired.is_empty() || !takes.reclaim.is_empty();
         if must_read {
             let ids: Vec<&str> = takes
                 .pending
@@ -1268,7 +1330,11 @@ impl Store {
             }
         }
         leases.sort_by_key(|l| std::cmp::Reverse(l.priority));
-        Ok(leases)
+        Ok(Taken {
+            leases,
+            held,
+            abandoned,
+        })
     }
 
     /// Leases one URL of pass `pass` on any host: a pending one (highest priority first), or one
@@ -1339,7 +1405,7 @@ impl Store {
                     },
                 )
                 .await?;
-            if let Some(lease) = taken.into_iter().next() {
+            if let Some(lease) = taken.leases.into_iter().next() {
                 return Ok(Some(lease));
             }
             // Another worker took it first: look again.

@@ -11,7 +11,7 @@
 //! server ends it (60 s on MongoDB), and whoever takes the id over ends it at once
 //! (`killSessions`).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -43,6 +43,7 @@ pub struct Presence {
     pub host: String,
     pub pid: u32,
     pub token: String,
+    pub started_at: Option<DateTime<Utc>>,
     pub heartbeat_at: Option<DateTime<Utc>>,
     pub expires_at: Option<DateTime<Utc>>,
     /// The sessions its commit transactions used (`txnSessions`: server session ids).
@@ -75,6 +76,7 @@ impl Presence {
                 .and_then(|p| u32::try_from(p).ok())
                 .unwrap_or(0),
             token: d.get_str("token").unwrap_or("").to_owned(),
+            started_at: when("startedAt"),
             heartbeat_at: when("heartbeatAt"),
             expires_at: when("expiresAt"),
             sessions: d
@@ -247,6 +249,27 @@ impl Store {
                 false
             }
         }
+    }
+
+    /// The registrations of `ids` that exist (an id without one stopped cleanly, or never ran).
+    pub async fn registrations(&self, ids: &[&str]) -> Result<HashMap<String, Presence>> {
+        if ids.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let found = self
+            .find_once(
+                "read instances",
+                INSTANCES,
+                doc! { "_id": { "$in": ids } },
+                doc! { "txnSessions": 0 },
+                ids.len(),
+                None,
+            )
+            .await?;
+        Ok(found
+            .iter()
+            .filter_map(|d| Some((d.get_str("_id").ok()?.to_owned(), Presence::read(d))))
+            .collect())
     }
 
     /// Ends this process's registration (at a clean stop).

@@ -568,9 +568,22 @@ impl Store {
     pub(crate) async fn command(
         &self,
         what: &'static str,
-        mut command: Document,
+        command: Document,
         session: Option<&mut mongodb::ClientSession>,
     ) -> Result<Document> {
+        self.command_within(what, command, session, self.op_timeout)
+            .await
+    }
+
+    /// As [`Store::command`], with `limit` in place of `op_timeout` (never longer).
+    pub(crate) async fn command_within(
+        &self,
+        what: &'static str,
+        mut command: Document,
+        session: Option<&mut mongodb::ClientSession>,
+        limit: Duration,
+    ) -> Result<Document> {
+        let limit = limit.min(self.op_timeout);
         // Inside a transaction the commit carries the write concern, and no statement may.
         let writes = command
             .keys()
@@ -581,11 +594,11 @@ impl Store {
         }
         if let Some(session) = session {
             let reply = self
-                .bounded(what, self.db.run_command(command).session(session))
+                .bounded_for(what, limit, self.db.run_command(command).session(session))
                 .await?;
             return checked(what, reply);
         }
-        let deadline = std::time::Instant::now() + self.op_timeout;
+        let deadline = std::time::Instant::now() + limit;
         let mut attempt: u32 = 0;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());

@@ -6,6 +6,7 @@
 pub mod blackhole;
 pub mod chaos;
 pub mod crawl;
+pub mod delay;
 pub mod faults;
 pub mod shop;
 
