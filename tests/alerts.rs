@@ -477,3 +477,36 @@ async fn a_killed_instance_stops_answering_scrapes() {
     // …and 0 once it fails: the rule `up{job="seedlock"} == 0`.
     assert!(!scrape(addr).await, "a killed instance answers nothing");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_connection_pool_shows_its_waits_in_the_metrics() {
+    // Two connections (the bots change stream holds one) for a crawl with four workers: its
+    // operations queue for the other, and the time they wait is exported.
+    let db = test_db("alert_pool").await;
+    let base = shop(3, 10).await;
+    let listen = free_addr();
+    let setup = Setup {
+        workers: 4,
+        listen: &listen,
+        ..Setup::default()
+    };
+    let mut settings = settings(&db, &base, &setup, "a");
+    settings.mongo.max_pool_size = 2;
+    let stop = CancellationToken::new();
+    let waits = sampler(
+        listen.clone(),
+        "seedlock_db_pool_wait_seconds_total".into(),
+        stop.clone(),
+    );
+    let checkouts = sampler(
+        listen.clone(),
+        "seedlock_db_pool_checkouts_total".into(),
+        stop.clone(),
+    );
+    once(settings).await;
+    stop.cancel();
+    let most = |v: Vec<f64>| v.into_iter().fold(0.0, f64::max);
+    let (waited, checked_out) = (most(waits.await.unwrap()), most(checkouts.await.unwrap()));
+    assert!(checked_out > 0.0, "no check-out counted");
+    assert!(waited > 0.0, "{checked_out} check-outs and no wait counted");
+}
