@@ -123,6 +123,15 @@ pub fn is_write_conflict(e: &Error) -> bool {
     }
 }
 
+/// MaxTimeMSExpired (50): the command ran past its `maxTimeMS` — for a write, one that waited
+/// for documents an open transaction holds.
+pub fn is_max_time_expired(e: &Error) -> bool {
+    match e {
+        Error::Db(e) => matches!(e.kind.as_ref(), ErrorKind::Command(c) if c.code == 50),
+        _ => false,
+    }
+}
+
 /// E11000: two instances upserted the same `_id` at once; the loser's write is a no-op by design.
 pub fn is_duplicate_key(e: &mongodb::error::Error) -> bool {
     match e.kind.as_ref() {

@@ -554,16 +554,6 @@ pub struct Taken {
 /// for a server that does not honour `maxTimeMS` on a write that waits for a transaction.
 const LEASE_WRITE_WAIT: Duration = Duration::from_secs(3);
 
-/// MaxTimeMSExpired (50): the command ran past its `maxTimeMS`.
-fn is_max_time_expired(e: &Error) -> bool {
-    match e {
-        Error::Db(e) => {
-            matches!(e.kind.as_ref(), mongodb::error::ErrorKind::Command(c) if c.code == 50)
-        }
-        _ => false,
-    }
-}
-
 /// Whether an `ok` reply's write errors are all of statements that met a transaction's
 /// documents (cut short by `maxTimeMS`, or a write conflict) — and there is at least one.
 fn held_by_transaction(reply: &Document) -> bool {
@@ -1263,7 +1253,9 @@ impl Store {
                 duplicate_indexes("lease urls", &reply)?;
                 (reply_count(&reply, "n") as usize, false)
             }
-            Err(e) if crate::error::is_write_conflict(&e) || is_max_time_expired(&e) => {
+            Err(e)
+                if crate::error::is_write_conflict(&e) || crate::error::is_max_time_expired(&e) =>
+            {
                 tracing::debug!(bot = %bot, error = %e, "lease candidates are held by a transaction");
                 (0, true)
             }
