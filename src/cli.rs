@@ -69,6 +69,28 @@ pub enum Command {
         #[arg(long)]
         ignore_robots: bool,
     },
+    /// Fetch one page as BOT's crawl would (its user agent, headers, robots.txt, redirects
+    /// within scope) and print what the crawl would take from it: the listing's items, the links
+    /// it would follow and those it would not (with why), or the record; every selector that
+    /// matched nothing is named. Exit 0 when the page yields what its kind needs, 1 otherwise.
+    Try {
+        /// A bot of the config file, or of the database.
+        bot: String,
+        /// The page (with --file: the URL it was saved from).
+        url: Option<String>,
+        /// Read a saved page instead of fetching it (give its URL too: URL or --url).
+        #[arg(long)]
+        file: Option<PathBuf>,
+        /// The URL a saved page came from.
+        #[arg(long = "url", value_name = "URL")]
+        from_url: Option<String>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Do not read or honour robots.txt.
+        #[arg(long)]
+        ignore_robots: bool,
+    },
     /// Show every bot's state, holder, epoch, lock age, seeds, last refresh and last error.
     Status {
         #[arg(long)]
@@ -260,6 +282,23 @@ async fn dispatch(command: Command, mut settings: Settings) -> ExitCode {
             }
             crawl(settings, &bot, timeout).await
         }
+        Command::Try {
+            bot,
+            url,
+            file,
+            from_url,
+            json,
+            ignore_robots,
+        } => {
+            let request = crate::ops::try_page::Request {
+                bot,
+                url: url.or(from_url),
+                file,
+                json,
+                ignore_robots,
+            };
+            crate::ops::try_page::command(settings, request).await
+        }
         Command::Status { json } => status(settings, json).await,
         Command::Inspect { bot } => inspect(settings, &bot).await,
         Command::Unlock { bot, reason } => unlock(settings, &bot, &reason).await,
@@ -325,6 +364,8 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
         } else {
             None
         };
+    let max_error_rate = settings.crawl.max_error_rate;
+    let after = settings.clone();
     let result = daemon::run(settings, mode, shutdown).await;
     if let Some((store, done, shown)) = display {
         done.cancel();
@@ -333,6 +374,16 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
     }
     match result {
         Ok(summaries) => {
+            // The passes' failures, grouped by reason, from the database.
+            let store = if summaries.iter().any(|s| s.pass > 0) {
+                match daemon::connect(&after).await {
+                    Ok((store, _)) => Some(store),
+                    Err(e) => return fail(EXIT_FAILED, e),
+                }
+            } else {
+                None
+            };
+            let mut too_many = Vec::new();
             for s in summaries {
                 let pass = if s.pass > 0 {
                     format!(" pass={} finished", s.pass)
@@ -343,8 +394,34 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
                     "{} ready epoch={} seeds={} digest={}{pass}",
                     s.bot, s.epoch, s.seeds, s.seeds_digest
                 );
+                let Some(store) = store.as_ref().filter(|_| s.pass > 0) else {
+                    continue;
+                };
+                match crate::ops::progress::failures(store, &s.bot, s.pass).await {
+                    Ok(failures) => {
+                        let lines = failures.lines();
+                        if !lines.is_empty() {
+                            println!("{}", lines.trim_start_matches('\n'));
+                        }
+                        too_many.extend(failures.too_many(max_error_rate));
+                    }
+                    Err(e) => {
+                        too_many.push(format!("bot {}: cannot read its failures: {e}", s.bot))
+                    }
+                }
             }
-            ExitCode::SUCCESS
+            if let Some(store) = store {
+                store.shutdown().await;
+            }
+            match too_many.as_slice() {
+                [] => ExitCode::SUCCESS,
+                lines => {
+                    for line in &lines[..lines.len() - 1] {
+                        eprintln!("seedlock: {line}");
+                    }
+                    fail(EXIT_FAILED, &lines[lines.len() - 1])
+                }
+            }
         }
         Err(e @ RunError::Startup(_)) => fail(EXIT_USAGE, e),
         Err(
@@ -374,6 +451,7 @@ async fn crawl(mut settings: Settings, bot: &str, timeout: Duration) -> ExitCode
         Some(_) => {}
     }
     settings.bots.retain(|b| b.id == id);
+    let max_error_rate = settings.crawl.max_error_rate;
     let (store, _clock) = match daemon::connect(&settings).await {
         Ok(c) => c,
         Err(e) => return fail(EXIT_USAGE, e),
@@ -398,9 +476,12 @@ async fn crawl(mut settings: Settings, bot: &str, timeout: Duration) -> ExitCode
         };
         let pass = summary.map_or(0, |s| s.pass);
         match crate::ops::progress::summary(&store, &id, pass, started.elapsed()).await {
-            Ok(text) => {
+            Ok((text, failures)) => {
                 println!("{text}");
-                ExitCode::SUCCESS
+                match failures.too_many(max_error_rate) {
+                    Some(line) => fail(EXIT_FAILED, line),
+                    None => ExitCode::SUCCESS,
+                }
             }
             Err(e) => fail(EXIT_FAILED, e),
         }

@@ -287,6 +287,8 @@ pub struct CrawlSettings {
     /// URL patterns with their priority (0–9, higher is leased first; the first match wins);
     /// unmatched URLs get their kind's default (seeds 2, listing pages 1, detail pages 0).
     pub priorities: Vec<(regex::Regex, i64)>,
+    /// Sent with every page request (`headers`); values from the environment are secrets.
+    pub headers: crate::crawl::fetch::RequestHeaders,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -743,6 +745,18 @@ struct RawCrawl {
     incremental: RawIncremental,
     #[serde(default)]
     priority: Vec<RawPriority>,
+    #[serde(default)]
+    headers: std::collections::BTreeMap<String, RawHeader>,
+}
+
+/// `headers = { "Accept-Language" = "de", Authorization = { env = "SHOP_TOKEN" } }`: a value, or
+/// the environment variable to read it from on the instance (the stored spec keeps the name,
+/// never the value).
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(untagged)]
+enum RawHeader {
+    Value(String),
+    Env { env: String },
 }
 
 /// `priority = [{ match = "/sale/", priority = 3 }]`
@@ -954,12 +968,27 @@ impl RawCrawl {
             }
             priorities.push((pattern, p.priority));
         }
+        let mut headers = crate::crawl::fetch::RequestHeaders::default();
+        for (name, raw) in &self.headers {
+            let k = key(&format!("headers.{name}"));
+            let pushed = match raw {
+                RawHeader::Value(value) => headers.push(name, value, None),
+                RawHeader::Env { env } => match std::env::var(env) {
+                    Ok(value) => headers.push(name, &value, Some(env)),
+                    Err(_) => Err(format!(
+                        "the environment variable {env} is not set (or not UTF-8)"
+                    )),
+                },
+            };
+            pushed.map_err(|e| format!("key `{k}`: {e}"))?;
+        }
         Ok(CrawlSettings {
             links,
             list,
             record,
             incremental: Incremental { mode, overlap },
             priorities,
+            headers,
         })
     }
 }
@@ -1380,7 +1409,9 @@ on_refresh_failure = "wait"
         )))
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(bots.len(), 2);
-        // The README's configuration reference is a complete, valid config.
+        // The README's configuration reference is a complete, valid config (with the variable
+        // its secret header names set, as on an instance; nextest runs each test alone).
+        std::env::set_var("SHOP_TOKEN", "t");
         let s = Settings::from_toml(readme_reference(), no_env)
             .unwrap_or_else(|e| panic!("README config: {e}"));
         assert_eq!(s.lock.heartbeat, Duration::from_secs(10));
@@ -1406,8 +1437,9 @@ on_refresh_failure = "wait"
     fn key_paths(value: &toml::Value, prefix: &str, out: &mut std::collections::BTreeSet<String>) {
         match value {
             toml::Value::Table(table) => {
-                let free_form =
-                    prefix.ends_with("crawl.hosts") || prefix.ends_with("record.fields");
+                let free_form = prefix.ends_with("crawl.hosts")
+                    || prefix.ends_with("record.fields")
+                    || prefix.ends_with("crawl.headers");
                 for (key, child) in table {
                     let key = if free_form { "*" } else { key.as_str() };
                     let path = if prefix.is_empty() {
@@ -1543,6 +1575,11 @@ on_refresh_failure = "wait"
                         url_match: "/".into(),
                         priority: 1,
                     }],
+                    headers: [
+                        ("a".to_owned(), RawHeader::Value("v".into())),
+                        ("b".to_owned(), RawHeader::Env { env: "E".into() }),
+                    ]
+                    .into(),
                 }),
             }],
         };
@@ -1649,6 +1686,10 @@ overlap = "5m"
             (crawl("[bots.crawl.list]\nitem = \"..x\"\nitem_id = \"@id\"\nitem_link = \"a@href\""), "bots[0].crawl.list.item"),
             (crawl("[bots.crawl.record]\nmatch = \"/p/\"\nnatural_key = \".sku\"\nfields = { price = \"!!\" }"), "bots[0].crawl.record.fields.price"),
             (crawl("[bots.crawl.incremental]\nmode = \"sometimes\""), "bots[0].crawl.incremental.mode"),
+            (crawl("headers = { \"a b\" = \"x\" }\n[bots.crawl.incremental]\nmode = \"full\""), "bots[0].crawl.headers.a b"),
+            (crawl("headers = { Host = \"x\" }\n[bots.crawl.incremental]\nmode = \"full\""), "bots[0].crawl.headers.Host"),
+            (crawl("headers = { X-A = \"line\\nbreak\" }\n[bots.crawl.incremental]\nmode = \"full\""), "bots[0].crawl.headers.X-A"),
+            (crawl("headers = { X-Token = { env = \"SEEDLOCK_TEST_NEVER_SET\" } }\n[bots.crawl.incremental]\nmode = \"full\""), "bots[0].crawl.headers.X-Token"),
         ];
         let mut cases: Vec<(String, &str)> = crawl_cases.into_iter().collect();
         cases.extend([
@@ -1682,6 +1723,28 @@ overlap = "5m"
             );
             assert!(!err.contains('\n'), "one line: {err}");
         }
+    }
+
+    #[test]
+    fn a_header_from_the_environment_is_sent_but_never_shown() {
+        let var = "SEEDLOCK_TEST_HEADER_SECRET";
+        // No other test reads or writes this variable (and nextest runs each test alone).
+        std::env::set_var(var, "s3cr3t-value");
+        let text = crawl(&format!(
+            "headers = {{ Accept-Language = \"de\", X-Token = {{ env = \"{var}\" }} }}\n[bots.crawl.incremental]\nmode = \"full\""
+        ));
+        let settings = Settings::from_toml(&text, no_env).unwrap();
+        let headers = &settings.bots[0].crawl.as_ref().unwrap().headers;
+        assert_eq!(
+            headers.shown(),
+            [
+                ("accept-language".to_owned(), "de".to_owned()),
+                ("x-token".to_owned(), format!("<from ${var}>")),
+            ]
+        );
+        let debug = format!("{:?}", settings.bots[0]);
+        assert!(!debug.contains("s3cr3t-value"), "{debug}");
+        assert!(debug.contains(&format!("<from ${var}>")), "{debug}");
     }
 
     #[test]

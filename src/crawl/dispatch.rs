@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::Crawler;
-use crate::crawl::fetch::{FetchOutcome, Validators, MAX_REDIRECTS};
+use crate::crawl::fetch::{next_hop, FetchOutcome, Validators};
 use crate::crawl::stages::Ticket;
 use crate::flow::robots::Verdict;
 use crate::flow::{Admission, Busy, HostPermit, Signal};
@@ -323,7 +323,7 @@ impl Crawler {
             PageKind::Detail => lease.validators.clone(),
             PageKind::List | PageKind::Seed => Validators::default(),
         };
-        for hop in 0..=MAX_REDIRECTS {
+        for hop in 0.. {
             let outcome = match self.fetch_hop(&url, permit, &validators, shutdown).await {
                 Ok(outcome) => outcome,
                 Err(other) => return other,
@@ -331,14 +331,9 @@ impl Crawler {
             let FetchOutcome::Redirect { status, to } = outcome else {
                 return Fetched::Outcome(outcome);
             };
-            if hop == MAX_REDIRECTS {
-                break;
-            }
-            if !self.rules.links.admits(&to) {
-                debug!(bot = %self.bot, from = %url, %to, status, "redirect out of scope: not followed");
-                return Fetched::Outcome(FetchOutcome::Permanent {
-                    reason: format!("redirect out of scope: {}", to.host_port()),
-                });
+            if let Err(reason) = next_hop(&self.rules.links, hop, &to) {
+                debug!(bot = %self.bot, from = %url, %to, status, %reason, "redirect not followed");
+                return Fetched::Outcome(FetchOutcome::Permanent { reason });
             }
             debug!(bot = %self.bot, from = %url, %to, status, "following a redirect");
             permit = match self.admit(&to.host_port(), lease, shutdown).await {
@@ -348,9 +343,7 @@ impl Crawler {
             url = to;
             validators = Validators::default();
         }
-        Fetched::Outcome(FetchOutcome::Permanent {
-            reason: format!("more than {MAX_REDIRECTS} redirects"),
-        })
+        unreachable!("every hop returns or goes on")
     }
 
     /// One request of a fetch, on `url`'s host, whose `permit` it holds: robots.txt, then the

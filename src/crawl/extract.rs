@@ -109,9 +109,15 @@ pub struct LinkRules {
 impl LinkRules {
     /// True when `url` is on an in-scope host and passes the allow/deny patterns.
     pub fn admits(&self, url: &NormalizedUrl) -> bool {
+        self.refusal(url).is_none()
+    }
+
+    /// Why `url` is not followed: out of scope (its `host:port`), not matched by `allow`, or
+    /// matched by a `deny` pattern; `None` when it is followed.
+    pub fn refusal(&self, url: &NormalizedUrl) -> Option<String> {
         let parsed = url.to_url();
         let Some(host) = parsed.host_str() else {
-            return false;
+            return Some("no host".into());
         };
         let port = parsed.port_or_known_default().unwrap_or(0);
         let here = format!("{host}:{port}");
@@ -119,9 +125,16 @@ impl LinkRules {
             .scope
             .iter()
             .any(|s| s.eq_ignore_ascii_case(&here) || s.eq_ignore_ascii_case(host));
-        in_scope
-            && (self.allow.is_empty() || self.allow.iter().any(|r| r.is_match(url.as_str())))
-            && !self.deny.iter().any(|r| r.is_match(url.as_str()))
+        if !in_scope {
+            return Some(format!("out of scope: {here}"));
+        }
+        if !self.allow.is_empty() && !self.allow.iter().any(|r| r.is_match(url.as_str())) {
+            return Some("matches no `allow` pattern".into());
+        }
+        self.deny
+            .iter()
+            .find(|r| r.is_match(url.as_str()))
+            .map(|r| format!("denied by {:?}", r.as_str()))
     }
 }
 

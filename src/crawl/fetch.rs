@@ -75,14 +75,115 @@ pub struct Validators {
     pub last_modified: Option<String>,
 }
 
+/// The request headers a bot sends with every page request (`[bots.crawl] headers`). A value
+/// read from an environment variable is a secret: marked sensitive, and shown nowhere — `Debug`
+/// and [`RequestHeaders::shown`] print `<from $NAME>` in its place.
+#[derive(Clone, Default, PartialEq)]
+pub struct RequestHeaders {
+    entries: Vec<HeaderEntry>,
+}
+
+#[derive(Clone, PartialEq)]
+struct HeaderEntry {
+    name: reqwest::header::HeaderName,
+    value: reqwest::header::HeaderValue,
+    /// The environment variable the value was read from.
+    env: Option<String>,
+}
+
+/// Headers the crawl sets itself (or that would break a request): a bot cannot set them.
+const RESERVED_HEADERS: [&str; 9] = [
+    "host",
+    "user-agent",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "if-none-match",
+    "if-modified-since",
+    "te",
+    "upgrade",
+];
+
+impl RequestHeaders {
+    /// Adds `name: value`; `env` names the variable `value` came from (a secret). The error
+    /// says what is wrong without the value.
+    pub fn push(&mut self, name: &str, value: &str, env: Option<&str>) -> Result<(), String> {
+        let header = reqwest::header::HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| format!("{name:?} is not a header name"))?;
+        if RESERVED_HEADERS.contains(&header.as_str()) {
+            return Err(format!(
+                "{name:?} is set by the crawl itself (the user agent is `refresh.user_agent`)"
+            ));
+        }
+        if self.entries.iter().any(|e| e.name == header) {
+            return Err(format!("{name:?} is given twice"));
+        }
+        let mut value = reqwest::header::HeaderValue::from_str(value).map_err(|_| match env {
+            Some(var) => format!("the value of ${var} is not a valid header value"),
+            None => "not a valid header value (no control characters)".to_owned(),
+        })?;
+        value.set_sensitive(env.is_some());
+        self.entries.push(HeaderEntry {
+            name: header,
+            value,
+            env: env.map(str::to_owned),
+        });
+        Ok(())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Each header as it may be shown: a secret's value is `<from $NAME>`.
+    pub fn shown(&self) -> Vec<(String, String)> {
+        self.entries
+            .iter()
+            .map(|e| {
+                let value = match &e.env {
+                    Some(var) => format!("<from ${var}>"),
+                    None => String::from_utf8_lossy(e.value.as_bytes()).into_owned(),
+                };
+                (e.name.to_string(), value)
+            })
+            .collect()
+    }
+}
+
+impl std::fmt::Debug for RequestHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.shown()).finish()
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct PageFetcher {
     /// Follows no redirect: each hop is a fetch of its own ([`FetchOutcome::Redirect`]).
     http: reqwest::Client,
+    /// The bot's request headers, sent with every page request (not with robots.txt, which is
+    /// shared by every bot crawling the host).
+    headers: std::sync::Arc<RequestHeaders>,
     /// For robots.txt: follows up to [`MAX_REDIRECTS`] redirects on the same host (a scheme or
     /// path change, as RFC 9309 allows), none to another host.
     robots_http: reqwest::Client,
     max_bytes: usize,
+}
+
+/// Whether a fetch follows its redirect to `to`, as its hop `hop` (from 0): `Err` is why the
+/// page fails — past [`MAX_REDIRECTS`], or out of the bot's scope or allow/deny patterns
+/// (`redirect out of scope: HOST`; that host gets no request).
+pub fn next_hop(
+    links: &crate::crawl::extract::LinkRules,
+    hop: usize,
+    to: &NormalizedUrl,
+) -> Result<(), String> {
+    if hop >= MAX_REDIRECTS {
+        return Err(format!("more than {MAX_REDIRECTS} redirects"));
+    }
+    if !links.admits(to) {
+        return Err(format!("redirect out of scope: {}", to.host_port()));
+    }
+    Ok(())
 }
 
 /// The default page body cap.
@@ -114,9 +215,18 @@ impl PageFetcher {
         });
         Ok(Self {
             http: client(reqwest::redirect::Policy::none())?,
+            headers: Default::default(),
             robots_http: client(same_host)?,
             max_bytes,
         })
+    }
+
+    /// The same client (and connection pool), sending `headers` with every page request.
+    pub fn with_headers(&self, headers: &RequestHeaders) -> Self {
+        Self {
+            headers: std::sync::Arc::new(headers.clone()),
+            ..self.clone()
+        }
     }
 
     /// Fetches `url`, following redirects that stay on its host and port (at most
@@ -143,6 +253,9 @@ impl PageFetcher {
     /// (scope, robots.txt, the target host's flow control) before it asks for the next hop.
     pub async fn fetch_one(&self, url: &NormalizedUrl, validators: &Validators) -> FetchOutcome {
         let mut request = self.http.get(url.as_str());
+        for e in &self.headers.entries {
+            request = request.header(&e.name, &e.value);
+        }
         if let Some(etag) = &validators.etag {
             request = request.header(reqwest::header::IF_NONE_MATCH, etag);
         }

@@ -53,6 +53,7 @@ pub mod fetch;
 pub mod known;
 pub mod lease;
 pub mod parse;
+pub mod probe;
 pub mod queue;
 pub mod settle;
 pub mod stages;
@@ -324,6 +325,7 @@ impl Crawler {
         all.sort_unstable_by(|a, b| b.cmp(a));
         all.dedup();
         let lowest = all.pop().unwrap_or(0);
+        let fetcher = ctx.fetcher.with_headers(&rules.headers);
         Self {
             levels: all,
             lowest,
@@ -334,7 +336,7 @@ impl Crawler {
             clock: ctx.clock.clone(),
             me: ctx.me.clone(),
             started_at: ctx.started_at,
-            fetcher: ctx.fetcher.clone(),
+            fetcher,
             transactions: ctx.transactions,
             metrics: ctx.metrics.clone(),
             cut_off_after: ctx.cut_off_after,

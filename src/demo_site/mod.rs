@@ -11,7 +11,8 @@
 //!   touched; `POST /__faults` installs fault rules (latency, a status such as 429 with
 //!   `Retry-After`, huge bodies, redirect loops or redirects elsewhere) on path patterns, `DELETE /__faults` clears them;
 //!   `GET /__stats` counts requests per path; `GET /__truth` lists every current product;
-//!   `POST /__robots` sets the text of `/robots.txt` (404 until then).
+//!   `POST /__robots` sets the text of `/robots.txt` (404 until then); `GET /__headers` shows the
+//!   request headers received (each name with its distinct values), to check what a bot sends.
 //!
 //! The same `--seed` gives the same catalogue and the same sequence of mutations.
 
@@ -106,6 +107,9 @@ struct Catalog {
     /// The last [`MAX_LOG`] requests: path and arrival (Unix milliseconds), for tests that look
     /// at timing (`GET /__stats?log=true`).
     log: std::collections::VecDeque<(String, i64)>,
+    /// Request headers received: each name with its distinct values (bounded), for
+    /// `GET /__headers`.
+    headers: BTreeMap<String, std::collections::BTreeSet<String>>,
 }
 
 const MAX_LOG: usize = 100_000;
@@ -131,6 +135,7 @@ impl Catalog {
             robots: None,
             in_flight: 0,
             log: Default::default(),
+            headers: Default::default(),
         };
         let total = u64::from(options.lists) * u64::from(options.per_list);
         let now = Utc::now();
@@ -304,6 +309,36 @@ type Shared = Arc<Mutex<Catalog>>;
 const MAX_HUGE_BODY: usize = 256 * 1024 * 1024;
 const MAX_MUTATION: usize = 1_000_000;
 const MAX_STATS_PATHS: usize = 100_000;
+const MAX_HEADER_NAMES: usize = 64;
+const MAX_HEADER_VALUES: usize = 16;
+
+/// Notes every request's headers (but `/__headers`' own) for `GET /__headers`.
+async fn note_headers(
+    State(c): State<Shared>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if request.uri().path() != "/__headers" {
+        let mut catalog = lock(&c);
+        for (name, value) in request.headers() {
+            let room = catalog.headers.len() < MAX_HEADER_NAMES;
+            let known = catalog.headers.contains_key(name.as_str());
+            if !room && !known {
+                continue;
+            }
+            let values = catalog.headers.entry(name.as_str().to_owned()).or_default();
+            if values.len() < MAX_HEADER_VALUES {
+                values.insert(String::from_utf8_lossy(value.as_bytes()).into_owned());
+            }
+        }
+    }
+    next.run(request).await
+}
+
+/// `GET /__headers`: `{"name": ["value", …], …}` for every request header received so far.
+async fn headers_seen(State(c): State<Shared>) -> Response {
+    Json(serde_json::json!(lock(&c).headers)).into_response()
+}
 
 /// Serves the site on `listener` until `shutdown` fires.
 pub async fn serve(
@@ -324,7 +359,12 @@ pub async fn serve(
         .route("/robots.txt", get(robots_txt))
         .route("/__robots", post(set_robots))
         .route("/__truth", get(truth))
+        .route("/__headers", get(headers_seen))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            catalog.clone(),
+            note_headers,
+        ))
         .with_state(catalog);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })

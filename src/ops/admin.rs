@@ -115,6 +115,8 @@ pub struct CrawlColumns {
     /// still being discovered — a lower bound over the pages known (`eta_lower_bound`).
     pub eta_seconds: Option<u64>,
     pub eta_lower_bound: bool,
+    /// The most common reason of the pass's failed pages: its count and one example URL.
+    pub top_failure: Option<crate::store::frontier::FailureReason>,
 }
 
 impl CrawlColumns {
@@ -189,6 +191,7 @@ pub fn with_pass(
         discovered_pages: p.done + p.failed + p.pending + p.waiting + p.leased,
         eta_seconds: eta.seconds(),
         eta_lower_bound: matches!(eta, Eta::AtLeast(_)),
+        top_failure: report.top_failure.clone(),
     });
 }
 
@@ -426,6 +429,7 @@ pub fn render_table(rows: &[StatusRow]) -> String {
         "PAGES/S",
         "ETA",
         "OLDEST PENDING",
+        "TOP FAILURE",
         "LAST EVALUATION",
         "NEEDS A LOOK",
         "LAST ERROR",
@@ -470,6 +474,10 @@ pub fn render_table(rows: &[StatusRow]) -> String {
                         .as_ref()
                         .and_then(|c| c.oldest_pending_seconds.map(|s| -s)),
                 ),
+                r.crawl
+                    .as_ref()
+                    .and_then(|c| c.top_failure.as_ref())
+                    .map_or("-".into(), |f| one_line(&failure_text(f), 80)),
                 r.last_evaluation.clone().unwrap_or_else(|| "-".into()),
                 r.attention.clone().unwrap_or_else(|| "-".into()),
                 r.last_error
@@ -511,6 +519,11 @@ pub fn render_table(rows: &[StatusRow]) -> String {
     out.push_str(&counts_line(rows));
     out.push('\n');
     out
+}
+
+/// A failure reason in a few words: `12× HTTP 500 (e.g. http://shop/product/7)`.
+pub fn failure_text(f: &crate::store::frontier::FailureReason) -> String {
+    format!("{}× {} (e.g. {})", f.count, f.reason, f.example)
 }
 
 pub fn render_json(rows: &[StatusRow]) -> String {
@@ -683,6 +696,11 @@ mod tests {
             started_at: Some(now - chrono::Duration::seconds(100)),
             ended_at: None,
             oldest_pending: Some(now - chrono::Duration::seconds(42)),
+            top_failure: Some(crate::store::frontier::FailureReason {
+                reason: "HTTP 500".into(),
+                count: 40,
+                example: "http://x/product/9".into(),
+            }),
         };
         with_pass(&mut rows[0], &report, Some(300), now);
         let crawl = rows[0].crawl.clone().expect("pass columns");
@@ -707,9 +725,13 @@ mod tests {
         assert!(
             line.contains("150/32/4/50")
                 && line.contains("42s ago")
-                && line.contains("50s (~300 pages)"),
+                && line.contains("50s (~300 pages)")
+                && line.contains("40× HTTP 500 (e.g. http://x/product/9)"),
             "{table}"
         );
+        let json: serde_json::Value = serde_json::from_str(&render_json(&rows)).unwrap();
+        assert_eq!(json[0]["crawl"]["top_failure"]["reason"], "HTTP 500");
+        assert_eq!(json[0]["crawl"]["top_failure"]["count"], 40);
         // Without a completed pass the total is still being discovered: a lower bound only.
         with_pass(&mut rows[0], &report, None, now);
         let crawl = rows[0].crawl.clone().expect("pass columns");

@@ -17,3 +17,4 @@ pub mod http;
 pub mod metrics;
 pub mod page;
 pub mod progress;
+pub mod try_page;

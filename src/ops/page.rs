@@ -119,6 +119,13 @@ fn crawl_cell(r: &StatusRow) -> String {
         .crawl
         .as_ref()
         .map_or_else(|| "<span class=\"small\">-</span>".into(), pass_cell);
+    if let Some(failure) = r.crawl.as_ref().and_then(|c| c.top_failure.as_ref()) {
+        let _ = write!(
+            out,
+            "<div class=\"small\">top failure: {}</div>",
+            escape(&crate::ops::admin::failure_text(failure))
+        );
+    }
     if let Some(evaluation) = &r.last_evaluation {
         let _ = write!(
             out,
@@ -311,6 +318,11 @@ mod tests {
             started_at: Some(now - chrono::Duration::seconds(30)),
             ended_at: None,
             oldest_pending: Some(now - chrono::Duration::seconds(7)),
+            top_failure: Some(crate::store::frontier::FailureReason {
+                reason: "no natural key (<b>.skuu</b>) on the page".into(),
+                count: 10,
+                example: "http://x/product/<1>".into(),
+            }),
         };
         with_pass(&mut rows[0], &report, Some(200), now);
         let fleet = Fleet {
@@ -339,6 +351,10 @@ mod tests {
         assert!(page.contains("seed source answered &lt;script&gt;alert(1)&lt;/script&gt;"));
         assert!(page.contains("evil&lt;b&gt;:80") && page.contains("i-&lt;1&gt;"));
         assert!(page.contains("up 1m 15s"));
+        assert!(
+            page.contains("top failure: 10× no natural key (&lt;b&gt;.skuu&lt;/b&gt;) on the page (e.g. http://x/product/&lt;1&gt;)"),
+            "{page}"
+        );
         // 50 done of ~200 expected: a quarter of the bar; 140 left at 2 pages/s.
         assert!(page.contains("style=\"width:25.0%\""), "{page}");
         assert!(page.contains("of ~200 · 2.0 pages/s · ETA 1m 10s (~200 pages)"));

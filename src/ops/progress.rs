@@ -267,8 +267,14 @@ pub async fn show(store: Store, bots: Vec<BotId>, done: CancellationToken) {
     }
 }
 
-/// The closing summary: the pass's pages by outcome, wall time and rate, and the first failures.
-pub async fn summary(store: &Store, bot: &BotId, pass: i64, took: Duration) -> Result<String> {
+/// The summary line of a finished pass, then its failures grouped by reason; and the failures,
+/// for the caller to judge ([`Failures::too_many`]).
+pub async fn summary(
+    store: &Store,
+    bot: &BotId,
+    pass: i64,
+    took: Duration,
+) -> Result<(String, Failures)> {
     let p = store.pass_progress(bot, pass).await?;
     let finished = p.done + p.failed;
     let mut text = format!(
@@ -278,13 +284,96 @@ pub async fn summary(store: &Store, bot: &BotId, pass: i64, took: Duration) -> R
         took.as_secs_f64(),
         finished as f64 / took.as_secs_f64().max(1e-3),
     );
-    for (url, reason) in store.failed_urls(bot, pass, 5).await? {
-        text.push_str(&format!("\n  failed: {url} — {reason}"));
+    let failures = failures(store, bot, pass).await?;
+    text.push_str(&failures.lines());
+    Ok((text, failures))
+}
+
+/// Reasons shown per pass; the rest are counted.
+const REASONS_SHOWN: i64 = 5;
+
+/// A pass's failed pages, grouped by reason.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Failures {
+    pub bot: BotId,
+    pub pass: i64,
+    /// Every URL of the pass (the error rate's denominator, as the deletion gate counts it).
+    pub pages: u64,
+    pub failed: u64,
+    /// The most common reasons first (at most [`REASONS_SHOWN`]).
+    pub reasons: Vec<crate::store::frontier::FailureReason>,
+}
+
+/// Reads pass `pass`'s failures (two aggregations on the frontier index).
+pub async fn failures(store: &Store, bot: &BotId, pass: i64) -> Result<Failures> {
+    let p = store.pass_progress(bot, pass).await?;
+    let reasons = if p.failed > 0 {
+        store.failure_reasons(bot, pass, REASONS_SHOWN).await?
+    } else {
+        Vec::new()
+    };
+    Ok(Failures {
+        bot: bot.clone(),
+        pass,
+        pages: p.pending + p.waiting + p.leased + p.done + p.failed,
+        failed: p.failed,
+        reasons,
+    })
+}
+
+impl Failures {
+    /// One line per reason: `  failed: 12 × HTTP 500 — e.g. http://shop/product/7`, then how
+    /// many failed for other reasons.
+    pub fn lines(&self) -> String {
+        let mut out = String::new();
+        for r in &self.reasons {
+            out.push_str(&format!(
+                "\n  failed: {} × {} — e.g. {}",
+                r.count, r.reason, r.example
+            ));
+        }
+        let shown: u64 = self.reasons.iter().map(|r| r.count).sum();
+        if self.failed > shown {
+            out.push_str(&format!(
+                "\n  … and {} more failed for other reasons",
+                self.failed - shown
+            ));
+        }
+        out
     }
-    if p.failed > 5 {
-        text.push_str(&format!("\n  … and {} more failed", p.failed - 5));
+
+    /// The share of the pass's pages that failed.
+    pub fn error_rate(&self) -> f64 {
+        if self.pages == 0 {
+            0.0
+        } else {
+            self.failed as f64 / self.pages as f64
+        }
     }
-    Ok(text)
+
+    /// One line when the error rate is over `max_error_rate` (`crawl.max_error_rate`, the
+    /// deletion gate's threshold), naming the most common reason; `None` otherwise.
+    pub fn too_many(&self, max_error_rate: f64) -> Option<String> {
+        let rate = self.error_rate();
+        if rate <= max_error_rate {
+            return None;
+        }
+        let common = self.reasons.first().map_or(String::new(), |r| {
+            format!(
+                "; most common: {} ({} pages, e.g. {})",
+                r.reason, r.count, r.example
+            )
+        });
+        Some(format!(
+            "bot {}: pass {} failed {} of {} pages ({:.1}%, over crawl.max_error_rate {:.1}%){common}",
+            self.bot,
+            self.pass,
+            self.failed,
+            self.pages,
+            rate * 100.0,
+            max_error_rate * 100.0
+        ))
+    }
 }
 
 #[cfg(test)]
@@ -299,6 +388,42 @@ mod tests {
             done,
             failed,
         }
+    }
+
+    #[test]
+    fn failures_are_grouped_and_too_many_names_the_most_common_reason() {
+        use crate::store::frontier::FailureReason;
+        let reason = |reason: &str, count, example: &str| FailureReason {
+            reason: reason.into(),
+            count,
+            example: example.into(),
+        };
+        let f = Failures {
+            bot: BotId::parse("shop").unwrap(),
+            pass: 3,
+            pages: 105,
+            failed: 101,
+            reasons: vec![reason(
+                "no natural key (.skuu) on the page",
+                100,
+                "http://s/product/1",
+            )],
+        };
+        assert_eq!(
+            f.lines(),
+            "\n  failed: 100 × no natural key (.skuu) on the page — e.g. http://s/product/1\n  … and 1 more failed for other reasons"
+        );
+        assert_eq!(
+            f.too_many(0.1).as_deref(),
+            Some("bot shop: pass 3 failed 101 of 105 pages (96.2%, over crawl.max_error_rate 10.0%); most common: no natural key (.skuu) on the page (100 pages, e.g. http://s/product/1)")
+        );
+        assert_eq!(f.too_many(0.97), None, "under the threshold: not too many");
+        let clean = Failures {
+            failed: 0,
+            reasons: vec![],
+            ..f
+        };
+        assert_eq!((clean.lines(), clean.too_many(0.0)), (String::new(), None));
     }
 
     #[test]

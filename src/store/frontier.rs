@@ -339,6 +339,15 @@ pub fn fingerprint_hash(fingerprint: &str) -> i64 {
     }
 }
 
+/// Failed URLs of a pass that share a reason ([`Store::failure_reasons`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct FailureReason {
+    pub reason: String,
+    pub count: u64,
+    /// One of them (the smallest URL, so that the example is stable).
+    pub example: String,
+}
+
 /// How a leased URL ends its lease.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Mark {
@@ -1920,31 +1929,47 @@ impl Store {
         Ok(false)
     }
 
-    /// Up to `limit` failed URLs of a pass with their reasons (for `seedlock crawl`'s summary).
-    pub async fn failed_urls(
+    /// A pass's failed URLs grouped by reason, the most common first: up to `limit` reasons,
+    /// each with its count and one example URL (one aggregation on the frontier index's
+    /// `bot, pass, status` prefix).
+    pub async fn failure_reasons(
         &self,
         bot: &BotId,
         pass: i64,
         limit: i64,
-    ) -> Result<Vec<(String, String)>> {
-        let failed: Vec<Document> = self
-            .bounded("read failed urls", async {
+    ) -> Result<Vec<FailureReason>> {
+        let pipeline = [
+            doc! { "$match": status_filter(bot, pass, UrlStatus::Failed) },
+            doc! { "$group": {
+                "_id": format!("${}", f::LAST_ERROR),
+                "n": { "$sum": 1 },
+                "example": { "$min": format!("${}", f::URL) },
+            } },
+            doc! { "$sort": { "n": -1, "_id": 1 } },
+            doc! { "$limit": limit.max(1) },
+        ];
+        let rows: Vec<Document> = self
+            .bounded("read failure reasons", async {
                 self.frontier()
-                    .find(status_filter(bot, pass, UrlStatus::Failed))
-                    .projection(doc! { f::URL: 1, f::LAST_ERROR: 1 })
-                    .limit(limit)
+                    .aggregate(pipeline)
                     .await?
                     .try_collect()
                     .await
             })
             .await?;
-        Ok(failed
+        Ok(rows
             .iter()
-            .map(|d| {
-                (
-                    d.get_str(f::URL).unwrap_or("?").to_owned(),
-                    d.get_str(f::LAST_ERROR).unwrap_or("").to_owned(),
-                )
+            .map(|row| FailureReason {
+                reason: row
+                    .get_str("_id")
+                    .unwrap_or("(no reason recorded)")
+                    .to_owned(),
+                count: row
+                    .get("n")
+                    .and_then(crate::lock::document::integer)
+                    .unwrap_or(0)
+                    .max(0) as u64,
+                example: row.get_str("example").unwrap_or("?").to_owned(),
             })
             .collect())
     }

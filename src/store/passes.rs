@@ -73,6 +73,8 @@ pub struct PassReport {
     pub started_at: Option<DateTime<Utc>>,
     pub ended_at: Option<DateTime<Utc>>,
     pub oldest_pending: Option<DateTime<Utc>>,
+    /// The most common reason its failed pages failed for (with their count and an example).
+    pub top_failure: Option<super::frontier::FailureReason>,
 }
 
 use super::date;
@@ -539,8 +541,14 @@ impl Store {
                     .projection(doc! { fr::ENQUEUED_AT: 1 }),
             )
             .await?;
+        let top_failure = if progress.failed > 0 {
+            self.failure_reasons(bot, pass, 1).await?.into_iter().next()
+        } else {
+            None
+        };
         Ok(PassReport {
             pass,
+            top_failure,
             progress,
             started_at,
             ended_at,

@@ -1,0 +1,380 @@
+//! `seedlock try`: one page as the crawl sees it. [`fetch`] asks for it as a crawl worker
+//! would (the bot's headers, robots.txt, each redirect judged by [`next_hop`]); [`examine`]
+//! reads it with the crawl's own [`extract`] and says, beside what the crawl would take, what
+//! it would not (links refused, with why) and which selector matched nothing.
+
+use bson::Bson;
+use scraper::selector::ToCss;
+use scraper::{Html, Selector};
+use serde::Serialize;
+use url::Url;
+
+use crate::config::CrawlSettings;
+use crate::crawl::extract::{extract, ValueSpec};
+use crate::crawl::fetch::{next_hop, FetchOutcome, Page, PageFetcher, Validators};
+use crate::flow::robots::{RobotsCache, Verdict};
+use crate::store::frontier::fingerprint_hash;
+use crate::store::records::{content_hash, record_id};
+use crate::urls::NormalizedUrl;
+
+/// A redirect followed on the way to the page.
+#[derive(Clone, Debug, Serialize)]
+pub struct Hop {
+    pub status: u16,
+    pub from: String,
+    pub to: String,
+}
+
+/// Fetches `url` as the crawl would: robots.txt on every hop (unless `robots` is disabled),
+/// every redirect checked against the bot's scope before it is requested. `Err` is why the
+/// crawl would get no page (the reason the frontier would record).
+pub async fn fetch(
+    fetcher: &PageFetcher,
+    robots: &RobotsCache,
+    rules: &CrawlSettings,
+    url: &NormalizedUrl,
+) -> (Vec<Hop>, Result<Page, String>) {
+    let mut hops = Vec::new();
+    let mut at = url.clone();
+    for hop in 0.. {
+        match robots.check(fetcher, &at).await {
+            Verdict::Allowed { .. } => {}
+            Verdict::Disallowed => return (hops, Err(format!("disallowed by robots.txt: {at}"))),
+            Verdict::Unavailable { reason } => return (hops, Err(reason)),
+        }
+        let outcome = fetcher.fetch_one(&at, &Validators::default()).await;
+        let reason = match outcome {
+            FetchOutcome::Ok(page) => return (hops, Ok(page)),
+            FetchOutcome::Redirect { status, to } => {
+                hops.push(Hop {
+                    status,
+                    from: at.to_string(),
+                    to: to.to_string(),
+                });
+                if let Err(reason) = next_hop(&rules.links, hop, &to) {
+                    return (hops, Err(reason));
+                }
+                at = to;
+                continue;
+            }
+            FetchOutcome::NotModified => "HTTP 304 to an unconditional request".to_owned(),
+            FetchOutcome::Skipped { reason } => reason,
+            FetchOutcome::Throttled {
+                status,
+                retry_after,
+            } => match retry_after {
+                Some(wait) => format!("HTTP {status}: throttled (Retry-After {wait:?})"),
+                None => format!("HTTP {status}: throttled"),
+            },
+            FetchOutcome::Timeout => "timed out".to_owned(),
+            FetchOutcome::Gone { status } => format!("HTTP {status}: gone"),
+            FetchOutcome::Permanent { reason } | FetchOutcome::Transient { reason } => reason,
+        };
+        return (hops, Err(reason));
+    }
+    unreachable!("every hop returns or goes on")
+}
+
+/// Which kind of page this is by the bot's rules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    Seed,
+    Listing,
+    Detail,
+}
+
+/// One listing item as the crawl reads it.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ItemView {
+    pub id: String,
+    /// Its detail page, when `list.item_link` gave an in-scope URL.
+    pub link: Option<String>,
+    /// Each `list.fingerprint` spec with the value it read ("" when it matched nothing).
+    pub fingerprint_fields: Vec<FingerprintField>,
+    /// The 64-bit fingerprint a listing manifest keeps, in hex.
+    pub fingerprint: String,
+    /// `list.updated_at` as read, and as understood (RFC 3339).
+    pub updated_at: Option<String>,
+    pub updated_at_parsed: Option<String>,
+}
+
+/// One value of an item's fingerprint.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct FingerprintField {
+    pub spec: String,
+    pub value: String,
+}
+
+/// A link the crawl would not follow, and why.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Refused {
+    pub link: String,
+    pub why: String,
+}
+
+/// The record of a detail page.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct RecordView {
+    pub natural_key: String,
+    /// `records._id`.
+    pub id: String,
+    /// Each field: its value, or `None` when its selector matched nothing (stored as null).
+    pub fields: std::collections::BTreeMap<String, Option<String>>,
+    pub content_hash: String,
+}
+
+/// A selector that found nothing: its config key, the spec, and where it was looked for.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Unmatched {
+    pub key: String,
+    pub selector: String,
+    pub detail: String,
+}
+
+/// Links refused are listed up to this many; the rest are counted.
+pub const MAX_REFUSED_SHOWN: usize = 200;
+
+/// What the crawl would take from a page, and what it would leave.
+#[derive(Clone, Debug, Serialize)]
+pub struct Examined {
+    pub kind: Kind,
+    /// Listing items (listing and seed pages with `[bots.crawl.list]`).
+    pub items: Vec<ItemView>,
+    /// Links the crawl follows, in page order.
+    pub follows: Vec<String>,
+    /// Links it does not follow (at most [`MAX_REFUSED_SHOWN`]), and how many more.
+    pub refused: Vec<Refused>,
+    pub refused_more: usize,
+    /// Links and items past `max_links`.
+    pub over_max_links: usize,
+    /// A detail page's record…
+    pub record: Option<RecordView>,
+    /// …or why it has none.
+    pub no_record: Option<String>,
+    pub unmatched: Vec<Unmatched>,
+    /// Whether the page yields what its kind needs; `verdict` says what it yields or lacks.
+    pub ok: bool,
+    pub verdict: String,
+}
+
+/// The page's kind: a detail page when `record.match` matches its URL, a seed when it is one
+/// of `seeds`, else a listing page (as the crawl decides for a followed link).
+pub fn kind_of(rules: &CrawlSettings, url: &NormalizedUrl, seeds: &[NormalizedUrl]) -> Kind {
+    match &rules.record {
+        Some(r) if r.url_match.is_match(url.as_str()) => Kind::Detail,
+        _ if seeds.contains(url) => Kind::Seed,
+        _ => Kind::Listing,
+    }
+}
+
+/// Reads `html` (fetched from `page_url`) as the crawl would a page of `kind`.
+pub fn examine(
+    bot: &str,
+    rules: &CrawlSettings,
+    kind: Kind,
+    page_url: &Url,
+    html: &str,
+) -> Examined {
+    let listing = kind != Kind::Detail;
+    let list = rules.list.as_ref().filter(|_| listing);
+    let record = rules.record.as_ref().filter(|_| !listing);
+    // What the crawl takes: its own extraction.
+    let data = extract(page_url, html, &rules.links, list, record);
+    let document = Html::parse_document(html);
+    let root = document.root_element();
+    let mut unmatched = Vec::new();
+    let mut nothing = |key: &str, selector: &str, detail: String| {
+        unmatched.push(Unmatched {
+            key: key.to_owned(),
+            selector: selector.to_owned(),
+            detail,
+        })
+    };
+
+    // Every link the follow selector matched: followed, or refused with why.
+    let mut refused = Vec::new();
+    let mut refused_more = 0;
+    let mut refuse = |link: String, why: String| {
+        if refused.len() < MAX_REFUSED_SHOWN {
+            refused.push(Refused { link, why });
+        } else {
+            refused_more += 1;
+        }
+    };
+    let mut seen = std::collections::HashSet::new();
+    let mut anchors = 0usize;
+    let mut followed = 0usize;
+    for a in root.select(&rules.links.follow) {
+        anchors += 1;
+        let Some(href) = a.value().attr("href") else {
+            continue;
+        };
+        if followed >= rules.links.max {
+            continue; // counted in `data.dropped`
+        }
+        match NormalizedUrl::join_with(page_url, href, &rules.links.strip) {
+            Err(e) => refuse(href.to_owned(), format!("not a followable URL ({e})")),
+            Ok(url) => match rules.links.refusal(&url) {
+                Some(why) => refuse(url.to_string(), why),
+                None if !seen.insert(url.clone()) => refuse(url.to_string(), "duplicate".into()),
+                None => followed += 1,
+            },
+        }
+    }
+    if anchors == 0 {
+        nothing(
+            "crawl.follow",
+            &css_of(&rules.links.follow),
+            "matched no element on the page".into(),
+        );
+    }
+
+    let mut items = Vec::new();
+    if let Some(l) = list {
+        let elements: Vec<_> = root.select(&l.item).collect();
+        if elements.is_empty() {
+            nothing(
+                "crawl.list.item",
+                &css_of(&l.item),
+                "matched no element on the page".into(),
+            );
+        } else {
+            let total = elements.len();
+            let missing =
+                |spec: &ValueSpec| elements.iter().filter(|e| spec.read(**e).is_none()).count();
+            let mut in_items = |key: String, spec: &ValueSpec| {
+                let n = missing(spec);
+                if n > 0 {
+                    nothing(
+                        &key,
+                        spec.as_str(),
+                        format!("matched nothing in {n} of {total} items"),
+                    );
+                }
+            };
+            in_items("crawl.list.item_id".into(), &l.item_id);
+            in_items("crawl.list.item_link".into(), &l.item_link);
+            for (i, spec) in l.fingerprint.iter().enumerate() {
+                in_items(format!("crawl.list.fingerprint[{i}]"), spec);
+            }
+            if let Some(spec) = &l.updated_at {
+                in_items("crawl.list.updated_at".into(), spec);
+                let unreadable = elements
+                    .iter()
+                    .filter_map(|e| spec.read(*e))
+                    .filter(|raw| crate::crawl::extract::parse_time(raw).is_none())
+                    .count();
+                if unreadable > 0 {
+                    nothing(
+                        "crawl.list.updated_at",
+                        spec.as_str(),
+                        format!("{unreadable} of {total} values are not an RFC 3339 or HTTP date"),
+                    );
+                }
+            }
+            // The items the crawl keeps (those with an id, up to max_links), beside their
+            // elements: the same selection, in the same order.
+            let with_id = elements.iter().filter(|e| l.item_id.read(**e).is_some());
+            for (element, item) in with_id.zip(&data.items) {
+                items.push(ItemView {
+                    id: item.id.clone(),
+                    link: item.url.as_ref().map(ToString::to_string),
+                    fingerprint_fields: l
+                        .fingerprint
+                        .iter()
+                        .map(|spec| FingerprintField {
+                            spec: spec.as_str().to_owned(),
+                            value: spec.read(*element).unwrap_or_default(),
+                        })
+                        .collect(),
+                    fingerprint: format!("{:016x}", fingerprint_hash(&item.fingerprint)),
+                    updated_at: l.updated_at.as_ref().and_then(|spec| spec.read(*element)),
+                    updated_at_parsed: item.updated_at.map(|t| t.to_rfc3339()),
+                });
+            }
+        }
+    }
+
+    let record = match (record, data.record) {
+        (Some(r), Some(Ok((natural_key, fields)))) => {
+            let mut shown = std::collections::BTreeMap::new();
+            for (name, spec) in &r.fields {
+                let value = match fields.get(name) {
+                    Some(Bson::String(v)) => Some(v.clone()),
+                    _ => None,
+                };
+                if value.is_none() {
+                    nothing(
+                        &format!("crawl.record.fields.{name}"),
+                        spec.as_str(),
+                        "matched nothing on the page (stored as null)".into(),
+                    );
+                }
+                shown.insert(name.clone(), value);
+            }
+            Ok(Some(RecordView {
+                id: record_id(bot, &natural_key),
+                natural_key,
+                content_hash: content_hash(&fields),
+                fields: shown,
+            }))
+        }
+        (Some(r), Some(Err(why))) => {
+            nothing(
+                "crawl.record.natural_key",
+                r.natural_key.as_str(),
+                "matched nothing on the page: no record".into(),
+            );
+            Err(why)
+        }
+        (Some(_), None) => Err("the page matched no record rule".into()),
+        (None, _) => Ok(None),
+    };
+
+    let follows: Vec<String> = data.links.iter().map(ToString::to_string).collect();
+    let linked_items = items.iter().filter(|i| i.link.is_some()).count();
+    let (ok, verdict) = match kind {
+        Kind::Detail => match &record {
+            Ok(Some(r)) => (true, format!("a record: {}", r.natural_key)),
+            Err(why) => (false, format!("no record: {why}")),
+            Ok(None) => (
+                false,
+                "no [bots.crawl.record] rules: nothing to store".into(),
+            ),
+        },
+        _ if list.is_some() && kind == Kind::Listing => (
+            linked_items > 0,
+            format!(
+                "{} items ({linked_items} with a detail link), {} links to follow",
+                items.len(),
+                follows.len()
+            ),
+        ),
+        _ => (
+            linked_items > 0 || !follows.is_empty(),
+            format!(
+                "{} items ({linked_items} with a detail link), {} links to follow",
+                items.len(),
+                follows.len()
+            ),
+        ),
+    };
+    Examined {
+        kind,
+        items,
+        follows,
+        refused,
+        refused_more,
+        over_max_links: data.dropped,
+        no_record: record.as_ref().err().cloned(),
+        record: record.ok().flatten(),
+        unmatched,
+        ok,
+        verdict,
+    }
+}
+
+fn css_of(selector: &Selector) -> String {
+    selector.to_css_string()
+}

@@ -1,0 +1,319 @@
+//! `seedlock try BOT URL`: one page fetched and read as the crawl would, printed for a person
+//! writing a bot (or as JSON). Exit 0 when the page yields what its kind needs, 1 when it does
+//! not or cannot be fetched, 2 for bad usage.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::{bot_arg, fail, EXIT_FAILED, EXIT_USAGE};
+use crate::config::{BotSettings, SeedSource, Settings};
+use crate::crawl::fetch::PageFetcher;
+use crate::crawl::probe::{self, Examined, Hop, Kind};
+use crate::flow::robots::RobotsCache;
+use crate::urls::NormalizedUrl;
+
+/// What to try: a URL to fetch, or a saved page read as if fetched from `url`.
+pub struct Request {
+    pub bot: String,
+    pub url: Option<String>,
+    pub file: Option<PathBuf>,
+    pub json: bool,
+    pub ignore_robots: bool,
+}
+
+/// The report, as `--json` prints it.
+#[derive(Serialize)]
+struct Report<'a> {
+    bot: &'a str,
+    url: &'a str,
+    /// Where the page came from: `fetched`, or the saved file's path.
+    source: String,
+    headers: Vec<(String, String)>,
+    redirects: &'a [Hop],
+    /// Why no page was had (then nothing else is read).
+    fetch_error: Option<&'a str>,
+    bytes: Option<usize>,
+    #[serde(flatten)]
+    examined: Option<&'a Examined>,
+}
+
+pub async fn command(settings: Settings, request: Request) -> ExitCode {
+    let id = match bot_arg(&request.bot) {
+        Ok(id) => id,
+        Err(code) => return code,
+    };
+    let raw_url = match (&request.url, &request.file) {
+        (Some(url), _) => url.clone(),
+        (None, Some(_)) => {
+            return fail(
+                EXIT_USAGE,
+                "--file needs the URL the page was saved from (--url URL)",
+            )
+        }
+        (None, None) => return fail(EXIT_USAGE, "name the page to try: seedlock try BOT URL"),
+    };
+    let url = match NormalizedUrl::parse(&raw_url) {
+        Ok(u) => u,
+        Err(e) => return fail(EXIT_USAGE, format!("{raw_url:?}: {e}")),
+    };
+    let (bot, stored_seeds) = match find_bot(&settings, &id).await {
+        Ok(found) => found,
+        Err(code) => return code,
+    };
+    let Some(rules) = bot.crawl.clone() else {
+        return fail(
+            EXIT_USAGE,
+            format!("bot \"{id}\" has no [bots.crawl] section: there is nothing to try"),
+        );
+    };
+    let seeds = match stored_seeds {
+        Some(seeds) => seeds,
+        None => seeds_of(&settings, &bot).await,
+    };
+    let limits = &settings.crawl;
+    let headers = rules.headers.shown();
+    let (hops, page, source) = match &request.file {
+        Some(path) => match read_saved(path, limits.max_page_bytes) {
+            Ok(body) => (
+                Vec::new(),
+                Ok((url.clone(), body)),
+                path.display().to_string(),
+            ),
+            Err(e) => return fail(EXIT_USAGE, e),
+        },
+        None => {
+            let fetcher =
+                match PageFetcher::new(&limits.user_agent, limits.timeout, limits.max_page_bytes) {
+                    Ok(f) => f.with_headers(&rules.headers),
+                    Err(e) => return fail(EXIT_FAILED, e),
+                };
+            let robots = RobotsCache::new(
+                &limits.user_agent,
+                limits.robots_ttl,
+                limits.robots && !request.ignore_robots,
+            );
+            let (hops, page) = probe::fetch(&fetcher, &robots, &rules, &url).await;
+            (hops, page.map(|p| (p.url, p.body)), "fetched".to_owned())
+        }
+    };
+    let examined = page.as_ref().ok().map(|(at, body)| {
+        let kind = probe::kind_of(&rules, at, &seeds);
+        probe::examine(id.as_str(), &rules, kind, &at.to_url(), body)
+    });
+    let report = Report {
+        bot: id.as_str(),
+        url: url.as_str(),
+        source,
+        headers,
+        redirects: &hops,
+        fetch_error: page.as_ref().err().map(String::as_str),
+        bytes: page.as_ref().ok().map(|(_, body)| body.len()),
+        examined: examined.as_ref(),
+    };
+    if request.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(text) => println!("{text}"),
+            Err(e) => return fail(EXIT_FAILED, format!("cannot write the report: {e}")),
+        }
+    } else {
+        print!("{}", render(&report));
+    }
+    match (&page, &examined) {
+        (Err(why), _) => fail(EXIT_FAILED, format!("{url}: no page: {why}")),
+        (_, Some(e)) if e.ok => ExitCode::SUCCESS,
+        (_, Some(e)) => fail(EXIT_FAILED, format!("{url}: {}", e.verdict)),
+        (_, None) => ExitCode::from(EXIT_FAILED),
+    }
+}
+
+/// The bot `id` of the config file, else of the database (with the seeds its document holds).
+async fn find_bot(
+    settings: &Settings,
+    id: &crate::ids::BotId,
+) -> Result<(BotSettings, Option<Vec<NormalizedUrl>>), ExitCode> {
+    if let Some(bot) = settings.bots.iter().find(|b| &b.id == id) {
+        return Ok((bot.clone(), None));
+    }
+    use crate::lock::document::field;
+    let (store, _) = crate::daemon::connect(settings)
+        .await
+        .map_err(|e| fail(EXIT_USAGE, e))?;
+    let raw = store.load_raw(id).await;
+    store.shutdown().await;
+    let raw = match raw {
+        Ok(Some(raw)) => raw,
+        Ok(None) => {
+            return Err(fail(
+                EXIT_USAGE,
+                format!("no bot \"{id}\" in the config or the database"),
+            ))
+        }
+        Err(e) => return Err(fail(EXIT_FAILED, e)),
+    };
+    let Ok(spec) = raw.get_document(field::SPEC) else {
+        return Err(fail(
+            EXIT_USAGE,
+            format!(
+                "bot \"{id}\" has no spec in the database (its instances run it from their config)"
+            ),
+        ));
+    };
+    let bot = crate::config::bot_from_spec(id, spec)
+        .map_err(|e| fail(EXIT_USAGE, format!("bot \"{id}\": {e}")))?;
+    let seeds = raw
+        .get_array(field::SEEDS)
+        .map(|seeds| {
+            seeds
+                .iter()
+                .filter_map(|s| s.as_str())
+                .filter_map(|s| NormalizedUrl::parse(s).ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok((bot, Some(seeds)))
+}
+
+/// The bot's seeds, to tell a seed page from a listing page: its static list, or what its seed
+/// source yields now (none when it cannot be read: the page is then taken for a listing page).
+async fn seeds_of(settings: &Settings, bot: &BotSettings) -> Vec<NormalizedUrl> {
+    if let SeedSource::Static(urls) = &bot.seeds {
+        return urls.clone();
+    }
+    let Ok(fetcher) = crate::lock::seeds::SeedFetcher::new(settings.refresh.clone()) else {
+        return Vec::new();
+    };
+    match fetcher.fetch(&bot.seeds, &CancellationToken::new()).await {
+        Ok(seeds) => seeds.urls,
+        Err(e) => {
+            eprintln!("seedlock: the seed source could not be read ({e}); the page is taken for a listing page if it is not a detail page");
+            Vec::new()
+        }
+    }
+}
+
+/// A saved page, at most `max` bytes (as a fetched body is); invalid UTF-8 read lossily.
+fn read_saved(path: &std::path::Path, max: usize) -> Result<String, String> {
+    let len = std::fs::metadata(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?
+        .len();
+    if len > max as u64 {
+        return Err(format!(
+            "{}: {len} bytes, over crawl.max_page_bytes ({max}): the crawl would not read it",
+            path.display()
+        ));
+    }
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The report for a person: one block per part, one line per thing.
+fn render(r: &Report<'_>) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "bot: {}", r.bot);
+    let _ = writeln!(out, "url: {}", r.url);
+    match r.bytes {
+        Some(n) => {
+            let _ = writeln!(out, "page: {} ({n} bytes)", r.source);
+        }
+        None => {
+            let _ = writeln!(out, "page: none");
+        }
+    }
+    for (name, value) in &r.headers {
+        let _ = writeln!(out, "header: {name}: {value}");
+    }
+    for hop in r.redirects {
+        let _ = writeln!(out, "redirect: {} {} -> {}", hop.status, hop.from, hop.to);
+    }
+    if let Some(why) = r.fetch_error {
+        let _ = writeln!(out, "result: FAILED: no page: {why}");
+        return out;
+    }
+    let Some(e) = r.examined else {
+        return out;
+    };
+    let kind = match e.kind {
+        Kind::Seed => "seed",
+        Kind::Listing => "listing",
+        Kind::Detail => "detail",
+    };
+    let _ = writeln!(out, "kind: {kind}");
+    if e.kind != Kind::Detail {
+        let _ = writeln!(out, "items: {}", e.items.len());
+        for item in &e.items {
+            let _ = writeln!(
+                out,
+                "  {} -> {}",
+                item.id,
+                item.link.as_deref().unwrap_or("(no detail link)")
+            );
+            let fields: Vec<String> = item
+                .fingerprint_fields
+                .iter()
+                .map(|f| format!("{}={:?}", f.spec, f.value))
+                .collect();
+            let _ = writeln!(
+                out,
+                "    fingerprint {}: {}",
+                item.fingerprint,
+                fields.join(" ")
+            );
+            if let Some(raw) = &item.updated_at {
+                let parsed = item.updated_at_parsed.as_deref().unwrap_or("not a time");
+                let _ = writeln!(out, "    updated_at {raw:?} = {parsed}");
+            }
+        }
+    }
+    if let Some(record) = &e.record {
+        let _ = writeln!(
+            out,
+            "record: {} (id {}, content hash {})",
+            record.natural_key, record.id, record.content_hash
+        );
+        for (name, value) in &record.fields {
+            match value {
+                Some(v) => {
+                    let _ = writeln!(out, "  {name} = {v:?}");
+                }
+                None => {
+                    let _ = writeln!(out, "  {name} = null");
+                }
+            }
+        }
+    }
+    if let Some(why) = &e.no_record {
+        let _ = writeln!(out, "record: none: {why}");
+    }
+    let _ = writeln!(out, "follows: {}", e.follows.len());
+    for link in &e.follows {
+        let _ = writeln!(out, "  {link}");
+    }
+    let _ = writeln!(out, "not followed: {}", e.refused.len() + e.refused_more);
+    for refused in &e.refused {
+        let _ = writeln!(out, "  {}: {}", refused.link, refused.why);
+    }
+    if e.refused_more > 0 {
+        let _ = writeln!(out, "  … and {} more", e.refused_more);
+    }
+    if e.over_max_links > 0 {
+        let _ = writeln!(
+            out,
+            "over max_links: {} links and items not read (bots.crawl.max_links)",
+            e.over_max_links
+        );
+    }
+    for u in &e.unmatched {
+        let _ = writeln!(
+            out,
+            "nothing matched: {} ({}): {}",
+            u.key, u.selector, u.detail
+        );
+    }
+    let verdict = if e.ok { "ok" } else { "FAILED" };
+    let _ = writeln!(out, "result: {verdict}: {}", e.verdict);
+    out
+}
