@@ -1074,7 +1074,12 @@ async fn throughput(uri: &str) {
 /// time (`tests/common/delay.rs`): pages/s at each RTT, and as a share of the 0 ms speed measured
 /// in the same run (runs interleaved, medians).
 async fn network(uri: &str, runs: usize) {
-    const RTTS_MS: [u64; 3] = [0, 2, 10];
+    // `BENCH_RTTS=0,10` runs only those (the first is the baseline of the share column).
+    let rtts: Vec<u64> = std::env::var("BENCH_RTTS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .filter(|v: &Vec<u64>| !v.is_empty())
+        .unwrap_or_else(|| vec![0, 2, 10]);
     let dir = tempfile::tempdir().unwrap();
     println!("## The database across a network: 5,000 products, one instance, a delay proxy in front of the database");
     println!();
@@ -1085,7 +1090,7 @@ async fn network(uri: &str, runs: usize) {
     let upstream = common::blackhole::server_of(uri);
     let mut rates: HashMap<u64, Vec<f64>> = HashMap::new();
     for run in 1..=runs {
-        for rtt in RTTS_MS {
+        for &rtt in &rtts {
             let proxy = common::delay::Delay::start(&upstream, Duration::from_millis(rtt));
             let through = proxy.uri(uri);
             let shop = Shop::start(50, 100).await;
@@ -1119,11 +1124,11 @@ async fn network(uri: &str, runs: usize) {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let base = median(rates.get_mut(&0).unwrap());
+    let base = median(rates.get_mut(&rtts[0]).unwrap());
     println!();
     println!("| RTT (ms) | median pages/s | share of 0 ms |");
     println!("|---|---|---|");
-    for rtt in RTTS_MS {
+    for &rtt in &rtts {
         let m = median(rates.get_mut(&rtt).unwrap());
         println!("| {rtt} | {m:.0} | {:.2} |", m / base);
     }
@@ -1140,7 +1145,9 @@ async fn ceilings(uri: &str) {
     let (http_pages, http_rate) = http_ceiling(&shop.base, 32).await;
     shop.stats().await;
     let db = fresh_db(uri, "ceilings").await;
-    let c = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", "").await;
+    // BENCH_CRAWL adds `[crawl]` lines to seedlock's run (an A/B of its settings).
+    let extra = std::env::var("BENCH_CRAWL").unwrap_or_default();
+    let c = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", &extra).await;
     let stats = shop.stats().await;
     let pages = under(&stats, "/list/") + under(&stats, "/product/");
     let rate = pages as f64 / c.pass.as_secs_f64();

@@ -509,12 +509,12 @@ impl Default for RawCrawlLimits {
     fn default() -> Self {
         Self {
             workers: 32,
-            host_queue: 128,
-            writers: 2,
+            host_queue: 256,
+            writers: 4,
             parsers: 2,
             parse_queue: 16,
-            store_queue: 64,
-            max_uncommitted: 128,
+            store_queue: 256,
+            max_uncommitted: 512,
             store_delay: "0s".into(),
             host_limit: 4,
             host_limit_min: 1,

@@ -27,6 +27,9 @@ use crate::urls::NormalizedUrl;
 
 /// How far ahead a host's queue is filled: enough URLs for this long at its pace.
 const QUEUE_HORIZON: Duration = Duration::from_millis(100);
+/// At most this much is added to the horizon for slow lease rounds (a database that takes
+/// seconds to answer does not make every host's queue hold seconds of work).
+const MAX_ROUND_ALLOWANCE: Duration = Duration::from_millis(400);
 
 /// A fetch stage's answer for one leased URL.
 #[derive(Debug)]
@@ -438,7 +441,29 @@ impl Crawler {
             self.limits.workers,
             queues.hosts().iter().map(String::as_str).chain([host]),
         );
-        self.flow.queue_target(host, share, QUEUE_HORIZON)
+        self.flow.queue_target(host, share, self.queue_horizon())
+    }
+
+    /// How much fetching a host's queue holds: [`QUEUE_HORIZON`], plus two lease rounds as
+    /// long as they take here — what the queue must last while the next round is out and the
+    /// one after it is sent, so that the database's round trip does not pace fetching (a
+    /// database 10 ms away makes a round 30–50 ms).
+    fn queue_horizon(&self) -> Duration {
+        let round = self
+            .lease_round_us
+            .load(std::sync::atomic::Ordering::Relaxed);
+        QUEUE_HORIZON + Duration::from_micros(round.saturating_mul(2)).min(MAX_ROUND_ALLOWANCE)
+    }
+
+    /// Counts a lease round's duration into the moving average [`Crawler::queue_horizon`]
+    /// reads.
+    pub(super) fn lease_round_took(&self, took: Duration) {
+        let took = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        let _ = self.lease_round_us.fetch_update(
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+            |avg| Some(if avg == 0 { took } else { (avg * 4 + took) / 5 }),
+        );
     }
 }
 

@@ -243,6 +243,9 @@ impl Crawler {
             .lease_into(&mut leaser, pass, queues, &rooms, takeovers)
             .await;
         tracing::trace!(rooms = ?rooms, took = ?t0.elapsed(), leased = ?result.as_ref().ok(), "lease round");
+        if result.is_ok() && !rooms.is_empty() {
+            self.lease_round_took(t0.elapsed());
+        }
         for (host, room) in &rooms {
             queues.unreserve(host, *room);
         }

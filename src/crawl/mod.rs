@@ -215,6 +215,9 @@ pub struct Crawler {
     /// seed 000's health signal).
     requests: std::sync::atomic::AtomicU64,
     records: std::sync::atomic::AtomicU64,
+    /// How long a lease round takes here (µs, a moving average): the host queues hold enough
+    /// work to fetch while the next round is out (see [`Crawler::queue_target`]).
+    lease_round_us: std::sync::atomic::AtomicU64,
     /// The priorities above the lowest, highest first.
     levels: Vec<i64>,
     lowest: i64,
@@ -351,6 +354,7 @@ impl Crawler {
             stages: Arc::new(Stages::default()),
             requests: Default::default(),
             records: Default::default(),
+            lease_round_us: Default::default(),
         }
     }
 
