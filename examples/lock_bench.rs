@@ -14,7 +14,7 @@ use bson::doc;
 use chrono::Utc;
 use mongodb::Client;
 use seedlock::ids::{BotId, InstanceId};
-use seedlock::lock::decide::Claim;
+use seedlock::store::document::Claim;
 use seedlock::store::Store;
 use tokio::sync::Barrier;
 
@@ -48,7 +48,7 @@ async fn contention(uri: &str, n: usize) -> (usize, usize, Vec<Duration>, Vec<Du
     let mut rounds_with_one_winner = 0;
     for round in 0..ROUNDS {
         let epoch = match stores[0].load(&bot).await.unwrap() {
-            seedlock::lock::document::Observed::Valid(d) => d.lock_epoch,
+            seedlock::store::document::Observed::Valid(d) => d.lock_epoch,
             other => panic!("unexpected {other:?}"),
         };
         let barrier = Arc::new(Barrier::new(n));

@@ -13,6 +13,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{LogFormat, Settings};
 use crate::daemon::{self, Mode, RunError};
 use crate::ids::BotId;
+use crate::ops::bots::BotsCommand;
+use crate::ops::{admin_name, bot_arg, fail, with_store, EXIT_FAILED, EXIT_USAGE};
+use crate::store::startup;
 use crate::store::UnlockOutcome;
 
 #[derive(Debug, Parser)]
@@ -152,45 +155,10 @@ pub enum Command {
     },
 }
 
-#[derive(Debug, Subcommand)]
-pub enum BotsCommand {
-    /// Write the [[bots]] of FILE into the database (validated as at start-up; nothing is written
-    /// if one is bad). Prints per bot: created, changed (with the keys), unchanged, removed.
-    Apply {
-        file: PathBuf,
-        /// Also remove the database's bots that FILE does not define.
-        #[arg(long)]
-        prune: bool,
-        /// Print what would change; write nothing.
-        #[arg(long)]
-        dry_run: bool,
-    },
-    /// The bots in the database: id, spec version, state, paused, pass, last change.
-    List {
-        #[arg(long)]
-        json: bool,
-    },
-    /// Remove a bot: it stops on every instance within one poll.
-    Remove {
-        bot: String,
-        /// Also delete its frontier and records (once no lease of it is live).
-        #[arg(long)]
-        purge: bool,
-    },
-}
-
 fn rfc3339(raw: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
     chrono::DateTime::parse_from_rfc3339(raw)
         .map(|t| t.with_timezone(&chrono::Utc))
         .map_err(|e| format!("{raw:?} is not an RFC 3339 time such as 2026-12-01T00:00:00Z ({e})"))
-}
-
-pub(crate) const EXIT_FAILED: u8 = 1;
-pub(crate) const EXIT_USAGE: u8 = 2;
-
-pub(crate) fn fail(code: u8, message: impl std::fmt::Display) -> ExitCode {
-    eprintln!("seedlock: {message}");
-    ExitCode::from(code)
 }
 
 pub fn main(cli: Cli) -> ExitCode {
@@ -254,10 +222,6 @@ fn sku_prefix(raw: &str) -> Result<String, String> {
     } else {
         Err("letters and digits, at most 16".into())
     }
-}
-
-pub(crate) fn bot_arg(raw: &str) -> Result<BotId, ExitCode> {
-    BotId::parse(raw).map_err(|e| fail(EXIT_USAGE, e))
 }
 
 async fn dispatch(command: Command, mut settings: Settings) -> ExitCode {
@@ -336,7 +300,7 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
     let from_database = settings.bots_from_database();
     let display =
         if once && (from_database || !crawling.is_empty()) && std::io::stderr().is_terminal() {
-            match daemon::connect(&settings).await {
+            match startup::open(&settings.mongo).await {
                 Ok((store, _)) => {
                     let mut crawling = crawling;
                     if from_database {
@@ -376,7 +340,7 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
         Ok(summaries) => {
             // The passes' failures, grouped by reason, from the database.
             let store = if summaries.iter().any(|s| s.pass > 0) {
-                match daemon::connect(&after).await {
+                match startup::open(&after.mongo).await {
                     Ok((store, _)) => Some(store),
                     Err(e) => return fail(EXIT_FAILED, e),
                 }
@@ -452,7 +416,7 @@ async fn crawl(mut settings: Settings, bot: &str, timeout: Duration) -> ExitCode
     }
     settings.bots.retain(|b| b.id == id);
     let max_error_rate = settings.crawl.max_error_rate;
-    let (store, _clock) = match daemon::connect(&settings).await {
+    let (store, _clock) = match startup::open(&settings.mongo).await {
         Ok(c) => c,
         Err(e) => return fail(EXIT_USAGE, e),
     };
@@ -554,30 +518,6 @@ async fn inspect(settings: Settings, bot: &str) -> ExitCode {
         }
     })
     .await
-}
-
-/// Connects, runs `body`, shuts the client down (a client dropped at exit spawns
-/// end_all_sessions, which races the runtime's teardown). A failed connection is exit code 2.
-pub(crate) async fn with_store<F, Fut>(settings: &Settings, body: F) -> ExitCode
-where
-    F: FnOnce(crate::store::Store, std::sync::Arc<crate::clock::ServerClock>) -> Fut,
-    Fut: std::future::Future<Output = ExitCode>,
-{
-    let (store, clock) = match daemon::connect(settings).await {
-        Ok(c) => c,
-        Err(e) => return fail(EXIT_USAGE, e),
-    };
-    let code = body(store.clone(), clock).await;
-    store.shutdown().await;
-    code
-}
-
-pub(crate) fn admin_name() -> String {
-    let user = std::env::var("USER").unwrap_or_else(|_| "admin".into());
-    format!(
-        "admin:{user}@{}",
-        gethostname::gethostname().to_string_lossy()
-    )
 }
 
 async fn unlock(settings: Settings, bot: &str, reason: &str) -> ExitCode {

@@ -165,6 +165,12 @@ pub struct MongoSettings {
     pub max_pool_size: u32,
 }
 
+/// The default of `refresh.concurrency`: refreshes one instance runs at once. Each holds a lock
+/// (a heartbeat statement per tick) and a seed fetch; sixteen keep a seed source's burst and the
+/// database's share of one instance small while a fleet of a thousand trivial bots still becomes
+/// ready within seconds.
+pub const DEFAULT_REFRESH_CONCURRENCY: usize = 16;
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LockSettings {
     pub ttl: Duration,
@@ -280,15 +286,15 @@ pub struct BotSettings {
 /// `[bots.crawl]`, validated: selectors compiled, patterns compiled.
 #[derive(Clone, Debug)]
 pub struct CrawlSettings {
-    pub links: crate::crawl::extract::LinkRules,
-    pub list: Option<crate::crawl::extract::ListRules>,
-    pub record: Option<crate::crawl::extract::RecordRules>,
+    pub links: crate::extract::LinkRules,
+    pub list: Option<crate::extract::ListRules>,
+    pub record: Option<crate::extract::RecordRules>,
     pub incremental: Incremental,
     /// URL patterns with their priority (0–9, higher is leased first; the first match wins);
     /// unmatched URLs get their kind's default (seeds 2, listing pages 1, detail pages 0).
     pub priorities: Vec<(regex::Regex, i64)>,
     /// Sent with every page request (`headers`); values from the environment are secrets.
-    pub headers: crate::crawl::fetch::RequestHeaders,
+    pub headers: crate::fetch::RequestHeaders,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -465,7 +471,7 @@ impl Default for RawRefresh {
             backoff_max: "5m".into(),
             sitemap_depth: 2,
             user_agent: concat!("seedlock/", env!("CARGO_PKG_VERSION")).into(),
-            concurrency: crate::lock::hub::DEFAULT_REFRESH_CONCURRENCY as u32,
+            concurrency: DEFAULT_REFRESH_CONCURRENCY as u32,
         }
     }
 }
@@ -531,7 +537,7 @@ impl Default for RawCrawlLimits {
             hosts: Default::default(),
             lease: "60s".into(),
             timeout: "30s".into(),
-            max_page_bytes: crate::crawl::fetch::DEFAULT_MAX_PAGE_BYTES as u64,
+            max_page_bytes: crate::fetch::DEFAULT_MAX_PAGE_BYTES as u64,
             attempts: 3,
             backoff_base: "1s".into(),
             backoff_max: "5m".into(),
@@ -817,7 +823,7 @@ impl Default for RawIncremental {
 
 impl RawCrawl {
     fn validate(self, p: &str) -> Result<CrawlSettings, String> {
-        use crate::crawl::extract::{selector, LinkRules, ListRules, RecordRules, ValueSpec};
+        use crate::extract::{selector, LinkRules, ListRules, RecordRules, ValueSpec};
         let key = |k: &str| format!("{p}.crawl.{k}");
         let named = |k: &str| {
             let k = key(k);
@@ -968,7 +974,7 @@ impl RawCrawl {
             }
             priorities.push((pattern, p.priority));
         }
-        let mut headers = crate::crawl::fetch::RequestHeaders::default();
+        let mut headers = crate::fetch::RequestHeaders::default();
         for (name, raw) in &self.headers {
             let k = key(&format!("headers.{name}"));
             let pushed = match raw {

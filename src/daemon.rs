@@ -9,15 +9,16 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::clock::{LocalClock, ServerClock};
+use crate::clock::ServerClock;
 use crate::config::{BotSettings, Settings, Transactions};
-use crate::crawl::fetch::PageFetcher;
 use crate::crawl::CrawlContext;
+use crate::fetch::PageFetcher;
 use crate::ids::BotId;
 use crate::lock::coordinator::{BotRunner, Context, RunEnd, Until};
-use crate::lock::document::Observed;
 use crate::lock::seeds::SeedFetcher;
-use crate::ops::metrics::Metrics;
+use crate::metrics::Metrics;
+use crate::store::document::Observed;
+use crate::store::startup::{server_clock, with_patience};
 use crate::store::Store;
 
 #[derive(Clone, Copy, Debug)]
@@ -66,58 +67,6 @@ pub struct BotSummary {
     pub pass: i64,
 }
 
-/// Connects to the database and syncs the server clock: what every command needs first.
-pub async fn connect(settings: &Settings) -> Result<(Store, Arc<ServerClock>), RunError> {
-    let store = Store::connect(&settings.mongo)
-        .await
-        .map_err(|e| RunError::Startup(e.to_string()))?;
-    let clock = server_clock(settings, &store).await?;
-    Ok((store, clock))
-}
-
-/// The server's time as this instance judges every expiry by it.
-async fn server_clock(settings: &Settings, store: &Store) -> Result<Arc<ServerClock>, RunError> {
-    let local = LocalClock::from_env().map_err(RunError::Startup)?;
-    let clock = Arc::new(ServerClock::new(local));
-    let patience = settings.mongo.connect_timeout;
-    // Three samples: the one with the shortest round trip sets the offset.
-    for _ in 0..3 {
-        with_patience("read the server's time", patience, || {
-            store.sync_clock(&clock)
-        })
-        .await
-        .map_err(|e| RunError::Startup(format!("cannot read the server's time: {e}")))?;
-    }
-    Ok(clock)
-}
-
-/// Start-up database work, retried while it fails transiently — the server restarting just as
-/// this instance starts (its ping answered, the next operation's connection was reset) — until
-/// `patience` (`mongo.connect_timeout`) runs out; then the last error. Each retry logs a warning.
-async fn with_patience<T, F, Fut>(
-    what: &str,
-    patience: Duration,
-    mut op: F,
-) -> crate::error::Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = crate::error::Result<T>>,
-{
-    let deadline = tokio::time::Instant::now() + patience;
-    let mut wait = Duration::from_millis(100);
-    loop {
-        match op().await {
-            Ok(value) => return Ok(value),
-            Err(e) if e.is_transient() && tokio::time::Instant::now() + wait < deadline => {
-                warn!(error = %e, ?wait, "start-up: could not {what}; the database may be restarting, retrying");
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(Duration::from_secs(2));
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
 /// With no `[[bots]]` in its file, an instance runs the bots defined in the database
 /// ([`crate::lock::fleet`]); `run --once` runs those defined when it starts.
 fn require_bots(_settings: &Settings) -> Result<(), RunError> {
@@ -137,7 +86,7 @@ async fn database_bots(
     let mut out = Vec::new();
     for raw in docs {
         let Some(id) = raw
-            .get_str(crate::lock::document::field::ID)
+            .get_str(crate::store::document::field::ID)
             .ok()
             .and_then(|s| BotId::parse(s).ok())
         else {
@@ -146,14 +95,14 @@ async fn database_bots(
         if !settings.runs(&id) {
             continue;
         }
-        let Ok(spec) = raw.get_document(crate::lock::document::field::SPEC) else {
+        let Ok(spec) = raw.get_document(crate::store::document::field::SPEC) else {
             return Err(RunError::Startup(format!(
                 "bot {id}: key `spec`: not a document"
             )));
         };
         let version = raw
-            .get(crate::lock::document::field::SPEC_VERSION)
-            .and_then(crate::lock::document::integer)
+            .get(crate::store::document::field::SPEC_VERSION)
+            .and_then(crate::store::document::integer)
             .unwrap_or(0);
         let bot = crate::config::bot_from_spec(&id, spec)
             .map_err(|e| RunError::Startup(format!("bot {id}: {e}")))?;
@@ -188,7 +137,9 @@ pub async fn run_with_store(
     shutdown: CancellationToken,
 ) -> Result<Vec<BotSummary>, RunError> {
     require_bots(&settings)?;
-    let clock = server_clock(&settings, &store).await?;
+    let clock = server_clock(&store, settings.mongo.connect_timeout)
+        .await
+        .map_err(RunError::Startup)?;
     let patience = settings.mongo.connect_timeout;
     with_patience("create the bots and hosts indexes", patience, || async {
         store.ensure_bot_indexes().await?;

@@ -1,14 +1,20 @@
 //! seedlock: always-on crawler bots that coordinate through MongoDB documents.
 //!
-//! Start at [`daemon::run`]. The source is grouped in wings that follow the architecture:
+//! Start at [`daemon::run`]. The source is grouped in wings on floors; each names only what
+//! stands below it (`tests/layers.rs` holds the order, ARCHITECTURE.md draws it):
 //!
-//! - [`lock`]: the bot document, the pure state machine ([`lock::decide::decide`]), the
-//!   coordinator that carries its decisions out, and seed sources;
-//! - [`crawl`]: the crawl pipeline, one file per stage, with fetching and extraction;
+//! - [`cli`], [`daemon`]: the command line and one instance's tasks;
+//! - [`ops`]: what operators see and type — `status`/`inspect`, the HTTP endpoint, progress;
+//! - [`lock`]: the pure state machine ([`lock::decide::decide`]), the coordinator that carries
+//!   its decisions out, the instance's shared upkeep, and seed sources;
+//! - [`crawl`]: the crawl pipeline, one file per stage;
+//! - [`metrics`]: the Prometheus registry the wings above feed;
+//! - [`store`]: every MongoDB operation and the database's vocabulary (the bot document);
+//! - [`config`]: the validated settings;
 //! - [`flow`]: per-host admission (AIMD limits, pauses, spacing, retry budgets) and robots.txt;
-//! - [`store`]: every MongoDB operation (bots, frontier, records, passes, hosts);
-//! - [`ops`]: what operators see — `status`/`inspect`, the HTTP endpoint, metrics, progress;
-//! - [`demo_site`]: the deterministic shop of the demo, the tests and the benchmarks.
+//! - [`fetch`], [`extract`]: one page requested, one page read;
+//! - [`demo_site`]: the deterministic shop of the demo, the tests and the benchmarks;
+//! - the ground: [`ids`], [`urls`], [`clock`], [`redact`], [`backoff`], [`error`].
 //!
 //! ARCHITECTURE.md has the code map and the invariants.
 
@@ -20,9 +26,12 @@ pub mod crawl;
 pub mod daemon;
 pub mod demo_site;
 pub mod error;
+pub mod extract;
+pub mod fetch;
 pub mod flow;
 pub mod ids;
 pub mod lock;
+pub mod metrics;
 pub mod ops;
 pub mod redact;
 pub mod store;

@@ -13,7 +13,7 @@ use common::*;
 use seedlock::clock::LocalClock;
 use seedlock::config::{OnRefreshFailure, RefreshSchedule};
 use seedlock::lock::coordinator::StepOutcome;
-use seedlock::lock::decide::BotState;
+use seedlock::store::document::BotState;
 use tokio_util::sync::CancellationToken;
 
 use seedlock::store::date as bdate;
@@ -366,7 +366,7 @@ async fn e_malformed_documents_are_repaired_and_refreshed() {
             "epoch as string" => 7,
             _ => bad
                 .get("lockEpoch")
-                .and_then(seedlock::lock::document::integer)
+                .and_then(seedlock::store::document::integer)
                 .unwrap_or(0),
         };
         f.put(bad.clone()).await;
@@ -376,7 +376,7 @@ async fn e_malformed_documents_are_repaired_and_refreshed() {
         assert!(reason.starts_with("E: malformed"), "{name}: {reason}");
         let repaired = f.db.doc("shop").await.unwrap();
         assert!(
-            seedlock::lock::document::BotDoc::parse(&repaired).is_ok(),
+            seedlock::store::document::BotDoc::parse(&repaired).is_ok(),
             "{name}: repaired document parses"
         );
         assert_eq!(

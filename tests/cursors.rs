@@ -25,7 +25,7 @@ async fn open_cursors(client: &mongodb::Client, own: bool, database: &str) -> i6
             .and_then(|m| m.get_document("cursor"))
             .and_then(|c| c.get_document("open"))
             .ok()
-            .and_then(|o| seedlock::lock::document::integer(o.get("total")?))
+            .and_then(|o| seedlock::store::document::integer(o.get("total")?))
             .expect("serverStatus reports metrics.cursor.open.total");
     }
     let ops: Vec<Document> = admin

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use seedlock::crawl::fetch::{FetchOutcome, PageFetcher, Validators, DEFAULT_MAX_PAGE_BYTES};
 use seedlock::demo_site::{serve, SiteOptions};
+use seedlock::fetch::{FetchOutcome, PageFetcher, Validators, DEFAULT_MAX_PAGE_BYTES};
 use seedlock::urls::NormalizedUrl;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;

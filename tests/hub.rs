@@ -14,7 +14,7 @@ use seedlock::clock::LocalClock;
 use seedlock::config::{OnRefreshFailure, RefreshSchedule};
 use seedlock::ids::{BotId, InstanceId, LockEpoch};
 use seedlock::lock::coordinator::{RunEnd, Until};
-use seedlock::lock::decide::Claim;
+use seedlock::store::document::Claim;
 use tokio_util::sync::CancellationToken;
 
 fn id(s: &str) -> BotId {

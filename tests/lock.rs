@@ -12,7 +12,7 @@ use chrono::Utc;
 use common::*;
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId, LockEpoch};
-use seedlock::lock::decide::Claim;
+use seedlock::store::document::Claim;
 use seedlock::store::{NextPass, UnlockOutcome};
 
 fn id(s: &str) -> BotId {

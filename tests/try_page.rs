@@ -96,7 +96,7 @@ async fn a_listing_page_shows_its_items_fingerprints_and_links_as_the_crawl_read
         assert_eq!(item["fingerprint"], fingerprint(p));
         // The shop writes an HTTP date; the report shows it as read and as understood.
         let raw = item["updated_at"].as_str().unwrap();
-        let parsed = seedlock::crawl::extract::parse_time(raw).unwrap();
+        let parsed = seedlock::extract::parse_time(raw).unwrap();
         assert_eq!(item["updated_at_parsed"], parsed.to_rfc3339());
     }
     let mut follows: Vec<String> = page

@@ -1,10 +1,10 @@
 //! Dispatch and fetch: leased URLs wait in per-host queues (seeds and listing pages at the
-//! front) until their host's limiter admits them ([`Flow::try_admit`], with the host's fair
+//! front) until their host's limiter admits them ([`Flow::try_admit`](crate::flow::Flow::try_admit), with the host's fair
 //! share of the fetch slots) and a fetch slot and an uncommitted-page permit are free; then one
 //! task per URL reads robots.txt (once per host) and fetches the page.
 //!
 //! [`HostQueues`] is shared with the settle stage, which puts the links it leased on enqueue
-//! straight into it: room is counted here, per host ([`Flow::queue_target`]) and in all (at most
+//! straight into it: room is counted here, per host ([`Flow::queue_target`](crate::flow::Flow::queue_target)) and in all (at most
 //! `crawl.host_queue` URLs waiting), with room *reserved* for links whose enqueue is on its way.
 
 use std::collections::{HashMap, VecDeque};
@@ -18,8 +18,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::Crawler;
-use crate::crawl::fetch::{next_hop, FetchOutcome, Validators};
 use crate::crawl::stages::Ticket;
+use crate::fetch::{next_hop, FetchOutcome, Validators};
 use crate::flow::robots::Verdict;
 use crate::flow::{Admission, Busy, HostPermit, Signal};
 use crate::store::frontier::{PageKind, UrlLease};

@@ -33,13 +33,13 @@ use tracing::{debug, info, warn};
 
 use crate::clock::ServerClock;
 use crate::config::{CrawlLimits, CrawlSettings, IncrementalMode};
-use crate::crawl::fetch::PageFetcher;
 use crate::crawl::stages::{Stages, Ticket};
 use crate::error::{Error, Result};
+use crate::fetch::PageFetcher;
 use crate::flow::robots::RobotsCache;
 use crate::flow::Flow;
 use crate::ids::{BotId, InstanceId};
-use crate::ops::metrics::Metrics;
+use crate::metrics::Metrics;
 use crate::store::frontier::{Mark, PageKind, UrlLease};
 use crate::store::passes::{DeletionRules, PassEnd};
 use crate::store::records::RecordWrite;
@@ -48,8 +48,6 @@ use crate::urls::NormalizedUrl;
 
 pub mod commit;
 pub mod dispatch;
-pub mod extract;
-pub mod fetch;
 pub mod known;
 pub mod lease;
 pub mod parse;
@@ -106,7 +104,7 @@ pub enum PassState {
 }
 
 impl PassState {
-    pub fn of(doc: &crate::lock::document::BotDoc) -> PassState {
+    pub fn of(doc: &crate::store::document::BotDoc) -> PassState {
         if doc.crawl_pass == 0 || doc.crawl_pass_started_at.is_none() {
             PassState::NotStarted {
                 current: doc.crawl_pass,
@@ -308,7 +306,9 @@ impl Crawler {
         ctx.metrics
             .add_source(Box::new(move |m| match weak.upgrade() {
                 Some(c) => {
-                    m.observe_stages(&c.bot, &c.stages);
+                    for (name, stage) in c.stages.all() {
+                        m.observe_stage(&c.bot, name, stage.depth(), stage.oldest());
+                    }
                     if let Some(ratio) = c.requests_per_record() {
                         m.requests_per_record(&c.bot, ratio);
                     }

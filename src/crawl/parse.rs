@@ -4,9 +4,9 @@
 
 use super::dispatch::Fetched;
 use super::Crawler;
-use crate::crawl::extract::{extract, PageData};
-use crate::crawl::fetch::{FetchOutcome, Validators};
 use crate::error::{Error, Result};
+use crate::extract::{extract, PageData};
+use crate::fetch::{FetchOutcome, Validators};
 
 /// What the settle stage receives: an extracted page, or any other answer as it came.
 #[derive(Debug)]

@@ -10,8 +10,8 @@ use serde::Serialize;
 use url::Url;
 
 use crate::config::CrawlSettings;
-use crate::crawl::extract::{extract, ValueSpec};
-use crate::crawl::fetch::{next_hop, FetchOutcome, Page, PageFetcher, Validators};
+use crate::extract::{extract, ValueSpec};
+use crate::fetch::{next_hop, FetchOutcome, Page, PageFetcher, Validators};
 use crate::flow::robots::{RobotsCache, Verdict};
 use crate::store::frontier::fingerprint_hash;
 use crate::store::records::{content_hash, record_id};
@@ -263,7 +263,7 @@ pub fn examine(
                 let unreadable = elements
                     .iter()
                     .filter_map(|e| spec.read(*e))
-                    .filter(|raw| crate::crawl::extract::parse_time(raw).is_none())
+                    .filter(|raw| crate::extract::parse_time(raw).is_none())
                     .count();
                 if unreadable > 0 {
                     nothing(

@@ -28,9 +28,9 @@ use super::parse::Parsed;
 use super::{Crawler, PageResult, Pass};
 use crate::backoff::full_jitter;
 use crate::config::IncrementalMode;
-use crate::crawl::extract::PageData;
-use crate::crawl::fetch::FetchOutcome;
 use crate::error::Result;
+use crate::extract::PageData;
+use crate::fetch::FetchOutcome;
 use crate::store::frontier::{
     fingerprint_hash, url_id, LeaseTo, Manifest, Mark, NewUrl, PageKind, UrlLease, UrlStatus,
 };

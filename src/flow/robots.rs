@@ -12,7 +12,7 @@ use std::time::Duration;
 use texting_robots::Robot;
 use tokio::time::Instant;
 
-use crate::crawl::fetch::{PageFetcher, RobotsFetch};
+use crate::fetch::{PageFetcher, RobotsFetch};
 use crate::urls::NormalizedUrl;
 
 #[derive(Clone, Debug, PartialEq)]

@@ -18,11 +18,12 @@ use crate::config::{BotSettings, LockSettings, OnRefreshFailure};
 use crate::crawl::{CrawlContext, Crawler, PassState, SliceEnd};
 use crate::error::{Error, Result};
 use crate::ids::{BotId, InstanceId};
-use crate::lock::decide::{decide, ready_until, BotState, Claim, Decision, Me, Policy};
-use crate::lock::document::Observed;
+use crate::lock::decide::{decide, ready_until, Decision, Me, Policy};
 use crate::lock::hub::{Beat, Hub, Permit};
 use crate::lock::seeds::{SeedError, SeedFetcher, Seeds};
-use crate::ops::metrics::Metrics;
+use crate::metrics::Metrics;
+use crate::store::document::Observed;
+use crate::store::document::{BotState, Claim};
 use crate::store::{EditLock, NextPass, Store};
 
 /// What every bot runner of one instance shares.
@@ -207,7 +208,7 @@ impl BotRunner {
     /// answering 304, or an item whose listing did not change, would keep what the old rules
     /// extracted).
     fn pass_fields(&self) -> bson::Document {
-        use crate::lock::document::field;
+        use crate::store::document::field;
         match &self.spec {
             Some((version, spec)) => {
                 let before = self.last_pass_spec.lock().expect("pass spec lock");

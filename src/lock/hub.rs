@@ -34,12 +34,6 @@ use crate::config::LockSettings;
 use crate::ids::BotId;
 use crate::store::{EditLock, Store};
 
-/// The default of `refresh.concurrency`: refreshes one instance runs at once. Each holds a lock
-/// (a heartbeat statement per tick) and a seed fetch; sixteen keep a seed source's burst and the
-/// database's share of one instance small while a fleet of a thousand trivial bots still becomes
-/// ready within seconds.
-pub const DEFAULT_REFRESH_CONCURRENCY: usize = 16;
-
 /// What a holder hears of its lock from the upkeep.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Beat {

@@ -1,6 +1,6 @@
-//! The lock wing: one document per bot (`bots` collection) and the typed state machine over it.
+//! The lock wing: the typed state machine over the bot documents (`bots` collection; the
+//! document itself, its fields and its strict parse are the store's: [`crate::store::document`]).
 //!
-//! - [`document`]: the document's fields and its strict parse;
 //! - [`decide`]: the state machine, a pure function of (document, server time, me);
 //! - [`coordinator`]: one bot's loop — read, decide, carry out — refreshing under the edit lock;
 //! - [`seeds`]: fetching and parsing seed sources;
@@ -13,7 +13,6 @@
 
 pub mod coordinator;
 pub mod decide;
-pub mod document;
 pub mod fleet;
 pub mod hub;
 pub mod presence;

@@ -7,9 +7,9 @@ use serde_json::{json, Value};
 
 use crate::config::RefreshSchedule;
 use crate::ids::BotId;
-use crate::lock::decide::state_of;
-use crate::lock::document::{field, Observed};
 use crate::ops::progress::{Eta, PassSize};
+use crate::store::document::state_of;
+use crate::store::document::{field, Observed};
 
 /// One row of `seedlock status`.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -44,7 +44,7 @@ pub const OVERDUE_AFTER: chrono::Duration = chrono::Duration::minutes(10);
 /// Why a bot in `state` needs a look: its error, a refresh overdue, or a pause.
 fn attention(
     state: &str,
-    doc: Option<&crate::lock::document::BotDoc>,
+    doc: Option<&crate::store::document::BotDoc>,
     schedule: Option<RefreshSchedule>,
     now: DateTime<Utc>,
 ) -> Option<String> {
@@ -200,10 +200,10 @@ pub fn with_pass(
 /// `pass 4: evaluating`.
 pub fn evaluation_text(raw: &Document) -> Option<String> {
     let last = raw.get_document(field::CRAWL_LAST_PASS).ok()?;
-    let pass = last.get("pass").and_then(crate::lock::document::integer)?;
+    let pass = last.get("pass").and_then(crate::store::document::integer)?;
     let count = |name: &str| {
         last.get(name)
-            .and_then(crate::lock::document::integer)
+            .and_then(crate::store::document::integer)
             .unwrap_or(0)
     };
     let deletion = last.get_str("deletion").unwrap_or("applied");

@@ -3,16 +3,47 @@
 
 use std::process::ExitCode;
 
+use std::path::PathBuf;
+
 use bson::Bson;
+use clap::Subcommand;
 use serde_json::json;
 
-use crate::cli::{admin_name, bot_arg, fail, with_store, BotsCommand, EXIT_FAILED, EXIT_USAGE};
 use crate::config::Settings;
 use crate::ids::BotId;
-use crate::lock::decide::state_of;
-use crate::lock::document::{field, integer, Observed};
 use crate::ops::admin::iso;
+use crate::ops::{admin_name, bot_arg, fail, with_store, EXIT_FAILED, EXIT_USAGE};
+use crate::store::document::state_of;
+use crate::store::document::{field, integer, Observed};
 use crate::store::specs::{Applied, Pause};
+
+/// `seedlock bots …`.
+#[derive(Debug, Subcommand)]
+pub enum BotsCommand {
+    /// Write the [[bots]] of FILE into the database (validated as at start-up; nothing is written
+    /// if one is bad). Prints per bot: created, changed (with the keys), unchanged, removed.
+    Apply {
+        file: PathBuf,
+        /// Also remove the database's bots that FILE does not define.
+        #[arg(long)]
+        prune: bool,
+        /// Print what would change; write nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// The bots in the database: id, spec version, state, paused, pass, last change.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a bot: it stops on every instance within one poll.
+    Remove {
+        bot: String,
+        /// Also delete its frontier and records (once no lease of it is live).
+        #[arg(long)]
+        purge: bool,
+    },
+}
 
 pub async fn command(settings: Settings, command: BotsCommand) -> ExitCode {
     match command {

@@ -7,8 +7,8 @@ use chrono::{DateTime, Utc};
 use crate::config::RefreshSchedule;
 use crate::error::Result;
 use crate::ids::BotId;
-use crate::lock::document::BotDoc;
 use crate::ops::admin::{problems_first, status_rows, with_pass, StatusRow};
+use crate::store::document::BotDoc;
 use crate::store::hosts::HostRow;
 use crate::store::Store;
 

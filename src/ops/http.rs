@@ -15,8 +15,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::ServerClock;
 use crate::ids::{BotId, InstanceId};
+use crate::metrics::Metrics;
 use crate::ops::fleet::Fleet;
-use crate::ops::metrics::Metrics;
 use crate::ops::page::{self, Serving};
 use crate::store::Store;
 
@@ -29,7 +29,7 @@ pub struct StatusSource {
     pub configured: Vec<(BotId, crate::config::RefreshSchedule)>,
     pub me: InstanceId,
     pub started: std::time::Instant,
-    /// The last read, shared for [`FRESH_FOR`] by every page and JSON request (many open tabs
+    /// The last read, shared for `FRESH_FOR` by every page and JSON request (many open tabs
     /// reloading every 5 s cost the database one read, not one each); one read at a time.
     pub cache: Arc<tokio::sync::Mutex<Option<(std::time::Instant, Fleet)>>>,
 }

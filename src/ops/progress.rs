@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
 use crate::ids::BotId;
-use crate::lock::document::Observed;
+use crate::store::document::Observed;
 use crate::store::frontier::PassProgress;
 use crate::store::Store;
 
@@ -300,7 +300,7 @@ pub struct Failures {
     /// Every URL of the pass (the error rate's denominator, as the deletion gate counts it).
     pub pages: u64,
     pub failed: u64,
-    /// The most common reasons first (at most [`REASONS_SHOWN`]).
+    /// The most common reasons first (at most `REASONS_SHOWN`).
     pub reasons: Vec<crate::store::frontier::FailureReason>,
 }
 

@@ -9,11 +9,11 @@ use std::process::ExitCode;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{bot_arg, fail, EXIT_FAILED, EXIT_USAGE};
 use crate::config::{BotSettings, SeedSource, Settings};
-use crate::crawl::fetch::PageFetcher;
 use crate::crawl::probe::{self, Examined, Hop, Kind};
+use crate::fetch::PageFetcher;
 use crate::flow::robots::RobotsCache;
+use crate::ops::{bot_arg, fail, EXIT_FAILED, EXIT_USAGE};
 use crate::urls::NormalizedUrl;
 
 /// What to try: a URL to fetch, or a saved page read as if fetched from `url`.
@@ -138,8 +138,8 @@ async fn find_bot(
     if let Some(bot) = settings.bots.iter().find(|b| &b.id == id) {
         return Ok((bot.clone(), None));
     }
-    use crate::lock::document::field;
-    let (store, _) = crate::daemon::connect(settings)
+    use crate::store::document::field;
+    let (store, _) = crate::store::startup::open(&settings.mongo)
         .await
         .map_err(|e| fail(EXIT_USAGE, e))?;
     let raw = store.load_raw(id).await;

@@ -404,7 +404,7 @@ impl Store {
         self.each_doc("read removed records", find, |record| {
             let this_pass = record
                 .get(rf::REMOVED_IN_PASS)
-                .and_then(crate::lock::document::integer)
+                .and_then(crate::store::document::integer)
                 == Some(pass);
             if !this_pass && present.lists_url(bot, record.get_str(rf::URL).ok()) {
                 back.extend(record.get(rf::ID).cloned());

@@ -28,8 +28,8 @@ use mongodb::Collection;
 use super::indexes::Wanted;
 
 use super::Store;
-use crate::crawl::fetch::Validators;
 use crate::error::{Error, Result};
+use crate::fetch::Validators;
 use crate::ids::{BotId, InstanceId};
 use crate::urls::NormalizedUrl;
 
@@ -100,7 +100,7 @@ pub mod field {
     pub const ENQUEUED_AT: &str = "enqueuedAt";
     pub const DISCOVERED_AT: &str = "discoveredAt";
     pub const DONE_AT: &str = "doneAt";
-    /// A listing (or seed) page's manifest, as its last done mark wrote it ([`Manifest`]): the
+    /// A listing (or seed) page's manifest, as its last done mark wrote it ([`Manifest`](super::Manifest)): the
     /// frontier ids of the detail pages it listed, in page order…
     pub const LISTED: &str = "listed";
     /// …each one's fingerprint hash (0: a plain link, no item)…
@@ -520,7 +520,7 @@ fn get_text(doc: &Document, name: &str) -> Option<String> {
 }
 
 fn get_int(doc: &Document, name: &str) -> Option<i64> {
-    doc.get(name).and_then(crate::lock::document::integer)
+    doc.get(name).and_then(crate::store::document::integer)
 }
 
 /// Inside an update pipeline: this document's value out of `values`, by the position of its
@@ -574,7 +574,7 @@ fn held_by_transaction(reply: &Document) -> bool {
             matches!(
                 e.as_document()
                     .and_then(|e| e.get("code"))
-                    .and_then(crate::lock::document::integer),
+                    .and_then(crate::store::document::integer),
                 Some(50 | 112)
             )
         })
@@ -587,10 +587,10 @@ pub(super) fn duplicate_indexes(what: &'static str, reply: &Document) -> Result<
             let error = error.as_document();
             let code = error
                 .and_then(|e| e.get("code"))
-                .and_then(crate::lock::document::integer);
+                .and_then(crate::store::document::integer);
             let index = error
                 .and_then(|e| e.get("index"))
-                .and_then(crate::lock::document::integer);
+                .and_then(crate::store::document::integer);
             match (code, index) {
                 (Some(11000), Some(i)) => duplicates.push(i as usize),
                 _ => {
@@ -608,7 +608,7 @@ pub(super) fn duplicate_indexes(what: &'static str, reply: &Document) -> Result<
 fn reply_count(reply: &Document, name: &str) -> u64 {
     reply
         .get(name)
-        .and_then(crate::lock::document::integer)
+        .and_then(crate::store::document::integer)
         .unwrap_or(0)
         .max(0) as u64
 }
@@ -1966,7 +1966,7 @@ impl Store {
                     .to_owned(),
                 count: row
                     .get("n")
-                    .and_then(crate::lock::document::integer)
+                    .and_then(crate::store::document::integer)
                     .unwrap_or(0)
                     .max(0) as u64,
                 example: row.get_str("example").unwrap_or("?").to_owned(),

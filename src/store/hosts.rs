@@ -97,11 +97,11 @@ impl Store {
                     limit: d.get_f64("limit").unwrap_or(0.0),
                     in_flight: d
                         .get("inFlight")
-                        .and_then(crate::lock::document::integer)
+                        .and_then(crate::store::document::integer)
                         .unwrap_or(0),
                     throttles: d
                         .get("throttles")
-                        .and_then(crate::lock::document::integer)
+                        .and_then(crate::store::document::integer)
                         .unwrap_or(0),
                     last_throttle_at: read_date(d, "lastThrottleAt"),
                     paused_until: read_date(d, "pausedUntil"),

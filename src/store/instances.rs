@@ -2,7 +2,7 @@
 //! process that uses it (host, pid, a random token) and a heartbeat. Two live processes must
 //! never share an id — the second would take the first one's live locks as its own orphans — so
 //! an instance registers its id before any lock work and refuses to start while a live process
-//! holds it (see `crate::lock::presence`). The token fences the heartbeat: a process whose id was
+//! holds it (the lock wing's `presence`). The token fences the heartbeat: a process whose id was
 //! taken over (it looked dead) learns so on its next beat.
 //!
 //! A registration also names the server sessions of the process's commit transactions
@@ -72,7 +72,7 @@ impl Presence {
             host: d.get_str("host").unwrap_or("").to_owned(),
             pid: d
                 .get("pid")
-                .and_then(crate::lock::document::integer)
+                .and_then(crate::store::document::integer)
                 .and_then(|p| u32::try_from(p).ok())
                 .unwrap_or(0),
             token: d.get_str("token").unwrap_or("").to_owned(),

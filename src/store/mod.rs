@@ -3,6 +3,9 @@
 //! the [`EditLock`]'s fence `{_id, isEditing: true, editingBy: me, lockEpoch: mine}`, and repairs
 //! filter on exactly what was read. No write here is unconditional except the admin's `unlock`,
 //! which bumps the epoch so the old holder's writes fail.
+//!
+//! The database's vocabulary lives here too, below every wing that reads it: the bot document
+//! ([`document`]: its field names, the strict parse, `BotState`, `Claim`).
 
 use std::time::Duration;
 
@@ -17,10 +20,11 @@ use crate::clock::ServerClock;
 use crate::config::MongoSettings;
 use crate::error::{is_duplicate_key, Error, Result};
 use crate::ids::{BotId, InstanceId, LockEpoch};
-use crate::lock::decide::Claim;
-use crate::lock::document::{field, integer, BotDoc, Observed, HISTORY_LEN};
+use crate::store::document::Claim;
+use crate::store::document::{field, integer, BotDoc, Observed, HISTORY_LEN};
 
 pub mod deletions;
+pub mod document;
 pub mod frontier;
 pub mod hosts;
 pub mod indexes;
@@ -28,6 +32,7 @@ pub mod instances;
 pub mod passes;
 pub mod records;
 pub mod specs;
+pub mod startup;
 
 pub const BOTS: &str = "bots";
 
@@ -1326,13 +1331,11 @@ impl Store {
         Ok(result.matched_count == 1)
     }
 
-    /// The one change stream on the `bots` collection an instance keeps open ([`lock::hub`]):
+    /// The one change stream on the `bots` collection an instance keeps open (the lock wing's hub):
     /// each event names the bot it concerns and whether the fleet loop should look (a bot added,
     /// removed or replaced, or its `specVersion` changed). Only those fields travel — not the
     /// seeds a refresh wrote. Its events only prompt reads, so it uses the server's default read
     /// concern (the test server delivers no events on a stream opened with `majority`).
-    ///
-    /// [`lock::hub`]: crate::lock::hub
     pub async fn watch_bots(&self) -> Result<BotChanges> {
         let bots = self.db.collection::<Document>(BOTS);
         let spec_version = format!("updateDescription.updatedFields.{}", field::SPEC_VERSION);

@@ -28,7 +28,7 @@ use super::frontier::{
 use super::Store;
 use crate::error::Result;
 use crate::ids::{BotId, InstanceId};
-use crate::lock::document::field;
+use crate::store::document::field;
 use crate::urls::NormalizedUrl;
 
 /// The thresholds deletion detection runs under (`crawl.min_coverage`, `crawl.max_error_rate`).
@@ -220,7 +220,7 @@ impl Store {
         for row in rows {
             let n = row
                 .get("n")
-                .and_then(crate::lock::document::integer)
+                .and_then(crate::store::document::integer)
                 .unwrap_or(0)
                 .max(0) as u64;
             let key = row.get_document("_id").cloned().unwrap_or_default();

@@ -288,10 +288,10 @@ fn write_error_indexes(what: &'static str, reply: &Document) -> Result<HashSet<u
             let error = error.as_document();
             let code = error
                 .and_then(|e| e.get("code"))
-                .and_then(crate::lock::document::integer);
+                .and_then(crate::store::document::integer);
             let index = error
                 .and_then(|e| e.get("index"))
-                .and_then(crate::lock::document::integer);
+                .and_then(crate::store::document::integer);
             match (code, index) {
                 (Some(11000), Some(i)) => {
                     duplicates.insert(i as usize);
@@ -311,7 +311,7 @@ fn write_error_indexes(what: &'static str, reply: &Document) -> Result<HashSet<u
 fn reply_count(reply: &Document) -> usize {
     reply
         .get("n")
-        .and_then(crate::lock::document::integer)
+        .and_then(crate::store::document::integer)
         .unwrap_or(0)
         .max(0) as usize
 }

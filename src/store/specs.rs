@@ -9,7 +9,7 @@ use futures_util::TryStreamExt;
 use super::{highest_epoch, history_entry, initial_fields, push_history, Store};
 use crate::error::{Error, Result};
 use crate::ids::BotId;
-use crate::lock::document::field;
+use crate::store::document::field;
 
 /// What `bots apply` did (or, with `--dry-run`, would do) to one bot.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,7 +74,7 @@ impl Store {
             Some(raw) => match (
                 raw.get(field::SPEC),
                 raw.get(field::SPEC_VERSION)
-                    .and_then(crate::lock::document::integer),
+                    .and_then(crate::store::document::integer),
             ) {
                 (Some(Bson::Document(old)), _) if old == spec => return Ok(Applied::Unchanged),
                 (Some(Bson::Document(old)), Some(v)) => {

@@ -30,7 +30,7 @@ use seedlock::ids::{BotId, InstanceId};
 use seedlock::lock::coordinator::{BotRunner, Context};
 use seedlock::lock::hub::Hub;
 use seedlock::lock::seeds::SeedFetcher;
-use seedlock::ops::metrics::Metrics;
+use seedlock::metrics::Metrics;
 use seedlock::store::Store;
 use seedlock::urls::NormalizedUrl;
 
@@ -78,7 +78,7 @@ impl TestDb {
 
     pub async fn epoch(&self, bot: &str) -> i64 {
         let doc = self.doc(bot).await.expect("bot document exists");
-        seedlock::lock::document::integer(doc.get("lockEpoch").expect("lockEpoch"))
+        seedlock::store::document::integer(doc.get("lockEpoch").expect("lockEpoch"))
             .expect("integer epoch")
     }
 
@@ -281,7 +281,7 @@ pub fn limits() -> RefreshLimits {
         backoff_max: Duration::from_secs(5),
         sitemap_depth: 2,
         user_agent: "seedlock-test".into(),
-        concurrency: seedlock::lock::hub::DEFAULT_REFRESH_CONCURRENCY,
+        concurrency: seedlock::config::DEFAULT_REFRESH_CONCURRENCY,
     }
 }
 
@@ -310,7 +310,7 @@ pub async fn context(db: &TestDb, me: &str, lock: LockSettings, local: LocalCloc
         me,
         lock,
         local,
-        seedlock::lock::hub::DEFAULT_REFRESH_CONCURRENCY,
+        seedlock::config::DEFAULT_REFRESH_CONCURRENCY,
     )
     .await
 }

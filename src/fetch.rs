@@ -173,7 +173,7 @@ pub struct PageFetcher {
 /// page fails — past [`MAX_REDIRECTS`], or out of the bot's scope or allow/deny patterns
 /// (`redirect out of scope: HOST`; that host gets no request).
 pub fn next_hop(
-    links: &crate::crawl::extract::LinkRules,
+    links: &crate::extract::LinkRules,
     hop: usize,
     to: &NormalizedUrl,
 ) -> Result<(), String> {

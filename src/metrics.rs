@@ -14,7 +14,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::ids::BotId;
-use crate::lock::decide::BotState;
+use crate::store::document::BotState;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BotLabel {
@@ -597,22 +597,20 @@ impl Metrics {
         *last = (waited, checkouts);
     }
 
-    /// One bot's pipeline: items per stage and the age of each stage's oldest.
-    pub fn observe_stages(&self, bot: &BotId, stages: &crate::crawl::stages::Stages) {
-        for (name, stage) in stages.all() {
-            let label = StageLabels {
-                bot: bot.to_string(),
-                stage: name.to_owned(),
-            };
-            self.flow
-                .stage_depth
-                .get_or_create(&label)
-                .set(stage.depth() as i64);
-            self.flow
-                .stage_oldest
-                .get_or_create(&label)
-                .set(stage.oldest().map_or(0.0, |d| d.as_secs_f64()));
-        }
+    /// One stage of one bot's pipeline: the items it holds and the age of its oldest.
+    pub fn observe_stage(&self, bot: &BotId, stage: &str, depth: usize, oldest: Option<Duration>) {
+        let label = StageLabels {
+            bot: bot.to_string(),
+            stage: stage.to_owned(),
+        };
+        self.flow
+            .stage_depth
+            .get_or_create(&label)
+            .set(depth as i64);
+        self.flow
+            .stage_oldest
+            .get_or_create(&label)
+            .set(oldest.map_or(0.0, |d| d.as_secs_f64()));
     }
 
     pub fn requests_per_record(&self, bot: &BotId, ratio: f64) {
