@@ -689,3 +689,141 @@ async fn a_changed_item_fetched_without_a_read_whose_page_is_gone_is_removed() {
         "only the gone pages' entries may be read"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
+    // In a running pass, a worker stores a product's record and its done mark is refused (its
+    // lease was taken over; a kill between the two writes leaves the same), and the product is
+    // gone before its page is fetched again. The crawl that finds the page gone must mark that
+    // record removed although the frontier entry never learned the record's id — no listing
+    // shows the item, so nothing else would.
+    use seedlock::ids::{BotId, InstanceId};
+    use seedlock::store::frontier::PageKind;
+    use seedlock::store::records::Extracted;
+    use seedlock::urls::NormalizedUrl;
+    use std::time::Duration;
+
+    let db = test_db("crawl_orphan_gone").await;
+    let base = shop(2, 5).await;
+    // Both listing pages answer after 4 s (within `crawl.timeout`): the pass is open, and
+    // nothing but the test's page is pending meanwhile.
+    post(
+        &format!("{base}/__faults"),
+        json!([
+            {"path": "/list/1", "latency_ms": 4000},
+            {"path": "/list/2", "latency_ms": 4000},
+        ]),
+    )
+    .await;
+    let full = Setup {
+        mode: "full",
+        lease: "30s",
+        timeout: "6s",
+        ..Setup::default()
+    };
+    let crawl = tokio::spawn(once(settings(&db, &base, &full, "a")));
+    let pass = eventually_pass(&db).await;
+
+    // A product the shop no longer has (its page answers 404), stored by a worker in this pass.
+    let (bot, sku) = (BotId::parse("shop").unwrap(), "SKU-9999999".to_owned());
+    let url = NormalizedUrl::parse(&format!("{base}/product/{sku}")).unwrap();
+    let store = db.store();
+    // The page is enqueued, leased and taken over 5 s ahead of the crawl's clock, so the crawl
+    // cannot lease it first; both leases last 1 ms, and once its clock passes them the crawl
+    // leases the page a third time (the pass cannot end before: the page is in it).
+    let at = chrono::Utc::now() + chrono::Duration::seconds(5);
+    store
+        .enqueue(&bot, pass, PageKind::Detail, std::slice::from_ref(&url), at)
+        .await
+        .unwrap();
+    let frontier = || async {
+        let found = db
+            .db
+            .collection::<Document>("frontier")
+            .find(doc! {})
+            .projection(doc! { "url": 1, "status": 1, "leaseOwner": 1, "leaseExpiresAt": 1 })
+            .await
+            .unwrap();
+        futures_util::TryStreamExt::try_collect::<Vec<Document>>(found)
+            .await
+            .unwrap()
+    };
+    // A lease write can meet another test's transaction on the shared server and take nothing:
+    // asked again until it takes the page (nothing else is pending: the listings are slow).
+    let lease_as = |who: &'static str, at| {
+        let (store, bot, url) = (store.clone(), bot.clone(), url.clone());
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+            loop {
+                let me = InstanceId::parse(who).unwrap();
+                match store
+                    .lease_url(&bot, pass, &me, at, Duration::from_millis(1))
+                    .await
+                    .unwrap()
+                {
+                    Some(lease) if lease.url == url => return lease,
+                    None if tokio::time::Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(10)).await
+                    }
+                    other => panic!(
+                        "{who} leased {other:?}; the frontier: {:?}",
+                        frontier().await
+                    ),
+                }
+            }
+        }
+    };
+    let dying = lease_as("dying", at).await;
+    let taken = at + chrono::Duration::milliseconds(2);
+    lease_as("taker", taken).await;
+    let record = Extracted {
+        bot: bot.clone(),
+        natural_key: sku.clone(),
+        data: doc! { "title": "stored before it went" },
+    };
+    let half = store.commit_page(&dying, Some(&record), taken, false).await;
+    assert!(half.is_err(), "the done mark is refused: {half:?}");
+    assert!(
+        live_records(&db).await.contains_key(&sku),
+        "the record landed without its mark"
+    );
+
+    crawl.await.unwrap();
+    assert_eq!(
+        removed_keys(&db).await,
+        std::slice::from_ref(&sku),
+        "found gone: removed"
+    );
+    assert_eq!(live_records(&db).await, truth(&base).await);
+}
+
+/// The pass the bot's crawl is on, once it has one and has leased its seed (the test's own
+/// leases then find only the page the test put there).
+async fn eventually_pass(db: &common::TestDb) -> i64 {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let pass = db
+            .doc("shop")
+            .await
+            .and_then(|d| d.get_i64("crawlPass").ok())
+            .unwrap_or(0);
+        let frontier = db.db.collection::<Document>("frontier");
+        let count = |status: &'static str| {
+            let frontier = frontier.clone();
+            async move {
+                frontier
+                    .count_documents(doc! { "pass": pass, "status": status })
+                    .await
+                    .unwrap()
+            }
+        };
+        if pass > 0 && count("pending").await == 0 && count("leased").await > 0 {
+            return pass;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the bot never leased its seed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}

@@ -570,15 +570,24 @@ impl Crawler {
             FetchOutcome::Gone { status } if lease.kind == PageKind::Detail => {
                 debug!(bot = %self.bot, url = %lease.url, status, "detail page gone; record marked removed");
                 // A lease taken without a read of its entry (a changed item) does not carry the
-                // record's id: the entry does.
+                // record's id: the entry does. An entry leased before in this pass may not know
+                // it either: that lease's record can have landed without its mark (a crash
+                // between the two writes, a lease taken over), so the records are asked by URL.
                 let record = match &lease.record_id {
                     Some(id) => Some(id.clone()),
-                    None => self
+                    None => match self
                         .store
                         .known_by_id(&self.bot, std::slice::from_ref(&lease.id))
                         .await?
                         .remove(&lease.id)
-                        .and_then(|k| k.record_id),
+                        .and_then(|k| k.record_id)
+                    {
+                        Some(id) => Some(id),
+                        None if lease.attempt > 1 || lease.reclaimed => {
+                            self.store.live_record_at(&self.bot, &lease.url).await?
+                        }
+                        None => None,
+                    },
                 };
                 let mut s = settled(lease.clone(), done(&lease), Some(PageResult::Gone));
                 s.removed = record;

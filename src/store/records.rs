@@ -30,6 +30,7 @@ use super::frontier::{field as fr, settle_statements, Mark, UrlLease, UrlStatus,
 use super::Store;
 use crate::error::{Error, Result};
 use crate::ids::BotId;
+use crate::urls::NormalizedUrl;
 
 pub const RECORDS: &str = "records";
 
@@ -460,6 +461,28 @@ impl Store {
             .into_iter()
             .filter_map(|d| Some((d.get_str(f::ID).ok()?.to_owned(), d)))
             .collect())
+    }
+
+    /// The live record stored for a detail page's URL, if any. For a page whose record may have
+    /// been stored without its done mark (an earlier lease of it in this pass never settled: a
+    /// crash between the two writes, or a lease taken over), found gone: its frontier entry does
+    /// not know the record. No index serves it (it reads the bot's records); it is asked only
+    /// in that case.
+    pub async fn live_record_at(&self, bot: &BotId, url: &NormalizedUrl) -> Result<Option<String>> {
+        let docs = self
+            .find_once(
+                "read the record of a gone page",
+                RECORDS,
+                doc! { f::BOT: bot.as_str(), f::URL: url.as_str(), f::REMOVED_AT: Bson::Null },
+                doc! { f::ID: 1 },
+                1,
+                None,
+            )
+            .await?;
+        Ok(docs
+            .first()
+            .and_then(|d| d.get_str(f::ID).ok())
+            .map(str::to_owned))
     }
 
     /// The ordered path for one wave: records (rounds of read + write while compare-and-swaps
