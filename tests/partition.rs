@@ -162,3 +162,54 @@ async fn a_partitioned_instance_stops_within_ttl_the_others_take_over_and_its_la
         p.expect_ok(Duration::from_secs(30)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_whose_database_stops_answering_fails_within_the_operation_timeout() {
+    // `seedlock export` reads a cursor batch after batch; a server that swallows a further
+    // batch's request must end the export with an error after `op_timeout`, not hang it.
+    let db = test_db("export_partition").await;
+    let records: Vec<bson::Document> = (0..2500)
+        .map(|i| doc! { "_id": format!("r{i:05}"), "botId": "shop", "naturalKey": format!("K{i}"), "removedAt": bson::Bson::Null })
+        .collect();
+    db.db
+        .collection::<bson::Document>("records")
+        .insert_many(records)
+        .await
+        .unwrap();
+    let proxy = Blackhole::start(&common::blackhole::server_of(&db.uri)).await;
+    let client = mongodb::Client::with_uri_str(proxy.uri(&db.uri))
+        .await
+        .unwrap();
+    let op_timeout = Duration::from_secs(1);
+    let store = seedlock::store::Store::new(client.database(&db.name)).with_op_timeout(op_timeout);
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    let mut export = store.export_records(&bot, None, false).await.unwrap();
+    // The first batch (1,000 records) is in hand; the next needs the server.
+    assert!(export.next().await.unwrap().is_some());
+    proxy.cut();
+    let cut = Instant::now();
+    let mut read = 1;
+    let end = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match export.next().await {
+                Ok(Some(_)) => read += 1,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the export ends instead of hanging");
+    assert!(
+        matches!(end, Err(seedlock::error::Error::Timeout { .. })),
+        "{end:?}"
+    );
+    assert_eq!(
+        read, 1000,
+        "the first batch read, then the wait for the second"
+    );
+    assert!(
+        cut.elapsed() < op_timeout + Duration::from_secs(2),
+        "ended {:?} after the cut",
+        cut.elapsed()
+    );
+}

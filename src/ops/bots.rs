@@ -316,13 +316,13 @@ pub async fn export(
                 )
             }
         };
-        let cursor = match store.export_cursor(&bot, changed_since, include_removed).await {
+        let records = match store.export_records(&bot, changed_since, include_removed).await {
             Ok(c) => c,
             Err(e) => return fail(EXIT_FAILED, e),
         };
         let stdout = std::io::stdout();
         let mut out = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
-        match crate::ops::export::write(cursor, format, &fields, &mut out).await {
+        match crate::ops::export::write(records, format, &fields, &mut out).await {
             Ok(n) => {
                 drop(out);
                 eprintln!("{bot}: exported {n} records");

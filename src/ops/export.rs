@@ -5,10 +5,9 @@
 
 use std::io::Write;
 
-use bson::{Bson, Document};
-use futures_util::TryStreamExt;
-
 use crate::ops::admin::{iso, to_json};
+use crate::store::specs::ExportRecords;
+use bson::{Bson, Document};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -63,10 +62,10 @@ pub fn json_line(record: &Document) -> String {
     to_json(&Bson::Document(record.clone())).to_string()
 }
 
-/// Streams `cursor` to `out`; the number of records written. A closed pipe (`| head`) ends it
+/// Streams `records` to `out`; the number of records written. A closed pipe (`| head`) ends it
 /// early without an error.
 pub async fn write(
-    mut cursor: mongodb::Cursor<Document>,
+    mut records: ExportRecords,
     format: Format,
     fields: &[String],
     out: &mut impl Write,
@@ -82,11 +81,7 @@ pub async fn write(
         Err(e) => return Err(format!("cannot write: {e}")),
         Ok(()) => {}
     }
-    while let Some(record) = cursor
-        .try_next()
-        .await
-        .map_err(|e| format!("database: {e}"))?
-    {
+    while let Some(record) = records.next().await.map_err(|e| format!("database: {e}"))? {
         let line = match format {
             Format::Jsonl => json_line(&record),
             Format::Csv => csv_row(&record, fields),

@@ -290,13 +290,15 @@ impl Store {
     }
 
     /// The bot's records for `export`, in `_id` order, a batch at a time (constant memory):
-    /// those changed since `changed_since`, and removed ones only with `include_removed`.
-    pub async fn export_cursor(
+    /// those changed since `changed_since`, and removed ones only with `include_removed`. The
+    /// find and each further batch are bounded by the operation timeout: a server that stops
+    /// answering mid-export is an error, not a hang.
+    pub async fn export_records(
         &self,
         bot: &BotId,
         changed_since: Option<DateTime<Utc>>,
         include_removed: bool,
-    ) -> Result<mongodb::Cursor<Document>> {
+    ) -> Result<ExportRecords> {
         use super::records::field as rf;
         let mut filter = doc! { rf::BOT: bot.as_str() };
         if let Some(since) = changed_since {
@@ -305,7 +307,31 @@ impl Store {
         if !include_removed {
             filter.insert(rf::REMOVED_AT, Bson::Null);
         }
-        // No op timeout: an export of millions of records takes as long as it takes.
-        Ok(self.records().find(filter).batch_size(1000).await?)
+        let cursor = self
+            .bounded(
+                "export records",
+                self.records().find(filter).batch_size(1000),
+            )
+            .await?;
+        Ok(ExportRecords {
+            store: self.clone(),
+            cursor,
+        })
+    }
+}
+
+/// The records an export reads, one at a time off the cursor.
+pub struct ExportRecords {
+    store: Store,
+    cursor: mongodb::Cursor<Document>,
+}
+
+impl ExportRecords {
+    /// The next record; `None` at the end. A further batch is waited for at most the operation
+    /// timeout.
+    pub async fn next(&mut self) -> Result<Option<Document>> {
+        self.store
+            .unaccounted("export records", self.cursor.try_next())
+            .await
     }
 }
