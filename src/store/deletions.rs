@@ -451,7 +451,7 @@ impl Store {
                     None,
                 )
                 .await?;
-            super::frontier::duplicate_indexes("clear listing baselines", &reply)?;
+            super::reply::duplicates("clear listing baselines", &reply)?;
         }
         Ok(())
     }

@@ -27,7 +27,7 @@ use mongodb::Collection;
 
 use super::indexes::Wanted;
 
-use super::Store;
+use super::{reply, Store};
 use crate::error::{Error, Result};
 use crate::fetch::Validators;
 use crate::ids::{BotId, InstanceId};
@@ -563,56 +563,6 @@ pub struct Taken {
 /// for a server that does not honour `maxTimeMS` on a write that waits for a transaction.
 const LEASE_WRITE_WAIT: Duration = Duration::from_secs(3);
 
-/// Whether an `ok` reply's write errors are all of statements that met a transaction's
-/// documents (cut short by `maxTimeMS`, or a write conflict) — and there is at least one.
-fn held_by_transaction(reply: &Document) -> bool {
-    let Ok(errors) = reply.get_array("writeErrors") else {
-        return false;
-    };
-    !errors.is_empty()
-        && errors.iter().all(|e| {
-            matches!(
-                e.as_document()
-                    .and_then(|e| e.get("code"))
-                    .and_then(crate::store::document::integer),
-                Some(50 | 112)
-            )
-        })
-}
-
-pub(super) fn duplicate_indexes(what: &'static str, reply: &Document) -> Result<Vec<usize>> {
-    let mut duplicates = Vec::new();
-    if let Ok(errors) = reply.get_array("writeErrors") {
-        for error in errors {
-            let error = error.as_document();
-            let code = error
-                .and_then(|e| e.get("code"))
-                .and_then(crate::store::document::integer);
-            let index = error
-                .and_then(|e| e.get("index"))
-                .and_then(crate::store::document::integer);
-            match (code, index) {
-                (Some(11000), Some(i)) => duplicates.push(i as usize),
-                _ => {
-                    return Err(Error::Protocol {
-                        what,
-                        detail: format!("{error:?}"),
-                    })
-                }
-            }
-        }
-    }
-    Ok(duplicates)
-}
-
-fn reply_count(reply: &Document, name: &str) -> u64 {
-    reply
-        .get(name)
-        .and_then(crate::store::document::integer)
-        .unwrap_or(0)
-        .max(0) as u64
-}
-
 impl KnownPage {
     fn from_doc(doc: &Document) -> KnownPage {
         KnownPage {
@@ -860,8 +810,8 @@ impl Store {
                 .await?;
             // A duplicate key: another instance enqueued the URL into this pass first (it is
             // there, and not ours to fetch).
-            let duplicates = duplicate_indexes("enqueue", &reply)?;
-            out.added += reply_count(&reply, "n");
+            let duplicates = reply::duplicates("enqueue", &reply)?;
+            out.added += reply::count(&reply) as u64;
             // A duplicate this very insert made on an earlier attempt (its answer lost, the
             // command sent again) carries our token: it is ours after all.
             let taken_before = self
@@ -941,8 +891,8 @@ impl Store {
                     None,
                 )
                 .await?;
-            duplicate_indexes("enqueue again", &reply)?;
-            let matched = reply_count(&reply, "n");
+            reply::duplicates("enqueue again", &reply)?;
+            let matched = reply::count(&reply) as u64;
             out.added += matched;
             let leased: Vec<&Reset<'_>> =
                 chunk.iter().filter(|(_, _, leased, _)| *leased).collect();
@@ -1048,8 +998,8 @@ impl Store {
             )
             .await?;
         // A duplicate `_id`: the link is in this pass already (someone else's).
-        let duplicates = duplicate_indexes("enqueue listing pages", &reply)?;
-        out.added = reply_count(&reply, "n");
+        let duplicates = reply::duplicates("enqueue listing pages", &reply)?;
+        out.added = reply::count(&reply) as u64;
         // As in `enqueue_links`: a duplicate of an earlier attempt of this very command is ours.
         let ids: Vec<String> = links.iter().map(|l| url_id(bot, &l.url)).collect();
         let taken_before = self
@@ -1257,10 +1207,10 @@ impl Store {
             .command_within("lease urls", command, None, LEASE_WRITE_WAIT)
             .await;
         let (taken, held) = match sent {
-            Ok(reply) if held_by_transaction(&reply) => (0, true),
+            Ok(reply) if reply::held_by_transaction(&reply) => (0, true),
             Ok(reply) => {
-                duplicate_indexes("lease urls", &reply)?;
-                (reply_count(&reply, "n") as usize, false)
+                reply::duplicates("lease urls", &reply)?;
+                (reply::count(&reply), false)
             }
             Err(e)
                 if crate::error::is_write_conflict(&e) || crate::error::is_max_time_expired(&e) =>
@@ -1451,8 +1401,8 @@ impl Store {
                     None,
                 )
                 .await?;
-            duplicate_indexes("settle urls", &reply)?;
-            matched += reply_count(&reply, "n") as usize;
+            reply::duplicates("settle urls", &reply)?;
+            matched += reply::count(&reply);
         }
         self.applied_marks(marks, matched, &nonce, None).await
     }

@@ -31,6 +31,7 @@ pub mod indexes;
 pub mod instances;
 pub mod passes;
 pub mod records;
+pub mod reply;
 pub mod specs;
 pub mod startup;
 
@@ -601,7 +602,7 @@ impl Store {
             let reply = self
                 .bounded_for(what, limit, self.db.run_command(command).session(session))
                 .await?;
-            return checked(what, reply);
+            return reply::checked(what, reply);
         }
         let deadline = std::time::Instant::now() + limit;
         let mut attempt: u32 = 0;
@@ -610,7 +611,7 @@ impl Store {
             let result = self
                 .bounded_for(what, left, self.db.run_command(command.clone()))
                 .await
-                .and_then(|reply| checked(what, reply));
+                .and_then(|reply| reply::checked(what, reply));
             match result {
                 Err(e) if retryable(&e) => {
                     attempt += 1;
@@ -1405,29 +1406,6 @@ impl futures_util::Stream for BotChanges {
                 })
             })
     }
-}
-
-/// A command's reply as the store accepts it: a `writeConcernError` (the write was applied on the
-/// primary but not acknowledged as the write concern asks — `w: "majority", j: true`) is an
-/// error, whatever `ok` says.
-fn checked(what: &'static str, reply: Document) -> Result<Document> {
-    let Ok(wce) = reply.get_document("writeConcernError") else {
-        return Ok(reply);
-    };
-    let labels: Vec<String> = reply
-        .get_array("errorLabels")
-        .map(|a| {
-            a.iter()
-                .filter_map(|l| l.as_str().map(str::to_owned))
-                .collect()
-        })
-        .unwrap_or_default();
-    Err(Error::WriteConcern {
-        what,
-        code: wce.get("code").and_then(integer).unwrap_or(0) as i32,
-        message: wce.get_str("errmsg").unwrap_or("").to_owned(),
-        labels,
-    })
 }
 
 /// Whether a failed command may be sent again as it is: the server labelled it retryable, the

@@ -27,7 +27,7 @@ use mongodb::{ClientSession, Collection};
 use super::indexes::Wanted;
 
 use super::frontier::{field as fr, settle_statements, Mark, UrlLease, UrlStatus, FRONTIER};
-use super::Store;
+use super::{reply, Store};
 use crate::error::{Error, Result};
 use crate::ids::BotId;
 use crate::urls::NormalizedUrl;
@@ -282,41 +282,6 @@ fn removed_statements(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Docu
         .collect()
 }
 
-fn write_error_indexes(what: &'static str, reply: &Document) -> Result<HashSet<usize>> {
-    let mut duplicates = HashSet::new();
-    if let Ok(errors) = reply.get_array("writeErrors") {
-        for error in errors {
-            let error = error.as_document();
-            let code = error
-                .and_then(|e| e.get("code"))
-                .and_then(crate::store::document::integer);
-            let index = error
-                .and_then(|e| e.get("index"))
-                .and_then(crate::store::document::integer);
-            match (code, index) {
-                (Some(11000), Some(i)) => {
-                    duplicates.insert(i as usize);
-                }
-                _ => {
-                    return Err(Error::Protocol {
-                        what,
-                        detail: format!("{error:?}"),
-                    })
-                }
-            }
-        }
-    }
-    Ok(duplicates)
-}
-
-fn reply_count(reply: &Document) -> usize {
-    reply
-        .get("n")
-        .and_then(crate::store::document::integer)
-        .unwrap_or(0)
-        .max(0) as usize
-}
-
 /// Why a transaction attempt stopped.
 enum Abort {
     /// Try the whole batch again (a conflict, a record that changed, a lease lost meanwhile).
@@ -540,7 +505,8 @@ impl Store {
                         None,
                     )
                     .await?;
-                write_error_indexes("insert records", &reply)
+                reply::duplicates("insert records", &reply)
+                    .map(|d| d.into_iter().collect::<HashSet<_>>())
             };
             let update = async {
                 if statements.is_empty() {
@@ -553,7 +519,8 @@ impl Store {
                         None,
                     )
                     .await?;
-                write_error_indexes("write records", &reply)
+                reply::duplicates("write records", &reply)
+                    .map(|d| d.into_iter().collect::<HashSet<_>>())
             };
             let (lost_inserts, lost_swaps) = tokio::try_join!(insert, update)?;
             let mut again = Vec::new();
@@ -734,7 +701,7 @@ impl Store {
                     Some(session),
                 )
                 .await?;
-            if !write_error_indexes("insert records", &reply)?.is_empty() {
+            if !reply::duplicates("insert records", &reply)?.is_empty() {
                 return Err(Abort::Again);
             }
         }
@@ -747,9 +714,9 @@ impl Store {
                     Some(session),
                 )
                 .await?;
-            write_error_indexes("write records", &reply)?;
+            reply::duplicates("write records", &reply)?;
             // A swap that matched nothing: the record changed since this transaction read it.
-            if reply_count(&reply) != expected {
+            if reply::count(&reply) != expected {
                 return Err(Abort::Again);
             }
         }
@@ -776,9 +743,9 @@ impl Store {
                     Some(session),
                 )
                 .await?;
-            write_error_indexes("settle urls", &reply)?;
+            reply::duplicates("settle urls", &reply)?;
             // A lease lost since this transaction read it.
-            if reply_count(&reply) != marks.len() {
+            if reply::count(&reply) != marks.len() {
                 return Err(Abort::Again);
             }
         }
