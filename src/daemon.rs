@@ -450,7 +450,7 @@ async fn once(
             _ = tokio::time::sleep_until(deadline) => None,
         };
         match finished {
-            Some(Some(RunEnd::Done { .. })) => summaries.push(bot),
+            Some(Some(RunEnd::Ready { .. })) => summaries.push(bot),
             Some(Some(RunEnd::Removed)) => {
                 stop.cancel();
                 return Err(RunError::Removed(bot.to_string()));

@@ -1,5 +1,5 @@
 //! Metrics, served at `/metrics` by `http` in the OpenMetrics text format (scraped by
-//! Prometheus): per-bot state, acquisitions, takeovers, leases lost, refresh outcomes and
+//! Prometheus): per-bot state, acquisitions, takeovers, edit locks lost, refresh outcomes and
 //! durations, waiting time, repairs; crawl requests, crawled pages by result, record writes by
 //! kind, URL leases lost, the current pass and finished passes.
 
@@ -206,7 +206,7 @@ pub struct Metrics {
     lock_epoch: Family<BotLabel, Gauge>,
     acquisitions: Family<BotLabel, Counter>,
     takeovers: Family<KindLabels, Counter>,
-    leases_lost: Family<BotLabel, Counter>,
+    edit_locks_lost: Family<BotLabel, Counter>,
     refreshes: Family<KindLabels, Counter>,
     repairs: Family<KindLabels, Counter>,
     refresh_duration: Seconds,
@@ -267,11 +267,11 @@ impl Metrics {
             "Stuck locks this instance took over, by kind (expired, stuck, orphaned)",
             takeovers.clone(),
         );
-        let leases_lost = Family::<BotLabel, Counter>::default();
+        let edit_locks_lost = Family::<BotLabel, Counter>::default();
         registry.register(
-            "leases_lost",
+            "edit_locks_lost",
             "Refreshes this instance stopped without writing: a fenced write (heartbeat or last write) matched nothing, or heartbeats went unconfirmed until the lock ran out",
-            leases_lost.clone(),
+            edit_locks_lost.clone(),
         );
         let refreshes = Family::<KindLabels, Counter>::default();
         registry.register(
@@ -363,7 +363,7 @@ impl Metrics {
             lock_epoch,
             acquisitions,
             takeovers,
-            leases_lost,
+            edit_locks_lost,
             refreshes,
             repairs,
             refresh_duration,
@@ -460,7 +460,7 @@ impl Metrics {
     }
 
     pub fn edit_lock_lost(&self, bot: &BotId) {
-        self.leases_lost.get_or_create(&Self::bot(bot)).inc();
+        self.edit_locks_lost.get_or_create(&Self::bot(bot)).inc();
     }
 
     pub fn refresh_finished(&self, bot: &BotId, result: &str, took: Duration) {
@@ -651,7 +651,7 @@ mod tests {
             r#"seedlock_bot_state{bot="shop",state="ready"} 0"#,
             r#"seedlock_lock_acquisitions_total{bot="shop"} 1"#,
             r#"seedlock_lock_takeovers_total{bot="shop",kind="expired"} 1"#,
-            r#"seedlock_leases_lost_total{bot="shop"} 1"#,
+            r#"seedlock_edit_locks_lost_total{bot="shop"} 1"#,
             r#"seedlock_refreshes_total{bot="shop",kind="ok"} 1"#,
             "seedlock_refresh_duration_seconds_count",
             "seedlock_wait_duration_seconds_count",

@@ -40,7 +40,7 @@ const ALERTS: &[(&str, &str, &str)] = &[
     ),
     (
         "SeedlockLockLeaseLost",
-        "seedlock_leases_lost_total",
+        "seedlock_edit_locks_lost_total",
         "a_holder_fenced_by_an_unlock_counts_a_lost_lease",
     ),
     (
@@ -298,9 +298,9 @@ async fn a_holder_fenced_by_an_unlock_counts_a_lost_lease() {
         .expect("the holder stops")
         .unwrap();
     assert!(matches!(outcome, StepOutcome::EditLockLost), "{outcome:?}");
-    // The rule: increase(seedlock_leases_lost_total[30m]) > 0.
+    // The rule: increase(seedlock_edit_locks_lost_total[30m]) > 0.
     assert_eq!(
-        i.metric(r#"seedlock_leases_lost_total{bot="shop"}"#),
+        i.metric(r#"seedlock_edit_locks_lost_total{bot="shop"}"#),
         Some(1.0)
     );
     assert_eq!(

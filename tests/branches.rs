@@ -113,7 +113,7 @@ async fn c_missing_document_is_created_then_refreshed() {
     assert_eq!(f.seeds().await, SeedSourceServer::seeds_of_hit(1));
     assert_eq!(
         f.step().await,
-        StepOutcome::Usable {
+        StepOutcome::Ready {
             seeds: 2,
             epoch: 1,
             pass: None
@@ -155,7 +155,7 @@ async fn a2_daily_refresh_on_utc_date_change() {
     ));
     assert_eq!(f.seeds().await, SeedSourceServer::seeds_of_hit(1));
     // Refreshed earlier today: not due, no fetch.
-    assert!(matches!(f.step().await, StepOutcome::Usable { .. }));
+    assert!(matches!(f.step().await, StepOutcome::Ready { .. }));
     assert_eq!(f.source.hits(), 1);
 }
 
@@ -173,7 +173,7 @@ async fn a2_interval_refresh_when_the_interval_passed() {
     ))
     .await;
     assert!(
-        matches!(f.step().await, StepOutcome::Usable { .. }),
+        matches!(f.step().await, StepOutcome::Ready { .. }),
         "30s < 60s: not due"
     );
     assert_eq!(f.source.hits(), 0);
@@ -202,7 +202,7 @@ async fn a2_interval_refresh_when_the_interval_passed() {
 async fn a2_admin_request_is_served_once() {
     let f = fixture("a2_request", daily(), OnRefreshFailure::KeepPrevious).await;
     f.put(ready_doc(&["http://old/"], f.now())).await;
-    assert!(matches!(f.step().await, StepOutcome::Usable { .. }));
+    assert!(matches!(f.step().await, StepOutcome::Ready { .. }));
     let store = f.db.store();
     assert!(store
         .request_refresh(
@@ -214,7 +214,7 @@ async fn a2_admin_request_is_served_once() {
         .unwrap());
     assert!(matches!(f.step().await, StepOutcome::Refreshed { .. }));
     assert!(
-        matches!(f.step().await, StepOutcome::Usable { .. }),
+        matches!(f.step().await, StepOutcome::Ready { .. }),
         "the request was served"
     );
     assert_eq!(f.source.hits(), 1);
@@ -396,7 +396,7 @@ async fn e_malformed_documents_are_repaired_and_refreshed() {
             "{name}"
         );
         assert!(
-            matches!(f.step().await, StepOutcome::Usable { .. }),
+            matches!(f.step().await, StepOutcome::Ready { .. }),
             "{name}"
         );
     }
@@ -444,7 +444,7 @@ async fn failed_refresh_keeps_previous_seeds_and_backs_off() {
     assert!(doc.get_str("lastError").unwrap().contains("500"));
     assert!(doc.get_datetime("retryRefreshAfter").is_ok());
     // Due, but backing off: crawl on the old seeds without fetching again.
-    assert!(matches!(f.step().await, StepOutcome::Usable { .. }));
+    assert!(matches!(f.step().await, StepOutcome::Ready { .. }));
     assert_eq!(f.source.hits(), 1);
 }
 
@@ -474,7 +474,7 @@ async fn failed_refresh_with_wait_policy_is_not_ready_and_never_empty() {
         || async {
             matches!(
                 f.step().await,
-                StepOutcome::Refreshed { .. } | StepOutcome::Usable { .. }
+                StepOutcome::Refreshed { .. } | StepOutcome::Ready { .. }
             )
         },
     )

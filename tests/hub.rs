@@ -140,7 +140,7 @@ async fn bots_beyond_the_refresh_permits_are_not_locked_until_a_permit_is_free()
     assert_eq!(editing, 1, "the bots without a permit are not locked");
     source.hold_bot_sources(false);
     for run in runs {
-        assert!(matches!(run.await.unwrap(), RunEnd::Done { .. }));
+        assert!(matches!(run.await.unwrap(), RunEnd::Ready { .. }));
     }
     let hits = source.bot_hits();
     assert_eq!(

@@ -49,7 +49,7 @@ pub struct Context {
 pub enum StepOutcome {
     /// The bot is Ready: its seeds are usable; crawl on them. `pass` is the crawl's state
     /// (`None` for a bot without `[bots.crawl]`).
-    Usable {
+    Ready {
         seeds: usize,
         epoch: i64,
         pass: Option<PassState>,
@@ -93,7 +93,7 @@ pub enum Until {
 #[derive(Debug, PartialEq)]
 pub enum RunEnd {
     /// Ready (and its pass finished, for a crawling bot), on `seeds` seeds at `epoch`.
-    Done {
+    Ready {
         seeds: usize,
         epoch: i64,
     },
@@ -297,16 +297,16 @@ impl BotRunner {
             return Ok(StepOutcome::Wait { until: None, state });
         }
         match decision {
-            Decision::UseSeeds { note, .. } => {
+            Decision::Ready { note, .. } => {
                 let Observed::Valid(doc) = observed else {
-                    unreachable!("UseSeeds comes from a valid document")
+                    unreachable!("Ready comes from a valid document")
                 };
                 *self.ready_until.lock().expect("ready lock") =
                     ready_until(&doc, now, &self.policy);
                 if let Some(note) = note {
                     debug!(bot = %id, %note, "using the previous seeds");
                 }
-                Ok(StepOutcome::Usable {
+                Ok(StepOutcome::Ready {
                     seeds: doc.seeds.len(),
                     epoch: doc.lock_epoch.get(),
                     pass: self.crawler.as_ref().map(|_| PassState::of(&doc)),
@@ -670,7 +670,7 @@ impl BotRunner {
                 return RunEnd::Shutdown;
             }
             let outcome = match self.step(shutdown).await {
-                Ok(StepOutcome::Usable {
+                Ok(StepOutcome::Ready {
                     seeds,
                     epoch,
                     pass: Some(pass),
@@ -686,7 +686,7 @@ impl BotRunner {
                             db_failures = 0;
                             let pause = match turn {
                                 CrawlTurn::Finished if until == Until::Done => {
-                                    return RunEnd::Done { seeds, epoch };
+                                    return RunEnd::Ready { seeds, epoch };
                                 }
                                 CrawlTurn::Shutdown => return RunEnd::Shutdown,
                                 CrawlTurn::Started | CrawlTurn::TimeUp => None,
@@ -734,14 +734,14 @@ impl BotRunner {
                 }
             };
             match outcome {
-                StepOutcome::Usable { seeds, epoch, .. }
+                StepOutcome::Ready { seeds, epoch, .. }
                 | StepOutcome::Refreshed { seeds, epoch } => {
                     if let Some(since) = waiting_since.take() {
                         ctx.metrics.waited(id, since.elapsed());
                     }
-                    if matches!(outcome, StepOutcome::Usable { .. }) {
+                    if matches!(outcome, StepOutcome::Ready { .. }) {
                         if until == Until::Done {
-                            return RunEnd::Done { seeds, epoch };
+                            return RunEnd::Ready { seeds, epoch };
                         }
                         if self.pause(self.idle_for(), shutdown).await {
                             return RunEnd::Shutdown;

@@ -56,7 +56,7 @@ impl Branch {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Decision {
     /// Crawl on the stored seeds.
-    UseSeeds {
+    Ready {
         branch: Branch,
         note: Option<String>,
     },
@@ -85,7 +85,7 @@ impl Decision {
     /// The instance's state while it carries out this decision.
     pub fn state(&self) -> BotState {
         match self {
-            Decision::UseSeeds { .. } => BotState::Ready,
+            Decision::Ready { .. } => BotState::Ready,
             Decision::Claim { .. } => BotState::Updating,
             Decision::Initialize => BotState::Waiting,
             Decision::Wait { reason, .. } if reason.starts_with(BACKOFF) => BotState::Error,
@@ -98,7 +98,7 @@ impl Decision {
 
     pub fn branch(&self) -> Branch {
         match self {
-            Decision::UseSeeds { branch, .. }
+            Decision::Ready { branch, .. }
             | Decision::Claim { branch, .. }
             | Decision::Wait { branch, .. } => *branch,
             Decision::Initialize => Branch::C,
@@ -221,7 +221,7 @@ fn decide_ready(doc: &BotDoc, now: DateTime<Utc>, policy: &Policy) -> Decision {
     match refresh_due(doc, now, policy.refresh) {
         Some(why) => match backing_off(doc, now) {
             // keep_previous: crawl on the old seeds until the shared backoff passes.
-            Some(until) => Decision::UseSeeds {
+            Some(until) => Decision::Ready {
                 branch: Branch::A2,
                 note: Some(format!(
                     "refresh due ({why}) but {BACKOFF} until {until} after a failure"
@@ -229,7 +229,7 @@ fn decide_ready(doc: &BotDoc, now: DateTime<Utc>, policy: &Policy) -> Decision {
             },
             None => claim_free(doc, Branch::A2, format!("A-2: {why}")),
         },
-        None => Decision::UseSeeds {
+        None => Decision::Ready {
             branch: Branch::A3,
             note: None,
         },
@@ -706,7 +706,7 @@ mod tests {
                 me(&me_id()),
                 &daily()
             ),
-            Decision::UseSeeds { .. }
+            Decision::Ready { .. }
         ));
         assert!(matches!(
             decide(&Observed::Valid(doc), midnight, me(&me_id()), &daily()),

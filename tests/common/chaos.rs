@@ -79,7 +79,7 @@ pub struct ChaosReport {
     pub instances: usize,
     pub instances_started: u32,
     pub takeovers: u32,
-    pub lock_leases_lost: u32,
+    pub edit_locks_lost: u32,
     pub url_leases_lost: u32,
     pub refreshes: u32,
     pub passes: BTreeMap<String, i64>,
@@ -117,8 +117,8 @@ impl ChaosReport {
         );
         let _ = writeln!(
             s,
-            "seen: {} takeovers, {} refreshes, {} lock leases lost, {} URL leases lost, {} history entries checked",
-            self.takeovers, self.refreshes, self.lock_leases_lost, self.url_leases_lost, self.history_entries
+            "seen: {} takeovers, {} refreshes, {} edit locks lost, {} URL leases lost, {} history entries checked",
+            self.takeovers, self.refreshes, self.edit_locks_lost, self.url_leases_lost, self.history_entries
         );
         for bot in CRAWLING {
             let _ = writeln!(
@@ -1401,7 +1401,7 @@ fn check_logs(run: &Run, report: &mut ChaosReport) {
             };
             let message = v["fields"]["message"].as_str().unwrap_or("");
             match message {
-                "edit lock lost; stopped without writing" => report.lock_leases_lost += 1,
+                "edit lock lost; stopped without writing" => report.edit_locks_lost += 1,
                 "url lease lost; the newer worker's result wins" => report.url_leases_lost += 1,
                 _ => {}
             }
