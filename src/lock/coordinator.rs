@@ -22,8 +22,7 @@ use crate::lock::decide::{decide, ready_until, Decision, Me, Policy};
 use crate::lock::hub::{Beat, Hub, Permit};
 use crate::lock::seeds::{SeedError, SeedFetcher, Seeds};
 use crate::metrics::Metrics;
-use crate::store::document::Observed;
-use crate::store::document::{BotState, Claim};
+use crate::store::document::{BotState, Claim, Observed};
 use crate::store::{EditLock, NextPass, Store};
 
 /// What every bot runner of one instance shares.

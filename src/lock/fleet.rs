@@ -20,8 +20,7 @@ use crate::backoff::jittered;
 use crate::config::{bot_from_spec, Settings};
 use crate::ids::BotId;
 use crate::lock::coordinator::{BotRunner, Context, RunEnd, Until};
-use crate::store::document::BotState;
-use crate::store::document::{field, integer};
+use crate::store::document::{field, integer, BotState};
 
 struct Running {
     /// The spec it runs (`specVersion`, `spec`): a different one restarts it.

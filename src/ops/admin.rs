@@ -8,8 +8,7 @@ use serde_json::{json, Value};
 use crate::config::RefreshSchedule;
 use crate::ids::BotId;
 use crate::ops::progress::{Eta, PassSize};
-use crate::store::document::state_of;
-use crate::store::document::{field, Observed};
+use crate::store::document::{field, state_of, Observed};
 
 /// One row of `seedlock status`.
 #[derive(Debug, Clone, serde::Serialize)]

@@ -1,9 +1,8 @@
 //! The fleet commands over bots defined in the database: `bots apply | list | remove`, `pause`,
 //! `resume` and `export`.
 
-use std::process::ExitCode;
-
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use bson::Bson;
 use clap::Subcommand;
@@ -13,8 +12,7 @@ use crate::config::Settings;
 use crate::ids::BotId;
 use crate::ops::admin::iso;
 use crate::ops::{admin_name, bot_arg, fail, with_store, EXIT_FAILED, EXIT_USAGE};
-use crate::store::document::state_of;
-use crate::store::document::{field, integer, Observed};
+use crate::store::document::{field, integer, state_of, Observed};
 use crate::store::specs::{Applied, Pause};
 
 /// `seedlock bots …`.

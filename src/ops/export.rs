@@ -5,9 +5,10 @@
 
 use std::io::Write;
 
+use bson::{Bson, Document};
+
 use crate::ops::admin::{iso, to_json};
 use crate::store::specs::ExportRecords;
-use bson::{Bson, Document};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {

@@ -20,8 +20,7 @@ use crate::clock::ServerClock;
 use crate::config::MongoSettings;
 use crate::error::{is_duplicate_key, Error, Result};
 use crate::ids::{BotId, InstanceId, LockEpoch};
-use crate::store::document::Claim;
-use crate::store::document::{field, integer, BotDoc, Observed, HISTORY_LEN};
+use crate::store::document::{field, integer, BotDoc, Claim, Observed, HISTORY_LEN};
 
 pub mod deletions;
 pub mod document;
