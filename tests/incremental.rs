@@ -800,30 +800,24 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
 /// The pass the bot's crawl is on, once it has one and has leased its seed (the test's own
 /// leases then find only the page the test put there).
 async fn eventually_pass(db: &common::TestDb) -> i64 {
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let pass = db
-            .doc("shop")
+    let pass = || async {
+        db.doc("shop")
             .await
             .and_then(|d| d.get_i64("crawlPass").ok())
-            .unwrap_or(0);
-        let frontier = db.db.collection::<Document>("frontier");
-        let count = |status: &'static str| {
-            let frontier = frontier.clone();
-            async move {
-                frontier
-                    .count_documents(doc! { "pass": pass, "status": status })
-                    .await
-                    .unwrap()
-            }
-        };
-        if pass > 0 && count("pending").await == 0 && count("leased").await > 0 {
-            return pass;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the bot never leased its seed"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+            .unwrap_or(0)
+    };
+    let frontier = db.db.collection::<Document>("frontier");
+    common::eventually(
+        "the bot leases its seed",
+        std::time::Duration::from_secs(20),
+        || async {
+            let pass = pass().await;
+            let count = |status: &'static str| {
+                frontier.count_documents(doc! { "pass": pass, "status": status })
+            };
+            pass > 0 && count("pending").await.unwrap() == 0 && count("leased").await.unwrap() > 0
+        },
+    )
+    .await;
+    pass().await
 }
