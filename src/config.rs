@@ -171,6 +171,10 @@ pub struct MongoSettings {
 /// ready within seconds.
 pub const DEFAULT_REFRESH_CONCURRENCY: usize = 16;
 
+/// `crawl.max_uncommitted_bytes` by default: 4 MiB of page bodies fetched and not yet committed
+/// (a page in flight holds a few times its body while it is parsed and settled).
+pub const DEFAULT_MAX_UNCOMMITTED_BYTES: u64 = 4 << 20;
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LockSettings {
     pub ttl: Duration,
@@ -217,6 +221,10 @@ pub struct CrawlLimits {
     /// At most this many pages are fetched (or being fetched) and not yet committed per bot on
     /// this instance: what a crash can cost in repeated fetches.
     pub max_uncommitted: usize,
+    /// At most this many bytes of page bodies are fetched and not yet committed per bot on this
+    /// instance (beside `max_uncommitted`): a listing page of a hundred items weighs as much as
+    /// dozens of detail pages, and holds that much more memory until its commit.
+    pub max_uncommitted_bytes: usize,
     /// Added to every page's store step (to test a slow database); zero in production.
     pub store_delay: Duration,
     pub flow: crate::flow::FlowSettings,
@@ -486,6 +494,7 @@ struct RawCrawlLimits {
     parse_queue: u32,
     store_queue: u32,
     max_uncommitted: u32,
+    max_uncommitted_bytes: u64,
     store_delay: String,
     host_limit: u32,
     host_limit_min: u32,
@@ -521,6 +530,7 @@ impl Default for RawCrawlLimits {
             parse_queue: 16,
             store_queue: 256,
             max_uncommitted: 512,
+            max_uncommitted_bytes: DEFAULT_MAX_UNCOMMITTED_BYTES,
             store_delay: "0s".into(),
             host_limit: 4,
             host_limit_min: 1,
@@ -626,6 +636,13 @@ impl RawCrawlLimits {
         if self.max_page_bytes == 0 {
             return Err("key `crawl.max_page_bytes`: must be greater than zero".into());
         }
+        if !(1024..=1 << 40).contains(&self.max_uncommitted_bytes) {
+            return Err(format!(
+                "key `crawl.max_uncommitted_bytes`: {} must be between 1024 (1 KiB) and {} (1 TiB)",
+                self.max_uncommitted_bytes,
+                1_u64 << 40
+            ));
+        }
         for (key, share) in [
             ("crawl.min_coverage", self.min_coverage),
             ("crawl.max_error_rate", self.max_error_rate),
@@ -660,6 +677,8 @@ impl RawCrawlLimits {
             parse_queue: self.parse_queue as usize,
             store_queue: self.store_queue as usize,
             max_uncommitted: self.max_uncommitted as usize,
+            max_uncommitted_bytes: usize::try_from(self.max_uncommitted_bytes)
+                .unwrap_or(usize::MAX),
             store_delay: bounded("crawl.store_delay", &self.store_delay)?,
             flow,
             robots: self.robots,
@@ -1508,6 +1527,7 @@ on_refresh_failure = "wait"
                 parse_queue: 1,
                 store_queue: 1,
                 max_uncommitted: 1,
+                max_uncommitted_bytes: 1024,
                 store_delay: "0s".into(),
                 host_limit: 1,
                 host_limit_min: 1,
@@ -1703,6 +1723,7 @@ overlap = "5m"
             ("[lock]\nttl = \"300000y\"\nmax_refresh = \"400000y\"", "lock.ttl"),
             ("[lock]\npoll = \"1000y\"", "lock.poll"),
             ("[mongo]\nop_timeout = \"0s\"", "mongo.op_timeout"),
+            ("[crawl]\nmax_uncommitted_bytes = 100", "crawl.max_uncommitted_bytes"),
             ("[lock]\nttl = \"10s\"\nheartbeat = \"10s\"", "lock.heartbeat"),
             ("[lock]\nttl = \"10m\"\nmax_refresh = \"5m\"", "lock.max_refresh"),
             ("[mongo]\nuri = \"http://x\"", "mongo.uri"),

@@ -349,6 +349,52 @@ async fn a_slow_store_bounds_the_urls_leased_by_the_queue_sizes() {
     assert_eq!(live_records(&db).await, truth(&base).await);
 }
 
+/// The most pages a crawl of a 22-page shop held in its store stage at once behind a slow store,
+/// sampled from /metrics, with `[crawl]` `extra`.
+async fn most_pages_in_the_store_stage(hint: &str, extra: &str) -> f64 {
+    let db = test_db(hint).await;
+    let base = shop(2, 10).await;
+    let listen = free_addr();
+    let crawl = format!(
+        "writers = 1\nparse_queue = 8\nstore_queue = 8\nmax_uncommitted = 64\nstore_delay = \"100ms\"\n{extra}"
+    );
+    let setup = Setup {
+        workers: 4,
+        crawl: &crawl,
+        listen: &listen,
+        ..Setup::default()
+    };
+    let stop = CancellationToken::new();
+    let depths = sampler(
+        listen.clone(),
+        r#"seedlock_crawl_stage_depth{bot="shop",stage="store"}"#.into(),
+        stop.clone(),
+    );
+    once(settings(&db, &base, &setup, "a")).await;
+    stop.cancel();
+    assert_eq!(live_records(&db).await, truth(&base).await, "nothing lost");
+    depths.await.unwrap().into_iter().fold(0.0_f64, f64::max)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_budget_of_one_page_holds_one_page_uncommitted_at_a_time() {
+    // Every page weighs at least 1 KiB: a budget of 1 KiB lets one page at a time past its
+    // fetch, however many `max_uncommitted` allows.
+    let held =
+        most_pages_in_the_store_stage("flow_bytes_one", "max_uncommitted_bytes = 1024").await;
+    assert!(
+        held <= 1.0,
+        "{held} pages waited for the store at once under a budget of one page"
+    );
+    // The same crawl under the default budget: the slow store holds several pages at once
+    // (this sampling sees them).
+    let held = most_pages_in_the_store_stage("flow_bytes_default", "").await;
+    assert!(
+        held >= 2.0,
+        "under the default budget the slow store held only {held} pages at once"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_a_slow_page_is_in_flight_and_nothing_is_pending_the_leaser_waits_instead_of_polling()
 {

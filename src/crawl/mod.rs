@@ -241,20 +241,40 @@ pub struct CrawlContext {
     pub robots: Arc<RobotsCache>,
 }
 
-/// A page between stages: its lease, the permit it holds as fetched-and-uncommitted, and the
-/// ticket of the stage it is in.
+/// What a page fetched and not yet committed holds until its commit (or until it is given up):
+/// one of `crawl.max_uncommitted` pages, and its body's weight in `crawl.max_uncommitted_bytes`.
+struct Uncommitted {
+    _page: OwnedSemaphorePermit,
+    _bytes: Option<OwnedSemaphorePermit>,
+}
+
+/// A page between stages: its lease, what it holds as fetched-and-uncommitted, and the ticket of
+/// the stage it is in.
 struct Item<T> {
     lease: UrlLease,
     what: T,
-    uncommitted: OwnedSemaphorePermit,
+    uncommitted: Uncommitted,
     _ticket: Ticket,
 }
 
 /// A settled page in the store stage.
 struct Storing {
     settled: Settled,
-    _uncommitted: OwnedSemaphorePermit,
+    _uncommitted: Uncommitted,
     _ticket: Ticket,
+}
+
+/// The weight of a fetched page in the byte budget, in KiB (the budget's unit): its body,
+/// rounded up, at least 1 and at most the whole budget (a page larger than the budget waits
+/// until nothing else is uncommitted, then goes alone).
+fn body_weight(fetched: &Fetched, budget_kib: u32) -> u32 {
+    let bytes = match fetched {
+        Fetched::Outcome(crate::fetch::FetchOutcome::Ok(page)) => page.body.len(),
+        _ => 0,
+    };
+    u32::try_from(bytes.div_ceil(1024))
+        .unwrap_or(u32::MAX)
+        .clamp(1, budget_kib.max(1))
 }
 
 /// What the stages of one slice share.
@@ -266,6 +286,10 @@ struct Slice {
     slots: Arc<Semaphore>,
     /// Pages fetched (or being fetched) and not yet committed (`crawl.max_uncommitted`).
     uncommitted: Arc<Semaphore>,
+    /// The bodies of the pages fetched and not yet committed, in KiB
+    /// (`crawl.max_uncommitted_bytes`).
+    bytes: Arc<Semaphore>,
+    bytes_kib: u32,
     /// A page was committed or work was queued here: the dispatcher looks again.
     progressed: tokio::sync::Notify,
     /// How often a page here put new pending work into the frontier (links it did not lease):
@@ -428,6 +452,13 @@ impl Crawler {
             .max(1)
     }
 
+    /// `crawl.max_uncommitted_bytes` in KiB (the byte budget's unit).
+    fn bytes_kib(&self) -> u32 {
+        u32::try_from(self.limits.max_uncommitted_bytes / 1024)
+            .unwrap_or(u32::MAX)
+            .max(1)
+    }
+
     /// Crawls `pass` through the pipeline until the pass is over, there is nothing to lease,
     /// `slice` has passed, or shutdown:
     ///
@@ -438,8 +469,9 @@ impl Crawler {
     ///
     /// Every stage pulls from the one before, and each queue is bounded: a full store queue
     /// stalls the parsers, a full parse queue keeps fetches holding their slots, and without
-    /// room in the host queues nothing is leased. At most `crawl.max_uncommitted` pages are
-    /// fetched and uncommitted at once. At the end of the slice the pages in flight are finished
+    /// room in the host queues nothing is leased. At most `crawl.max_uncommitted` pages, and
+    /// `crawl.max_uncommitted_bytes` of their bodies, are fetched and uncommitted at once (a
+    /// fetch whose body does not fit waits for room, holding its slot). At the end of the slice the pages in flight are finished
     /// (fetched pages are committed); URLs still waiting for their host are given back. Only
     /// `shutdown` interrupts fetches (their URLs are given back too).
     pub async fn crawl_for(
@@ -455,6 +487,8 @@ impl Crawler {
             store: Queue::new(self.limits.store_queue),
             slots: Arc::new(Semaphore::new(self.limits.workers.max(1))),
             uncommitted: Arc::new(Semaphore::new(self.uncommitted_cap())),
+            bytes: Arc::new(Semaphore::new(self.bytes_kib() as usize)),
+            bytes_kib: self.bytes_kib(),
             progressed: tokio::sync::Notify::new(),
             new_work: Default::default(),
             failed: CancellationToken::new(),
@@ -563,10 +597,17 @@ impl Crawler {
                     }
                     let fetched = crawler.fetch(&lease, admitted, &shutdown).await;
                     let fast = lease.kind.is_listing();
+                    // Waits while the bodies uncommitted here weigh the whole byte budget,
+                    // holding the fetch slot: big pages in flight stop fetching, then leasing.
+                    let weight = body_weight(&fetched, run.bytes_kib);
+                    let bytes = run.bytes.clone().acquire_many_owned(weight).await.ok();
                     let item = Item {
                         lease,
                         what: fetched,
-                        uncommitted,
+                        uncommitted: Uncommitted {
+                            _page: uncommitted,
+                            _bytes: bytes,
+                        },
                         _ticket: crawler.stages.parse.enter(),
                     };
                     drop(fetching);
@@ -870,6 +911,27 @@ fn write_label(write: RecordWrite) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[test]
+    fn a_page_weighs_its_body_in_kib_rounded_up_within_the_budget() {
+        let page = |len: usize| {
+            Fetched::Outcome(crate::fetch::FetchOutcome::Ok(crate::fetch::Page {
+                url: NormalizedUrl::parse("http://shop/").unwrap(),
+                body: "x".repeat(len),
+                etag: None,
+                last_modified: None,
+            }))
+        };
+        assert_eq!(body_weight(&page(0), 4096), 1, "an empty page still counts");
+        assert_eq!(body_weight(&page(1024), 4096), 1);
+        assert_eq!(body_weight(&page(1025), 4096), 2);
+        assert_eq!(body_weight(&page(24 * 1024), 4096), 24);
+        assert_eq!(
+            body_weight(&page(10 << 20), 4096),
+            4096,
+            "a page over the budget takes all of it"
+        );
+        assert_eq!(body_weight(&Fetched::Released, 4096), 1);
+    }
 
     #[test]
     fn only_old_lowest_priority_work_of_a_throttling_host_is_shed() {
