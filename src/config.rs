@@ -171,9 +171,9 @@ pub struct MongoSettings {
 /// ready within seconds.
 pub const DEFAULT_REFRESH_CONCURRENCY: usize = 16;
 
-/// `crawl.max_uncommitted_bytes` by default: 4 MiB of page bodies fetched and not yet committed
+/// `crawl.max_uncommitted_bytes` by default: 2 MiB of page bodies fetched and not yet committed
 /// (a page in flight holds a few times its body while it is parsed and settled).
-pub const DEFAULT_MAX_UNCOMMITTED_BYTES: u64 = 4 << 20;
+pub const DEFAULT_MAX_UNCOMMITTED_BYTES: u64 = 2 << 20;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LockSettings {
