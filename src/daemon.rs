@@ -137,7 +137,60 @@ pub async fn run_with_store(
     shutdown: CancellationToken,
 ) -> Result<Vec<BotSummary>, RunError> {
     require_bots(&settings)?;
-    let clock = server_clock(&store, settings.mongo.connect_timeout)
+    let ctx = context(&settings, &store).await?;
+    let once_bots = match (&mode, settings.bots_from_database()) {
+        (Mode::Once { .. }, true) => database_bots(&settings, &store).await?,
+        _ => Vec::new(),
+    };
+    info!(instance = %ctx.me, bots = settings.bots.len(), database = %settings.mongo.database, "seedlock starting");
+
+    let tracker = TaskTracker::new();
+    let stop = shutdown.child_token();
+    // The id first: a live process under the same id would take this one's locks as orphans.
+    let registered =
+        crate::lock::presence::register(&store, &ctx.me, &ctx.clock, settings.lock.ttl)
+            .await
+            .map_err(RunError::Startup)?;
+    store.name_transaction_sessions(&ctx.me);
+    let id_lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let presence = tokio::spawn(crate::lock::presence::keep_alive(
+        store.clone(),
+        ctx.me.clone(),
+        registered,
+        ctx.clock.clone(),
+        settings.lock.heartbeat,
+        settings.lock.ttl,
+        id_lost.clone(),
+        stop.clone(),
+    ));
+    start_services(&settings, &ctx, &tracker, &stop).await?;
+    let runs = start_bots(&settings, &ctx, once_bots, &mode, &tracker, &stop);
+    let result = match mode {
+        Mode::Daemon => until_shutdown(runs, &stop).await,
+        Mode::Once { timeout } => once(runs, timeout, &store, &stop).await,
+    };
+    stop.cancel();
+    tracker.close();
+    tracker.wait().await;
+    ctx.hub.close().await;
+    // The registration goes last: no lock work of this process outlives it.
+    let _ = presence.await;
+    let result = if id_lost.load(std::sync::atomic::Ordering::SeqCst) {
+        Err(RunError::IdTakenOver(ctx.me.to_string()))
+    } else {
+        result
+    };
+    store.shutdown().await;
+    debug!(commands = ?ctx.store.command_counts(), waited_ms = ?ctx.store.command_waits(), "database commands sent");
+    info!(instance = %ctx.me, "seedlock stopped");
+    result
+}
+
+/// What every bot of this instance shares: the server's clock, the bots and hosts indexes, the
+/// seed fetcher, the metrics (the store's command counts among them), the crawl's context when
+/// any bot crawls, and the lock hub.
+async fn context(settings: &Settings, store: &Store) -> Result<Arc<Context>, RunError> {
+    let clock = server_clock(store, settings.mongo.connect_timeout)
         .await
         .map_err(RunError::Startup)?;
     let patience = settings.mongo.connect_timeout;
@@ -159,58 +212,45 @@ pub async fn run_with_store(
         }));
     }
     let started_at = clock.now();
-    let from_database = settings.bots_from_database();
-    let once_bots = match (&mode, from_database) {
-        (Mode::Once { .. }, true) => database_bots(&settings, &store).await?,
-        _ => Vec::new(),
-    };
-    let crawl = if from_database || settings.bots.iter().any(|b| b.crawl.is_some()) {
-        Some(crawl_context(&settings, &store, &clock, started_at, &metrics).await?)
+    let crawls = settings.bots_from_database() || settings.bots.iter().any(|b| b.crawl.is_some());
+    let crawl = if crawls {
+        Some(crawl_context(settings, store, &clock, started_at, &metrics).await?)
     } else {
         None
     };
-    let ctx = Arc::new(Context {
+    Ok(Arc::new(Context {
         store: store.clone(),
         clock: clock.clone(),
         me: settings.instance_id.clone(),
         started_at,
         lock: settings.lock,
         fetcher,
-        metrics: metrics.clone(),
+        metrics,
         refresh_backoff: (settings.refresh.backoff_base, settings.refresh.backoff_max),
         crawl,
         hub: crate::lock::hub::Hub::new(
             store.clone(),
-            clock.clone(),
+            clock,
             settings.lock,
             settings.refresh.concurrency,
         ),
-    });
-    info!(instance = %ctx.me, bots = settings.bots.len(), database = %settings.mongo.database, "seedlock starting");
+    }))
+}
 
-    let tracker = TaskTracker::new();
-    let stop = shutdown.child_token();
-    // The id first: a live process under the same id would take this one's locks as orphans.
-    let registered = crate::lock::presence::register(&store, &ctx.me, &clock, settings.lock.ttl)
-        .await
-        .map_err(RunError::Startup)?;
-    store.name_transaction_sessions(&ctx.me);
-    let id_lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let presence = tokio::spawn(crate::lock::presence::keep_alive(
-        store.clone(),
-        ctx.me.clone(),
-        registered,
-        clock.clone(),
-        settings.lock.heartbeat,
-        settings.lock.ttl,
-        id_lost.clone(),
-        stop.clone(),
-    ));
+/// The instance's own tasks beside its bots: the status page and `/metrics` (when
+/// `http.listen` is set), the clock's resync, and — when it crawls — the throttling hosts
+/// published.
+async fn start_services(
+    settings: &Settings,
+    ctx: &Arc<Context>,
+    tracker: &TaskTracker,
+    stop: &CancellationToken,
+) -> Result<(), RunError> {
     if let Some(listen) = &settings.http_listen {
         let stale_after = (settings.lock.poll * 3).max(settings.lock.ttl);
         let status = crate::ops::http::StatusSource {
-            store: store.clone(),
-            clock: clock.clone(),
+            store: ctx.store.clone(),
+            clock: ctx.clock.clone(),
             configured: settings
                 .bots
                 .iter()
@@ -220,47 +260,66 @@ pub async fn run_with_store(
             started: std::time::Instant::now(),
             cache: Default::default(),
         };
-        let (addr, server) =
-            crate::ops::http::bind(listen, metrics.clone(), stale_after, status, stop.clone())
-                .await
-                .map_err(RunError::Startup)?;
+        let (addr, server) = crate::ops::http::bind(
+            listen,
+            ctx.metrics.clone(),
+            stale_after,
+            status,
+            stop.clone(),
+        )
+        .await
+        .map_err(RunError::Startup)?;
         info!(%addr, "serving the status page (/), /status.json, /healthz and /metrics");
         tracker.spawn(server);
     }
-    tracker.spawn(resync_clock(store.clone(), clock.clone(), stop.clone()));
+    tracker.spawn(resync_clock(
+        ctx.store.clone(),
+        ctx.clock.clone(),
+        stop.clone(),
+    ));
     if let Some(crawl) = &ctx.crawl {
         tracker.spawn(publish_hosts(
-            store.clone(),
+            ctx.store.clone(),
             crawl.flow.clone(),
             ctx.me.clone(),
-            clock.clone(),
+            ctx.clock.clone(),
             stop.clone(),
         ));
     }
+    Ok(())
+}
 
+/// A runner per bot — the config file's, then `once_bots` from the database — and, for a daemon
+/// whose bots the database defines, the fleet's follower (which starts and stops runners as
+/// the bot specs change).
+fn start_bots(
+    settings: &Settings,
+    ctx: &Arc<Context>,
+    once_bots: Vec<(BotSettings, i64, bson::Document)>,
+    mode: &Mode,
+    tracker: &TaskTracker,
+    stop: &CancellationToken,
+) -> Vec<(BotId, tokio::task::JoinHandle<RunEnd>)> {
     let until = match mode {
         Mode::Daemon => Until::Shutdown,
         Mode::Once { .. } => Until::Done,
     };
     let mut runs = Vec::new();
-    for bot in &settings.bots {
-        let runner = BotRunner::new(bot.clone(), ctx.clone());
-        let stop = stop.clone();
-        runs.push((
-            bot.id.clone(),
-            tracker.spawn(async move { runner.run(until, &stop).await }),
-        ));
-    }
-    for (bot, version, spec) in once_bots {
-        let id = bot.id.clone();
-        let runner = BotRunner::from_spec(bot, version, spec, ctx.clone());
+    let mut start = |id: BotId, runner: BotRunner| {
         let stop = stop.clone();
         runs.push((
             id,
             tracker.spawn(async move { runner.run(until, &stop).await }),
         ));
+    };
+    for bot in &settings.bots {
+        start(bot.id.clone(), BotRunner::new(bot.clone(), ctx.clone()));
     }
-    if from_database && matches!(mode, Mode::Daemon) {
+    for (bot, version, spec) in once_bots {
+        let id = bot.id.clone();
+        start(id, BotRunner::from_spec(bot, version, spec, ctx.clone()));
+    }
+    if settings.bots_from_database() && matches!(mode, Mode::Daemon) {
         info!("no [[bots]] in the config file: running the bots defined in the database");
         let fleet = tracker.spawn(crate::lock::fleet::follow(
             settings.clone(),
@@ -275,42 +334,28 @@ pub async fn run_with_store(
             }),
         ));
     }
+    runs
+}
 
-    let result = match mode {
-        Mode::Daemon => {
-            // Every runner ends at shutdown; one that ends otherwise crashed, and a half-running
-            // instance is worse than a restarted one.
-            let mut crashed = None;
-            let mut pending: futures_util::stream::FuturesUnordered<_> = runs
-                .into_iter()
-                .map(|(bot, handle)| async move { (bot, handle.await) })
-                .collect();
-            while let Some((bot, end)) = futures_util::StreamExt::next(&mut pending).await {
-                if let Err(e) = end {
-                    tracing::error!(%bot, error = %e, "bot task crashed");
-                    crashed.get_or_insert(bot.to_string());
-                    stop.cancel();
-                }
-            }
-            crashed.map_or(Ok(Vec::new()), |bot| Err(RunError::Crashed(bot)))
+/// A daemon's runners until shutdown. Every runner ends at shutdown; one that ends otherwise
+/// crashed, and a half-running instance is worse than a restarted one: the others are stopped.
+async fn until_shutdown(
+    runs: Vec<(BotId, tokio::task::JoinHandle<RunEnd>)>,
+    stop: &CancellationToken,
+) -> Result<Vec<BotSummary>, RunError> {
+    let mut crashed = None;
+    let mut pending: futures_util::stream::FuturesUnordered<_> = runs
+        .into_iter()
+        .map(|(bot, handle)| async move { (bot, handle.await) })
+        .collect();
+    while let Some((bot, end)) = futures_util::StreamExt::next(&mut pending).await {
+        if let Err(e) = end {
+            tracing::error!(%bot, error = %e, "bot task crashed");
+            crashed.get_or_insert(bot.to_string());
+            stop.cancel();
         }
-        Mode::Once { timeout } => once(runs, timeout, &store, &stop).await,
-    };
-    stop.cancel();
-    tracker.close();
-    tracker.wait().await;
-    ctx.hub.close().await;
-    // The registration goes last: no lock work of this process outlives it.
-    let _ = presence.await;
-    let result = if id_lost.load(std::sync::atomic::Ordering::SeqCst) {
-        Err(RunError::IdTakenOver(ctx.me.to_string()))
-    } else {
-        result
-    };
-    store.shutdown().await;
-    debug!(commands = ?ctx.store.command_counts(), waited_ms = ?ctx.store.command_waits(), "database commands sent");
-    info!(instance = %ctx.me, "seedlock stopped");
-    result
+    }
+    crashed.map_or(Ok(Vec::new()), |bot| Err(RunError::Crashed(bot)))
 }
 
 /// Every few seconds, the hosts that throttled this instance within the last minute or are

@@ -79,15 +79,19 @@ pub struct HostQueues {
 }
 
 /// What one dispatch turn did.
+/// A URL admitted to a fetch: its place in the host queue, its host's permit, a fetch slot and an
+/// uncommitted-page permit.
+pub type Started = (
+    Queued,
+    HostPermit,
+    OwnedSemaphorePermit,
+    OwnedSemaphorePermit,
+);
+
 #[derive(Debug, Default)]
 pub struct DispatchStep {
     /// URLs admitted and handed to fetch tasks.
-    pub started: Vec<(
-        Queued,
-        HostPermit,
-        OwnedSemaphorePermit,
-        OwnedSemaphorePermit,
-    )>,
+    pub started: Vec<Started>,
     /// URLs whose lease ran out while they waited: dropped unfetched.
     pub expired: usize,
     /// Paused hosts' queued URLs, to give back until the pause ends.

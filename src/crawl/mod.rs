@@ -301,7 +301,117 @@ struct Slice {
     settling: tokio_util::task::TaskTracker,
 }
 
+/// A slice's standing tasks, beside its shared state.
+struct SliceTasks {
+    run: Arc<Slice>,
+    parsers: tokio::task::JoinSet<()>,
+    writers: tokio::task::JoinSet<()>,
+    fetches: tokio::task::JoinSet<()>,
+}
+
+/// The leaser's state across the dispatcher's turns: the lease round out (one at a time), the
+/// dry spell and how long the pass has looked idle here.
+#[derive(Default)]
+struct Leasing {
+    round: Option<futures_util::future::BoxFuture<'static, Result<LeaseStep>>>,
+    /// `Slice::new_work` when the round out now was sent, and when the dispatcher last looked.
+    sent_at_work: u64,
+    work_seen: u64,
+    /// No new lease round before this (a dry spell: the last ones found nothing while pages
+    /// were in flight — every pending URL taken, the next listing page not read yet). Without
+    /// it every instance re-queries as fast as the database answers, and the database spends
+    /// itself answering "nothing" (measured: 5 instances, 600 ops/s, 7 pages/s on the test
+    /// server). A lease, a settled page or new work ends it.
+    dry: Option<Instant>,
+    dry_spell: Duration,
+    /// Since when lease rounds have found the pass idle here (its URLs leased by others, or
+    /// waiting for a retry time): they go on at the longest dry spell, and the slice ends idle
+    /// after `IDLE_END` of it with nothing in flight (the coordinator looks at the bot document,
+    /// then crawls on).
+    idle_since: Option<Instant>,
+    /// Pages were in flight at the last turn: when the pipeline drains, the pass may be over.
+    was_busy: bool,
+}
+
+impl Leasing {
+    /// The slice ends idle: nothing in flight, no round out, and idle rounds for `IDLE_END`.
+    fn idle_over(&self, busy: bool) -> bool {
+        !busy
+            && self.round.is_none()
+            && self
+                .idle_since
+                .is_some_and(|since| since.elapsed() >= IDLE_END)
+    }
+
+    /// New pending work here, or nothing left in flight (the pass may be over): the dry spell
+    /// ends. (A committed page alone does not end it: its links were enqueued when it was
+    /// parsed.)
+    fn look(&mut self, new_work: u64, busy: bool) {
+        if new_work != self.work_seen || (self.was_busy && !busy) {
+            self.work_seen = new_work;
+            self.dry = None;
+        }
+        self.was_busy = busy;
+    }
+
+    /// A new round goes out: none is out, the host queues have room and want more, and no dry
+    /// spell holds it back.
+    fn due(&self, run: &Slice, now: Instant) -> bool {
+        self.round.is_none()
+            && run.queues.room() > 0
+            && run.queues.wants_more()
+            && self.dry.is_none_or(|until| now >= until)
+    }
+
+    fn send(
+        &mut self,
+        new_work: u64,
+        round: futures_util::future::BoxFuture<'static, Result<LeaseStep>>,
+    ) {
+        self.sent_at_work = new_work;
+        self.round = Some(round);
+    }
+
+    /// A round came back with `step` (not the pass's end): a lease ends any dry spell; a round
+    /// that found nothing starts or doubles one, unless pages settled while it was out (what it
+    /// found may be stale already); an idle pass waits the longest.
+    fn landed(&mut self, step: &LeaseStep, new_work: u64) {
+        match step {
+            LeaseStep::Leased(_) => {
+                self.dry = None;
+                self.dry_spell = Duration::ZERO;
+                self.idle_since = None;
+            }
+            LeaseStep::Busy if new_work != self.sent_at_work => self.dry = None,
+            LeaseStep::Busy => {
+                self.dry_spell = (self.dry_spell * 2).clamp(DRY_SPELL_MIN, DRY_SPELL_MAX);
+                self.dry = Some(Instant::now() + self.dry_spell);
+            }
+            LeaseStep::Idle => {
+                self.idle_since.get_or_insert_with(Instant::now);
+                self.dry_spell = DRY_SPELL_MAX;
+                self.dry = Some(Instant::now() + self.dry_spell);
+            }
+            LeaseStep::PassFinished(_) => {}
+        }
+    }
+}
+
 impl Slice {
+    /// A task of the slice that panicked or was cancelled fails the slice.
+    fn check_task(
+        &self,
+        what: &'static str,
+        joined: std::result::Result<(), tokio::task::JoinError>,
+    ) {
+        if let Err(e) = joined {
+            self.fail(Error::Task {
+                what,
+                detail: e.to_string(),
+            });
+        }
+    }
+
     fn progressed(&self, new_work: bool) {
         if new_work {
             self.new_work
@@ -481,6 +591,110 @@ impl Crawler {
         shutdown: &CancellationToken,
     ) -> Result<SliceEnd> {
         let deadline = Instant::now() + slice;
+        let mut tasks = self.open_slice(pass);
+        let run = tasks.run.clone();
+        let mut leasing = Leasing::default();
+        let mut was_cut_off = false;
+        let mut end = SliceEnd::TimeUp;
+        loop {
+            if shutdown.is_cancelled() {
+                end = SliceEnd::Shutdown;
+                break;
+            }
+            if run.failed.is_cancelled() || Instant::now() >= deadline {
+                break;
+            }
+            let busy = self.stages.in_pipeline() > 0;
+            if leasing.idle_over(busy) {
+                end = SliceEnd::Idle;
+                break;
+            }
+            while let Some(joined) = tasks.fetches.try_join_next() {
+                run.check_task("fetch task", joined);
+            }
+            let now = Instant::now();
+            let cut_off = self.cut_off(&mut was_cut_off);
+            let step = self.dispatch_step(
+                &run.queues,
+                &run.slots,
+                &run.uncommitted,
+                self.clock.now(),
+                now,
+                cut_off,
+            );
+            for started in step.started {
+                self.start_fetch(&run, &mut tasks.fetches, pass, started, shutdown);
+            }
+            // A paused host's waiting URLs go back to the frontier until the pause ends.
+            let server_now = self.clock.now();
+            let back = step.paused.iter().map(|(q, wait)| {
+                (
+                    &q.lease,
+                    crate::store::plus(server_now, *wait),
+                    "host paused",
+                )
+            });
+            self.give_back(&run, back).await;
+            let mut wake = step.wake.unwrap_or(now + Duration::from_millis(250));
+            leasing.look(run.new_work(), busy);
+            if leasing.due(&run, now) {
+                self.send_lease_round(&mut leasing, &run, pass);
+            }
+            if let Some(until) = leasing.dry {
+                wake = wake.min(until);
+            }
+            let leased = tokio::select! {
+                _ = shutdown.cancelled() => None,
+                _ = run.failed.cancelled() => None,
+                step = async { leasing.round.as_mut().expect("checked").await }, if leasing.round.is_some() => Some(step),
+                _ = run.progressed.notified() => None,
+                _ = run.queues.arrived() => None,
+                _ = self.flow.changed() => None,
+                _ = tokio::time::sleep_until(wake.min(deadline)) => None,
+            };
+            let Some(step) = leased else {
+                continue;
+            };
+            leasing.round = None;
+            match step {
+                Ok(LeaseStep::PassFinished(pass_end)) => {
+                    end = SliceEnd::Finished(pass_end);
+                    break;
+                }
+                Ok(step) => leasing.landed(&step, run.new_work()),
+                Err(e) => {
+                    run.fail(e);
+                    break;
+                }
+            }
+        }
+        self.close_slice(tasks, leasing.round.take()).await;
+        if shutdown.is_cancelled() && !matches!(end, SliceEnd::Finished(_)) {
+            end = SliceEnd::Shutdown;
+        }
+        debug!(bot = %self.bot, pass = pass.number, ?end, "crawl slice ended");
+        let error = run.failure.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match error {
+            Some(e) if !matches!(end, SliceEnd::Finished(_)) => Err(e),
+            _ => Ok(end),
+        }
+    }
+
+    /// Sends a lease round (it fills the host queues; its step comes back to the dispatcher).
+    fn send_lease_round(self: &Arc<Self>, leasing: &mut Leasing, run: &Arc<Slice>, pass: &Pass) {
+        let in_pipeline = self.stages.in_pipeline() > 0;
+        let new_work = run.new_work();
+        let (crawler, run, pass) = (self.clone(), run.clone(), pass.clone());
+        leasing.send(
+            new_work,
+            Box::pin(async move { crawler.lease_step(&pass, &run.queues, in_pipeline).await }),
+        );
+    }
+
+    /// A slice's shared state and its standing tasks: the parsers, the writers and (once a
+    /// pass) the last complete pass's listing pages enqueued into this one, beside the crawl
+    /// (see `enqueue_known_listings`).
+    fn open_slice(self: &Arc<Self>, pass: &Pass) -> SliceTasks {
         let run = Arc::new(Slice {
             queues: HostQueues::new(self.limits.host_queue),
             parse: Queue::new(self.limits.parse_queue),
@@ -499,8 +713,6 @@ impl Crawler {
         for _ in 0..self.limits.parsers.max(1) {
             parsers.spawn(self.clone().parser(run.clone(), pass.clone()));
         }
-        // The last complete pass's listing pages go into this one at its start, beside the
-        // crawl (see `enqueue_known_listings`).
         if self.listings_in.load(std::sync::atomic::Ordering::Relaxed) != pass.number {
             let (crawler, run, pass) = (self.clone(), run.clone(), pass.clone());
             run.clone().settling.spawn(async move {
@@ -520,248 +732,129 @@ impl Crawler {
             let (crawler, run) = (self.clone(), run.clone());
             writers.spawn(async move { crawler.writer(&run).await });
         }
-
-        let mut fetches = tokio::task::JoinSet::new();
-        let mut leasing: Option<futures_util::future::BoxFuture<'static, Result<LeaseStep>>> = None;
-        // `new_work` when the lease round out now was sent, and when the loop last looked.
-        let mut leasing_since = 0;
-        let mut work_seen = 0;
-        // No new lease round before this (a dry spell: the last ones found nothing while pages
-        // were in flight — every pending URL taken, the next listing page not read yet). Without
-        // it every instance re-queries as fast as the database answers, and the database spends
-        // itself answering "nothing" (measured: 5 instances, 600 ops/s, 7 pages/s on the test
-        // server). A lease, a settled page or new work ends it.
-        let mut dry: Option<Instant> = None;
-        let mut dry_spell = Duration::ZERO;
-        // Since when lease rounds have found the pass idle here (its URLs leased by others, or
-        // waiting for a retry time): they go on at the longest dry spell, and the slice ends
-        // idle after `IDLE_END` of it with nothing in flight (the coordinator looks at the bot
-        // document, then crawls on).
-        let mut idle_since: Option<Instant> = None;
-        // Pages were in flight at the last turn: when the pipeline drains, the pass may be over.
-        let mut was_busy = false;
-        let mut was_cut_off = false;
-        let mut end = SliceEnd::TimeUp;
-        loop {
-            if shutdown.is_cancelled() {
-                end = SliceEnd::Shutdown;
-                break;
-            }
-            if run.failed.is_cancelled() || Instant::now() >= deadline {
-                break;
-            }
-            let busy = self.stages.in_pipeline() > 0;
-            if !busy
-                && leasing.is_none()
-                && idle_since.is_some_and(|since| since.elapsed() >= IDLE_END)
-            {
-                end = SliceEnd::Idle;
-                break;
-            }
-            while let Some(joined) = fetches.try_join_next() {
-                if let Err(e) = joined {
-                    run.fail(Error::Task {
-                        what: "fetch task",
-                        detail: e.to_string(),
-                    });
-                }
-            }
-            let now = Instant::now();
-            let silent = self.store.unanswered_for();
-            let cut_off = silent > self.cut_off_after;
-            if cut_off != was_cut_off {
-                if cut_off {
-                    warn!(bot = %self.bot, silent = ?silent, "the database has not answered for longer than lock.ttl: no fetch starts until it does");
-                } else {
-                    info!(bot = %self.bot, "the database answers again: fetching again");
-                }
-                was_cut_off = cut_off;
-            }
-            let step = self.dispatch_step(
-                &run.queues,
-                &run.slots,
-                &run.uncommitted,
-                self.clock.now(),
-                now,
-                cut_off,
-            );
-            for (queued, admitted, slot, uncommitted) in step.started {
-                let (crawler, run, shutdown) = (self.clone(), run.clone(), shutdown.clone());
-                let fetching = self.stages.fetch.enter();
-                drop(queued.ticket);
-                let refetch = pass.refetch;
-                fetches.spawn(async move {
-                    let mut lease = queued.lease;
-                    if refetch {
-                        lease.validators = Default::default();
-                    }
-                    let fetched = crawler.fetch(&lease, admitted, &shutdown).await;
-                    let fast = lease.kind.is_listing();
-                    // Waits while the bodies uncommitted here weigh the whole byte budget,
-                    // holding the fetch slot: big pages in flight stop fetching, then leasing.
-                    let weight = body_weight(&fetched, run.bytes_kib);
-                    let bytes = run.bytes.clone().acquire_many_owned(weight).await.ok();
-                    let item = Item {
-                        lease,
-                        what: fetched,
-                        uncommitted: Uncommitted {
-                            _page: uncommitted,
-                            _bytes: bytes,
-                        },
-                        _ticket: crawler.stages.parse.enter(),
-                    };
-                    drop(fetching);
-                    // Waits while the parse queue is full, holding the fetch slot: slow parsing
-                    // stops fetching, and then leasing.
-                    let _ = run.parse.push(item, fast).await;
-                    drop(slot);
-                });
-            }
-            if !step.paused.is_empty() {
-                // A paused host's waiting URLs go back to the frontier until the pause ends.
-                let now = self.clock.now();
-                let marks: Vec<_> = step
-                    .paused
-                    .iter()
-                    .map(|(q, wait)| {
-                        let mark = Mark::Release {
-                            not_before: crate::store::plus(now, *wait),
-                            reason: "host paused".into(),
-                        };
-                        (&q.lease, mark)
-                    })
-                    .collect();
-                if let Err(e) = self.store.settle_urls(&marks, now).await {
-                    run.fail(e);
-                }
-            }
-            let mut wake = step.wake.unwrap_or(now + Duration::from_millis(250));
-            // New pending work here, or nothing left in flight (the pass may be over): the dry
-            // spell ends. (A committed page alone does not end it: its links were enqueued
-            // when it was parsed.)
-            if run.new_work() != work_seen || (was_busy && !busy) {
-                work_seen = run.new_work();
-                dry = None;
-            }
-            was_busy = busy;
-            // Lease: one round at a time, while the host queues have room.
-            if leasing.is_none()
-                && run.queues.room() > 0
-                && run.queues.wants_more()
-                && dry.is_none_or(|until| now >= until)
-            {
-                let in_pipeline = self.stages.in_pipeline() > 0;
-                leasing_since = run.new_work();
-                let (crawler, run, pass) = (self.clone(), run.clone(), pass.clone());
-                leasing = Some(Box::pin(async move {
-                    crawler.lease_step(&pass, &run.queues, in_pipeline).await
-                }));
-            }
-            if let Some(until) = dry {
-                wake = wake.min(until);
-            }
-            let leased = tokio::select! {
-                _ = shutdown.cancelled() => None,
-                _ = run.failed.cancelled() => None,
-                step = async { leasing.as_mut().expect("checked").await }, if leasing.is_some() => Some(step),
-                _ = run.progressed.notified() => None,
-                _ = run.queues.arrived() => None,
-                _ = self.flow.changed() => None,
-                _ = tokio::time::sleep_until(wake.min(deadline)) => None,
-            };
-            let Some(step) = leased else {
-                continue;
-            };
-            leasing = None;
-            match step {
-                Ok(LeaseStep::Leased(_)) => {
-                    dry = None;
-                    dry_spell = Duration::ZERO;
-                    idle_since = None;
-                }
-                // Pages settled while the round was out: what it found may be stale already.
-                Ok(LeaseStep::Busy) if run.new_work() != leasing_since => dry = None,
-                Ok(LeaseStep::Busy) => {
-                    dry_spell = (dry_spell * 2).clamp(DRY_SPELL_MIN, DRY_SPELL_MAX);
-                    dry = Some(Instant::now() + dry_spell);
-                }
-                Ok(LeaseStep::Idle) => {
-                    idle_since.get_or_insert_with(Instant::now);
-                    dry_spell = DRY_SPELL_MAX;
-                    dry = Some(Instant::now() + dry_spell);
-                }
-                Ok(LeaseStep::PassFinished(pass_end)) => {
-                    end = SliceEnd::Finished(pass_end);
-                    break;
-                }
-                Err(e) => {
-                    run.fail(e);
-                    break;
-                }
-            }
+        SliceTasks {
+            run,
+            parsers,
+            writers,
+            fetches: tokio::task::JoinSet::new(),
         }
-        // A lease round still out lands in the host queues, given back below.
-        if let Some(round) = leasing.take() {
+    }
+
+    /// Whether the database has left this instance unanswered past `lock.ttl` (then no fetch
+    /// starts); logs each change of that against `was`.
+    fn cut_off(&self, was: &mut bool) -> bool {
+        let silent = self.store.unanswered_for();
+        let cut_off = silent > self.cut_off_after;
+        if cut_off != *was {
+            if cut_off {
+                warn!(bot = %self.bot, silent = ?silent, "the database has not answered for longer than lock.ttl: no fetch starts until it does");
+            } else {
+                info!(bot = %self.bot, "the database answers again: fetching again");
+            }
+            *was = cut_off;
+        }
+        cut_off
+    }
+
+    /// Fetches one admitted URL in a task of `fetches`, then hands the page to the parse queue
+    /// once the byte budget has room for it (see [`Slice::bytes`]).
+    fn start_fetch(
+        self: &Arc<Self>,
+        run: &Arc<Slice>,
+        fetches: &mut tokio::task::JoinSet<()>,
+        pass: &Pass,
+        (queued, admitted, slot, uncommitted): dispatch::Started,
+        shutdown: &CancellationToken,
+    ) {
+        let (crawler, run, shutdown) = (self.clone(), run.clone(), shutdown.clone());
+        let fetching = self.stages.fetch.enter();
+        drop(queued.ticket);
+        let refetch = pass.refetch;
+        fetches.spawn(async move {
+            let mut lease = queued.lease;
+            if refetch {
+                lease.validators = Default::default();
+            }
+            let fetched = crawler.fetch(&lease, admitted, &shutdown).await;
+            let fast = lease.kind.is_listing();
+            // Waits while the bodies uncommitted here weigh the whole byte budget, holding the
+            // fetch slot: big pages in flight stop fetching, then leasing.
+            let weight = body_weight(&fetched, run.bytes_kib);
+            let bytes = run.bytes.clone().acquire_many_owned(weight).await.ok();
+            let item = Item {
+                lease,
+                what: fetched,
+                uncommitted: Uncommitted {
+                    _page: uncommitted,
+                    _bytes: bytes,
+                },
+                _ticket: crawler.stages.parse.enter(),
+            };
+            drop(fetching);
+            // Waits while the parse queue is full, holding the fetch slot: slow parsing stops
+            // fetching, and then leasing.
+            let _ = run.parse.push(item, fast).await;
+            drop(slot);
+        });
+    }
+
+    /// Gives leased URLs back to the frontier, each not before its time and with its reason (a
+    /// failed write fails the slice; the leases run out instead).
+    async fn give_back<'a>(
+        &self,
+        run: &Slice,
+        back: impl Iterator<Item = (&'a UrlLease, DateTime<Utc>, &'static str)>,
+    ) {
+        let marks: Vec<_> = back
+            .map(|(lease, not_before, reason)| {
+                let mark = Mark::Release {
+                    not_before,
+                    reason: reason.into(),
+                };
+                (lease, mark)
+            })
+            .collect();
+        if marks.is_empty() {
+            return;
+        }
+        if let Err(e) = self.store.settle_urls(&marks, self.clock.now()).await {
+            run.fail(e);
+        }
+    }
+
+    /// Ends a slice: a lease round still out lands in the host queues; fetches finish (or, at
+    /// shutdown, give their URLs back); then the parsers and the writers drain; then what still
+    /// waits for its host goes back.
+    async fn close_slice(
+        &self,
+        mut tasks: SliceTasks,
+        round: Option<futures_util::future::BoxFuture<'static, Result<LeaseStep>>>,
+    ) {
+        let run = tasks.run.clone();
+        if let Some(round) = round {
             if let Err(e) = round.await {
                 run.fail(e);
             }
         }
-        // Fetches finish (or, at shutdown, give their URLs back); then the parsers and the
-        // writers drain; then what still waits for its host goes back.
-        while let Some(joined) = fetches.join_next().await {
-            if let Err(e) = joined {
-                run.fail(Error::Task {
-                    what: "fetch task",
-                    detail: e.to_string(),
-                });
-            }
+        while let Some(joined) = tasks.fetches.join_next().await {
+            run.check_task("fetch task", joined);
         }
         run.parse.close();
-        while let Some(joined) = parsers.join_next().await {
-            if let Err(e) = joined {
-                run.fail(Error::Task {
-                    what: "parse task",
-                    detail: e.to_string(),
-                });
-            }
+        while let Some(joined) = tasks.parsers.join_next().await {
+            run.check_task("parse task", joined);
         }
         run.settling.close();
         run.settling.wait().await;
         run.store.close();
-        while let Some(joined) = writers.join_next().await {
-            if let Err(e) = joined {
-                run.fail(Error::Task {
-                    what: "commit task",
-                    detail: e.to_string(),
-                });
-            }
+        while let Some(joined) = tasks.writers.join_next().await {
+            run.check_task("commit task", joined);
         }
         let left = run.queues.drain();
-        if !left.is_empty() {
-            let now = self.clock.now();
-            let marks: Vec<_> = left
-                .iter()
-                .map(|q| {
-                    let mark = Mark::Release {
-                        not_before: now,
-                        reason: "slice ended before its host admitted it".into(),
-                    };
-                    (&q.lease, mark)
-                })
-                .collect();
-            if let Err(e) = self.store.settle_urls(&marks, now).await {
-                run.fail(e);
-            }
-        }
-        if shutdown.is_cancelled() && !matches!(end, SliceEnd::Finished(_)) {
-            end = SliceEnd::Shutdown;
-        }
-        debug!(bot = %self.bot, pass = pass.number, ?end, "crawl slice ended");
-        let error = run.failure.lock().unwrap_or_else(|p| p.into_inner()).take();
-        match error {
-            Some(e) if !matches!(end, SliceEnd::Finished(_)) => Err(e),
-            _ => Ok(end),
-        }
+        let now = self.clock.now();
+        let back = left
+            .iter()
+            .map(|q| (&q.lease, now, "slice ended before its host admitted it"));
+        self.give_back(&run, back).await;
     }
 
     /// A parser: takes fetched pages (listing pages first), parses them, follows their links at

@@ -183,145 +183,19 @@ pub fn examine(
     let data = extract(page_url, html, &rules.links, list, record);
     let document = Html::parse_document(html);
     let root = document.root_element();
-    let mut unmatched = Vec::new();
-    let mut nothing = |key: &str, selector: &str, detail: String| {
-        unmatched.push(Unmatched {
-            key: key.to_owned(),
-            selector: selector.to_owned(),
-            detail,
-        })
-    };
-
-    // Every link the follow selector matched: followed, or refused with why.
-    let mut refused = Vec::new();
-    let mut refused_more = 0;
-    let mut refuse = |link: String, why: String| {
-        if refused.len() < MAX_REFUSED_SHOWN {
-            refused.push(Refused { link, why });
-        } else {
-            refused_more += 1;
-        }
-    };
-    let mut seen = std::collections::HashSet::new();
-    let mut anchors = 0usize;
-    let mut followed = 0usize;
-    for a in root.select(&rules.links.follow) {
-        anchors += 1;
-        let Some(href) = a.value().attr("href") else {
-            continue;
-        };
-        if followed >= rules.links.max {
-            continue; // counted in `data.dropped`
-        }
-        match NormalizedUrl::join_with(page_url, href, &rules.links.strip) {
-            Err(e) => refuse(href.to_owned(), format!("not a followable URL ({e})")),
-            Ok(url) => match rules.links.refusal(&url) {
-                Some(why) => refuse(url.to_string(), why),
-                None if !seen.insert(url.clone()) => refuse(url.to_string(), "duplicate".into()),
-                None => followed += 1,
-            },
-        }
-    }
-    if anchors == 0 {
-        nothing(
-            "crawl.follow",
-            &css_of(&rules.links.follow),
-            "matched no element on the page".into(),
-        );
-    }
-
-    let mut items = Vec::new();
-    if let Some(l) = list {
-        let elements: Vec<_> = root.select(&l.item).collect();
-        if elements.is_empty() {
-            nothing(
-                "crawl.list.item",
-                &css_of(&l.item),
-                "matched no element on the page".into(),
-            );
-        } else {
-            let total = elements.len();
-            let missing =
-                |spec: &ValueSpec| elements.iter().filter(|e| spec.read(**e).is_none()).count();
-            let mut in_items = |key: String, spec: &ValueSpec| {
-                let n = missing(spec);
-                if n > 0 {
-                    nothing(
-                        &key,
-                        spec.as_str(),
-                        format!("matched nothing in {n} of {total} items"),
-                    );
-                }
-            };
-            in_items("crawl.list.item_id".into(), &l.item_id);
-            in_items("crawl.list.item_link".into(), &l.item_link);
-            for (i, spec) in l.fingerprint.iter().enumerate() {
-                in_items(format!("crawl.list.fingerprint[{i}]"), spec);
-            }
-            if let Some(spec) = &l.updated_at {
-                in_items("crawl.list.updated_at".into(), spec);
-                let unreadable = elements
-                    .iter()
-                    .filter_map(|e| spec.read(*e))
-                    .filter(|raw| crate::extract::parse_time(raw).is_none())
-                    .count();
-                if unreadable > 0 {
-                    nothing(
-                        "crawl.list.updated_at",
-                        spec.as_str(),
-                        format!("{unreadable} of {total} values are not an RFC 3339 or HTTP date"),
-                    );
-                }
-            }
-            // The items the crawl keeps (those with an id, up to max_links), beside their
-            // elements: the same selection, in the same order.
-            let with_id = elements.iter().filter(|e| l.item_id.read(**e).is_some());
-            for (element, item) in with_id.zip(&data.items) {
-                items.push(ItemView {
-                    id: item.id.clone(),
-                    link: item.url.as_ref().map(ToString::to_string),
-                    fingerprint_fields: l
-                        .fingerprint
-                        .iter()
-                        .map(|spec| FingerprintField {
-                            spec: spec.as_str().to_owned(),
-                            value: spec.read(*element).unwrap_or_default(),
-                        })
-                        .collect(),
-                    fingerprint: format!("{:016x}", fingerprint_hash(&item.fingerprint)),
-                    updated_at: l.updated_at.as_ref().and_then(|spec| spec.read(*element)),
-                    updated_at_parsed: item.updated_at.map(|t| t.to_rfc3339()),
-                });
-            }
-        }
-    }
-
+    let mut unmatched = Unmatches::default();
+    let links = refused_links(&rules.links, page_url, root, &mut unmatched);
+    let items = list.map_or_else(Vec::new, |l| list_items(l, root, &data, &mut unmatched));
     let record = match (record, data.record) {
-        (Some(r), Some(Ok((natural_key, fields)))) => {
-            let mut shown = std::collections::BTreeMap::new();
-            for (name, spec) in &r.fields {
-                let value = match fields.get(name) {
-                    Some(Bson::String(v)) => Some(v.clone()),
-                    _ => None,
-                };
-                if value.is_none() {
-                    nothing(
-                        &format!("crawl.record.fields.{name}"),
-                        spec.as_str(),
-                        "matched nothing on the page (stored as null)".into(),
-                    );
-                }
-                shown.insert(name.clone(), value);
-            }
-            Ok(Some(RecordView {
-                id: record_id(bot, &natural_key),
-                natural_key,
-                content_hash: content_hash(&fields),
-                fields: shown,
-            }))
-        }
+        (Some(r), Some(Ok((natural_key, fields)))) => Ok(Some(record_view(
+            bot,
+            r,
+            natural_key,
+            &fields,
+            &mut unmatched,
+        ))),
         (Some(r), Some(Err(why))) => {
-            nothing(
+            unmatched.nothing(
                 "crawl.record.natural_key",
                 r.natural_key.as_str(),
                 "matched nothing on the page: no record".into(),
@@ -331,11 +205,215 @@ pub fn examine(
         (Some(_), None) => Err("the page matched no record rule".into()),
         (None, _) => Ok(None),
     };
-
     let follows: Vec<String> = data.links.iter().map(ToString::to_string).collect();
+    let (ok, verdict) = verdict(kind, list.is_some(), &items, &follows, &record);
+    Examined {
+        kind,
+        items,
+        follows,
+        refused: links.refused,
+        refused_more: links.more,
+        over_max_links: data.dropped,
+        no_record: record.as_ref().err().cloned(),
+        record: record.ok().flatten(),
+        unmatched: unmatched.0,
+        ok,
+        verdict,
+    }
+}
+
+/// The selectors that matched nothing, each with its config key and what it missed.
+#[derive(Default)]
+struct Unmatches(Vec<Unmatched>);
+
+impl Unmatches {
+    fn nothing(&mut self, key: &str, selector: &str, detail: String) {
+        self.0.push(Unmatched {
+            key: key.to_owned(),
+            selector: selector.to_owned(),
+            detail,
+        });
+    }
+}
+
+/// The links a page's follow selector matched that the crawl does not follow.
+struct RefusedLinks {
+    /// At most [`MAX_REFUSED_SHOWN`], with why.
+    refused: Vec<Refused>,
+    /// How many more.
+    more: usize,
+}
+
+/// Every link the follow selector matched: followed, or refused with why (out of scope, allow,
+/// deny, duplicate, not a URL; those past `max_links` are counted by the extraction).
+fn refused_links(
+    links: &crate::extract::LinkRules,
+    page_url: &Url,
+    root: scraper::ElementRef<'_>,
+    unmatched: &mut Unmatches,
+) -> RefusedLinks {
+    let mut out = RefusedLinks {
+        refused: Vec::new(),
+        more: 0,
+    };
+    let mut refuse = |link: String, why: String| {
+        if out.refused.len() < MAX_REFUSED_SHOWN {
+            out.refused.push(Refused { link, why });
+        } else {
+            out.more += 1;
+        }
+    };
+    let mut seen = std::collections::HashSet::new();
+    let mut anchors = 0usize;
+    let mut followed = 0usize;
+    for a in root.select(&links.follow) {
+        anchors += 1;
+        let Some(href) = a.value().attr("href") else {
+            continue;
+        };
+        if followed >= links.max {
+            continue; // counted in `data.dropped`
+        }
+        match NormalizedUrl::join_with(page_url, href, &links.strip) {
+            Err(e) => refuse(href.to_owned(), format!("not a followable URL ({e})")),
+            Ok(url) => match links.refusal(&url) {
+                Some(why) => refuse(url.to_string(), why),
+                None if !seen.insert(url.clone()) => refuse(url.to_string(), "duplicate".into()),
+                None => followed += 1,
+            },
+        }
+    }
+    if anchors == 0 {
+        unmatched.nothing(
+            "crawl.follow",
+            &css_of(&links.follow),
+            "matched no element on the page".into(),
+        );
+    }
+    out
+}
+
+/// A listing page's items as the crawl keeps them, with what each selector read; a selector
+/// that missed in some items (or a time that does not read) goes to `unmatched`.
+fn list_items(
+    l: &crate::extract::ListRules,
+    root: scraper::ElementRef<'_>,
+    data: &crate::extract::PageData,
+    unmatched: &mut Unmatches,
+) -> Vec<ItemView> {
+    let elements: Vec<_> = root.select(&l.item).collect();
+    if elements.is_empty() {
+        unmatched.nothing(
+            "crawl.list.item",
+            &css_of(&l.item),
+            "matched no element on the page".into(),
+        );
+        return Vec::new();
+    }
+    let total = elements.len();
+    let mut in_items = |key: String, spec: &ValueSpec| {
+        let n = elements.iter().filter(|e| spec.read(**e).is_none()).count();
+        if n > 0 {
+            unmatched.nothing(
+                &key,
+                spec.as_str(),
+                format!("matched nothing in {n} of {total} items"),
+            );
+        }
+    };
+    in_items("crawl.list.item_id".into(), &l.item_id);
+    in_items("crawl.list.item_link".into(), &l.item_link);
+    for (i, spec) in l.fingerprint.iter().enumerate() {
+        in_items(format!("crawl.list.fingerprint[{i}]"), spec);
+    }
+    if let Some(spec) = &l.updated_at {
+        in_items("crawl.list.updated_at".into(), spec);
+        let unreadable = elements
+            .iter()
+            .filter_map(|e| spec.read(*e))
+            .filter(|raw| crate::extract::parse_time(raw).is_none())
+            .count();
+        if unreadable > 0 {
+            unmatched.nothing(
+                "crawl.list.updated_at",
+                spec.as_str(),
+                format!("{unreadable} of {total} values are not an RFC 3339 or HTTP date"),
+            );
+        }
+    }
+    // The items the crawl keeps (those with an id, up to max_links), beside their elements: the
+    // same selection, in the same order.
+    let with_id = elements.iter().filter(|e| l.item_id.read(**e).is_some());
+    with_id
+        .zip(&data.items)
+        .map(|(element, item)| ItemView {
+            id: item.id.clone(),
+            link: item.url.as_ref().map(ToString::to_string),
+            fingerprint_fields: l
+                .fingerprint
+                .iter()
+                .map(|spec| FingerprintField {
+                    spec: spec.as_str().to_owned(),
+                    value: spec.read(*element).unwrap_or_default(),
+                })
+                .collect(),
+            fingerprint: format!("{:016x}", fingerprint_hash(&item.fingerprint)),
+            updated_at: l.updated_at.as_ref().and_then(|spec| spec.read(*element)),
+            updated_at_parsed: item.updated_at.map(|t| t.to_rfc3339()),
+        })
+        .collect()
+}
+
+/// A detail page's record as it would be stored; a field that matched nothing (stored as null)
+/// goes to `unmatched`.
+fn record_view(
+    bot: &str,
+    r: &crate::extract::RecordRules,
+    natural_key: String,
+    fields: &bson::Document,
+    unmatched: &mut Unmatches,
+) -> RecordView {
+    let mut shown = std::collections::BTreeMap::new();
+    for (name, spec) in &r.fields {
+        let value = match fields.get(name) {
+            Some(Bson::String(v)) => Some(v.clone()),
+            _ => None,
+        };
+        if value.is_none() {
+            unmatched.nothing(
+                &format!("crawl.record.fields.{name}"),
+                spec.as_str(),
+                "matched nothing on the page (stored as null)".into(),
+            );
+        }
+        shown.insert(name.clone(), value);
+    }
+    RecordView {
+        id: record_id(bot, &natural_key),
+        natural_key,
+        content_hash: content_hash(fields),
+        fields: shown,
+    }
+}
+
+/// Whether the page yields what its kind needs, and a line saying what it yields or lacks.
+fn verdict(
+    kind: Kind,
+    has_list_rules: bool,
+    items: &[ItemView],
+    follows: &[String],
+    record: &Result<Option<RecordView>, String>,
+) -> (bool, String) {
     let linked_items = items.iter().filter(|i| i.link.is_some()).count();
-    let (ok, verdict) = match kind {
-        Kind::Detail => match &record {
+    let yields = || {
+        format!(
+            "{} items ({linked_items} with a detail link), {} links to follow",
+            items.len(),
+            follows.len()
+        )
+    };
+    match kind {
+        Kind::Detail => match record {
             Ok(Some(r)) => (true, format!("a record: {}", r.natural_key)),
             Err(why) => (false, format!("no record: {why}")),
             Ok(None) => (
@@ -343,35 +421,8 @@ pub fn examine(
                 "no [bots.crawl.record] rules: nothing to store".into(),
             ),
         },
-        _ if list.is_some() && kind == Kind::Listing => (
-            linked_items > 0,
-            format!(
-                "{} items ({linked_items} with a detail link), {} links to follow",
-                items.len(),
-                follows.len()
-            ),
-        ),
-        _ => (
-            linked_items > 0 || !follows.is_empty(),
-            format!(
-                "{} items ({linked_items} with a detail link), {} links to follow",
-                items.len(),
-                follows.len()
-            ),
-        ),
-    };
-    Examined {
-        kind,
-        items,
-        follows,
-        refused,
-        refused_more,
-        over_max_links: data.dropped,
-        no_record: record.as_ref().err().cloned(),
-        record: record.ok().flatten(),
-        unmatched,
-        ok,
-        verdict,
+        Kind::Listing if has_list_rules => (linked_items > 0, yields()),
+        _ => (linked_items > 0 || !follows.is_empty(), yields()),
     }
 }
 

@@ -29,10 +29,11 @@ use super::{Crawler, PageResult, Pass};
 use crate::backoff::full_jitter;
 use crate::config::IncrementalMode;
 use crate::error::Result;
-use crate::extract::PageData;
+use crate::extract::{ListItem, PageData};
 use crate::fetch::FetchOutcome;
 use crate::store::frontier::{
-    fingerprint_hash, url_id, LeaseTo, Manifest, Mark, NewUrl, PageKind, UrlLease, UrlStatus,
+    fingerprint_hash, url_id, KnownPage, LeaseTo, Manifest, Mark, NewUrl, PageKind, UrlLease,
+    UrlStatus,
 };
 use crate::store::records::Extracted;
 use crate::urls::NormalizedUrl;
@@ -66,6 +67,64 @@ pub struct Followed {
     pub leased: usize,
 }
 
+/// A fetched page's links, sorted for [`Crawler::follow`].
+struct PageLinks<'a> {
+    /// A listing page's items with a detail link, each detail page once, in page order.
+    items: Vec<(&'a ListItem, &'a NormalizedUrl)>,
+    /// The detail pages a listing page links to besides its items.
+    detail_links: Vec<&'a NormalizedUrl>,
+    /// Every other link (and its frontier id) not known enqueued in this pass already.
+    plain: Vec<(&'a NormalizedUrl, String)>,
+}
+
+/// What a listing page's items came to.
+#[derive(Default)]
+struct Listing {
+    /// What the page listed (for its done mark); none for a detail page.
+    manifest: Option<Manifest>,
+    /// Detail pages to fetch whose entries were read (or that have none).
+    new: Vec<NewUrl>,
+    /// Detail pages to fetch known stored but changed, from the manifests: enqueued without a
+    /// read of their entries.
+    changed: Vec<NewUrl>,
+    /// Watermark mode met an item known stored: the listing's pagination ends here.
+    stop_paginating: bool,
+}
+
+/// How a listed item is known stored: by the fingerprint hash its manifests agree on, or by the
+/// fingerprint its frontier entry was stored with.
+#[derive(Clone, Copy, Debug)]
+enum StoredAs<'a> {
+    Hash(i64),
+    Text(Option<&'a str>),
+}
+
+/// Whether a listed item's detail page is fetched this pass by the incremental `mode`, given
+/// how it is known stored (`None`: not known stored) and, for `updated_at`, the time since
+/// which a change counts. `None`: that is not enough to say — never in `full` mode or for an
+/// item not known stored (fetch it), or an `updated_at` item without a readable time.
+fn fetch_item(
+    mode: IncrementalMode,
+    item: &ListItem,
+    stored: Option<StoredAs<'_>>,
+    since: Option<DateTime<Utc>>,
+) -> Option<bool> {
+    match (mode, stored) {
+        (IncrementalMode::Full, _) | (_, None) => None,
+        (IncrementalMode::Fingerprint, Some(StoredAs::Hash(fp))) => {
+            Some(fp != fingerprint_hash(&item.fingerprint))
+        }
+        (IncrementalMode::Fingerprint, Some(StoredAs::Text(fp))) => {
+            Some(fp != Some(item.fingerprint.as_str()))
+        }
+        (IncrementalMode::Watermark, Some(_)) => Some(false),
+        (IncrementalMode::UpdatedAt, Some(_)) => match (item.updated_at, since) {
+            (Some(updated), Some(since)) => Some(updated >= since),
+            _ => None,
+        },
+    }
+}
+
 impl Crawler {
     /// Enqueues what a fetched page leads to, leasing to this instance the links it has room
     /// for (see the module comment), and — for a listing or seed page — what it listed: its
@@ -83,96 +142,38 @@ impl Crawler {
         } else {
             self.rules.incremental.mode
         };
-        let listing = lease.kind.is_listing();
-        let mut item_urls: HashSet<&NormalizedUrl> = HashSet::new();
-        let items: Vec<_> = if listing {
-            data.items
-                .iter()
-                .filter_map(|item| item.url.as_ref().map(|url| (item, url)))
-                .filter(|(_, url)| item_urls.insert(url))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let mut manifest = listing.then(|| Manifest {
-            evaluated: pass.evaluated,
-            ..Manifest::default()
-        });
-        // The detail pages the page links to besides its items are listed too (a fingerprint
-        // of 0: nothing to compare). They are enqueued below like every link.
-        let detail_links: Vec<&NormalizedUrl> = if listing {
-            data.links
-                .iter()
-                .filter(|link| !item_urls.contains(link) && self.kind_of(link) == PageKind::Detail)
-                .collect()
-        } else {
-            Vec::new()
-        };
-        // Links this instance already put into this pass (every product page links back to the
-        // first listing page, say) need no round trip: enqueuing them again would be a no-op.
-        let mut plain: Vec<(&NormalizedUrl, String)> = {
-            let cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
-            data.links
-                .iter()
-                .filter(|link| !item_urls.contains(link))
-                .map(|link| (link, url_id(&self.bot, link)))
-                .filter(|(_, id)| cache.0 != lease.pass || !cache.1.contains(id))
-                .collect()
-        };
+        let PageLinks {
+            items,
+            detail_links,
+            mut plain,
+        } = self.page_links(lease, data);
         let mut followed = Followed::default();
         // The pagination chain first, in one write, leased here: the next listing page is
         // fetched while this page's items are decided. (Not in watermark mode, where the items
         // decide whether pagination goes on.)
         if mode != IncrementalMode::Watermark {
-            let (lists, rest): (Vec<_>, Vec<_>) = plain
+            let lists;
+            (lists, plain) = plain
                 .into_iter()
                 .partition(|(link, _)| self.kind_of(link) == PageKind::List);
-            plain = rest;
-            let t0 = tokio::time::Instant::now();
-            let (f, ids) = self.follow_listing(lease, &lists, queues, now).await?;
-            tracing::trace!(took = ?t0.elapsed(), leased = f.leased, "listing links enqueued");
-            followed.added += f.added;
-            followed.leased += f.leased;
-            self.remember_enqueued(lease.pass, ids);
+            self.follow_pagination(lease, &lists, queues, now, &mut followed)
+                .await?;
         }
-        // What the manifests of earlier passes say of the items: an item listed with the same
-        // fingerprint and known stored needs no read and no fetch.
-        let table = if items.is_empty() {
-            None
-        } else {
-            Some(self.known_items(lease.pass).await?)
-        };
         let since = pass.last_run_at.map(|t| {
             t - chrono::Duration::from_std(self.rules.incremental.overlap).unwrap_or_default()
         });
-        let mut stop_paginating = false;
-        // Items decided without a read, in page order: `false` skipped (known stored, as
-        // listed), `true` fetched (known stored, but changed: nothing to read for it — a changed
-        // page needs no validators).
-        let mut decided: HashMap<usize, bool> = HashMap::new();
-        for (i, (item, url)) in items.iter().enumerate() {
-            let known = match table.as_ref().map(|t| t.get(&url_id(&self.bot, url))) {
-                Some(Listed::Stored(fp)) => Some(fp),
-                _ => None,
-            };
-            let fetch = match (mode, known) {
-                (IncrementalMode::Full, _) | (_, None) => None,
-                (IncrementalMode::Fingerprint, Some(fp)) => {
-                    Some(fp != fingerprint_hash(&item.fingerprint))
-                }
-                (IncrementalMode::Watermark, Some(_)) => {
-                    stop_paginating = true;
-                    Some(false)
-                }
-                (IncrementalMode::UpdatedAt, Some(_)) => match (item.updated_at, since) {
-                    (Some(updated), Some(since)) => Some(updated >= since),
-                    _ => None,
-                },
-            };
-            if let Some(fetch) = fetch {
-                decided.insert(i, fetch);
-            }
-        }
+        let mut listed = Listing {
+            manifest: lease.kind.is_listing().then(|| Manifest {
+                evaluated: pass.evaluated,
+                ..Manifest::default()
+            }),
+            ..Listing::default()
+        };
+        // What the manifests of earlier passes say of the items: an item listed with the same
+        // fingerprint and known stored needs no read and no fetch.
+        let decided = self
+            .decide_from_manifests(lease, &items, mode, since, &mut listed)
+            .await?;
         let to_read: Vec<String> = items
             .iter()
             .enumerate()
@@ -185,73 +186,28 @@ impl Crawler {
         } else {
             self.store.known_by_id(&self.bot, &to_read).await?
         };
-
-        let mut new: Vec<NewUrl> = Vec::new();
-        // Changed items known stored: enqueued without a read of their entries.
-        let mut changed: Vec<NewUrl> = Vec::new();
-        for (i, (item, url)) in items.iter().enumerate() {
-            let id = url_id(&self.bot, url);
-            let fingerprint = fingerprint_hash(&item.fingerprint);
-            let fetch = match decided.get(&i) {
-                Some(fetch) => *fetch,
-                None => {
-                    // Known: stored by an earlier fetch (done, with a record).
-                    let stored = known
-                        .get(&id)
-                        .filter(|k| k.status == Some(UrlStatus::Done) && k.record_id.is_some());
-                    match (mode, stored) {
-                        (IncrementalMode::Full, _) | (_, None) => true,
-                        (IncrementalMode::Fingerprint, Some(k)) => {
-                            k.fingerprint.as_deref() != Some(item.fingerprint.as_str())
-                        }
-                        (IncrementalMode::Watermark, Some(_)) => {
-                            stop_paginating = true;
-                            false
-                        }
-                        (IncrementalMode::UpdatedAt, Some(_)) => match (item.updated_at, since) {
-                            (Some(updated), Some(since)) => updated >= since,
-                            _ => true,
-                        },
-                    }
-                }
-            };
-            if let Some(m) = manifest.as_mut() {
-                m.push(id, fingerprint, fetch);
-            }
-            if fetch {
-                let link = NewUrl {
-                    url: (*url).clone(),
-                    kind: PageKind::Detail,
-                    fingerprint: Some(item.fingerprint.clone()),
-                    priority: self.priority_of(url, PageKind::Detail),
-                };
-                if decided.contains_key(&i) {
-                    changed.push(link);
-                } else {
-                    new.push(link);
-                }
-            }
-        }
-        if !changed.is_empty() {
-            changed.sort_by_key(|n| -n.priority);
+        self.decide_items(&items, &decided, &known, mode, since, &mut listed);
+        if !listed.changed.is_empty() {
+            listed.changed.sort_by_key(|n| -n.priority);
             let (added, leased) = self
-                .upsert_links(lease, &changed, queues, false, now)
+                .upsert_links(lease, &listed.changed, queues, false, now)
                 .await?;
             followed.added += added;
             followed.leased += leased;
         }
-        if let Some(m) = manifest.as_mut() {
+        if let Some(m) = listed.manifest.as_mut() {
             for link in &detail_links {
                 m.push(url_id(&self.bot, link), 0, false);
             }
         }
-        followed.manifest = manifest.map(Box::new);
+        followed.manifest = listed.manifest.map(Box::new);
         if items.is_empty() && plain.is_empty() {
             return Ok(followed);
         }
+        let mut new = listed.new;
         for (link, _) in &plain {
             let kind = self.kind_of(link);
-            if stop_paginating && kind == PageKind::List {
+            if listed.stop_paginating && kind == PageKind::List {
                 continue;
             }
             new.push(NewUrl {
@@ -264,16 +220,168 @@ impl Crawler {
         if new.is_empty() {
             return Ok(followed);
         }
+        let (added, leased) = self
+            .enqueue_leasing_what_fits(lease, new, &known, queues, now)
+            .await?;
+        self.remember_enqueued(lease.pass, plain.into_iter().map(|(_, id)| id).collect());
+        followed.added += added;
+        followed.leased += leased;
+        Ok(followed)
+    }
+
+    /// Enqueues a page's listing links (the pagination chain) leased here, into `followed`.
+    async fn follow_pagination(
+        &self,
+        lease: &UrlLease,
+        lists: &[(&NormalizedUrl, String)],
+        queues: &HostQueues,
+        now: DateTime<Utc>,
+        followed: &mut Followed,
+    ) -> Result<()> {
+        let t0 = tokio::time::Instant::now();
+        let (f, ids) = self.follow_listing(lease, lists, queues, now).await?;
+        tracing::trace!(took = ?t0.elapsed(), leased = f.leased, "listing links enqueued");
+        followed.added += f.added;
+        followed.leased += f.leased;
+        self.remember_enqueued(lease.pass, ids);
+        Ok(())
+    }
+
+    /// What a fetched page links to, sorted for [`Crawler::follow`]: a listing page's items (each
+    /// detail page once), the detail pages it links to besides its items (listed in its
+    /// manifest with a fingerprint of 0: nothing to compare; enqueued like every link), and the
+    /// plain links — without those this instance already put into this pass (every product
+    /// page links back to the first listing page, say): enqueuing them again would be a no-op.
+    fn page_links<'a>(&self, lease: &UrlLease, data: &'a PageData) -> PageLinks<'a> {
+        let listing = lease.kind.is_listing();
+        let mut item_urls: HashSet<&NormalizedUrl> = HashSet::new();
+        let items: Vec<_> = if listing {
+            data.items
+                .iter()
+                .filter_map(|item| item.url.as_ref().map(|url| (item, url)))
+                .filter(|(_, url)| item_urls.insert(url))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let detail_links: Vec<&NormalizedUrl> = if listing {
+            data.links
+                .iter()
+                .filter(|link| !item_urls.contains(link) && self.kind_of(link) == PageKind::Detail)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
+        let plain = data
+            .links
+            .iter()
+            .filter(|link| !item_urls.contains(link))
+            .map(|link| (link, url_id(&self.bot, link)))
+            .filter(|(_, id)| cache.0 != lease.pass || !cache.1.contains(id))
+            .collect();
+        PageLinks {
+            items,
+            detail_links,
+            plain,
+        }
+    }
+
+    /// The items decided without a read, by page position: `false` skipped (known stored, as
+    /// listed), `true` fetched (known stored, but changed: nothing to read for it — a changed
+    /// page needs no validators). The rest are read from the frontier.
+    async fn decide_from_manifests(
+        &self,
+        lease: &UrlLease,
+        items: &[(&ListItem, &NormalizedUrl)],
+        mode: IncrementalMode,
+        since: Option<DateTime<Utc>>,
+        listed: &mut Listing,
+    ) -> Result<HashMap<usize, bool>> {
+        let mut decided = HashMap::new();
+        if items.is_empty() {
+            return Ok(decided);
+        }
+        let table = self.known_items(lease.pass).await?;
+        for (i, (item, url)) in items.iter().enumerate() {
+            let stored = match table.get(&url_id(&self.bot, url)) {
+                Listed::Stored(fp) => Some(StoredAs::Hash(fp)),
+                _ => None,
+            };
+            listed.stop_paginating |= mode == IncrementalMode::Watermark && stored.is_some();
+            if let Some(fetch) = fetch_item(mode, item, stored, since) {
+                decided.insert(i, fetch);
+            }
+        }
+        Ok(decided)
+    }
+
+    /// Decides every item (those the manifests did not, from their frontier entries in `known`)
+    /// into `listed`: the manifest, and the detail pages to fetch — new ones, and changed ones
+    /// known stored (enqueued without a read of their entries).
+    fn decide_items(
+        &self,
+        items: &[(&ListItem, &NormalizedUrl)],
+        decided: &HashMap<usize, bool>,
+        known: &HashMap<String, KnownPage>,
+        mode: IncrementalMode,
+        since: Option<DateTime<Utc>>,
+        listed: &mut Listing,
+    ) {
+        for (i, (item, url)) in items.iter().enumerate() {
+            let id = url_id(&self.bot, url);
+            let fingerprint = fingerprint_hash(&item.fingerprint);
+            let fetch = match decided.get(&i) {
+                Some(fetch) => *fetch,
+                None => {
+                    // Known: stored by an earlier fetch (done, with a record).
+                    let stored = known
+                        .get(&id)
+                        .filter(|k| k.status == Some(UrlStatus::Done) && k.record_id.is_some())
+                        .map(|k| StoredAs::Text(k.fingerprint.as_deref()));
+                    listed.stop_paginating |=
+                        mode == IncrementalMode::Watermark && stored.is_some();
+                    fetch_item(mode, item, stored, since).unwrap_or(true)
+                }
+            };
+            if let Some(m) = listed.manifest.as_mut() {
+                m.push(id, fingerprint, fetch);
+            }
+            if fetch {
+                let link = NewUrl {
+                    url: (*url).clone(),
+                    kind: PageKind::Detail,
+                    fingerprint: Some(item.fingerprint.clone()),
+                    priority: self.priority_of(url, PageKind::Detail),
+                };
+                if decided.contains_key(&i) {
+                    listed.changed.push(link);
+                } else {
+                    listed.new.push(link);
+                }
+            }
+        }
+    }
+
+    /// Enqueues `new` in one write, leasing to this instance those its host queues have room
+    /// for (listing pages first — the next one always —, then the highest priority); only links
+    /// new to this pass (by `known`) can be leased here. Returns (added, leased here).
+    async fn enqueue_leasing_what_fits(
+        &self,
+        lease: &UrlLease,
+        mut new: Vec<NewUrl>,
+        known: &HashMap<String, KnownPage>,
+        queues: &HostQueues,
+        now: DateTime<Utc>,
+    ) -> Result<(u64, usize)> {
         for n in &new {
             self.note_host(lease.pass, n.url.host_port());
         }
-        // Only links that are new to this pass can be leased here.
         let fresh = |n: &NewUrl| {
             known
                 .get(&url_id(&self.bot, &n.url))
                 .is_none_or(|k| k.pass < lease.pass)
         };
-        // Listing pages first (the next one is always leased here), then the highest priority.
         new.sort_by_key(|n| (!n.kind.is_listing(), -n.priority));
         let mut wishes: HashMap<String, usize> = HashMap::new();
         for n in new.iter().filter(|n| fresh(n)) {
@@ -296,8 +404,7 @@ impl Crawler {
         let mut left = granted.clone();
         let (mut first, mut rest): (Vec<NewUrl>, Vec<NewUrl>) = (Vec::new(), Vec::new());
         for n in new {
-            let slot = left.get_mut(&n.url.host_port());
-            match slot {
+            match left.get_mut(&n.url.host_port()) {
                 Some(k) if *k > 0 && fresh(&n) => {
                     *k -= 1;
                     first.push(n);
@@ -319,7 +426,7 @@ impl Crawler {
                 &self.bot,
                 lease.pass,
                 &first,
-                &known,
+                known,
                 Some(LeaseTo {
                     me: &self.me,
                     lease_for: self.limits.url_lease,
@@ -328,11 +435,7 @@ impl Crawler {
                 now,
             )
             .await;
-        let (added, leased) = self.take_reserved(queues, &granted, result)?;
-        self.remember_enqueued(lease.pass, plain.into_iter().map(|(_, id)| id).collect());
-        followed.added += added;
-        followed.leased += leased;
-        Ok(followed)
+        self.take_reserved(queues, &granted, result)
     }
 
     /// Drops the table of listed items of `pass` (its pass is over).
@@ -475,9 +578,11 @@ impl Crawler {
                 &self.bot,
                 lease.pass,
                 links,
-                &self.me,
-                self.limits.url_lease,
-                first,
+                LeaseTo {
+                    me: &self.me,
+                    lease_for: self.limits.url_lease,
+                    first,
+                },
                 now,
             )
             .await;

@@ -139,28 +139,7 @@ impl BotDoc {
         };
         let is_ready = required_bool(raw, field::IS_READY, &mut problems);
         let is_editing = required_bool(raw, field::IS_EDITING, &mut problems);
-        let seeds = match raw.get(field::SEEDS) {
-            Some(Bson::Array(items)) => {
-                let mut seeds = Vec::with_capacity(items.len());
-                for item in items {
-                    match item {
-                        Bson::String(s) => seeds.push(s.clone()),
-                        other => {
-                            problems.push(format!(
-                                "seeds must hold strings, found {}",
-                                describe(Some(other))
-                            ));
-                            break;
-                        }
-                    }
-                }
-                seeds
-            }
-            other => {
-                problems.push(format!("seeds must be an array, found {}", describe(other)));
-                Vec::new()
-            }
-        };
+        let seeds = seeds_of(raw, &mut problems);
         let lock_epoch = match raw.get(field::LOCK_EPOCH).and_then(integer) {
             Some(n) => LockEpoch::new(n).map_err(|e| problems.push(e)).ok(),
             None => {
@@ -181,28 +160,8 @@ impl BotDoc {
                 0
             }),
         };
-        let last_error = match raw.get(field::LAST_ERROR) {
-            None | Some(Bson::Null) => None,
-            Some(Bson::String(s)) => Some(s.clone()),
-            other => {
-                problems.push(format!(
-                    "lastError must be a string or null, found {}",
-                    describe(other)
-                ));
-                None
-            }
-        };
-        let editing_by = match raw.get(field::EDITING_BY) {
-            None | Some(Bson::Null) => None,
-            Some(Bson::String(s)) => Some(s.clone()),
-            other => {
-                problems.push(format!(
-                    "editingBy must be a string or null, found {}",
-                    describe(other)
-                ));
-                None
-            }
-        };
+        let last_error = optional_string(raw, field::LAST_ERROR, &mut problems);
+        let editing_by = optional_string(raw, field::EDITING_BY, &mut problems);
         let mut date = |name: &str| optional_date(raw, name, &mut problems);
         let last_update_started_at = date(field::LAST_UPDATE_STARTED_AT);
         let last_seed_updated_at = date(field::LAST_SEED_UPDATED_AT);
@@ -214,66 +173,21 @@ impl BotDoc {
         let crawl_pass_ended_at = date(field::CRAWL_PASS_ENDED_AT);
         let crawl_last_run_at = date(field::CRAWL_LAST_RUN_AT);
         let crawl_next_pass_at = date(field::CRAWL_NEXT_PASS_AT);
-        let crawl_last_pass_pages = raw
-            .get_document(field::CRAWL_LAST_PASS)
-            .ok()
-            .and_then(|last| last.get("pages"))
-            .and_then(integer)
-            .and_then(|n| u64::try_from(n).ok());
-        let crawl_evaluation_pending = raw
-            .get_document(field::CRAWL_LAST_PASS)
-            .ok()
-            .filter(|last| last.get_str("evaluation").ok() == Some("pending"))
-            .and_then(|last| {
-                let pass = last.get("pass").and_then(integer)?;
-                match last.get("evaluatingUntil") {
-                    Some(Bson::DateTime(t)) => Some((pass, t.to_chrono())),
-                    _ => None,
-                }
-            });
-        let paused = matches!(raw.get(field::PAUSED), Some(Bson::Boolean(true)));
-        let spec_error = raw.get_str(field::SPEC_ERROR).ok().map(str::to_owned);
-        let crawl_evaluated_pass = raw
-            .get(field::CRAWL_EVALUATED_PASS)
-            .and_then(integer)
-            .unwrap_or(0);
-        let crawl_pass_refetch = matches!(
-            raw.get(field::CRAWL_PASS_REFETCH),
-            Some(Bson::Boolean(true))
-        );
-        let crawl_pass_spec = match (
-            raw.get(field::CRAWL_PASS_SPEC_VERSION).and_then(integer),
-            raw.get_document(field::CRAWL_PASS_SPEC),
-        ) {
-            (Some(version), Ok(spec)) => Some(std::sync::Arc::new((version, spec.clone()))),
-            _ => None,
-        };
-        let crawl_pass = match raw.get(field::CRAWL_PASS) {
-            None | Some(Bson::Null) => 0,
-            Some(v) => match integer(v) {
-                Some(n) if n >= 0 => n,
-                _ => {
-                    problems.push(format!(
-                        "crawlPass must be a non-negative integer, found {}",
-                        describe(Some(v))
-                    ));
-                    0
-                }
-            },
-        };
-
+        let crawl_pass = crawl_pass_of(raw, &mut problems);
         if is_editing == Some(true) {
-            if editing_by.is_none() {
-                problems.push("isEditing is true but editingBy names no holder".into());
-            }
-            if lock_expires_at.is_none() {
-                problems.push("isEditing is true but lockExpiresAt is not set".into());
-            }
-            if last_update_started_at.is_none() {
-                problems.push("isEditing is true but lastUpdateStartedAt is not set".into());
+            for (missing, problem) in [
+                (editing_by.is_none(), "editingBy names no holder"),
+                (lock_expires_at.is_none(), "lockExpiresAt is not set"),
+                (
+                    last_update_started_at.is_none(),
+                    "lastUpdateStartedAt is not set",
+                ),
+            ] {
+                if missing {
+                    problems.push(format!("isEditing is true but {problem}"));
+                }
             }
         }
-
         match (id, is_ready, is_editing, lock_epoch) {
             (Some(id), Some(is_ready), Some(is_editing), Some(lock_epoch))
                 if problems.is_empty() =>
@@ -298,17 +212,116 @@ impl BotDoc {
                     crawl_pass_ended_at,
                     crawl_last_run_at,
                     crawl_next_pass_at,
-                    crawl_last_pass_pages,
-                    crawl_evaluation_pending,
-                    paused,
-                    crawl_pass_spec,
-                    spec_error,
-                    crawl_pass_refetch,
-                    crawl_evaluated_pass,
+                    crawl_last_pass_pages: last_pass_pages(raw),
+                    crawl_evaluation_pending: evaluation_pending(raw),
+                    paused: matches!(raw.get(field::PAUSED), Some(Bson::Boolean(true))),
+                    crawl_pass_spec: pass_spec(raw),
+                    spec_error: raw.get_str(field::SPEC_ERROR).ok().map(str::to_owned),
+                    crawl_pass_refetch: matches!(
+                        raw.get(field::CRAWL_PASS_REFETCH),
+                        Some(Bson::Boolean(true))
+                    ),
+                    crawl_evaluated_pass: raw
+                        .get(field::CRAWL_EVALUATED_PASS)
+                        .and_then(integer)
+                        .unwrap_or(0),
                 })
             }
             _ => Err(problems),
         }
+    }
+}
+
+/// `seeds`: an array of strings (the first item that is not one is the problem).
+fn seeds_of(raw: &Document, problems: &mut Vec<String>) -> Vec<String> {
+    match raw.get(field::SEEDS) {
+        Some(Bson::Array(items)) => {
+            let mut seeds = Vec::with_capacity(items.len());
+            for item in items {
+                match item {
+                    Bson::String(s) => seeds.push(s.clone()),
+                    other => {
+                        problems.push(format!(
+                            "seeds must hold strings, found {}",
+                            describe(Some(other))
+                        ));
+                        break;
+                    }
+                }
+            }
+            seeds
+        }
+        other => {
+            problems.push(format!("seeds must be an array, found {}", describe(other)));
+            Vec::new()
+        }
+    }
+}
+
+/// A field that is a string, null or absent.
+fn optional_string(raw: &Document, name: &str, problems: &mut Vec<String>) -> Option<String> {
+    match raw.get(name) {
+        None | Some(Bson::Null) => None,
+        Some(Bson::String(s)) => Some(s.clone()),
+        other => {
+            problems.push(format!(
+                "{name} must be a string or null, found {}",
+                describe(other)
+            ));
+            None
+        }
+    }
+}
+
+/// `crawlPass`: a non-negative integer, 0 when absent or null.
+fn crawl_pass_of(raw: &Document, problems: &mut Vec<String>) -> i64 {
+    match raw.get(field::CRAWL_PASS) {
+        None | Some(Bson::Null) => 0,
+        Some(v) => match integer(v) {
+            Some(n) if n >= 0 => n,
+            _ => {
+                problems.push(format!(
+                    "crawlPass must be a non-negative integer, found {}",
+                    describe(Some(v))
+                ));
+                0
+            }
+        },
+    }
+}
+
+/// `crawlLastPass.pages`, when it reads as a count.
+fn last_pass_pages(raw: &Document) -> Option<u64> {
+    raw.get_document(field::CRAWL_LAST_PASS)
+        .ok()
+        .and_then(|last| last.get("pages"))
+        .and_then(integer)
+        .and_then(|n| u64::try_from(n).ok())
+}
+
+/// The last pass's deletion evaluation, while it is pending: its pass and until when its
+/// evaluator holds it.
+fn evaluation_pending(raw: &Document) -> Option<(i64, DateTime<Utc>)> {
+    raw.get_document(field::CRAWL_LAST_PASS)
+        .ok()
+        .filter(|last| last.get_str("evaluation").ok() == Some("pending"))
+        .and_then(|last| {
+            let pass = last.get("pass").and_then(integer)?;
+            match last.get("evaluatingUntil") {
+                Some(Bson::DateTime(t)) => Some((pass, t.to_chrono())),
+                _ => None,
+            }
+        })
+}
+
+/// The spec the running pass crawls by, with its version (both present, or none).
+fn pass_spec(raw: &Document) -> Option<std::sync::Arc<(i64, Document)>> {
+    match (
+        raw.get(field::CRAWL_PASS_SPEC_VERSION).and_then(integer),
+        raw.get_document(field::CRAWL_PASS_SPEC),
+    ) {
+        (Some(version), Ok(spec)) => Some(std::sync::Arc::new((version, spec.clone()))),
+        _ => None,
     }
 }
 

@@ -443,6 +443,86 @@ pub struct Takes<'a> {
 /// leased on enqueue, what the frontier knew of it.
 type Reset<'a> = (&'a NewUrl, String, bool, &'a KnownPage);
 
+/// An enqueue's writer and what it takes: the bot, the pass and the time, and — when the write
+/// leases links as it enqueues them — their owner, a fresh token and the expiry. It writes every
+/// new or reset entry's fields and the leases it took, the same for every kind of enqueue.
+struct Taking<'a> {
+    bot: &'a BotId,
+    pass: i64,
+    owner: Option<&'a str>,
+    token: String,
+    expires_at: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+}
+
+impl<'a> Taking<'a> {
+    fn new(bot: &'a BotId, pass: i64, lease: Option<&LeaseTo<'a>>, now: DateTime<Utc>) -> Self {
+        Taking {
+            bot,
+            pass,
+            owner: lease.map(|l| l.me.as_str()),
+            token: new_token(),
+            expires_at: lease.map(|l| super::plus(now, l.lease_for)),
+            now,
+        }
+    }
+
+    /// The lease fields of an entry enqueued `leased` (to the owner, with this write's token),
+    /// or pending.
+    fn lease_fields(&self, leased: bool) -> Document {
+        match (leased, self.owner, self.expires_at) {
+            (true, Some(owner), Some(expires)) => doc! {
+                f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_OWNER: owner,
+                f::LEASE_TOKEN: self.token.as_str(), f::LEASE_EXPIRES_AT: date(expires),
+                f::LEASED_AT: date(self.now),
+            },
+            _ => doc! {
+                f::STATUS: UrlStatus::Pending.as_str(), f::LEASE_OWNER: Bson::Null,
+                f::LEASE_TOKEN: Bson::Null, f::LEASE_EXPIRES_AT: Bson::Null,
+            },
+        }
+    }
+
+    /// A new or reset entry's fields for `link` (all but `_id` and `discoveredAt`).
+    fn entry(&self, link: &NewUrl, leased: bool) -> Document {
+        let mut entry = doc! {
+            f::BOT: self.bot.as_str(), f::URL: link.url.as_str(), f::KIND: link.kind.as_str(),
+            f::PASS: self.pass, f::ATTEMPTS: i64::from(leased), f::SHEDS: 0_i64,
+            f::LAST_ERROR: Bson::Null, f::ENQUEUED_AT: date(self.now),
+            f::NOT_BEFORE: date(self.now), f::SLOT: i64::from(rand::random_range(0..SLOTS)),
+            f::HOST: link.url.host_port(), f::PRIORITY: link.priority,
+            f::LIST_FINGERPRINT: text(link.fingerprint.as_deref()),
+        };
+        for (name, value) in self.lease_fields(leased) {
+            entry.insert(name, value);
+        }
+        entry
+    }
+
+    /// The lease taken on `link` (frontier id `id`) as it was enqueued; an entry reset from an
+    /// earlier pass (`known`) keeps its validators and record id.
+    fn lease(&self, link: &NewUrl, id: &str, known: Option<&KnownPage>) -> UrlLease {
+        UrlLease {
+            bot: self.bot.clone(),
+            id: id.to_owned(),
+            url: link.url.clone(),
+            kind: link.kind,
+            pass: self.pass,
+            token: self.token.clone(),
+            expires_at: self.expires_at.unwrap_or(self.now),
+            attempt: 1,
+            leased_at: self.now,
+            validators: known.map(|k| k.validators.clone()).unwrap_or_default(),
+            list_fingerprint: link.fingerprint.clone(),
+            record_id: known.and_then(|k| k.record_id.clone()),
+            reclaimed: false,
+            priority: link.priority,
+            sheds: 0,
+            eligible_since: Some(self.now),
+        }
+    }
+}
+
 /// The frontier `_id`: a hash of (bot, normalized URL), the same on every instance and every run.
 pub fn url_id(bot: &BotId, url: &NormalizedUrl) -> String {
     crate::ids::sha256_hex(
@@ -724,12 +804,9 @@ impl Store {
         lease: Option<LeaseTo<'_>>,
         now: DateTime<Utc>,
     ) -> Result<Enqueued> {
-        let token = new_token();
-        let expires_at = lease.as_ref().map(|l| super::plus(now, l.lease_for));
+        let taking = Taking::new(bot, pass, lease.as_ref(), now);
         let first = lease.as_ref().map_or(0, |l| l.first);
-        let owner = lease.as_ref().map(|l| l.me.as_str());
-        let mut seen = std::collections::HashSet::with_capacity(links.len());
-        // (link, id, leased, known)
+        let mut seen = HashSet::with_capacity(links.len());
         let mut inserts: Vec<(&NewUrl, String, bool)> = Vec::new();
         let mut resets: Vec<Reset<'_>> = Vec::new();
         for (i, link) in links.iter().enumerate() {
@@ -737,201 +814,156 @@ impl Store {
             if !seen.insert(id.clone()) {
                 continue;
             }
-            let leased = i < first && owner.is_some();
+            let leased = i < first && taking.owner.is_some();
             match known.get(&id) {
                 Some(k) if k.pass >= pass => {}
                 Some(k) => resets.push((link, id, leased, k)),
                 None => inserts.push((link, id, leased)),
             }
         }
-        let lease_fields = |leased: bool| -> (Bson, Bson, Bson, Bson, Bson) {
-            match (leased, owner, expires_at) {
-                (true, Some(owner), Some(expires)) => (
-                    Bson::String(UrlStatus::Leased.as_str().into()),
-                    Bson::String(owner.into()),
-                    Bson::String(token.clone()),
-                    date(expires),
-                    date(now),
-                ),
-                _ => (
-                    Bson::String(UrlStatus::Pending.as_str().into()),
-                    Bson::Null,
-                    Bson::Null,
-                    Bson::Null,
-                    Bson::Null,
-                ),
-            }
-        };
         let mut out = Enqueued::default();
-        let lease_for_new = |link: &NewUrl, id: &str, known: Option<&KnownPage>| UrlLease {
-            bot: bot.clone(),
-            id: id.to_owned(),
-            url: link.url.clone(),
-            kind: link.kind,
-            pass,
-            token: token.clone(),
-            expires_at: expires_at.unwrap_or(now),
-            attempt: 1,
-            leased_at: now,
-            validators: known.map(|k| k.validators.clone()).unwrap_or_default(),
-            list_fingerprint: link.fingerprint.clone(),
-            record_id: known.and_then(|k| k.record_id.clone()),
-            reclaimed: false,
-            priority: link.priority,
-            sheds: 0,
-            eligible_since: Some(now),
-        };
-
         for chunk in inserts.chunks(CHUNK) {
-            let docs: Vec<Document> = chunk
-                .iter()
-                .map(|(link, id, leased)| {
-                    let (status, owner, token, expires, leased_at) = lease_fields(*leased);
-                    doc! {
-                        f::ID: id.as_str(), f::BOT: bot.as_str(), f::URL: link.url.as_str(),
-                        f::KIND: link.kind.as_str(), f::PASS: pass, f::STATUS: status,
-                        f::ATTEMPTS: i64::from(*leased), f::SHEDS: 0_i64,
-                        f::LEASE_OWNER: owner, f::LEASE_TOKEN: token, f::LEASE_EXPIRES_AT: expires,
-                        f::LEASED_AT: leased_at, f::LAST_ERROR: Bson::Null,
-                        f::ENQUEUED_AT: date(now), f::NOT_BEFORE: date(now),
-                        f::SLOT: i64::from(rand::random_range(0..SLOTS)),
-                        f::HOST: link.url.host_port(), f::PRIORITY: link.priority,
-                        f::LIST_FINGERPRINT: text(link.fingerprint.as_deref()),
-                        f::DISCOVERED_AT: date(now),
-                    }
-                })
-                .collect();
-            let reply = self
-                .command(
-                    "enqueue",
-                    doc! { "insert": FRONTIER, "documents": docs, "ordered": false },
-                    None,
-                )
-                .await?;
-            // A duplicate key: another instance enqueued the URL into this pass first (it is
-            // there, and not ours to fetch).
-            let duplicates = reply::duplicates("enqueue", &reply)?;
-            out.added += reply::count(&reply) as u64;
-            // A duplicate this very insert made on an earlier attempt (its answer lost, the
-            // command sent again) carries our token: it is ours after all.
-            let taken_before = self
-                .ours_after_all(
-                    bot,
-                    chunk
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, (_, _, leased))| *leased && duplicates.contains(i))
-                        .map(|(_, (_, id, _))| id.as_str()),
-                    &token,
-                )
-                .await?;
-            for (i, (link, id, leased)) in chunk.iter().enumerate() {
-                if *leased && (!duplicates.contains(&i) || taken_before.contains(id.as_str())) {
-                    out.leased.push(lease_for_new(link, id, None));
-                }
-            }
+            self.insert_new(&taking, chunk, &mut out).await?;
         }
-
         for chunk in resets.chunks(IN_CHUNK) {
-            let ids: Vec<Bson> = chunk
-                .iter()
-                .map(|(_, id, _, _)| Bson::String(id.clone()))
-                .collect();
-            let column =
-                |value: &dyn Fn(&Reset<'_>) -> Bson| pick(&ids, chunk.iter().map(value).collect());
-            let any_leased = chunk.iter().any(|(_, _, leased, _)| *leased);
-            let mut set = doc! {
-                f::KIND: column(&|(l, _, _, _)| Bson::String(l.kind.as_str().into())),
-                f::PASS: pass,
-                f::ATTEMPTS: column(&|(_, _, leased, _)| Bson::Int64(i64::from(*leased))),
-                f::SHEDS: 0_i64,
-                f::LAST_ERROR: Bson::Null,
-                f::ENQUEUED_AT: date(now),
-                f::NOT_BEFORE: date(now),
-                f::SLOT: column(&|_| Bson::Int64(i64::from(rand::random_range(0..SLOTS)))),
-                f::PRIORITY: column(&|(l, _, _, _)| Bson::Int64(l.priority)),
-                f::LIST_FINGERPRINT: column(&|(l, _, _, _)| text(l.fingerprint.as_deref())),
-            };
-            if any_leased {
-                set.insert(
-                    f::STATUS,
-                    column(&|(_, _, leased, _)| lease_fields(*leased).0),
-                );
-                set.insert(
-                    f::LEASE_OWNER,
-                    column(&|(_, _, leased, _)| lease_fields(*leased).1),
-                );
-                set.insert(
-                    f::LEASE_TOKEN,
-                    column(&|(_, _, leased, _)| lease_fields(*leased).2),
-                );
-                set.insert(
-                    f::LEASE_EXPIRES_AT,
-                    column(&|(_, _, leased, _)| lease_fields(*leased).3),
-                );
-                set.insert(
-                    f::LEASED_AT,
-                    column(&|(_, _, leased, _)| lease_fields(*leased).4),
-                );
-            } else {
-                set.insert(f::STATUS, UrlStatus::Pending.as_str());
-                set.insert(f::LEASE_OWNER, Bson::Null);
-                set.insert(f::LEASE_TOKEN, Bson::Null);
-                set.insert(f::LEASE_EXPIRES_AT, Bson::Null);
-            }
-            let statement = doc! {
-                "q": { f::ID: { "$in": &ids }, f::BOT: bot.as_str(), f::PASS: { "$lt": pass } },
-                "u": [ { "$set": set } ],
-                "multi": true,
-            };
-            let reply = self
-                .command(
-                    "enqueue again",
-                    doc! { "update": FRONTIER, "updates": [statement], "ordered": false },
-                    None,
-                )
-                .await?;
-            reply::duplicates("enqueue again", &reply)?;
-            let matched = reply::count(&reply) as u64;
-            out.added += matched;
-            let leased: Vec<&Reset<'_>> =
-                chunk.iter().filter(|(_, _, leased, _)| *leased).collect();
-            if leased.is_empty() {
-                continue;
-            }
-            // Every reset matched: every leased one is ours. Otherwise another instance reset
-            // some first: read which carry our token.
-            let ours: Option<std::collections::HashSet<String>> = if matched as usize == chunk.len()
-            {
-                None
-            } else {
-                let ids: Vec<&str> = leased.iter().map(|(_, id, _, _)| id.as_str()).collect();
-                let found: Vec<Document> = self
-                    .bounded("read enqueued leases", async {
-                        self.frontier()
-                            .find(doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str() })
-                            .projection(doc! { f::LEASE_TOKEN: 1 })
-                            .batch_size(whole_batch(ids.len()))
-                            .await?
-                            .try_collect()
-                            .await
-                    })
-                    .await?;
-                Some(
-                    found
-                        .iter()
-                        .filter(|d| d.get_str(f::LEASE_TOKEN).ok() == Some(token.as_str()))
-                        .filter_map(|d| get_text(d, f::ID))
-                        .collect(),
-                )
-            };
-            for (link, id, _, k) in leased {
-                if ours.as_ref().is_none_or(|o| o.contains(id)) {
-                    out.leased.push(lease_for_new(link, id, Some(k)));
-                }
-            }
+            self.reset_known(&taking, chunk, &mut out).await?;
         }
         Ok(out)
+    }
+
+    /// Inserts new links into the pass (one `insert`), those marked leased leased to the taker.
+    async fn insert_new(
+        &self,
+        taking: &Taking<'_>,
+        chunk: &[(&NewUrl, String, bool)],
+        out: &mut Enqueued,
+    ) -> Result<()> {
+        let docs: Vec<Document> = chunk
+            .iter()
+            .map(|(link, id, leased)| {
+                let mut entry = taking.entry(link, *leased);
+                entry.insert(f::ID, id.as_str());
+                if !*leased {
+                    entry.insert(f::LEASED_AT, Bson::Null);
+                }
+                entry.insert(f::DISCOVERED_AT, date(taking.now));
+                entry
+            })
+            .collect();
+        let reply = self
+            .command(
+                "enqueue",
+                doc! { "insert": FRONTIER, "documents": docs, "ordered": false },
+                None,
+            )
+            .await?;
+        // A duplicate key: another instance enqueued the URL into this pass first (it is there,
+        // and not ours to fetch).
+        let duplicates = reply::duplicates("enqueue", &reply)?;
+        out.added += reply::count(&reply) as u64;
+        // A duplicate this very insert made on an earlier attempt (its answer lost, the command
+        // sent again) carries our token: it is ours after all.
+        let taken_before = self
+            .ours_after_all(
+                taking.bot,
+                chunk
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, (_, _, leased))| *leased && duplicates.contains(i))
+                    .map(|(_, (_, id, _))| id.as_str()),
+                &taking.token,
+            )
+            .await?;
+        for (i, (link, id, leased)) in chunk.iter().enumerate() {
+            if *leased && (!duplicates.contains(&i) || taken_before.contains(id.as_str())) {
+                out.leased.push(taking.lease(link, id, None));
+            }
+        }
+        Ok(())
+    }
+
+    /// Resets links last crawled in an earlier pass into this one (one `update`: per-URL values
+    /// picked by `_id`), those marked leased leased to the taker; another instance may have
+    /// reset some first.
+    async fn reset_known(
+        &self,
+        taking: &Taking<'_>,
+        chunk: &[Reset<'_>],
+        out: &mut Enqueued,
+    ) -> Result<()> {
+        let (bot, pass) = (taking.bot, taking.pass);
+        let ids: Vec<Bson> = chunk
+            .iter()
+            .map(|(_, id, _, _)| Bson::String(id.clone()))
+            .collect();
+        let column =
+            |value: &dyn Fn(&Reset<'_>) -> Bson| pick(&ids, chunk.iter().map(value).collect());
+        let mut set = doc! {
+            f::KIND: column(&|(l, _, _, _)| Bson::String(l.kind.as_str().into())),
+            f::PASS: pass,
+            f::ATTEMPTS: column(&|(_, _, leased, _)| Bson::Int64(i64::from(*leased))),
+            f::SHEDS: 0_i64,
+            f::LAST_ERROR: Bson::Null,
+            f::ENQUEUED_AT: date(taking.now),
+            f::NOT_BEFORE: date(taking.now),
+            f::SLOT: column(&|_| Bson::Int64(i64::from(rand::random_range(0..SLOTS)))),
+            f::PRIORITY: column(&|(l, _, _, _)| Bson::Int64(l.priority)),
+            f::LIST_FINGERPRINT: column(&|(l, _, _, _)| text(l.fingerprint.as_deref())),
+        };
+        if chunk.iter().any(|(_, _, leased, _)| *leased) {
+            for name in [
+                f::STATUS,
+                f::LEASE_OWNER,
+                f::LEASE_TOKEN,
+                f::LEASE_EXPIRES_AT,
+                f::LEASED_AT,
+            ] {
+                let value = column(&|(_, _, leased, _)| {
+                    taking
+                        .lease_fields(*leased)
+                        .remove(name)
+                        .unwrap_or(Bson::Null)
+                });
+                set.insert(name, value);
+            }
+        } else {
+            for (name, value) in taking.lease_fields(false) {
+                set.insert(name, value);
+            }
+        }
+        let statement = doc! {
+            "q": { f::ID: { "$in": &ids }, f::BOT: bot.as_str(), f::PASS: { "$lt": pass } },
+            "u": [ { "$set": set } ],
+            "multi": true,
+        };
+        let reply = self
+            .command(
+                "enqueue again",
+                doc! { "update": FRONTIER, "updates": [statement], "ordered": false },
+                None,
+            )
+            .await?;
+        reply::duplicates("enqueue again", &reply)?;
+        let matched = reply::count(&reply);
+        out.added += matched as u64;
+        let leased: Vec<&Reset<'_>> = chunk.iter().filter(|(_, _, leased, _)| *leased).collect();
+        if leased.is_empty() {
+            return Ok(());
+        }
+        // Every reset matched: every leased one is ours. Otherwise another instance reset some
+        // first: read which carry our token.
+        let ours = if matched == chunk.len() {
+            None
+        } else {
+            let ids = leased.iter().map(|(_, id, _, _)| id.as_str());
+            Some(self.ours_after_all(bot, ids, &taking.token).await?)
+        };
+        for (link, id, _, k) in leased {
+            if ours.as_ref().is_none_or(|o| o.contains(id)) {
+                out.leased.push(taking.lease(link, id, Some(k)));
+            }
+        }
+        Ok(())
     }
 
     /// Enqueues a page's listing links (the next page of a pagination chain) in **one** round
@@ -940,52 +972,31 @@ impl Store {
     /// when it is in this pass already (a duplicate `_id`, reported per link). The first `first`
     /// links are enqueued leased to `me` and returned as leases (those another instance
     /// enqueued first are not). A listing page keeps no validators: it is read every pass.
-    #[allow(clippy::too_many_arguments)]
     pub async fn enqueue_listing(
         &self,
         bot: &BotId,
         pass: i64,
         links: &[NewUrl],
-        me: &InstanceId,
-        lease_for: Duration,
-        first: usize,
+        lease: LeaseTo<'_>,
         now: DateTime<Utc>,
     ) -> Result<Enqueued> {
         let mut out = Enqueued::default();
         if links.is_empty() {
             return Ok(out);
         }
-        let token = new_token();
-        let expires_at = super::plus(now, lease_for);
+        let taking = Taking::new(bot, pass, Some(&lease), now);
         let statements: Vec<Document> = links
             .iter()
             .enumerate()
             .map(|(i, link)| {
-                let leased = i < first;
-                let mut set = doc! {
-                    f::BOT: bot.as_str(), f::URL: link.url.as_str(), f::KIND: link.kind.as_str(),
-                    f::PASS: pass, f::ATTEMPTS: i64::from(leased), f::SHEDS: 0_i64,
-                    f::LAST_ERROR: Bson::Null, f::ENQUEUED_AT: date(now), f::NOT_BEFORE: date(now),
-                    f::SLOT: i64::from(rand::random_range(0..SLOTS)), f::HOST: link.url.host_port(),
-                    f::PRIORITY: link.priority, f::LIST_FINGERPRINT: text(link.fingerprint.as_deref()),
-                };
-                if leased {
-                    set.insert(f::STATUS, UrlStatus::Leased.as_str());
-                    set.insert(f::LEASE_OWNER, me.as_str());
-                    set.insert(f::LEASE_TOKEN, token.as_str());
-                    set.insert(f::LEASE_EXPIRES_AT, date(expires_at));
-                    set.insert(f::LEASED_AT, date(now));
-                } else {
-                    set.insert(f::STATUS, UrlStatus::Pending.as_str());
-                    set.insert(f::LEASE_OWNER, Bson::Null);
-                    set.insert(f::LEASE_TOKEN, Bson::Null);
-                    set.insert(f::LEASE_EXPIRES_AT, Bson::Null);
-                }
                 doc! {
                     "q": {
                         f::ID: url_id(bot, &link.url), f::BOT: bot.as_str(), f::PASS: { "$lt": pass },
                     },
-                    "u": { "$set": set, "$setOnInsert": { f::DISCOVERED_AT: date(now) } },
+                    "u": {
+                        "$set": taking.entry(link, i < lease.first),
+                        "$setOnInsert": { f::DISCOVERED_AT: date(now) },
+                    },
                     "upsert": true,
                 }
             })
@@ -1002,37 +1013,20 @@ impl Store {
         out.added = reply::count(&reply) as u64;
         // As in `enqueue_links`: a duplicate of an earlier attempt of this very command is ours.
         let ids: Vec<String> = links.iter().map(|l| url_id(bot, &l.url)).collect();
+        let first = lease.first.min(links.len());
         let taken_before = self
             .ours_after_all(
                 bot,
-                (0..first.min(links.len()))
+                (0..first)
                     .filter(|i| duplicates.contains(i))
                     .map(|i| ids[i].as_str()),
-                &token,
+                &taking.token,
             )
             .await?;
         for (i, link) in links.iter().enumerate().take(first) {
-            if duplicates.contains(&i) && !taken_before.contains(ids[i].as_str()) {
-                continue;
+            if !duplicates.contains(&i) || taken_before.contains(ids[i].as_str()) {
+                out.leased.push(taking.lease(link, &ids[i], None));
             }
-            out.leased.push(UrlLease {
-                bot: bot.clone(),
-                id: url_id(bot, &link.url),
-                url: link.url.clone(),
-                kind: link.kind,
-                pass,
-                token: token.clone(),
-                expires_at,
-                attempt: 1,
-                leased_at: now,
-                validators: Validators::default(),
-                list_fingerprint: link.fingerprint.clone(),
-                record_id: None,
-                reclaimed: false,
-                priority: link.priority,
-                sheds: 0,
-                eligible_since: Some(now),
-            });
         }
         Ok(out)
     }
@@ -1462,172 +1456,185 @@ pub(super) fn settle_statements(
     now: DateTime<Utc>,
     nonce: &str,
 ) -> Vec<Document> {
-    {
-        let mut groups: Vec<((u8, &str), Vec<usize>)> = Vec::new();
-        for (i, (lease, mark)) in marks.iter().enumerate() {
-            let key = (mark.group(), lease.token.as_str());
-            match groups.iter_mut().find(|(k, _)| *k == key) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((key, vec![i])),
-            }
+    let mut groups: Vec<((u8, &str), Vec<usize>)> = Vec::new();
+    for (i, (lease, mark)) in marks.iter().enumerate() {
+        let key = (mark.group(), lease.token.as_str());
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((key, vec![i])),
         }
-        let mut statements = Vec::new();
-        for ((group, token), members) in &groups {
-            // A listing page's done mark carries its manifest (a hundred ids or so): one
-            // statement per page, so that no document's update reads every other page's list
-            // (a statement's per-URL columns are literal arrays, evaluated for each document it
-            // matches: a shared statement of k pages costs each of them k lists).
-            let per_statement = if *group == 5 { 1 } else { IN_CHUNK };
-            for chunk in members.chunks(per_statement) {
-                let ids: Vec<Bson> = chunk
-                    .iter()
-                    .map(|i| Bson::String(marks[*i].0.id.clone()))
-                    .collect();
-                let bot = &marks[chunk[0]].0.bot;
-                let column = |value: &dyn Fn(&Mark) -> Bson| {
-                    pick(&ids, chunk.iter().map(|i| value(&marks[*i].1)).collect())
-                };
-                let mut set = doc! {
-                    f::LEASE_OWNER: Bson::Null, f::LEASE_TOKEN: Bson::Null,
-                    f::LEASE_EXPIRES_AT: Bson::Null, f::LAST_LEASE_TOKEN: literal(*token),
-                    f::SETTLED_BY: literal(nonce),
-                };
-                let give_back = |set: &mut Document| {
-                    set.insert(
-                        f::STATUS,
-                        column(&|m| match m {
-                            Mark::Retry { not_before, .. }
-                            | Mark::Release { not_before, .. }
-                            | Mark::Shed { not_before } => Bson::String(
-                                if *not_before <= now {
-                                    UrlStatus::Pending
-                                } else {
-                                    UrlStatus::Waiting
-                                }
-                                .as_str()
-                                .into(),
-                            ),
-                            _ => Bson::Null,
-                        }),
-                    );
-                    set.insert(
-                        f::NOT_BEFORE,
-                        column(&|m| match m {
-                            Mark::Retry { not_before, .. }
-                            | Mark::Release { not_before, .. }
-                            | Mark::Shed { not_before } => date(*not_before),
-                            _ => Bson::Null,
-                        }),
-                    );
-                    set.insert(
-                        f::LAST_ERROR,
-                        column(&|m| match m {
-                            Mark::Retry { reason, .. } | Mark::Release { reason, .. } => {
-                                Bson::String(reason.clone())
-                            }
-                            Mark::Shed { .. } => {
-                                Bson::String("shed: its host is throttling".into())
-                            }
-                            _ => Bson::Null,
-                        }),
-                    );
-                };
-                // Stages before the main `$set` (a listing page's baseline, read before its
-                // manifest is replaced) and after it.
-                let mut before: Vec<Document> = Vec::new();
-                let mut stages = Vec::new();
-                match group {
-                    0 | 5 => {
-                        set.insert(f::STATUS, UrlStatus::Done.as_str());
-                        set.insert(f::DONE_AT, date(now));
-                        set.insert(f::LAST_ERROR, Bson::Null);
-                        set.insert(
-                            f::FINGERPRINT,
-                            doc! { "$ifNull": [format!("${}", f::LIST_FINGERPRINT), Bson::Null] },
-                        );
-                        set.insert(
-                            f::ETAG,
-                            column(&|m| match m {
-                                Mark::Done { validators, .. } => text(validators.etag.as_deref()),
-                                _ => Bson::Null,
-                            }),
-                        );
-                        set.insert(
-                            f::LAST_MODIFIED,
-                            column(&|m| match m {
-                                Mark::Done { validators, .. } => {
-                                    text(validators.last_modified.as_deref())
-                                }
-                                _ => Bson::Null,
-                            }),
-                        );
-                        set.insert(
-                            f::RECORD_ID,
-                            doc! { "$ifNull": [
-                                column(&|m| match m {
-                                    Mark::Done { record_id, .. } => text(record_id.as_deref()),
-                                    _ => Bson::Null,
-                                }),
-                                format!("${}", f::RECORD_ID),
-                            ] },
-                        );
-                        if *group == 5 {
-                            manifest_stages(&mut set, &mut stages, &column);
-                            before.push(stages.remove(0));
-                        }
-                    }
-                    1 => {
-                        set.insert(f::STATUS, UrlStatus::Failed.as_str());
-                        set.insert(f::DONE_AT, date(now));
-                        set.insert(
-                            f::LAST_ERROR,
-                            column(&|m| match m {
-                                Mark::Failed { reason } => Bson::String(reason.clone()),
-                                _ => Bson::Null,
-                            }),
-                        );
-                    }
-                    2 => give_back(&mut set),
-                    3 => {
-                        give_back(&mut set);
-                        set.insert(
-                            f::ATTEMPTS,
-                            doc! { "$subtract": [format!("${}", f::ATTEMPTS), 1_i64] },
-                        );
-                    }
-                    _ => {
-                        give_back(&mut set);
-                        set.insert(
-                            f::ATTEMPTS,
-                            doc! { "$subtract": [format!("${}", f::ATTEMPTS), 1_i64] },
-                        );
-                        set.insert(f::SHEDS, doc! { "$add": [format!("${}", f::SHEDS), 1_i64] });
-                    }
-                }
-                stages.insert(0, doc! { "$set": set });
-                before.append(&mut stages);
-                let stages = before;
-                statements.push(doc! {
-                    "q": {
-                        f::ID: { "$in": &ids }, f::BOT: bot.as_str(),
-                        f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_TOKEN: *token,
-                    },
-                    "u": stages,
-                    "multi": true,
-                });
-            }
-        }
-        statements
     }
+    let mut statements = Vec::new();
+    for ((group, token), members) in &groups {
+        // A listing page's done mark carries its manifest (a hundred ids or so): one statement
+        // per page, so that no document's update reads every other page's list (a statement's
+        // per-URL columns are literal arrays, evaluated for each document it matches: a shared
+        // statement of k pages costs each of them k lists).
+        let per_statement = if *group == 5 { 1 } else { IN_CHUNK };
+        for chunk in members.chunks(per_statement) {
+            let ids: Vec<Bson> = chunk
+                .iter()
+                .map(|i| Bson::String(marks[*i].0.id.clone()))
+                .collect();
+            let bot = &marks[chunk[0]].0.bot;
+            let column = |value: &dyn Fn(&Mark) -> Bson| {
+                pick(&ids, chunk.iter().map(|i| value(&marks[*i].1)).collect())
+            };
+            let mut set = doc! {
+                f::LEASE_OWNER: Bson::Null, f::LEASE_TOKEN: Bson::Null,
+                f::LEASE_EXPIRES_AT: Bson::Null, f::LAST_LEASE_TOKEN: literal(*token),
+                f::SETTLED_BY: literal(nonce),
+            };
+            // Stages before the main `$set` (a listing page's baseline, read before its
+            // manifest is replaced) and after it.
+            let (mut stages, mut after) = mark_fields(*group, &mut set, &column, now);
+            stages.push(doc! { "$set": set });
+            stages.append(&mut after);
+            statements.push(doc! {
+                "q": {
+                    f::ID: { "$in": &ids }, f::BOT: bot.as_str(),
+                    f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_TOKEN: *token,
+                },
+                "u": stages,
+                "multi": true,
+            });
+        }
+    }
+    statements
 }
+
+/// What a settle statement of marks of `group` ([`Mark::group`]) sets, per URL through
+/// `column`, into `set`; returns the update stages that go before and after that `$set`.
+fn mark_fields(
+    group: u8,
+    set: &mut Document,
+    column: Column<'_>,
+    now: DateTime<Utc>,
+) -> (Vec<Document>, Vec<Document>) {
+    let (mut before, mut after) = (Vec::new(), Vec::new());
+    match group {
+        0 | 5 => {
+            done_fields(set, column, now);
+            if group == 5 {
+                manifest_stages(set, &mut after, column);
+                before.push(after.remove(0));
+            }
+        }
+        1 => {
+            set.insert(f::STATUS, UrlStatus::Failed.as_str());
+            set.insert(f::DONE_AT, date(now));
+            set.insert(
+                f::LAST_ERROR,
+                column(&|m| match m {
+                    Mark::Failed { reason } => Bson::String(reason.clone()),
+                    _ => Bson::Null,
+                }),
+            );
+        }
+        2 => give_back_fields(set, column, now),
+        3 => {
+            give_back_fields(set, column, now);
+            set.insert(
+                f::ATTEMPTS,
+                doc! { "$subtract": [format!("${}", f::ATTEMPTS), 1_i64] },
+            );
+        }
+        _ => {
+            give_back_fields(set, column, now);
+            set.insert(
+                f::ATTEMPTS,
+                doc! { "$subtract": [format!("${}", f::ATTEMPTS), 1_i64] },
+            );
+            set.insert(f::SHEDS, doc! { "$add": [format!("${}", f::SHEDS), 1_i64] });
+        }
+    }
+    (before, after)
+}
+
+/// A done mark's fields: the page's validators and record id (an earlier one kept when the
+/// page has none), and the fingerprint it was stored with.
+fn done_fields(set: &mut Document, column: Column<'_>, now: DateTime<Utc>) {
+    set.insert(f::STATUS, UrlStatus::Done.as_str());
+    set.insert(f::DONE_AT, date(now));
+    set.insert(f::LAST_ERROR, Bson::Null);
+    set.insert(
+        f::FINGERPRINT,
+        doc! { "$ifNull": [format!("${}", f::LIST_FINGERPRINT), Bson::Null] },
+    );
+    set.insert(
+        f::ETAG,
+        column(&|m| match m {
+            Mark::Done { validators, .. } => text(validators.etag.as_deref()),
+            _ => Bson::Null,
+        }),
+    );
+    set.insert(
+        f::LAST_MODIFIED,
+        column(&|m| match m {
+            Mark::Done { validators, .. } => text(validators.last_modified.as_deref()),
+            _ => Bson::Null,
+        }),
+    );
+    set.insert(
+        f::RECORD_ID,
+        doc! { "$ifNull": [
+            column(&|m| match m {
+                Mark::Done { record_id, .. } => text(record_id.as_deref()),
+                _ => Bson::Null,
+            }),
+            format!("${}", f::RECORD_ID),
+        ] },
+    );
+}
+
+/// A URL given back to the frontier: pending again at `not_before` (waiting until then, if that
+/// is later than `now`), with the reason.
+fn give_back_fields(set: &mut Document, column: Column<'_>, now: DateTime<Utc>) {
+    set.insert(
+        f::STATUS,
+        column(&|m| match m {
+            Mark::Retry { not_before, .. }
+            | Mark::Release { not_before, .. }
+            | Mark::Shed { not_before } => Bson::String(
+                if *not_before <= now {
+                    UrlStatus::Pending
+                } else {
+                    UrlStatus::Waiting
+                }
+                .as_str()
+                .into(),
+            ),
+            _ => Bson::Null,
+        }),
+    );
+    set.insert(
+        f::NOT_BEFORE,
+        column(&|m| match m {
+            Mark::Retry { not_before, .. }
+            | Mark::Release { not_before, .. }
+            | Mark::Shed { not_before } => date(*not_before),
+            _ => Bson::Null,
+        }),
+    );
+    set.insert(
+        f::LAST_ERROR,
+        column(&|m| match m {
+            Mark::Retry { reason, .. } | Mark::Release { reason, .. } => {
+                Bson::String(reason.clone())
+            }
+            Mark::Shed { .. } => Bson::String("shed: its host is throttling".into()),
+            _ => Bson::Null,
+        }),
+    );
+}
+
+/// A settle statement's per-URL column: one value per mark, picked by `_id` (see [`pick`]).
+type Column<'a> = &'a dyn Fn(&dyn Fn(&Mark) -> Bson) -> Bson;
 
 /// A listing page's done mark: first — while `listed` and `listedPass` are still the previous
 /// read's — what the page listed since the last evaluation becomes that baseline (the previous
 /// read, if it was the evaluated pass's; else what it held) with this list added; then the
 /// manifest's fields (per URL, by `_id`); then whether the baseline holds pages this list lacks.
-/// A settle statement's per-URL column: one value per mark, picked by `_id` (see [`pick`]).
-type Column<'a> = &'a dyn Fn(&dyn Fn(&Mark) -> Bson) -> Bson;
-
 fn manifest_stages(set: &mut Document, stages: &mut Vec<Document>, column: Column<'_>) {
     fn of<T>(m: &Mark, value: impl Fn(&Manifest) -> T) -> Option<T> {
         match m {
