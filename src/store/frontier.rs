@@ -861,25 +861,41 @@ impl Store {
         // and not ours to fetch).
         let duplicates = reply::duplicates("enqueue", &reply)?;
         out.added += reply::count(&reply) as u64;
-        // A duplicate this very insert made on an earlier attempt (its answer lost, the command
-        // sent again) carries our token: it is ours after all.
+        let leased = chunk
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, _, leased))| *leased)
+            .map(|(i, (link, id, _))| (i, *link, id.as_str()));
+        out.leased
+            .extend(self.leases_taken(taking, leased, &duplicates).await?);
+        Ok(())
+    }
+
+    /// The leases a write that enqueued `leased` (statement index, link, frontier id) leased to
+    /// its taker took: every one it wrote, and of those it met as duplicates the ones that carry
+    /// its token — written by an earlier attempt of this very write, whose answer was lost.
+    async fn leases_taken<'l>(
+        &self,
+        taking: &Taking<'_>,
+        leased: impl Iterator<Item = (usize, &'l NewUrl, &'l str)>,
+        duplicates: &[usize],
+    ) -> Result<Vec<UrlLease>> {
+        let leased: Vec<_> = leased.collect();
         let taken_before = self
             .ours_after_all(
                 taking.bot,
-                chunk
+                leased
                     .iter()
-                    .enumerate()
-                    .filter(|(i, (_, _, leased))| *leased && duplicates.contains(i))
-                    .map(|(_, (_, id, _))| id.as_str()),
+                    .filter(|(i, _, _)| duplicates.contains(i))
+                    .map(|(_, _, id)| *id),
                 &taking.token,
             )
             .await?;
-        for (i, (link, id, leased)) in chunk.iter().enumerate() {
-            if *leased && (!duplicates.contains(&i) || taken_before.contains(id.as_str())) {
-                out.leased.push(taking.lease(link, id, None));
-            }
-        }
-        Ok(())
+        Ok(leased
+            .into_iter()
+            .filter(|(i, _, id)| !duplicates.contains(i) || taken_before.contains(*id))
+            .map(|(_, link, id)| taking.lease(link, id, None))
+            .collect())
     }
 
     /// Resets links last crawled in an earlier pass into this one (one `update`: per-URL values
@@ -1011,23 +1027,14 @@ impl Store {
         // A duplicate `_id`: the link is in this pass already (someone else's).
         let duplicates = reply::duplicates("enqueue listing pages", &reply)?;
         out.added = reply::count(&reply) as u64;
-        // As in `enqueue_links`: a duplicate of an earlier attempt of this very command is ours.
         let ids: Vec<String> = links.iter().map(|l| url_id(bot, &l.url)).collect();
-        let first = lease.first.min(links.len());
-        let taken_before = self
-            .ours_after_all(
-                bot,
-                (0..first)
-                    .filter(|i| duplicates.contains(i))
-                    .map(|i| ids[i].as_str()),
-                &taking.token,
-            )
-            .await?;
-        for (i, link) in links.iter().enumerate().take(first) {
-            if !duplicates.contains(&i) || taken_before.contains(ids[i].as_str()) {
-                out.leased.push(taking.lease(link, &ids[i], None));
-            }
-        }
+        let leased = links
+            .iter()
+            .zip(&ids)
+            .enumerate()
+            .take(lease.first)
+            .map(|(i, (link, id))| (i, link, id.as_str()));
+        out.leased = self.leases_taken(&taking, leased, &duplicates).await?;
         Ok(out)
     }
 
