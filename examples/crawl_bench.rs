@@ -860,8 +860,8 @@ async fn db_ceiling(
     let client = Client::with_uri_str(uri).await.unwrap();
     let db = fresh_db(uri, "ceiling").await;
     let store = seedlock::store::Store::new(client.database(db.name()));
-    store.ensure_frontier_indexes().await.unwrap();
-    store.ensure_record_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
+    store.records().ensure_indexes().await.unwrap();
     let frontier = db.collection::<Document>("frontier");
     for keys in extra {
         frontier
@@ -876,6 +876,7 @@ async fn db_ceiling(
         })
         .collect();
     store
+        .frontier()
         .enqueue(
             &bot,
             1,
@@ -1605,7 +1606,8 @@ async fn fill_frontier(db: &Database, base: &str, urls: u32) {
     let now = bson::DateTime::now();
     // The indexes exist before the frontier grows, as they do in a deployment.
     seedlock::store::Store::new(db.clone())
-        .ensure_frontier_indexes()
+        .frontier()
+        .ensure_indexes()
         .await
         .unwrap();
     db.collection::<Document>("bots")
@@ -1762,7 +1764,7 @@ async fn export(uri: &str, records: u32) {
         let at = bson::DateTime::from_millis(1_764_547_200_000);
         let started = Instant::now();
         let store = seedlock::store::Store::new(db.clone());
-        store.ensure_record_indexes().await.unwrap();
+        store.records().ensure_indexes().await.unwrap();
         let mut i = 0;
         while i < size {
             let batch: Vec<Document> = (i..(i + 10_000).min(size))

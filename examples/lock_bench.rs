@@ -36,10 +36,11 @@ async fn contention(uri: &str, n: usize) -> (usize, usize, Vec<Duration>, Vec<Du
     for _ in 0..n {
         let client = Client::with_uri_str(uri).await.expect("client");
         let store = Store::new(client.database(&db_name));
-        store.load(&bot).await.expect("warm the connection");
+        store.bots().load(&bot).await.expect("warm the connection");
         stores.push(store);
     }
     stores[0]
+        .bots()
         .initialize(&bot, &InstanceId::parse("bench").unwrap(), Utc::now())
         .await
         .unwrap();
@@ -47,7 +48,7 @@ async fn contention(uri: &str, n: usize) -> (usize, usize, Vec<Duration>, Vec<Du
     let mut winner_latencies = Vec::new();
     let mut rounds_with_one_winner = 0;
     for round in 0..ROUNDS {
-        let epoch = match stores[0].load(&bot).await.unwrap() {
+        let epoch = match stores[0].bots().load(&bot).await.unwrap() {
             seedlock::store::document::Observed::Valid(d) => d.lock_epoch,
             other => panic!("unexpected {other:?}"),
         };
@@ -62,6 +63,7 @@ async fn contention(uri: &str, n: usize) -> (usize, usize, Vec<Duration>, Vec<Du
                 barrier.wait().await;
                 let t = Instant::now();
                 let lease = store
+                    .bots()
                     .claim(
                         &bot,
                         &me,
@@ -96,6 +98,7 @@ async fn contention(uri: &str, n: usize) -> (usize, usize, Vec<Duration>, Vec<Du
         }
         if let Some(lease) = lease {
             stores[0]
+                .bots()
                 .release(&lease, Utc::now(), "bench")
                 .await
                 .unwrap();

@@ -305,7 +305,7 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
                     let mut crawling = crawling;
                     if from_database {
                         // The database's crawling bots this instance runs.
-                        for raw in store.spec_documents().await.unwrap_or_default() {
+                        for raw in store.bots().spec_documents().await.unwrap_or_default() {
                             let id = crate::lock::fleet::spec_bot(&raw);
                             let crawls = raw.get_document("spec").is_ok_and(|spec| {
                                 matches!(spec.get("crawl"), Some(bson::Bson::Document(_)))
@@ -508,7 +508,7 @@ async fn inspect(settings: Settings, bot: &str) -> ExitCode {
         Err(code) => return code,
     };
     with_store(&settings, |store, _| async move {
-        match store.load_raw(&bot).await {
+        match store.bots().load_raw(&bot).await {
             Ok(Some(raw)) => {
                 print!("{}", crate::ops::admin::render_inspect(&raw));
                 ExitCode::SUCCESS
@@ -527,6 +527,7 @@ async fn unlock(settings: Settings, bot: &str, reason: &str) -> ExitCode {
     };
     with_store(&settings, |store, clock| async move {
         match store
+            .bots()
             .admin_unlock(&bot, &admin_name(), reason, clock.now())
             .await
         {
@@ -558,6 +559,7 @@ async fn refresh(settings: Settings, bot: &str) -> ExitCode {
     };
     with_store(&settings, |store, clock| async move {
         match store
+            .bots()
             .request_refresh(&bot, &admin_name(), clock.now())
             .await
         {

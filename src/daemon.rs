@@ -80,6 +80,7 @@ async fn database_bots(
     store: &Store,
 ) -> Result<Vec<(BotSettings, i64, bson::Document)>, RunError> {
     let docs = store
+        .bots()
         .spec_documents()
         .await
         .map_err(|e| RunError::Startup(e.to_string()))?;
@@ -151,7 +152,7 @@ pub async fn run_with_store(
         crate::lock::presence::register(&store, &ctx.me, &ctx.clock, settings.lock.ttl)
             .await
             .map_err(RunError::Startup)?;
-    store.name_transaction_sessions(&ctx.me);
+    store.instances().name_transaction_sessions(&ctx.me);
     let id_lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let presence = tokio::spawn(crate::lock::presence::keep_alive(
         store.clone(),
@@ -195,8 +196,8 @@ async fn context(settings: &Settings, store: &Store) -> Result<Arc<Context>, Run
         .map_err(RunError::Startup)?;
     let patience = settings.mongo.connect_timeout;
     with_patience("create the bots and hosts indexes", patience, || async {
-        store.ensure_bot_indexes().await?;
-        store.ensure_host_indexes().await
+        store.bots().ensure_indexes().await?;
+        store.hosts().ensure_indexes().await
     })
     .await
     .map_err(|e| RunError::Startup(e.to_string()))?;
@@ -393,7 +394,7 @@ async fn publish_hosts(
                 updated_at: now,
             })
             .collect();
-        if let Err(e) = store.publish_hosts(&me, &rows).await {
+        if let Err(e) = store.hosts().publish(&me, &rows).await {
             tracing::debug!(error = %e, "could not publish throttled hosts");
         }
     }
@@ -415,18 +416,18 @@ async fn crawl_context(
     info!("ensuring the frontier and records indexes (building one on a large collection takes a while)");
     let patience = settings.mongo.connect_timeout;
     with_patience("create the frontier indexes", patience, || {
-        store.ensure_frontier_indexes()
+        store.frontier().ensure_indexes()
     })
     .await
     .map_err(startup)?;
     with_patience("create the records index", patience, || {
-        store.ensure_record_indexes()
+        store.records().ensure_indexes()
     })
     .await
     .map_err(startup)?;
     let supports_transactions = || {
         with_patience("ask whether the server runs transactions", patience, || {
-            store.supports_transactions()
+            store.records().supports_transactions()
         })
     };
     let transactions = match limits.transactions {
@@ -521,7 +522,7 @@ async fn once(
     let mut out = Vec::new();
     for bot in summaries {
         // Read back what the bot is ready on, for the summary line.
-        match store.load(&bot).await {
+        match store.bots().load(&bot).await {
             Ok(Observed::Valid(doc)) => out.push(BotSummary {
                 seeds_digest: digest(&doc.seeds),
                 seeds: doc.seeds.len(),

@@ -217,6 +217,7 @@ async fn failing_refreshes_are_counted_one_by_one() {
             assert!(i
                 .db
                 .store()
+                .bots()
                 .request_refresh(&bot, "test", Utc::now())
                 .await
                 .unwrap());
@@ -289,6 +290,7 @@ async fn a_holder_fenced_by_an_unlock_counts_a_lost_lease() {
     .await;
     let bot = BotId::parse("shop").unwrap();
     i.db.store()
+        .bots()
         .admin_unlock(&bot, "admin", "alert test", Utc::now())
         .await
         .unwrap();

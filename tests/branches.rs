@@ -205,6 +205,7 @@ async fn a2_admin_request_is_served_once() {
     assert!(matches!(f.step().await, StepOutcome::Ready { .. }));
     let store = f.db.store();
     assert!(store
+        .bots()
         .request_refresh(
             &seedlock::ids::BotId::parse("shop").unwrap(),
             "admin",
@@ -411,6 +412,7 @@ async fn repair_is_conditional_on_the_document_read() {
     f.put(ready_doc(&["http://fixed/"], f.now())).await;
     let applied =
         f.db.store()
+            .bots()
             .repair_malformed(
                 &bad,
                 &["x".into()],
@@ -607,6 +609,7 @@ async fn a_lock_epoch_at_the_int64_maximum_is_refused_with_one_clear_line_and_no
     let bot = seedlock::ids::BotId::parse("shop").unwrap();
     let err =
         f.db.store()
+            .bots()
             .admin_unlock(&bot, "admin", "test", Utc::now())
             .await
             .unwrap_err();

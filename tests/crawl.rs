@@ -453,7 +453,7 @@ fn detail_ids(range: std::ops::Range<usize>) -> Vec<String> {
 async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
     let db = test_db("crawl_replaced_pass").await;
     let store = db.store();
-    store.ensure_frontier_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
     let now = chrono::Utc::now();
     in_pass_2(&db, now).await;
     // A listing page listed d1 at the last evaluation; pass 2 read it without d1.
@@ -465,7 +465,8 @@ async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
     // An instance still on pass 1, which a refresh replaced by pass 2: nothing is recorded and
     // nothing is removed, though pass 1 has no work left.
     let stale = store
-        .finish_pass(&bot, 1, None, rules, &me, now)
+        .passes()
+        .finish(&bot, 1, None, rules, &me, now)
         .await
         .unwrap();
     assert!(stale.finished && !stale.recorded);
@@ -473,14 +474,16 @@ async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
     assert!(removed_keys(&db).await.is_empty());
     // The current pass ends once, and its end marks the departed record.
     let end = store
-        .finish_pass(&bot, 2, None, rules, &me, now)
+        .passes()
+        .finish(&bot, 2, None, rules, &me, now)
         .await
         .unwrap();
     assert!(end.recorded);
     assert_eq!(end.removed, 1);
     assert_eq!(removed_keys(&db).await, ["SKU-001"]);
     let again = store
-        .finish_pass(&bot, 2, None, rules, &me, now)
+        .passes()
+        .finish(&bot, 2, None, rules, &me, now)
         .await
         .unwrap();
     assert!(!again.recorded, "the end is recorded once");
@@ -497,8 +500,8 @@ async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
 async fn a_pass_end_marks_every_departed_record_removed_however_many_batches_they_take() {
     let db = test_db("crawl_many_unseen").await;
     let store = db.store();
-    store.ensure_record_indexes().await.unwrap();
-    store.ensure_frontier_indexes().await.unwrap();
+    store.records().ensure_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
     let now = chrono::Utc::now();
     in_pass_2(&db, now).await;
     // 250 detail pages the listing showed at the last evaluation and no longer does (more than
@@ -509,7 +512,8 @@ async fn a_pass_end_marks_every_departed_record_removed_however_many_batches_the
     let bot = seedlock::ids::BotId::parse("shop").unwrap();
     let me = seedlock::ids::InstanceId::parse("a").unwrap();
     let end = store
-        .finish_pass(&bot, 2, None, always_delete(), &me, now)
+        .passes()
+        .finish(&bot, 2, None, always_delete(), &me, now)
         .await
         .unwrap();
     assert!(end.recorded);
@@ -539,8 +543,8 @@ async fn an_evaluation_cut_short_is_taken_over_once_its_claim_expires_and_runs_o
 ) {
     let db = test_db("crawl_resume_evaluation").await;
     let store = db.store();
-    store.ensure_frontier_indexes().await.unwrap();
-    store.ensure_record_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
+    store.records().ensure_indexes().await.unwrap();
     let now = chrono::Utc::now();
     // Pass 2 ended; the instance that ended it died before its evaluation (claimed until a
     // moment ago) — two items the page listed at the last evaluation are gone from it.
@@ -563,11 +567,13 @@ async fn an_evaluation_cut_short_is_taken_over_once_its_claim_expires_and_runs_o
     let claimed = now - chrono::Duration::seconds(1);
     // A claim read wrongly (another instance moved it) takes nothing.
     let wrong = store
+        .passes()
         .resume_evaluation(&bot, 2, now, &me, now)
         .await
         .unwrap();
     assert!(wrong.is_none());
     let done = store
+        .passes()
         .resume_evaluation(&bot, 2, claimed, &me, now)
         .await
         .unwrap()
@@ -583,12 +589,14 @@ async fn an_evaluation_cut_short_is_taken_over_once_its_claim_expires_and_runs_o
     assert!(!last.contains_key("evaluatingBy"), "{last}");
     // Once done, nobody takes it again; run again by hand it changes nothing.
     assert!(store
+        .passes()
         .resume_evaluation(&bot, 2, claimed, &me, now)
         .await
         .unwrap()
         .is_none());
     let again = store
-        .evaluate_pass(&bot, 2, true, false, now)
+        .deletions()
+        .evaluate(&bot, 2, true, false, now)
         .await
         .unwrap();
     assert_eq!((again.removed, again.restored), (0, 0));
@@ -599,8 +607,8 @@ async fn an_evaluation_cut_short_is_taken_over_once_its_claim_expires_and_runs_o
 async fn a_page_that_failed_keeps_what_it_listed_and_an_item_that_moved_pages_stays() {
     let db = test_db("crawl_evaluation_pages").await;
     let store = db.store();
-    store.ensure_frontier_indexes().await.unwrap();
-    store.ensure_record_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
+    store.records().ensure_indexes().await.unwrap();
     let now = chrono::Utc::now();
     in_pass_2(&db, now).await;
     stored_items(&db, 0..6, None).await;
@@ -635,7 +643,8 @@ async fn a_page_that_failed_keeps_what_it_listed_and_an_item_that_moved_pages_st
     let bot = seedlock::ids::BotId::parse("shop").unwrap();
     let me = seedlock::ids::InstanceId::parse("a").unwrap();
     let end = store
-        .finish_pass(&bot, 2, None, always_delete(), &me, now)
+        .passes()
+        .finish(&bot, 2, None, always_delete(), &me, now)
         .await
         .unwrap();
     assert_eq!(end.removed, 2, "{end:?}");

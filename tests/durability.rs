@@ -157,9 +157,9 @@ async fn a_transaction_a_dead_process_left_open_is_ended_when_its_id_is_taken_ov
     // nothing ends the transaction (the session is never dropped, committed or aborted).
     let mortal = Client::with_uri_str(&db.uri).await.unwrap();
     let doomed = Store::new(mortal.database(&db.name));
-    doomed.name_transaction_sessions(&me);
+    doomed.instances().name_transaction_sessions(&me);
     let mut session = mortal.start_session().await.unwrap();
-    doomed.name_session(&session).await.unwrap();
+    doomed.instances().name_session(&session).await.unwrap();
     session.start_transaction().await.unwrap();
     mortal
         .database(&db.name)

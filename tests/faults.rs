@@ -48,9 +48,10 @@ async fn held_locks(store: &Store) -> Vec<seedlock::store::EditLock> {
     let mut held = Vec::new();
     for i in 0..3 {
         let bot = BotId::parse(&format!("f{i}")).unwrap();
-        store.initialize(&bot, &me, now).await.unwrap();
+        store.bots().initialize(&bot, &me, now).await.unwrap();
         held.push(
             store
+                .bots()
                 .claim(
                     &bot,
                     &me,
@@ -85,6 +86,7 @@ async fn a_write_concern_error_in_an_ok_reply_is_an_error() {
     ));
     let before = faults.seen("update", "bots");
     let result = store
+        .bots()
         .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
         .await;
     match result {
@@ -108,6 +110,7 @@ async fn a_write_refused_or_lost_in_a_failover_is_sent_again_and_applied_once() 
     faults.add(rule("update", "bots", 2, Fault::Answer(not_primary())));
     let before = faults.seen("update", "bots");
     let (_, alive) = store
+        .bots()
         .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
         .await
         .expect("sent again until it was applied");
@@ -125,6 +128,7 @@ async fn a_write_refused_or_lost_in_a_failover_is_sent_again_and_applied_once() 
         )),
     ));
     let (_, alive) = store
+        .bots()
         .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
         .await
         .expect("sent again after the write concern error");
@@ -136,6 +140,7 @@ async fn a_write_refused_or_lost_in_a_failover_is_sent_again_and_applied_once() 
     faults.add(rule("update", "bots", 1, Fault::Drop));
     let before = faults.seen("update", "bots");
     let (_, alive) = store
+        .bots()
         .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
         .await
         .expect("sent again on a new connection");
@@ -222,6 +227,7 @@ async fn on_real_mongodb_writes_refused_by_the_fail_point_are_sent_again() {
     let held = held_locks(&store).await;
     let locks: Vec<_> = held.iter().collect();
     let result = store
+        .bots()
         .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
         .await;
     let _ = admin

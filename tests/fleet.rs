@@ -186,7 +186,7 @@ async fn bots_apply_validates_everything_first_and_dry_run_and_prune_say_what_th
         line.contains("bot \"shop\"") && line.contains("bots[1].crawl.record.natural_key"),
         "{err}"
     );
-    assert!(db.store().load_all().await.unwrap().is_empty());
+    assert!(db.store().bots().load_all().await.unwrap().is_empty());
 
     let file = bots_file(dir, "good.toml", &good);
     let (code, out, _) = f
@@ -198,7 +198,7 @@ async fn bots_apply_validates_everything_first_and_dry_run_and_prune_say_what_th
         "{out}"
     );
     assert!(
-        db.store().load_all().await.unwrap().is_empty(),
+        db.store().bots().load_all().await.unwrap().is_empty(),
         "a dry run writes nothing"
     );
     let (code, _, _) = f.cli(&["bots", "apply", file.to_str().unwrap()]).await;

@@ -246,7 +246,7 @@ async fn a_throttling_host_is_published_for_status() {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let rows = loop {
         let since = chrono::Utc::now() - chrono::Duration::seconds(30);
-        let rows = store.recent_hosts(since).await.unwrap();
+        let rows = store.hosts().recent(since).await.unwrap();
         if !rows.is_empty() {
             break rows;
         }

@@ -37,10 +37,11 @@ const LEASE: Duration = Duration::from_secs(30);
 async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
     let db = test_db("fr_enqueue").await;
     let store = db.store();
-    store.ensure_frontier_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
     let list = urls(5);
     assert_eq!(
         store
+            .frontier()
             .enqueue(&bot(), 1, PageKind::Detail, &list, Utc::now())
             .await
             .unwrap(),
@@ -48,6 +49,7 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
     );
     assert_eq!(
         store
+            .frontier()
             .enqueue(&bot(), 1, PageKind::Detail, &list, Utc::now())
             .await
             .unwrap(),
@@ -57,6 +59,7 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
     let spelled_differently = [NormalizedUrl::parse("HTTP://SHOP.test:80/product/0#x").unwrap()];
     assert_eq!(
         store
+            .frontier()
             .enqueue(
                 &bot(),
                 1,
@@ -79,12 +82,18 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
 
     // Crawl one URL to done, rediscover it in the same pass: it stays done.
     let lease = store
+        .frontier()
         .lease_url(&bot(), 1, &me("w"), Utc::now(), LEASE)
         .await
         .unwrap()
         .unwrap();
-    store.complete_url(&lease, Utc::now()).await.unwrap();
     store
+        .frontier()
+        .complete_url(&lease, Utc::now())
+        .await
+        .unwrap();
+    store
+        .frontier()
         .enqueue(
             &bot(),
             1,
@@ -95,7 +104,7 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
         .await
         .unwrap();
     assert_eq!(
-        store.pass_progress(&bot(), 1).await.unwrap(),
+        store.frontier().pass_progress(&bot(), 1).await.unwrap(),
         PassProgress {
             pending: 4,
             waiting: 0,
@@ -108,12 +117,21 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
     // The next pass makes every URL pending again.
     assert_eq!(
         store
+            .frontier()
             .enqueue(&bot(), 2, PageKind::Detail, &list, Utc::now())
             .await
             .unwrap(),
         5
     );
-    assert_eq!(store.pass_progress(&bot(), 2).await.unwrap().pending, 5);
+    assert_eq!(
+        store
+            .frontier()
+            .pass_progress(&bot(), 2)
+            .await
+            .unwrap()
+            .pending,
+        5
+    );
     let id = url_id(&bot(), &list[0]);
     assert_eq!(
         id,
@@ -131,8 +149,9 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
 async fn concurrent_workers_lease_each_url_exactly_once() {
     let db = test_db("fr_lease").await;
     let store = db.store();
-    store.ensure_frontier_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
     store
+        .frontier()
         .enqueue(&bot(), 1, PageKind::Detail, &urls(60), Utc::now())
         .await
         .unwrap();
@@ -142,11 +161,16 @@ async fn concurrent_workers_lease_each_url_exactly_once() {
         workers.push(tokio::spawn(async move {
             let mut mine = Vec::new();
             while let Some(lease) = store
+                .frontier()
                 .lease_url(&bot(), 1, &me(&format!("w{w}")), Utc::now(), LEASE)
                 .await
                 .unwrap()
             {
-                store.complete_url(&lease, Utc::now()).await.unwrap();
+                store
+                    .frontier()
+                    .complete_url(&lease, Utc::now())
+                    .await
+                    .unwrap();
                 mine.push(lease.url.to_string());
             }
             mine
@@ -162,7 +186,7 @@ async fn concurrent_workers_lease_each_url_exactly_once() {
         (60, 60),
         "every URL leased once, none twice"
     );
-    let progress = store.pass_progress(&bot(), 1).await.unwrap();
+    let progress = store.frontier().pass_progress(&bot(), 1).await.unwrap();
     assert_eq!(
         progress,
         PassProgress {
@@ -181,11 +205,13 @@ async fn an_expired_lease_is_retried_and_the_stale_worker_is_fenced_out() {
     let db = test_db("fr_expiry").await;
     let store = db.store();
     store
+        .frontier()
         .enqueue(&bot(), 1, PageKind::List, &urls(1), Utc::now())
         .await
         .unwrap();
     let t0 = Utc::now();
     let crashed = store
+        .frontier()
         .lease_url(&bot(), 1, &me("crashed"), t0, Duration::from_secs(5))
         .await
         .unwrap()
@@ -193,13 +219,14 @@ async fn an_expired_lease_is_retried_and_the_stale_worker_is_fenced_out() {
     assert_eq!(crashed.kind, PageKind::List);
     assert!(
         store
+            .frontier()
             .lease_url(&bot(), 1, &me("other"), t0, LEASE)
             .await
             .unwrap()
             .is_none(),
         "a live lease is exclusive"
     );
-    let progress = store.pass_progress(&bot(), 1).await.unwrap();
+    let progress = store.frontier().pass_progress(&bot(), 1).await.unwrap();
     assert!(
         !progress.is_finished(),
         "the pass waits for a URL leased by someone else: {progress:?}"
@@ -207,6 +234,7 @@ async fn an_expired_lease_is_retried_and_the_stale_worker_is_fenced_out() {
 
     let later = t0 + chrono::Duration::seconds(6);
     let retry = store
+        .frontier()
         .lease_url(&bot(), 1, &me("other"), later, LEASE)
         .await
         .unwrap()
@@ -214,25 +242,30 @@ async fn an_expired_lease_is_retried_and_the_stale_worker_is_fenced_out() {
     assert_eq!((retry.attempt, retry.url.clone()), (2, crashed.url.clone()));
     assert_ne!(retry.token, crashed.token);
 
-    let stale = store.complete_url(&crashed, later).await;
+    let stale = store.frontier().complete_url(&crashed, later).await;
     assert!(
         matches!(stale, Err(Error::UrlLeaseLost { .. })),
         "{stale:?}"
     );
-    let stale = store.fail_url(&crashed, later, "x").await;
+    let stale = store.frontier().fail_url(&crashed, later, "x").await;
     assert!(
         matches!(stale, Err(Error::UrlLeaseLost { .. })),
         "{stale:?}"
     );
-    store.complete_url(&retry, later).await.unwrap();
+    store.frontier().complete_url(&retry, later).await.unwrap();
     assert!(
         matches!(
-            store.complete_url(&retry, later).await,
+            store.frontier().complete_url(&retry, later).await,
             Err(Error::UrlLeaseLost { .. })
         ),
         "done once"
     );
-    assert!(store.pass_progress(&bot(), 1).await.unwrap().is_finished());
+    assert!(store
+        .frontier()
+        .pass_progress(&bot(), 1)
+        .await
+        .unwrap()
+        .is_finished());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -240,15 +273,18 @@ async fn failed_urls_record_their_reason_and_end_the_pass() {
     let db = test_db("fr_fail").await;
     let store = db.store();
     store
+        .frontier()
         .enqueue(&bot(), 3, PageKind::Detail, &urls(1), Utc::now())
         .await
         .unwrap();
     let lease = store
+        .frontier()
         .lease_url(&bot(), 3, &me("w"), Utc::now(), LEASE)
         .await
         .unwrap()
         .unwrap();
     store
+        .frontier()
         .fail_url(&lease, Utc::now(), "no natural key (.sku) on the page")
         .await
         .unwrap();
@@ -265,7 +301,7 @@ async fn failed_urls_record_their_reason_and_end_the_pass() {
         "no natural key (.sku) on the page"
     );
     assert_eq!(
-        store.pass_progress(&bot(), 3).await.unwrap(),
+        store.frontier().pass_progress(&bot(), 3).await.unwrap(),
         PassProgress {
             pending: 0,
             waiting: 0,
@@ -280,8 +316,9 @@ async fn failed_urls_record_their_reason_and_end_the_pass() {
 async fn the_lease_query_uses_its_index() {
     let db = test_db("fr_explain").await;
     let store = db.store();
-    store.ensure_frontier_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
     store
+        .frontier()
         .enqueue(&bot(), 1, PageKind::Detail, &urls(50), Utc::now())
         .await
         .unwrap();
@@ -345,24 +382,28 @@ async fn the_lease_query_uses_its_index() {
 async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
     let db = test_db("fr_listings").await;
     let store = db.store();
-    store.ensure_frontier_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
     let at = |path: &str| NormalizedUrl::parse(&format!("http://shop.test{path}")).unwrap();
     let (seed, lists) = (at("/"), [at("/list/0"), at("/list/1"), at("/list/2")]);
     let now = Utc::now();
     let other = BotId::parse("other").unwrap();
     store
+        .frontier()
         .enqueue(&bot(), 1, PageKind::Detail, &urls(200), now)
         .await
         .unwrap();
     store
+        .frontier()
         .enqueue(&bot(), 1, PageKind::List, &lists, now)
         .await
         .unwrap();
     store
+        .frontier()
         .enqueue(&bot(), 1, PageKind::Seed, std::slice::from_ref(&seed), now)
         .await
         .unwrap();
     store
+        .frontier()
         .enqueue(&other, 1, PageKind::List, &lists, now)
         .await
         .unwrap();
@@ -377,11 +418,13 @@ async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
     // Pass 2 has already reached list/2; another bot's pages and the detail pages are not
     // listing pages of this bot.
     store
+        .frontier()
         .enqueue(&bot(), 2, PageKind::List, &lists[2..], now)
         .await
         .unwrap();
     let since = now - chrono::Duration::minutes(5);
     let mut unreached: Vec<String> = store
+        .passes()
         .unreached_list_urls(&bot(), 2, since)
         .await
         .unwrap()
@@ -396,15 +439,30 @@ async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
     ];
     expected.sort();
     assert_eq!(unreached, expected);
-    assert_eq!(store.unreached_lists(&bot(), 2, since).await.unwrap(), 3);
+    assert_eq!(
+        store
+            .passes()
+            .unreached_lists(&bot(), 2, since)
+            .await
+            .unwrap(),
+        3
+    );
     // Read before `since`: not the last complete pass's.
     let later = now + chrono::Duration::minutes(5);
     assert!(store
+        .passes()
         .unreached_list_urls(&bot(), 2, later)
         .await
         .unwrap()
         .is_empty());
-    assert_eq!(store.unreached_lists(&bot(), 2, later).await.unwrap(), 0);
+    assert_eq!(
+        store
+            .passes()
+            .unreached_lists(&bot(), 2, later)
+            .await
+            .unwrap(),
+        0
+    );
 
     // The query as the store sends it reads the listing index's entries of the bot's earlier
     // passes (the seed and two listing pages), not the 200 detail pages beside them (the main
@@ -457,8 +515,9 @@ async fn two_leasers_racing_for_one_batch_never_get_the_same_url() {
     use seedlock::store::frontier::Takes;
     let db = test_db("fr_batch_race").await;
     let (a, b) = (db.store(), other_store(&db).await);
-    a.ensure_frontier_indexes().await.unwrap();
-    a.enqueue(&bot(), 1, PageKind::Detail, &urls(300), Utc::now())
+    a.frontier().ensure_indexes().await.unwrap();
+    a.frontier()
+        .enqueue(&bot(), 1, PageKind::Detail, &urls(300), Utc::now())
         .await
         .unwrap();
     let query = CandidateQuery {
@@ -471,6 +530,7 @@ async fn two_leasers_racing_for_one_batch_never_get_the_same_url() {
     // Both find the same pending URLs, and both try to take the same batch of them at once.
     for round in 0..10 {
         let found = a
+            .frontier()
             .lease_candidates(&bot(), 1, std::slice::from_ref(&query))
             .await
             .unwrap()
@@ -484,8 +544,10 @@ async fn two_leasers_racing_for_one_batch_never_get_the_same_url() {
         let now = Utc::now();
         let (bot, ma, mb) = (bot(), me("a"), me("b"));
         let (got_a, got_b) = tokio::join!(
-            a.take_leases(&bot, 1, &ma, now, LEASE, takes.clone()),
-            b.take_leases(&bot, 1, &mb, now, LEASE, takes.clone()),
+            a.frontier()
+                .take_leases(&bot, 1, &ma, now, LEASE, takes.clone()),
+            b.frontier()
+                .take_leases(&bot, 1, &mb, now, LEASE, takes.clone()),
         );
         let (got_a, got_b) = (got_a.unwrap().leases, got_b.unwrap().leases);
         assert_eq!(
@@ -522,7 +584,7 @@ async fn links_enqueued_leased_go_to_the_enqueuer_alone() {
     use seedlock::store::frontier::{LeaseTo, NewUrl};
     let db = test_db("fr_lease_on_enqueue").await;
     let (a, b) = (db.store(), other_store(&db).await);
-    a.ensure_frontier_indexes().await.unwrap();
+    a.frontier().ensure_indexes().await.unwrap();
     let links: Vec<NewUrl> = urls(10)
         .into_iter()
         .map(|url| NewUrl {
@@ -541,6 +603,7 @@ async fn links_enqueued_leased_go_to_the_enqueuer_alone() {
         })
     };
     let from_a = a
+        .frontier()
         .enqueue_links(&bot(), 1, &links, &no_known, lease_to("a", 3), Utc::now())
         .await
         .unwrap();
@@ -548,12 +611,13 @@ async fn links_enqueued_leased_go_to_the_enqueuer_alone() {
     assert_eq!(from_a.leased.len(), 3, "the first three, leased to a");
     // b finds the same page a moment later: every link is in the pass already, none is its.
     let from_b = b
+        .frontier()
         .enqueue_links(&bot(), 1, &links, &no_known, lease_to("b", 10), Utc::now())
         .await
         .unwrap();
     assert_eq!((from_b.added, from_b.leased.len()), (0, 0));
     assert_eq!(
-        a.pass_progress(&bot(), 1).await.unwrap(),
+        a.frontier().pass_progress(&bot(), 1).await.unwrap(),
         PassProgress {
             pending: 7,
             waiting: 0,
@@ -565,18 +629,21 @@ async fn links_enqueued_leased_go_to_the_enqueuer_alone() {
     // a's leases are fenced like any other: its marks land.
     for lease in &from_a.leased {
         assert_eq!(lease.attempt, 1);
-        a.complete_url(lease, Utc::now()).await.unwrap();
+        a.frontier().complete_url(lease, Utc::now()).await.unwrap();
     }
     // In the next pass the same links come back from the earlier one, leased to whoever
     // enqueues them first (an update, not an insert).
     let known = a
+        .frontier()
         .known_pages(&bot(), &links.iter().map(|l| &l.url).collect::<Vec<_>>())
         .await
         .unwrap();
     let shop = bot();
     let (again_a, again_b) = tokio::join!(
-        a.enqueue_links(&shop, 2, &links, &known, lease_to("a", 5), Utc::now()),
-        b.enqueue_links(&shop, 2, &links, &known, lease_to("b", 5), Utc::now()),
+        a.frontier()
+            .enqueue_links(&shop, 2, &links, &known, lease_to("a", 5), Utc::now()),
+        b.frontier()
+            .enqueue_links(&shop, 2, &links, &known, lease_to("b", 5), Utc::now()),
     );
     let (again_a, again_b) = (again_a.unwrap(), again_b.unwrap());
     let mut ids: Vec<&str> = again_a
@@ -593,7 +660,7 @@ async fn links_enqueued_leased_go_to_the_enqueuer_alone() {
         "no link leased to both"
     );
     assert_eq!(again_a.added + again_b.added, 10);
-    let progress = a.pass_progress(&bot(), 2).await.unwrap();
+    let progress = a.frontier().pass_progress(&bot(), 2).await.unwrap();
     assert_eq!(progress.leased as usize, ids.len());
     assert_eq!(progress.pending as usize, 10 - ids.len());
 }
@@ -603,12 +670,14 @@ async fn a_batch_of_marks_lands_for_every_lease_still_held_and_not_for_a_lost_on
     use seedlock::store::frontier::{Mark, Takes};
     let db = test_db("fr_settle_batch").await;
     let store = db.store();
-    store.ensure_frontier_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
     store
+        .frontier()
         .enqueue(&bot(), 1, PageKind::Detail, &urls(5), Utc::now())
         .await
         .unwrap();
     let found = store
+        .frontier()
         .lease_candidates(
             &bot(),
             1,
@@ -624,6 +693,7 @@ async fn a_batch_of_marks_lands_for_every_lease_still_held_and_not_for_a_lost_on
         .remove(0);
     let t0 = Utc::now();
     let leases = store
+        .frontier()
         .take_leases(
             &bot(),
             1,
@@ -643,6 +713,7 @@ async fn a_batch_of_marks_lands_for_every_lease_still_held_and_not_for_a_lost_on
     let later = t0 + chrono::Duration::seconds(6);
     let lost = &leases[2];
     let other = store
+        .frontier()
         .take_leases(
             &bot(),
             1,
@@ -673,7 +744,7 @@ async fn a_batch_of_marks_lands_for_every_lease_still_held_and_not_for_a_lost_on
             )
         })
         .collect();
-    let applied = store.settle_urls(&marks, later).await.unwrap();
+    let applied = store.frontier().settle_urls(&marks, later).await.unwrap();
     assert_eq!(applied, vec![true, true, false, true, true]);
     let frontier = db.db.collection::<bson::Document>("frontier");
     for lease in &leases {
@@ -700,7 +771,7 @@ async fn a_batch_of_marks_lands_for_every_lease_still_held_and_not_for_a_lost_on
     }
     // Marking again changes nothing and says so.
     assert_eq!(
-        store.settle_urls(&marks, later).await.unwrap(),
+        store.frontier().settle_urls(&marks, later).await.unwrap(),
         vec![false; 5]
     );
 }
@@ -720,9 +791,10 @@ async fn large_reads_come_back_in_one_round_trip() {
     })
     .await
     .unwrap();
-    store.ensure_frontier_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
     let all = urls(300);
     store
+        .frontier()
         .enqueue(&bot(), 1, PageKind::Detail, &all, Utc::now())
         .await
         .unwrap();
@@ -736,12 +808,21 @@ async fn large_reads_come_back_in_one_round_trip() {
         limit: 200,
     };
     let found = store
+        .frontier()
         .lease_candidates(&bot(), 1, std::slice::from_ref(&query))
         .await
         .unwrap();
     assert_eq!(found[0].len(), 200);
     let ids: Vec<String> = all.iter().map(|u| url_id(&bot(), u)).collect();
-    assert_eq!(store.known_by_id(&bot(), &ids).await.unwrap().len(), 300);
+    assert_eq!(
+        store
+            .frontier()
+            .known_by_id(&bot(), &ids)
+            .await
+            .unwrap()
+            .len(),
+        300
+    );
     let sent = store.round_trips().unwrap() - before;
     assert_eq!(
         sent,
@@ -755,32 +836,46 @@ async fn large_reads_come_back_in_one_round_trip() {
 async fn a_new_pass_numbers_above_every_pass_of_the_bot_in_the_frontier() {
     let db = test_db("fr_pass_numbers").await;
     let store = db.store();
-    store.ensure_frontier_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
     let now = Utc::now();
     // URLs in pass 5, which the bot document (restored from a backup, say) no longer shows; and
     // another bot's in pass 50, which numbers nothing here.
     store
+        .frontier()
         .enqueue(&bot(), 5, PageKind::Detail, &urls(3), now)
         .await
         .unwrap();
     let other = BotId::parse("other").unwrap();
     store
+        .frontier()
         .enqueue(&other, 50, PageKind::Detail, &urls(3), now)
         .await
         .unwrap();
     let seeds = [NormalizedUrl::parse("http://shop.test/").unwrap()];
     assert_eq!(
-        store.prepare_pass(&bot(), 2, &seeds, now).await.unwrap(),
+        store
+            .passes()
+            .prepare(&bot(), 2, &seeds, now)
+            .await
+            .unwrap(),
         6,
         "above the frontier's pass 5, not the document's 2"
     );
     assert_eq!(
-        store.prepare_pass(&bot(), 0, &seeds, now).await.unwrap(),
+        store
+            .passes()
+            .prepare(&bot(), 0, &seeds, now)
+            .await
+            .unwrap(),
         7,
         "a document without a pass: above the seed just prepared in 6"
     );
     assert_eq!(
-        store.prepare_pass(&bot(), 9, &seeds, now).await.unwrap(),
+        store
+            .passes()
+            .prepare(&bot(), 9, &seeds, now)
+            .await
+            .unwrap(),
         10,
         "nothing above the document's pass: the next one"
     );

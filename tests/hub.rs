@@ -30,8 +30,9 @@ async fn every_held_lock_is_renewed_in_one_round_trip_and_a_lost_one_is_named() 
     let mut held = Vec::new();
     for i in 0..5 {
         let bot = id(&format!("b{i}"));
-        store.initialize(&bot, &me, now).await.unwrap();
+        store.bots().initialize(&bot, &me, now).await.unwrap();
         let lock = store
+            .bots()
             .claim(
                 &bot,
                 &me,
@@ -48,6 +49,7 @@ async fn every_held_lock_is_renewed_in_one_round_trip_and_a_lost_one_is_named() 
     }
     // An admin unlocks b2: its epoch moves past the one held here.
     store
+        .bots()
         .admin_unlock(&id("b2"), "admin", "test", now)
         .await
         .unwrap();
@@ -55,6 +57,7 @@ async fn every_held_lock_is_renewed_in_one_round_trip_and_a_lost_one_is_named() 
     let later = now + chrono::Duration::seconds(5);
     let locks: Vec<_> = held.iter().collect();
     let (expires, alive) = store
+        .bots()
         .heartbeat_all(&locks, later, Duration::from_secs(30))
         .await
         .unwrap();
@@ -87,6 +90,7 @@ async fn every_held_lock_is_renewed_in_one_round_trip_and_a_lost_one_is_named() 
     let locks: Vec<_> = held.iter().filter(|l| l.bot != id("b2")).collect();
     let before = store.command_counts();
     let (_, alive) = store
+        .bots()
         .heartbeat_all(&locks, later, Duration::from_secs(30))
         .await
         .unwrap();

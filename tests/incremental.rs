@@ -733,6 +733,7 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
     // leases the page a third time (the pass cannot end before: the page is in it).
     let at = chrono::Utc::now() + chrono::Duration::seconds(5);
     store
+        .frontier()
         .enqueue(&bot, pass, PageKind::Detail, std::slice::from_ref(&url), at)
         .await
         .unwrap();
@@ -757,6 +758,7 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
             loop {
                 let me = InstanceId::parse(who).unwrap();
                 match store
+                    .frontier()
                     .lease_url(&bot, pass, &me, at, Duration::from_millis(1))
                     .await
                     .unwrap()
@@ -781,7 +783,10 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
         natural_key: sku.clone(),
         data: doc! { "title": "stored before it went" },
     };
-    let half = store.commit_page(&dying, Some(&record), taken, false).await;
+    let half = store
+        .records()
+        .commit_page(&dying, Some(&record), taken, false)
+        .await;
     assert!(half.is_err(), "the done mark is refused: {half:?}");
     assert!(
         live_records(&db).await.contains_key(&sku),

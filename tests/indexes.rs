@@ -84,10 +84,10 @@ async fn yesterdays_indexes_are_rebuilt_as_defined_now_and_retired_ones_dropped(
     build(&db, "hosts", "updated_at_ttl", doc! { "updatedAt": 1 }).await;
     let store = db.store();
     for _ in 0..2 {
-        store.ensure_frontier_indexes().await.unwrap();
-        store.ensure_record_indexes().await.unwrap();
-        store.ensure_host_indexes().await.unwrap();
-        store.ensure_bot_indexes().await.unwrap();
+        store.frontier().ensure_indexes().await.unwrap();
+        store.records().ensure_indexes().await.unwrap();
+        store.hosts().ensure_indexes().await.unwrap();
+        store.bots().ensure_indexes().await.unwrap();
     }
     let frontier = indexes(&db, "frontier").await;
     let listings = named(&frontier, "bot_pass_listings").expect("the listing pages' index");
@@ -131,10 +131,10 @@ async fn yesterdays_indexes_are_rebuilt_as_defined_now_and_retired_ones_dropped(
         assert_eq!(counts.get(op).copied(), Some(3), "{op}: {counts:?}");
     }
     let builds_after_first = counts.get("create indexes").copied().unwrap_or(0);
-    store.ensure_frontier_indexes().await.unwrap();
-    store.ensure_record_indexes().await.unwrap();
-    store.ensure_host_indexes().await.unwrap();
-    store.ensure_bot_indexes().await.unwrap();
+    store.frontier().ensure_indexes().await.unwrap();
+    store.records().ensure_indexes().await.unwrap();
+    store.hosts().ensure_indexes().await.unwrap();
+    store.bots().ensure_indexes().await.unwrap();
     assert_eq!(
         store
             .command_counts()

@@ -30,6 +30,7 @@ async fn concurrent_claims_on_one_epoch_have_exactly_one_winner() {
     let db = test_db("race").await;
     let store = db.store();
     store
+        .bots()
         .initialize(&id("shop"), &me("setup"), Utc::now())
         .await
         .unwrap();
@@ -38,6 +39,7 @@ async fn concurrent_claims_on_one_epoch_have_exactly_one_winner() {
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
             store
+                .bots()
                 .claim(
                     &id("shop"),
                     &me(&format!("i{i}")),
@@ -75,11 +77,13 @@ async fn a_stale_holder_cannot_write_after_a_takeover() {
     let store = db.store();
     let bot = id("shop");
     store
+        .bots()
         .initialize(&bot, &me("setup"), Utc::now())
         .await
         .unwrap();
     let t0 = Utc::now();
     let old = store
+        .bots()
         .claim(
             &bot,
             &me("old"),
@@ -94,6 +98,7 @@ async fn a_stale_holder_cannot_write_after_a_takeover() {
         .expect("old wins epoch 1");
     // Taking over before the lock expired must fail: the filter carries the expiry condition.
     let early = store
+        .bots()
         .claim(
             &bot,
             &me("new"),
@@ -108,6 +113,7 @@ async fn a_stale_holder_cannot_write_after_a_takeover() {
     assert!(early.is_none(), "a live lock is not taken over");
     let later = t0 + chrono::Duration::seconds(2);
     let new = store
+        .bots()
         .claim(
             &bot,
             &me("new"),
@@ -125,16 +131,20 @@ async fn a_stale_holder_cannot_write_after_a_takeover() {
     for (what, result) in [
         (
             "heartbeat",
-            store.heartbeat(&old, later, TTL).await.map(|_| ()),
+            store.bots().heartbeat(&old, later, TTL).await.map(|_| ()),
         ),
         (
             "complete",
             store
+                .bots()
                 .complete(&old, &["http://stale/".into()], later, NextPass::None)
                 .await,
         ),
-        ("fail", store.fail(&old, later, "x", later, true).await),
-        ("release", store.release(&old, later, "x").await),
+        (
+            "fail",
+            store.bots().fail(&old, later, "x", later, true).await,
+        ),
+        ("release", store.bots().release(&old, later, "x").await),
     ] {
         assert!(
             matches!(result, Err(Error::EditLockLost { .. })),
@@ -142,6 +152,7 @@ async fn a_stale_holder_cannot_write_after_a_takeover() {
         );
     }
     store
+        .bots()
         .complete(&new, &["http://fresh/".into()], later, NextPass::None)
         .await
         .expect("the new holder's write lands");
@@ -166,10 +177,12 @@ async fn a_claim_fails_if_the_epoch_moved_since_the_read() {
     let store = db.store();
     let bot = id("shop");
     store
+        .bots()
         .initialize(&bot, &me("setup"), Utc::now())
         .await
         .unwrap();
     let a = store
+        .bots()
         .claim(
             &bot,
             &me("a"),
@@ -182,9 +195,10 @@ async fn a_claim_fails_if_the_epoch_moved_since_the_read() {
         .await
         .unwrap()
         .unwrap();
-    store.release(&a, Utc::now(), "done").await.unwrap();
+    store.bots().release(&a, Utc::now(), "done").await.unwrap();
     // The lock is free again, but at epoch 1: a claim based on the epoch-0 read must fail.
     let stale = store
+        .bots()
         .claim(
             &bot,
             &me("b"),
@@ -198,6 +212,7 @@ async fn a_claim_fails_if_the_epoch_moved_since_the_read() {
         .unwrap();
     assert!(stale.is_none());
     let fresh = store
+        .bots()
         .claim(&bot, &me("b"), a.epoch, Claim::Free, Utc::now(), TTL, "b")
         .await
         .unwrap();
@@ -211,23 +226,27 @@ async fn admin_unlock_bumps_the_epoch_and_fences_the_holder() {
     let bot = id("shop");
     assert_eq!(
         store
+            .bots()
             .admin_unlock(&bot, "admin", "x", Utc::now())
             .await
             .unwrap(),
         UnlockOutcome::NoSuchBot
     );
     store
+        .bots()
         .initialize(&bot, &me("setup"), Utc::now())
         .await
         .unwrap();
     assert_eq!(
         store
+            .bots()
             .admin_unlock(&bot, "admin", "x", Utc::now())
             .await
             .unwrap(),
         UnlockOutcome::NotLocked
     );
     let holder = store
+        .bots()
         .claim(
             &bot,
             &me("h"),
@@ -241,6 +260,7 @@ async fn admin_unlock_bumps_the_epoch_and_fences_the_holder() {
         .unwrap()
         .unwrap();
     let outcome = store
+        .bots()
         .admin_unlock(&bot, "admin", "stuck", Utc::now())
         .await
         .unwrap();
@@ -253,6 +273,7 @@ async fn admin_unlock_bumps_the_epoch_and_fences_the_holder() {
     );
     assert_eq!(db.epoch("shop").await, 2);
     let late = store
+        .bots()
         .complete(
             &holder,
             &["http://late/".into()],
@@ -280,6 +301,7 @@ async fn concurrent_initialization_creates_one_document() {
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
             store
+                .bots()
                 .initialize(&id("shop"), &me(&format!("i{i}")), Utc::now())
                 .await
         }));
@@ -301,17 +323,23 @@ async fn history_keeps_the_last_fifty_transitions() {
     let store = db.store();
     let bot = id("shop");
     store
+        .bots()
         .initialize(&bot, &me("setup"), Utc::now())
         .await
         .unwrap();
     let mut epoch = LockEpoch::ZERO;
     for _ in 0..30 {
         let lease = store
+            .bots()
             .claim(&bot, &me("h"), epoch, Claim::Free, Utc::now(), TTL, "loop")
             .await
             .unwrap()
             .unwrap();
-        store.release(&lease, Utc::now(), "loop").await.unwrap();
+        store
+            .bots()
+            .release(&lease, Utc::now(), "loop")
+            .await
+            .unwrap();
         epoch = lease.epoch;
     }
     let history = db.history("shop").await;

@@ -183,7 +183,11 @@ async fn an_export_whose_database_stops_answering_fails_within_the_operation_tim
     let op_timeout = Duration::from_secs(1);
     let store = seedlock::store::Store::new(client.database(&db.name)).with_op_timeout(op_timeout);
     let bot = seedlock::ids::BotId::parse("shop").unwrap();
-    let mut export = store.export_records(&bot, None, false).await.unwrap();
+    let mut export = store
+        .records()
+        .export_records(&bot, None, false)
+        .await
+        .unwrap();
     // The first batch (1,000 records) is in hand; the next needs the server.
     assert!(export.next().await.unwrap().is_some());
     proxy.cut();

@@ -34,10 +34,12 @@ fn url() -> NormalizedUrl {
 
 async fn lease(store: &Store, pass: i64, who: &str, at: chrono::DateTime<Utc>) -> UrlLease {
     store
+        .frontier()
         .enqueue(&bot(), pass, PageKind::Detail, &[url()], at)
         .await
         .unwrap();
     store
+        .frontier()
         .lease_url(
             &bot(),
             pass,
@@ -71,13 +73,19 @@ async fn records_are_written_once_and_rewritten_only_on_change() {
         let first = lease(&store, 1, "w", Utc::now()).await;
         assert_eq!(
             store
+                .records()
                 .commit_page(&first, Some(&item("$1.00")), Utc::now(), transaction)
                 .await
                 .unwrap(),
             Some(RecordWrite::Inserted)
         );
         assert!(
-            store.pass_progress(&bot(), 1).await.unwrap().is_finished(),
+            store
+                .frontier()
+                .pass_progress(&bot(), 1)
+                .await
+                .unwrap()
+                .is_finished(),
             "the URL is done with its record"
         );
         let stored = records(&db).await.remove(0);
@@ -88,6 +96,7 @@ async fn records_are_written_once_and_rewritten_only_on_change() {
         let second = lease(&store, 2, "w", Utc::now()).await;
         assert_eq!(
             store
+                .records()
                 .commit_page(&second, Some(&item("$1.00")), Utc::now(), transaction)
                 .await
                 .unwrap(),
@@ -98,12 +107,18 @@ async fn records_are_written_once_and_rewritten_only_on_change() {
             stored,
             "transaction={transaction}: an unchanged record is not written"
         );
-        assert!(store.pass_progress(&bot(), 2).await.unwrap().is_finished());
+        assert!(store
+            .frontier()
+            .pass_progress(&bot(), 2)
+            .await
+            .unwrap()
+            .is_finished());
 
         // Pass 3, a new price: rewritten, firstSeen kept.
         let third = lease(&store, 3, "w", Utc::now()).await;
         assert_eq!(
             store
+                .records()
                 .commit_page(&third, Some(&item("$2.00")), Utc::now(), transaction)
                 .await
                 .unwrap(),
@@ -145,6 +160,7 @@ async fn a_stale_worker_cannot_overwrite_the_newer_result() {
         // The stale worker's lease expires; another worker re-leases and commits newer data.
         let later = t0 + chrono::Duration::seconds(6);
         let fresh = store
+            .frontier()
             .lease_url(
                 &bot(),
                 1,
@@ -156,11 +172,13 @@ async fn a_stale_worker_cannot_overwrite_the_newer_result() {
             .unwrap()
             .unwrap();
         store
+            .records()
             .commit_page(&fresh, Some(&item("$9.99")), later, transaction)
             .await
             .unwrap();
         // Now the stale worker tries to commit what it fetched long ago.
         let result = store
+            .records()
             .commit_page(&stale, Some(&item("$1.00")), later, transaction)
             .await;
         match (transaction, &result) {
@@ -198,6 +216,7 @@ async fn a_retry_that_finds_the_content_unchanged_still_fences_out_the_older_lea
         let t0 = Utc::now();
         let pass1 = lease(&store, 1, "w", t0).await;
         store
+            .records()
             .commit_page(&pass1, Some(&item("$1.00")), t0, transaction)
             .await
             .unwrap();
@@ -207,6 +226,7 @@ async fn a_retry_that_finds_the_content_unchanged_still_fences_out_the_older_lea
         // Its lease runs out; the retry finds the content as stored.
         let t2 = t1 + chrono::Duration::seconds(6);
         let retry = store
+            .frontier()
             .lease_url(
                 &bot(),
                 2,
@@ -220,12 +240,14 @@ async fn a_retry_that_finds_the_content_unchanged_still_fences_out_the_older_lea
         assert_eq!(retry.attempt, 2);
         assert_eq!(
             store
+                .records()
                 .commit_page(&retry, Some(&item("$1.00")), t2, transaction)
                 .await
                 .unwrap(),
             Some(RecordWrite::Unchanged)
         );
         let late = store
+            .records()
             .commit_page(&stalled, Some(&item("$0.50")), t2, transaction)
             .await;
         assert!(
@@ -256,6 +278,7 @@ async fn a_crash_between_record_and_done_mark_leaves_exactly_one_record() {
     let dying = lease(&store, 1, "dying", t0).await;
     let later = t0 + chrono::Duration::seconds(6);
     let retry = store
+        .frontier()
         .lease_url(
             &bot(),
             1,
@@ -267,6 +290,7 @@ async fn a_crash_between_record_and_done_mark_leaves_exactly_one_record() {
         .unwrap()
         .unwrap();
     let half = store
+        .records()
         .commit_page(&dying, Some(&item("$1.00")), later, false)
         .await;
     assert!(matches!(half, Err(Error::UrlLeaseLost { .. })), "{half:?}");
@@ -275,14 +299,25 @@ async fn a_crash_between_record_and_done_mark_leaves_exactly_one_record() {
         1,
         "the record landed, the done mark did not"
     );
-    assert!(!store.pass_progress(&bot(), 1).await.unwrap().is_finished());
+    assert!(!store
+        .frontier()
+        .pass_progress(&bot(), 1)
+        .await
+        .unwrap()
+        .is_finished());
     let write = store
+        .records()
         .commit_page(&retry, Some(&item("$1.00")), later, false)
         .await
         .unwrap();
     assert_eq!(write, Some(RecordWrite::Unchanged));
     assert_eq!(records(&db).await.len(), 1);
-    assert!(store.pass_progress(&bot(), 1).await.unwrap().is_finished());
+    assert!(store
+        .frontier()
+        .pass_progress(&bot(), 1)
+        .await
+        .unwrap()
+        .is_finished());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -293,6 +328,7 @@ async fn in_a_transaction_a_fenced_out_commit_keeps_nothing() {
     let stale = lease(&store, 1, "stale", t0).await;
     let later = t0 + chrono::Duration::seconds(6);
     let _fresh = store
+        .frontier()
         .lease_url(
             &bot(),
             1,
@@ -304,6 +340,7 @@ async fn in_a_transaction_a_fenced_out_commit_keeps_nothing() {
         .unwrap()
         .unwrap();
     let result = store
+        .records()
         .commit_page(&stale, Some(&item("$1.00")), later, true)
         .await;
     assert!(
@@ -324,6 +361,7 @@ async fn an_unchanged_newer_fetch_still_fences_out_an_older_different_one() {
     let store = db.store();
     let first = lease(&store, 1, "w", Utc::now()).await;
     store
+        .records()
         .commit_page(&first, Some(&item("$1.00")), Utc::now(), false)
         .await
         .unwrap();
@@ -331,6 +369,7 @@ async fn an_unchanged_newer_fetch_still_fences_out_an_older_different_one() {
     let stale = lease(&store, 2, "stale", t0).await;
     let later = t0 + chrono::Duration::seconds(6);
     let fresh = store
+        .frontier()
         .lease_url(
             &bot(),
             2,
@@ -343,12 +382,14 @@ async fn an_unchanged_newer_fetch_still_fences_out_an_older_different_one() {
         .unwrap();
     assert_eq!(
         store
+            .records()
             .commit_page(&fresh, Some(&item("$1.00")), later, false)
             .await
             .unwrap(),
         Some(RecordWrite::Unchanged)
     );
     let result = store
+        .records()
         .commit_page(&stale, Some(&item("$0.50")), later, false)
         .await;
     assert!(
@@ -378,11 +419,13 @@ async fn lease_many(
         .map(|i| NormalizedUrl::parse(&format!("http://shop.test/product/SKU-{i}")).unwrap())
         .collect();
     store
+        .frontier()
         .enqueue(&bot(), pass, PageKind::Detail, &urls, at)
         .await
         .unwrap();
     let mut leases = Vec::new();
     while let Some(lease) = store
+        .frontier()
         .lease_url(
             &bot(),
             pass,
@@ -425,6 +468,7 @@ async fn a_group_commit_marks_done_only_pages_whose_record_was_written_and_whose
         // Page 1's lease runs out and another worker takes it before the batch commits.
         let later = t0 + chrono::Duration::seconds(6);
         let newer = store
+            .frontier()
             .take_leases(
                 &bot(),
                 1,
@@ -458,6 +502,7 @@ async fn a_group_commit_marks_done_only_pages_whose_record_was_written_and_whose
             })
             .collect();
         let committed = store
+            .records()
             .commit_batch(&pages, later, transaction)
             .await
             .unwrap();
@@ -470,7 +515,7 @@ async fn a_group_commit_marks_done_only_pages_whose_record_was_written_and_whose
             "transaction={transaction}: {:?}",
             committed[1]
         );
-        let progress = store.pass_progress(&bot(), 1).await.unwrap();
+        let progress = store.frontier().pass_progress(&bot(), 1).await.unwrap();
         assert_eq!(
             (progress.done, progress.leased),
             (3, 1),
@@ -513,6 +558,7 @@ async fn a_transaction_that_conflicts_keeps_its_pages_and_commits_once_the_confl
     let store = db.store();
     let first = lease(&store, 1, "w", Utc::now()).await;
     store
+        .records()
         .commit_page(&first, Some(&item("$1.00")), Utc::now(), true)
         .await
         .unwrap();
@@ -548,6 +594,7 @@ async fn a_transaction_that_conflicts_keeps_its_pages_and_commits_once_the_confl
         },
     };
     let committed = store
+        .records()
         .commit_batch(std::slice::from_ref(&page), Utc::now(), true)
         .await
         .unwrap();
@@ -566,5 +613,10 @@ async fn a_transaction_that_conflicts_keeps_its_pages_and_commits_once_the_confl
             .unwrap(),
         "$2.00"
     );
-    assert!(store.pass_progress(&bot(), 2).await.unwrap().is_finished());
+    assert!(store
+        .frontier()
+        .pass_progress(&bot(), 2)
+        .await
+        .unwrap()
+        .is_finished());
 }

@@ -1,6 +1,6 @@
 //! The commit stage: group commit. A writer takes everything waiting in the store queue (up to
 //! `crawl.store_queue` pages, without lingering for more) and commits it as one batch
-//! ([`Store::commit_batch`](crate::store::Store::commit_batch)): one read of the stored
+//! ([`Records::commit_batch`](crate::store::Records::commit_batch)): one read of the stored
 //! records, one write of the new and changed ones, one `update` with every fenced settle mark —
 //! or one transaction, with `crawl.transactions`. A commit that fails for a transient reason is
 //! retried with the pages kept (never fetched again), while their leases last.
@@ -41,6 +41,7 @@ impl Crawler {
             let now = self.clock.now();
             match self
                 .store
+                .records()
                 .commit_batch(&pages, now, self.transactions)
                 .await
             {

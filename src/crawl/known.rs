@@ -60,12 +60,13 @@ impl Known {
         let mut unfinished: HashSet<u64> = HashSet::new();
         let checked = (pass - CHECKED_PASSES).max(1)..pass;
         for p in checked.clone() {
-            for id in store.not_done_in(bot, p).await? {
+            for id in store.frontier().not_done_in(bot, p).await? {
                 unfinished.insert(key(&id));
             }
         }
         let mut items: Vec<(u64, i64)> = Vec::new();
         store
+            .frontier()
             .listing_manifests(bot, |read_in, listed| {
                 for (k, fp, fetch) in listed {
                     if *fp == 0 {

@@ -1,6 +1,6 @@
 //! The lease stage: one [`Crawler::lease_step`] is one batched lease round trip — the pending
 //! URLs of the hosts with room in this instance's queues, as many as there is room for, taken in
-//! one conditional `update` ([`Store::take_leases`](crate::store::Store::take_leases)).
+//! one conditional `update` ([`Frontier::take_leases`](crate::store::Frontier::take_leases)).
 //!
 //! Lease queries are per host (`{botId, pass, status: pending, host, …}`), so a slow or paused
 //! host's URLs are never leased, read or skipped while another host has room: leasing cannot
@@ -167,6 +167,7 @@ impl Crawler {
         // Retries that came due go back to pending about once a second.
         if Leaser::due(&mut leaser.last_promotion, Duration::from_secs(1), now) {
             self.store
+                .frontier()
                 .promote_due(&self.bot, pass.number, self.clock.now())
                 .await?;
         }
@@ -191,7 +192,11 @@ impl Crawler {
             !leaser.reclaimed || Leaser::due(&mut leaser.last_leased_check, LEASED_CHECK, now);
         if check {
             let server_now = self.clock.now();
-            let entries = self.store.leased_entries(&self.bot, pass.number).await?;
+            let entries = self
+                .store
+                .frontier()
+                .leased_entries(&self.bot, pass.number)
+                .await?;
             let dead = self.dead_owners(&entries, server_now).await?;
             let mut predecessor = false;
             for entry in entries {
@@ -286,7 +291,7 @@ impl Crawler {
         if owners.is_empty() {
             return Ok(HashMap::new());
         }
-        let registrations = self.store.registrations(&owners).await?;
+        let registrations = self.store.instances().registrations(&owners).await?;
         Ok(registrations
             .into_iter()
             .filter_map(|(id, p)| {
@@ -339,6 +344,7 @@ impl Crawler {
         }
         let found = self
             .store
+            .frontier()
             .lease_candidates(&self.bot, pass.number, &queries)
             .await?;
         for (query, found) in queries.iter().zip(&found) {
@@ -399,6 +405,7 @@ impl Crawler {
         }
         let taken = self
             .store
+            .frontier()
             .take_leases(
                 &self.bot,
                 pass.number,
@@ -461,7 +468,7 @@ impl Crawler {
                 .iter()
                 .map(|l| (l, crate::store::frontier::Mark::Shed { not_before: until }))
                 .collect();
-            self.store.settle_urls(&marks, now).await?;
+            self.store.frontier().settle_urls(&marks, now).await?;
             for _ in &shed {
                 self.metrics.shed(&self.bot);
             }
@@ -480,6 +487,7 @@ impl Crawler {
         };
         let known = self
             .store
+            .passes()
             .unreached_list_urls(&self.bot, pass.number, since)
             .await?;
         if known.is_empty() {
@@ -499,6 +507,7 @@ impl Crawler {
             .collect();
         let added = self
             .store
+            .frontier()
             .enqueue_urls(&self.bot, pass.number, &links, self.clock.now())
             .await?;
         // In the pass now: a listing page that links to one of them (the next page of the chain)
@@ -541,7 +550,11 @@ impl Crawler {
 
     /// Reads the hosts with pending work in `pass` (one `distinct`) and remembers them.
     async fn refresh_hosts(&self, pass: i64) -> Result<BTreeSet<String>> {
-        let found = self.store.hosts_with_work(&self.bot, pass).await?;
+        let found = self
+            .store
+            .frontier()
+            .hosts_with_work(&self.bot, pass)
+            .await?;
         for host in found {
             self.note_host(pass, host);
         }
@@ -562,7 +575,12 @@ impl Crawler {
             return Ok(LeaseStep::Busy);
         }
         debug!(bot = %self.bot, pass = pass.number, "nothing to lease and nothing in flight here");
-        if self.store.pass_has_work(&self.bot, pass.number).await? {
+        if self
+            .store
+            .frontier()
+            .pass_has_work(&self.bot, pass.number)
+            .await?
+        {
             // Work on a host this instance does not know of is found by a later round.
             if refresh_hosts {
                 match self.refresh_hosts(pass.number).await {
@@ -593,6 +611,7 @@ impl Crawler {
         if let (true, Some(since)) = (rules.enabled, rules.known_since) {
             let missed = self
                 .store
+                .passes()
                 .unreached_list_urls(&self.bot, pass.number, since)
                 .await?;
             if !missed.is_empty() {
@@ -604,6 +623,7 @@ impl Crawler {
                     self.note_host(pass.number, url.host_port());
                 }
                 self.store
+                    .frontier()
                     .enqueue(
                         &self.bot,
                         pass.number,
@@ -621,7 +641,8 @@ impl Crawler {
         };
         let end = self
             .store
-            .finish_pass(
+            .passes()
+            .finish(
                 &self.bot,
                 pass.number,
                 pass.started_at,

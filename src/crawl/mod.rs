@@ -98,7 +98,7 @@ pub enum PassState {
         /// A refresh succeeded while it ran: the next pass starts now, on the current seeds.
         next: Option<Vec<String>>,
         /// Its deletion evaluation is pending, claimed until then (see
-        /// [`Store::resume_evaluation`]).
+        /// [`Passes::resume_evaluation`](crate::store::Passes::resume_evaluation)).
         evaluation_claimed_until: Option<DateTime<Utc>>,
     },
 }
@@ -817,7 +817,12 @@ impl Crawler {
         if marks.is_empty() {
             return;
         }
-        if let Err(e) = self.store.settle_urls(&marks, self.clock.now()).await {
+        if let Err(e) = self
+            .store
+            .frontier()
+            .settle_urls(&marks, self.clock.now())
+            .await
+        {
             run.fail(e);
         }
     }

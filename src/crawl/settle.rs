@@ -184,7 +184,10 @@ impl Crawler {
         let known = if to_read.is_empty() {
             HashMap::new()
         } else {
-            self.store.known_by_id(&self.bot, &to_read).await?
+            self.store
+                .frontier()
+                .known_by_id(&self.bot, &to_read)
+                .await?
         };
         self.decide_items(&items, &decided, &known, mode, since, &mut listed);
         if !listed.changed.is_empty() {
@@ -422,6 +425,7 @@ impl Crawler {
         first.extend(rest);
         let result = self
             .store
+            .frontier()
             .enqueue_links(
                 &self.bot,
                 lease.pass,
@@ -540,7 +544,7 @@ impl Crawler {
     }
 
     /// Enqueues `links` in one write without reading what the frontier holds of them
-    /// ([`Store::enqueue_listing`]: an upsert per link, which inserts it, resets it when it was
+    /// ([`Frontier::enqueue_listing`]: an upsert per link, which inserts it, resets it when it was
     /// last crawled in an earlier pass, and leaves it alone when it is in this pass already),
     /// the ones this instance has room for leased here and queued for their host at once — with
     /// `always_first`, the first of each host whatever the room. The URLs added and leased.
@@ -574,6 +578,7 @@ impl Crawler {
         }
         let result = self
             .store
+            .frontier()
             .enqueue_listing(
                 &self.bot,
                 lease.pass,
@@ -682,6 +687,7 @@ impl Crawler {
                     Some(id) => Some(id.clone()),
                     None => match self
                         .store
+                        .frontier()
                         .known_by_id(&self.bot, std::slice::from_ref(&lease.id))
                         .await?
                         .remove(&lease.id)
@@ -689,7 +695,10 @@ impl Crawler {
                     {
                         Some(id) => Some(id),
                         None if lease.attempt > 1 || lease.reclaimed => {
-                            self.store.live_record_at(&self.bot, &lease.url).await?
+                            self.store
+                                .records()
+                                .live_record_at(&self.bot, &lease.url)
+                                .await?
                         }
                         None => None,
                     },

@@ -270,7 +270,7 @@ impl BotRunner {
         let id = &self.bot.id;
         // The permit the loop waited for serves this step's claim; any other step gives it back.
         let reserved = self.reserved.lock().expect("permit lock").take();
-        let observed = ctx.store.load(id).await?;
+        let observed = ctx.store.bots().load(id).await?;
         ctx.metrics.db_ok();
         if let Observed::Valid(doc) = &observed {
             ctx.metrics.saw_epoch(id, doc.lock_epoch.get());
@@ -312,7 +312,7 @@ impl BotRunner {
                 })
             }
             Decision::Initialize => {
-                ctx.store.initialize(id, &ctx.me, now).await?;
+                ctx.store.bots().initialize(id, &ctx.me, now).await?;
                 info!(bot = %id, "created the bot document");
                 Ok(StepOutcome::Initialized)
             }
@@ -323,6 +323,7 @@ impl BotRunner {
             Decision::RepairContradiction { expected } => {
                 let repaired = ctx
                     .store
+                    .bots()
                     .repair_contradiction(id, expected, &ctx.me, now)
                     .await?;
                 if repaired {
@@ -341,6 +342,7 @@ impl BotRunner {
                 };
                 let repaired = ctx
                     .store
+                    .bots()
                     .repair_malformed(raw, &problems, &ctx.me, now)
                     .await?;
                 if repaired {
@@ -379,6 +381,7 @@ impl BotRunner {
                 };
                 let held = ctx
                     .store
+                    .bots()
                     .claim(id, &ctx.me, expected, claim, now, ctx.lock.ttl, &reason)
                     .await?;
                 let Some(held) = held else {
@@ -557,7 +560,8 @@ impl BotRunner {
                             (Some(_), Some(pass)) => Ok(NextPass::Start(pass)),
                             (Some(crawler), None) => ctx
                                 .store
-                                .prepare_pass(id, held.crawl_pass, &crawler.seed_urls(seeds), now)
+                                .passes()
+                                .prepare(id, held.crawl_pass, &crawler.seed_urls(seeds), now)
                                 .await
                                 .map(NextPass::Start),
                         };
@@ -567,6 +571,7 @@ impl BotRunner {
                                     new_pass = Some(pass);
                                 }
                                 ctx.store
+                                    .bots()
                                     .complete_with(&held, seeds, now, next, self.pass_fields())
                                     .await
                             }
@@ -584,11 +589,13 @@ impl BotRunner {
                             == OnRefreshFailure::KeepPrevious
                             && !held.previous_seeds.is_empty();
                         ctx.store
+                            .bots()
                             .fail(&held, now, error, retry_after, stay_ready)
                             .await
                     }
                     Finish::Release => {
                         ctx.store
+                            .bots()
                             .release(&held, now, "shutdown: work stopped, lock released")
                             .await
                     }
@@ -825,7 +832,8 @@ impl BotRunner {
                 let seeds = crawler.seed_urls(&seeds);
                 if let Some(pass) = ctx
                     .store
-                    .start_next_pass(
+                    .passes()
+                    .start_next(
                         crawler.bot(),
                         number,
                         &seeds,
@@ -845,6 +853,7 @@ impl BotRunner {
             } if claimed_until <= ctx.clock.now() => {
                 // The instance that ended the pass stopped before its evaluation did.
                 ctx.store
+                    .passes()
                     .resume_evaluation(
                         crawler.bot(),
                         number,
@@ -860,7 +869,8 @@ impl BotRunner {
                 let seeds = crawler.seed_urls(&seeds);
                 if let Some(pass) = ctx
                     .store
-                    .start_pass(
+                    .passes()
+                    .start(
                         crawler.bot(),
                         current,
                         &seeds,
@@ -918,7 +928,7 @@ async fn watch_for_pause(store: Store, bot: BotId, poll: Duration, stop: Cancell
             _ = tokio::time::sleep(poll) => {}
         }
         // Only the flag: the document's seeds and history are not read every poll of a slice.
-        match store.paused(&bot).await {
+        match store.bots().paused(&bot).await {
             Ok(Some(true)) => {
                 info!(%bot, "paused: the in-flight pages settle, nothing more is leased");
                 stop.cancel();

@@ -90,7 +90,7 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
     let mut running: HashMap<BotId, Running> = HashMap::new();
     let mut reported: HashMap<BotId, i64> = HashMap::new();
     loop {
-        match ctx.store.spec_documents().await {
+        match ctx.store.bots().spec_documents().await {
             Ok(docs) => {
                 let mut seen = std::collections::HashSet::new();
                 let mut stopping = Vec::new();
@@ -116,7 +116,8 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
                                 stopping.push(old);
                             }
                             if marked_error {
-                                if let Err(e) = ctx.store.clear_spec_error(&id, spec.0).await {
+                                if let Err(e) = ctx.store.bots().clear_spec_error(&id, spec.0).await
+                                {
                                     warn!(bot = %id, error = %e, "could not clear the spec error");
                                 }
                             }
@@ -132,7 +133,9 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
                                 error!(bot = %id, spec_version = version, %error, "the bot's spec cannot be run; it stays stopped until it is fixed");
                                 reported.insert(id.clone(), version);
                             }
-                            if let Err(e) = ctx.store.mark_spec_error(&id, version, &error).await {
+                            if let Err(e) =
+                                ctx.store.bots().mark_spec_error(&id, version, &error).await
+                            {
                                 warn!(bot = %id, error = %e, "could not record the spec error");
                             }
                         }

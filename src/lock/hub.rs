@@ -273,7 +273,7 @@ async fn watch(hub: Weak<Inner>, stop: CancellationToken) {
         let poll = inner.lock.poll;
         let opened = tokio::select! {
             _ = stop.cancelled() => return,
-            s = inner.store.watch_bots() => s,
+            s = inner.store.bots().watch_bots() => s,
         };
         match opened {
             Ok(mut stream) => {
@@ -327,7 +327,7 @@ async fn poll(hub: Weak<Inner>, stop: CancellationToken) {
         let poll = inner.lock.poll;
         let read = tokio::select! {
             _ = stop.cancelled() => return,
-            read = inner.store.bot_digests() => read,
+            read = inner.store.bots().bot_digests() => read,
         };
         let delay = match read {
             Ok(digests) => {
@@ -405,7 +405,7 @@ async fn upkeep(hub: Weak<Inner>, stop: CancellationToken) {
         let now = inner.clock.now();
         let renewed = tokio::select! {
             _ = stop.cancelled() => return,
-            r = inner.store.heartbeat_all(&locks, now, inner.lock.ttl) => r,
+            r = inner.store.bots().heartbeat_all(&locks, now, inner.lock.ttl) => r,
         };
         match renewed {
             Ok((expires, alive)) => {

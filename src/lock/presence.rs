@@ -101,7 +101,8 @@ pub async fn register(
     for _ in 0..10 {
         let now = clock.now();
         match store
-            .insert_instance(me, &mine, now, ttl)
+            .instances()
+            .insert(me, &mine, now, ttl)
             .await
             .map_err(failed)?
         {
@@ -112,13 +113,14 @@ pub async fn register(
             Registration::HeldBy(theirs) => match judge(&theirs, &mine, now, process_alive) {
                 Verdict::Dead(why) => {
                     if store
-                        .replace_instance(me, &theirs, &mine, now, ttl)
+                        .instances()
+                        .replace(me, &theirs, &mine, now, ttl)
                         .await
                         .map_err(failed)?
                     {
                         // A transaction it was inside when it died holds what it wrote until the
                         // server ends it: end it now.
-                        let ended = store.end_sessions(&theirs.sessions).await;
+                        let ended = store.instances().end_sessions(&theirs.sessions).await;
                         info!(instance = %me, previous = %why, sessions = theirs.sessions.len(), ended, "took over this instance id from a process that is gone");
                         return Ok(mine);
                     }
@@ -159,8 +161,16 @@ pub async fn keep_alive(
             _ = tokio::time::sleep(every) => {}
         }
         let now = clock.now();
-        let beat = match store.instance_heartbeat(&me, &mine.token, now, ttl).await {
-            Ok(false) => store.insert_instance(&me, &mine, now, ttl).await.map(Some),
+        let beat = match store
+            .instances()
+            .heartbeat(&me, &mine.token, now, ttl)
+            .await
+        {
+            Ok(false) => store
+                .instances()
+                .insert(&me, &mine, now, ttl)
+                .await
+                .map(Some),
             Ok(true) => Ok(None),
             Err(e) => Err(e),
         };
@@ -179,7 +189,7 @@ pub async fn keep_alive(
         }
     }
     // A clean stop frees the id at once (bounded by the store's operation timeout).
-    if let Err(e) = store.remove_instance(&me, &mine.token).await {
+    if let Err(e) = store.instances().remove(&me, &mine.token).await {
         debug!(instance = %me, error = %e, "could not remove the instance registration");
     }
 }

@@ -13,7 +13,7 @@ use crate::ids::BotId;
 use crate::ops::admin::iso;
 use crate::ops::{admin_name, bot_arg, fail, with_store, EXIT_FAILED, EXIT_USAGE};
 use crate::store::document::{field, integer, state_of, Observed};
-use crate::store::specs::{Applied, Pause};
+use crate::store::{Applied, Pause};
 
 /// `seedlock bots …`.
 #[derive(Debug, Subcommand)]
@@ -71,6 +71,7 @@ async fn apply(settings: Settings, file: &std::path::Path, prune: bool, dry_run:
         for bot in &specs {
             let id = &bot.settings.id;
             match store
+                .bots()
                 .apply_spec(id, &bot.spec, &by, clock.now(), dry_run)
                 .await
             {
@@ -83,7 +84,7 @@ async fn apply(settings: Settings, file: &std::path::Path, prune: bool, dry_run:
             }
         }
         if prune {
-            let docs = match store.spec_documents().await {
+            let docs = match store.bots().spec_documents().await {
                 Ok(d) => d,
                 Err(e) => return fail(EXIT_FAILED, e),
             };
@@ -96,7 +97,7 @@ async fn apply(settings: Settings, file: &std::path::Path, prune: bool, dry_run:
                 }
                 let Ok(id) = BotId::parse(&id) else { continue };
                 if !dry_run {
-                    if let Err(e) = store.remove_bot(&id).await {
+                    if let Err(e) = store.bots().remove(&id).await {
                         return fail(EXIT_FAILED, format!("{id}: {e}"));
                     }
                 }
@@ -110,7 +111,7 @@ async fn apply(settings: Settings, file: &std::path::Path, prune: bool, dry_run:
 
 async fn list(settings: Settings, json: bool) -> ExitCode {
     with_store(&settings, |store, clock| async move {
-        let docs = match store.load_all().await {
+        let docs = match store.bots().load_all().await {
             Ok(d) => d,
             Err(e) => return fail(EXIT_FAILED, e),
         };
@@ -195,7 +196,7 @@ async fn remove(settings: Settings, bot: &str, purge: bool) -> ExitCode {
     let lease_for = settings.crawl.url_lease;
     let poll = settings.lock.poll;
     with_store(&settings, |store, clock| async move {
-        match store.remove_bot(&bot).await {
+        match store.bots().remove(&bot).await {
             Ok(true) => println!("{bot}: removed; every instance stops it within one poll"),
             Ok(false) if purge => println!("{bot}: no document (purging what is left of it)"),
             Ok(false) => return fail(EXIT_FAILED, format!("no bot {bot} in the database")),
@@ -211,7 +212,7 @@ async fn remove(settings: Settings, bot: &str, purge: bool) -> ExitCode {
         let removed_at = tokio::time::Instant::now();
         let deadline = removed_at + lease_for + std::time::Duration::from_secs(5);
         loop {
-            match store.live_leases(&bot, clock.now()).await {
+            match store.frontier().live_leases(&bot, clock.now()).await {
                 Ok(0) if removed_at.elapsed() >= poll * 2 => break,
                 Ok(0) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
                 Ok(n) if tokio::time::Instant::now() > deadline => {
@@ -257,7 +258,7 @@ pub async fn pause(settings: Settings, bot: &str, reason: Option<&str>) -> ExitC
         let by = admin_name();
         let pause = reason.map(|reason| Pause { by: &by, reason });
         let pausing = pause.is_some();
-        match store.set_paused(&bot, pause, &by, clock.now()).await {
+        match store.bots().set_paused(&bot, pause, &by, clock.now()).await {
             Ok(true) if pausing => {
                 println!(
                     "{bot}: paused; in-flight pages finish, then no instance leases or locks it"
@@ -292,7 +293,7 @@ pub async fn export(
         .find(|b| b.id == bot)
         .map(record_fields);
     with_store(&settings, |store, _| async move {
-        let doc = match store.load_raw(&bot).await {
+        let doc = match store.bots().load_raw(&bot).await {
             Ok(d) => d,
             Err(e) => return fail(EXIT_FAILED, e),
         };
@@ -314,7 +315,7 @@ pub async fn export(
                 )
             }
         };
-        let records = match store.export_records(&bot, changed_since, include_removed).await {
+        let records = match store.records().export_records(&bot, changed_since, include_removed).await {
             Ok(c) => c,
             Err(e) => return fail(EXIT_FAILED, e),
         };

@@ -8,7 +8,7 @@ use std::io::Write;
 use bson::{Bson, Document};
 
 use crate::ops::admin::{iso, to_json};
-use crate::store::specs::ExportRecords;
+use crate::store::ExportRecords;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {

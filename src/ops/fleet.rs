@@ -33,7 +33,7 @@ pub async fn read(
     configured: &[(BotId, RefreshSchedule)],
     now: DateTime<Utc>,
 ) -> Result<Fleet> {
-    let docs = store.load_all().await?;
+    let docs = store.bots().load_all().await?;
     let crawling: Vec<BotDoc> = docs
         .iter()
         .filter_map(|raw| BotDoc::parse(raw).ok())
@@ -42,7 +42,8 @@ pub async fn read(
     let mut rows = status_rows(docs, configured, now);
     for doc in crawling {
         let report = store
-            .pass_report(
+            .passes()
+            .report(
                 &doc.id,
                 doc.crawl_pass,
                 doc.crawl_pass_started_at,
@@ -57,6 +58,6 @@ pub async fn read(
         }
     }
     problems_first(&mut rows);
-    let hosts = store.recent_hosts(now - HOSTS_FRESH_FOR).await?;
+    let hosts = store.hosts().recent(now - HOSTS_FRESH_FOR).await?;
     Ok(Fleet { now, rows, hosts })
 }

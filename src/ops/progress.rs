@@ -220,13 +220,13 @@ pub async fn show(store: Store, bots: Vec<BotId>, done: CancellationToken) {
             if last && bar.is_none() {
                 continue;
             }
-            let Ok(Observed::Valid(doc)) = store.load(bot).await else {
+            let Ok(Observed::Valid(doc)) = store.bots().load(bot).await else {
                 continue;
             };
             if doc.crawl_pass == 0 {
                 continue;
             }
-            let Ok(p) = store.pass_progress(bot, doc.crawl_pass).await else {
+            let Ok(p) = store.frontier().pass_progress(bot, doc.crawl_pass).await else {
                 continue;
             };
             let rate = rate.add(Instant::now(), p.done + p.failed);
@@ -275,7 +275,7 @@ pub async fn summary(
     pass: i64,
     took: Duration,
 ) -> Result<(String, Failures)> {
-    let p = store.pass_progress(bot, pass).await?;
+    let p = store.frontier().pass_progress(bot, pass).await?;
     let finished = p.done + p.failed;
     let mut text = format!(
         "{bot} pass={pass} finished: {finished} pages ({} done, {} failed) in {:.1} s, {:.1} pages/s",
@@ -306,9 +306,12 @@ pub struct Failures {
 
 /// Reads pass `pass`'s failures (two aggregations on the frontier index).
 pub async fn failures(store: &Store, bot: &BotId, pass: i64) -> Result<Failures> {
-    let p = store.pass_progress(bot, pass).await?;
+    let p = store.frontier().pass_progress(bot, pass).await?;
     let reasons = if p.failed > 0 {
-        store.failure_reasons(bot, pass, REASONS_SHOWN).await?
+        store
+            .frontier()
+            .failure_reasons(bot, pass, REASONS_SHOWN)
+            .await?
     } else {
         Vec::new()
     };

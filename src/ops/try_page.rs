@@ -142,7 +142,7 @@ async fn find_bot(
     let (store, _) = crate::store::startup::open(&settings.mongo)
         .await
         .map_err(|e| fail(EXIT_USAGE, e))?;
-    let raw = store.load_raw(id).await;
+    let raw = store.bots().load_raw(id).await;
     store.shutdown().await;
     let raw = match raw {
         Ok(Some(raw)) => raw,

@@ -121,7 +121,13 @@ fn listing_filter(bot: &BotId) -> Document {
     }
 }
 
-impl Store {
+/// Deletion detection at a pass's end, reached through [`Store::deletions`].
+#[derive(Clone, Copy, Debug)]
+pub struct Deletions<'a> {
+    pub(super) store: &'a Store,
+}
+
+impl Deletions<'_> {
     /// Evaluates pass `pass` of `bot` (see the module comment): restores the records a listing
     /// of the pass shows again and — with `remove` (a complete pass in a mode that reads every
     /// listing page) — marks removed those the listings no longer show, then empties the
@@ -131,8 +137,8 @@ impl Store {
     /// no listing page has a baseline yet, so every live record that no listing of this pass
     /// shows and whose detail page this pass did not fetch is a candidate (one read of the live
     /// records, once).
-    pub async fn evaluate_pass(
-        &self,
+    pub async fn evaluate(
+        self,
         bot: &BotId,
         pass: i64,
         remove: bool,
@@ -148,7 +154,7 @@ impl Store {
         let mut present: Vec<u64> = Vec::new();
         // What the pages this pass could not read listed since the last evaluation: kept.
         let mut unknown: Vec<u64> = Vec::new();
-        let frontier = self.database().collection::<RawDocumentBuf>(FRONTIER);
+        let frontier = self.store.database().collection::<RawDocumentBuf>(FRONTIER);
         let mut filter = listing_filter(bot);
         filter.insert(fr::PASS, pass);
         let find = frontier
@@ -159,32 +165,33 @@ impl Store {
                 fr::LISTED_SINCE_MORE: 1,
             })
             .batch_size(PRESENT_PER_BATCH);
-        self.each_raw("read this pass's listings", find, |page| {
-            let read_now = page.get_str(fr::STATUS).ok() == Some(UrlStatus::Done.as_str())
-                && raw_integer(page, fr::LISTED_PASS) == Some(pass);
-            if !read_now {
-                unknown.extend(baseline_keys(page));
-                return Ok(());
-            }
-            outcome.pages += 1;
-            let listed: Vec<u64> = Ids::of(page, fr::LISTED).keys().collect();
-            present.extend(&listed);
-            if page.get_bool(fr::LISTED_SINCE_MORE).ok() == Some(true) {
-                let listed: HashSet<u64> = listed.into_iter().collect();
-                let departed: Vec<u64> = baseline_keys(page)
-                    .into_iter()
-                    .filter(|k| !listed.contains(k))
-                    .collect();
-                if !departed.is_empty() {
-                    outcome.changed_pages += 1;
-                    let at = pages.len();
-                    pages.extend(page.get_str(fr::ID).ok().map(str::to_owned));
-                    departures.extend(departed.into_iter().map(|k| (k, at)));
+        self.store
+            .each_raw("read this pass's listings", find, |page| {
+                let read_now = page.get_str(fr::STATUS).ok() == Some(UrlStatus::Done.as_str())
+                    && raw_integer(page, fr::LISTED_PASS) == Some(pass);
+                if !read_now {
+                    unknown.extend(baseline_keys(page));
+                    return Ok(());
                 }
-            }
-            Ok(())
-        })
-        .await?;
+                outcome.pages += 1;
+                let listed: Vec<u64> = Ids::of(page, fr::LISTED).keys().collect();
+                present.extend(&listed);
+                if page.get_bool(fr::LISTED_SINCE_MORE).ok() == Some(true) {
+                    let listed: HashSet<u64> = listed.into_iter().collect();
+                    let departed: Vec<u64> = baseline_keys(page)
+                        .into_iter()
+                        .filter(|k| !listed.contains(k))
+                        .collect();
+                    if !departed.is_empty() {
+                        outcome.changed_pages += 1;
+                        let at = pages.len();
+                        pages.extend(page.get_str(fr::ID).ok().map(str::to_owned));
+                        departures.extend(departed.into_iter().map(|k| (k, at)));
+                    }
+                }
+                Ok(())
+            })
+            .await?;
         present.sort_unstable();
         present.dedup();
         let present = Present(present);
@@ -200,17 +207,18 @@ impl Store {
                 .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
                 .projection(doc! { fr::LISTED_SINCE: 1, fr::LISTED: 1 })
                 .batch_size(super::frontier::MANIFESTS_PER_BATCH);
-            self.each_raw("read unreached listings", find, |page| {
-                let since = baseline_keys(page);
-                if let (false, Ok(id)) = (since.is_empty(), page.get_str(fr::ID)) {
-                    let at = pages.len();
-                    pages.push(id.to_owned());
-                    unreached.push(id.to_owned());
-                    departures.extend(since.into_iter().map(|k| (k, at)));
-                }
-                Ok(())
-            })
-            .await?;
+            self.store
+                .each_raw("read unreached listings", find, |page| {
+                    let since = baseline_keys(page);
+                    if let (false, Ok(id)) = (since.is_empty(), page.get_str(fr::ID)) {
+                        let at = pages.len();
+                        pages.push(id.to_owned());
+                        unreached.push(id.to_owned());
+                        departures.extend(since.into_iter().map(|k| (k, at)));
+                    }
+                    Ok(())
+                })
+                .await?;
             // Listed nowhere now (an item that moved pages is present on its new one), and not
             // on a page this pass could not read.
             unknown.sort_unstable();
@@ -238,7 +246,7 @@ impl Store {
     /// The full frontier ids of the departures left (by key), read again from their pages'
     /// baselines — only the pages that hold one.
     async fn departed_ids(
-        &self,
+        self,
         bot: &BotId,
         pages: &[String],
         departures: &[(u64, usize)],
@@ -251,23 +259,24 @@ impl Store {
         holding.sort_unstable();
         holding.dedup();
         let mut ids: HashSet<String> = HashSet::new();
-        let frontier = self.database().collection::<RawDocumentBuf>(FRONTIER);
+        let frontier = self.store.database().collection::<RawDocumentBuf>(FRONTIER);
         for chunk in holding.chunks(IN_CHUNK) {
             let find = frontier
                 .find(doc! { fr::ID: { "$in": chunk }, fr::BOT: bot.as_str() })
                 .projection(doc! { fr::LISTED_SINCE: 1, fr::LISTED: 1 })
                 .batch_size(u32::try_from(chunk.len() + 1).unwrap_or(u32::MAX));
-            self.each_raw("read departed listings", find, |page| {
-                for list in baseline_lists(page) {
-                    ids.extend(
-                        (0..list.len())
-                            .filter(|i| wanted.contains(&list.key(*i)))
-                            .map(|i| list.id(i)),
-                    );
-                }
-                Ok(())
-            })
-            .await?;
+            self.store
+                .each_raw("read departed listings", find, |page| {
+                    for list in baseline_lists(page) {
+                        ids.extend(
+                            (0..list.len())
+                                .filter(|i| wanted.contains(&list.key(*i)))
+                                .map(|i| list.id(i)),
+                        );
+                    }
+                    Ok(())
+                })
+                .await?;
         }
         Ok(ids.into_iter().collect())
     }
@@ -275,7 +284,7 @@ impl Store {
     /// Marks removed the records of the detail pages `departed` (frontier ids), unless a
     /// record's own URL is present after all. Returns how many were marked.
     async fn remove_departed(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         departed: &[String],
@@ -285,33 +294,35 @@ impl Store {
         let mut removed = 0;
         for chunk in departed.chunks(IN_CHUNK) {
             let mut records: Vec<String> = Vec::new();
-            let frontier = self.frontier();
+            let frontier = self.store.frontier().collection();
             let find = frontier
                 .find(doc! { fr::ID: { "$in": chunk }, fr::BOT: bot.as_str() })
                 .projection(doc! { fr::RECORD_ID: 1 })
                 .batch_size(u32::try_from(chunk.len() + 1).unwrap_or(u32::MAX));
-            self.each_doc("read departed pages", find, |entry| {
-                records.extend(entry.get_str(fr::RECORD_ID).ok().map(str::to_owned));
-                Ok(())
-            })
-            .await?;
+            self.store
+                .each_doc("read departed pages", find, |entry| {
+                    records.extend(entry.get_str(fr::RECORD_ID).ok().map(str::to_owned));
+                    Ok(())
+                })
+                .await?;
             if records.is_empty() {
                 continue;
             }
             // A record stored from another URL that is still listed stays.
             let mut gone: Vec<String> = Vec::new();
-            let collection = self.records();
+            let collection = self.store.records().collection();
             let find = collection
                 .find(doc! { rf::ID: { "$in": &records }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null })
                 .projection(doc! { rf::URL: 1 })
                 .batch_size(u32::try_from(records.len() + 1).unwrap_or(u32::MAX));
-            self.each_doc("read departed records", find, |record| {
-                if !present.lists_url(bot, record.get_str(rf::URL).ok()) {
-                    gone.extend(record.get_str(rf::ID).ok().map(str::to_owned));
-                }
-                Ok(())
-            })
-            .await?;
+            self.store
+                .each_doc("read departed records", find, |record| {
+                    if !present.lists_url(bot, record.get_str(rf::URL).ok()) {
+                        gone.extend(record.get_str(rf::ID).ok().map(str::to_owned));
+                    }
+                    Ok(())
+                })
+                .await?;
             if gone.is_empty() {
                 continue;
             }
@@ -319,16 +330,20 @@ impl Store {
                 doc! { rf::ID: { "$in": &gone }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null },
                 doc! { "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass } },
             );
-            removed += self.bounded("mark removed", update).await?.modified_count;
+            removed += self
+                .store
+                .bounded("mark removed", update)
+                .await?
+                .modified_count;
         }
         Ok(removed)
     }
 
-    /// The upgrade's sweep (see [`Store::evaluate_pass`]): live records that no listing of this
+    /// The upgrade's sweep (see [`Deletions::evaluate`]): live records that no listing of this
     /// pass shows and whose detail page was not fetched in it are marked removed. Returns
     /// (candidates, removed).
     async fn sweep_unlisted(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         present: &Present,
@@ -336,37 +351,39 @@ impl Store {
     ) -> Result<(u64, u64)> {
         // The live records no listing shows, by their detail page's frontier id.
         let mut unlisted: Vec<(String, String)> = Vec::new();
-        let collection = self.records();
+        let collection = self.store.records().collection();
         let find = collection
             .find(doc! { rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null })
             .projection(doc! { rf::URL: 1 })
             .batch_size(1000);
-        self.each_doc("read live records", find, |record| {
-            let url = record.get_str(rf::URL).ok();
-            if !present.lists_url(bot, url) {
-                let page = url
-                    .and_then(|u| NormalizedUrl::parse(u).ok())
-                    .map(|u| url_id(bot, &u))
-                    .unwrap_or_default();
-                unlisted.extend(record.get_str(rf::ID).ok().map(|id| (id.to_owned(), page)));
-            }
-            Ok(())
-        })
-        .await?;
+        self.store
+            .each_doc("read live records", find, |record| {
+                let url = record.get_str(rf::URL).ok();
+                if !present.lists_url(bot, url) {
+                    let page = url
+                        .and_then(|u| NormalizedUrl::parse(u).ok())
+                        .map(|u| url_id(bot, &u))
+                        .unwrap_or_default();
+                    unlisted.extend(record.get_str(rf::ID).ok().map(|id| (id.to_owned(), page)));
+                }
+                Ok(())
+            })
+            .await?;
         let mut removed = 0;
         for chunk in unlisted.chunks(IN_CHUNK) {
             let pages: Vec<&str> = chunk.iter().map(|(_, p)| p.as_str()).collect();
             let mut fetched: HashSet<String> = HashSet::new();
-            let frontier = self.frontier();
+            let frontier = self.store.frontier().collection();
             let find = frontier
                 .find(doc! { fr::ID: { "$in": &pages }, fr::BOT: bot.as_str(), fr::PASS: pass })
                 .projection(doc! { fr::ID: 1 })
                 .batch_size(u32::try_from(pages.len() + 1).unwrap_or(u32::MAX));
-            self.each_doc("read fetched pages", find, |entry| {
-                fetched.extend(entry.get_str(fr::ID).ok().map(str::to_owned));
-                Ok(())
-            })
-            .await?;
+            self.store
+                .each_doc("read fetched pages", find, |entry| {
+                    fetched.extend(entry.get_str(fr::ID).ok().map(str::to_owned));
+                    Ok(())
+                })
+                .await?;
             let gone: Vec<&str> = chunk
                 .iter()
                 .filter(|(_, page)| !fetched.contains(page))
@@ -379,7 +396,11 @@ impl Store {
                 doc! { rf::ID: { "$in": &gone }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null },
                 doc! { "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass } },
             );
-            removed += self.bounded("mark removed", update).await?.modified_count;
+            removed += self
+                .store
+                .bounded("mark removed", update)
+                .await?
+                .modified_count;
         }
         Ok((unlisted.len() as u64, removed))
     }
@@ -387,31 +408,32 @@ impl Store {
     /// Restores the records marked removed (before this pass: a 404 in it stands) whose URL a
     /// listing of this pass shows. Reads the removed records by the `bot_removed_at` index.
     async fn restore_listed(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         present: &Present,
         now: DateTime<Utc>,
     ) -> Result<u64> {
         let mut back: Vec<Bson> = Vec::new();
-        let collection = self.records();
+        let collection = self.store.records().collection();
         let find = collection
             // A range on the index (`$ne: null` is not one on every server: the test server
             // reads every entry of the bot for it).
             .find(doc! { rf::BOT: bot.as_str(), rf::REMOVED_AT: { "$gte": epoch() } })
             .projection(doc! { rf::URL: 1, rf::REMOVED_IN_PASS: 1 })
             .batch_size(1000);
-        self.each_doc("read removed records", find, |record| {
-            let this_pass = record
-                .get(rf::REMOVED_IN_PASS)
-                .and_then(crate::store::document::integer)
-                == Some(pass);
-            if !this_pass && present.lists_url(bot, record.get_str(rf::URL).ok()) {
-                back.extend(record.get(rf::ID).cloned());
-            }
-            Ok(())
-        })
-        .await?;
+        self.store
+            .each_doc("read removed records", find, |record| {
+                let this_pass = record
+                    .get(rf::REMOVED_IN_PASS)
+                    .and_then(crate::store::document::integer)
+                    == Some(pass);
+                if !this_pass && present.lists_url(bot, record.get_str(rf::URL).ok()) {
+                    back.extend(record.get(rf::ID).cloned());
+                }
+                Ok(())
+            })
+            .await?;
         let mut restored = 0;
         for chunk in back.chunks(IN_CHUNK) {
             let update = collection.update_many(
@@ -422,6 +444,7 @@ impl Store {
                 } },
             );
             restored += self
+                .store
                 .bounded("restore records", update)
                 .await?
                 .modified_count;
@@ -432,7 +455,7 @@ impl Store {
     /// After the marks: the listing pages this pass never reached start an empty baseline (what
     /// they listed was a candidate now). The pages it read start theirs anew from this read at
     /// their next done mark (`crawlEvaluatedPass`): nothing is written per page here.
-    async fn clear_baselines(&self, bot: &BotId, pass: i64, unreached: &[String]) -> Result<()> {
+    async fn clear_baselines(self, bot: &BotId, pass: i64, unreached: &[String]) -> Result<()> {
         let statements: Vec<Document> = unreached
             .chunks(IN_CHUNK)
             .map(|chunk| {
@@ -445,6 +468,7 @@ impl Store {
             .collect();
         for chunk in statements.chunks(super::frontier::CHUNK) {
             let reply = self
+                .store
                 .command(
                     "clear listing baselines",
                     doc! { "update": FRONTIER, "updates": chunk, "ordered": false },

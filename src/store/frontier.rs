@@ -8,7 +8,7 @@
 //! Passes: each crawl pass has a number. Enqueuing a URL for pass `p` is a no-op when the URL is
 //! already in pass `p` (rediscovered links are harmless) and resets it to pending when it was last
 //! crawled in an earlier pass. URLs this instance will fetch next can be enqueued **already
-//! leased** to it ([`Store::enqueue_links`]), so a pagination hop needs no lease query.
+//! leased** to it ([`Frontier::enqueue_links`]), so a pagination hop needs no lease query.
 //!
 //! Writes are paid per batch: new URLs go in one `insert`, resets and settle marks in one
 //! `update` command whose statements each cover many documents (per-document values — a page's
@@ -339,7 +339,7 @@ pub fn fingerprint_hash(fingerprint: &str) -> i64 {
     }
 }
 
-/// Failed URLs of a pass that share a reason ([`Store::failure_reasons`]).
+/// Failed URLs of a pass that share a reason ([`Frontier::failure_reasons`]).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct FailureReason {
     pub reason: String,
@@ -391,7 +391,7 @@ impl Mark {
     }
 }
 
-/// A pending URL found by [`Store::lease_candidates`], not leased yet.
+/// A pending URL found by [`Frontier::lease_candidates`], not leased yet.
 #[derive(Clone, Debug)]
 pub struct Candidate {
     pub id: String,
@@ -419,7 +419,7 @@ pub enum Priority {
     Exactly(i64),
 }
 
-/// A leased entry of a pass, as [`Store::leased_entries`] reads it.
+/// A leased entry of a pass, as [`Frontier::leased_entries`] reads it.
 #[derive(Clone, Debug)]
 pub struct LeasedEntry {
     pub id: String,
@@ -430,7 +430,7 @@ pub struct LeasedEntry {
     pub expires_at: Option<DateTime<Utc>>,
 }
 
-/// What [`Store::take_leases`] should take: pending candidates, leases past their expiry, and
+/// What [`Frontier::take_leases`] should take: pending candidates, leases past their expiry, and
 /// leases a dead predecessor of this instance id still holds (by their token).
 #[derive(Clone, Debug, Default)]
 pub struct Takes<'a> {
@@ -625,7 +625,7 @@ fn literal(value: impl Into<Bson>) -> Bson {
 /// transaction holds before it gives up on them.
 pub const LEASE_WRITE_MAX_TIME: Duration = Duration::from_secs(2);
 
-/// What [`Store::take_leases`] took.
+/// What [`Frontier::take_leases`] took.
 #[derive(Debug, Default)]
 pub struct Taken {
     /// Highest priority first.
@@ -728,14 +728,20 @@ fn lease_projection() -> Document {
     }
 }
 
-impl Store {
-    pub(super) fn frontier(&self) -> Collection<Document> {
-        self.database().collection(FRONTIER)
+/// The `frontier` collection, reached through [`Store::frontier`].
+#[derive(Clone, Copy, Debug)]
+pub struct Frontier<'a> {
+    pub(super) store: &'a Store,
+}
+
+impl Frontier<'_> {
+    pub(super) fn collection(self) -> Collection<Document> {
+        self.store.database().collection(FRONTIER)
     }
 
     /// Creates the frontier's indexes, rebuilds one whose definition changed, drops those of
     /// earlier versions (idempotent; see `store::indexes`).
-    pub async fn ensure_frontier_indexes(&self) -> Result<()> {
+    pub async fn ensure_indexes(self) -> Result<()> {
         let main = Wanted::new(
             FRONTIER_INDEX,
             doc! { f::BOT: 1, f::PASS: 1, f::STATUS: 1, f::HOST: 1, f::PRIORITY: 1, f::SLOT: 1 },
@@ -744,13 +750,12 @@ impl Store {
             partial: Some(listing_kinds()),
             ..Wanted::new(LISTINGS_INDEX, doc! { f::BOT: 1, f::PASS: 1 })
         };
-        self.ensure_indexes(FRONTIER, &[main, listings], &RETIRED_INDEXES)
-            .await
+        super::indexes::ensure(self.store, FRONTIER, &[main, listings], &RETIRED_INDEXES).await
     }
 
-    /// Adds `urls` (all of one kind) to pass `pass`; see [`Store::enqueue_urls`].
+    /// Adds `urls` (all of one kind) to pass `pass`; see [`Frontier::enqueue_urls`].
     pub async fn enqueue(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         kind: PageKind,
@@ -773,7 +778,7 @@ impl Store {
     /// pass become pending again (keeping their validators and record id); URLs already in this
     /// pass are left alone. Returns how many were added or reset.
     pub async fn enqueue_urls(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         urls: &[NewUrl],
@@ -787,8 +792,8 @@ impl Store {
             .added)
     }
 
-    /// Adds `links` to pass `pass` as [`Store::enqueue_urls`] does, given what the frontier
-    /// already holds of them (`known`, by frontier `_id`, as [`Store::known_pages`] read it; a
+    /// Adds `links` to pass `pass` as [`Frontier::enqueue_urls`] does, given what the frontier
+    /// already holds of them (`known`, by frontier `_id`, as [`Frontier::known_pages`] read it; a
     /// link missing from it is taken to be new). With `lease`, the first `lease.first` links are
     /// enqueued **leased** to `lease.me` — in the same write, so nobody else can take them — and
     /// returned as leases (those another instance enqueued first are not).
@@ -796,7 +801,7 @@ impl Store {
     /// Round trips: one `insert` for the new links, one `update` for those of earlier passes
     /// (none when there are none).
     pub async fn enqueue_links(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         links: &[NewUrl],
@@ -833,7 +838,7 @@ impl Store {
 
     /// Inserts new links into the pass (one `insert`), those marked leased leased to the taker.
     async fn insert_new(
-        &self,
+        self,
         taking: &Taking<'_>,
         chunk: &[(&NewUrl, String, bool)],
         out: &mut Enqueued,
@@ -851,6 +856,7 @@ impl Store {
             })
             .collect();
         let reply = self
+            .store
             .command(
                 "enqueue",
                 doc! { "insert": FRONTIER, "documents": docs, "ordered": false },
@@ -875,7 +881,7 @@ impl Store {
     /// its taker took: every one it wrote, and of those it met as duplicates the ones that carry
     /// its token — written by an earlier attempt of this very write, whose answer was lost.
     async fn leases_taken<'l>(
-        &self,
+        self,
         taking: &Taking<'_>,
         leased: impl Iterator<Item = (usize, &'l NewUrl, &'l str)>,
         duplicates: &[usize],
@@ -902,7 +908,7 @@ impl Store {
     /// picked by `_id`), those marked leased leased to the taker; another instance may have
     /// reset some first.
     async fn reset_known(
-        &self,
+        self,
         taking: &Taking<'_>,
         chunk: &[Reset<'_>],
         out: &mut Enqueued,
@@ -953,6 +959,7 @@ impl Store {
             "multi": true,
         };
         let reply = self
+            .store
             .command(
                 "enqueue again",
                 doc! { "update": FRONTIER, "updates": [statement], "ordered": false },
@@ -989,7 +996,7 @@ impl Store {
     /// links are enqueued leased to `me` and returned as leases (those another instance
     /// enqueued first are not). A listing page keeps no validators: it is read every pass.
     pub async fn enqueue_listing(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         links: &[NewUrl],
@@ -1018,6 +1025,7 @@ impl Store {
             })
             .collect();
         let reply = self
+            .store
             .command(
                 "enqueue listing pages",
                 doc! { "update": FRONTIER, "updates": statements, "ordered": false },
@@ -1041,7 +1049,7 @@ impl Store {
     /// Of `ids`, those leased with `token` now: entries an earlier attempt of a write that was
     /// sent again already took (none read when `ids` is empty).
     async fn ours_after_all<'a>(
-        &self,
+        self,
         bot: &BotId,
         ids: impl Iterator<Item = &'a str>,
         token: &str,
@@ -1051,6 +1059,7 @@ impl Store {
             return Ok(HashSet::new());
         }
         let found = self
+            .store
             .find_once(
                 "read own leases",
                 FRONTIER,
@@ -1068,9 +1077,9 @@ impl Store {
 
     /// Pending URLs that `queries` find (one round trip each, all at once), highest priority
     /// first, at most `limit` of each query. None of them is leased yet: see
-    /// [`Store::take_leases`].
+    /// [`Frontier::take_leases`].
     pub async fn lease_candidates(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         queries: &[CandidateQuery],
@@ -1078,8 +1087,10 @@ impl Store {
         let reads = queries.iter().map(|query| {
             let filter = candidate_filter(bot, pass, query);
             let limit = i64::try_from(query.limit.max(1)).unwrap_or(i64::MAX);
-            self.bounded("find lease candidates", async move {
-                self.frontier()
+            self.store.bounded("find lease candidates", async move {
+                self.store
+                    .frontier()
+                    .collection()
                     .find(filter)
                     .projection(lease_projection())
                     .limit(limit)
@@ -1116,10 +1127,13 @@ impl Store {
 
     /// The pass's leased entries (few: at most every instance's pipeline), for finding leases
     /// past their expiry and a dead predecessor's.
-    pub async fn leased_entries(&self, bot: &BotId, pass: i64) -> Result<Vec<LeasedEntry>> {
+    pub async fn leased_entries(self, bot: &BotId, pass: i64) -> Result<Vec<LeasedEntry>> {
         let docs: Vec<Document> = self
+            .store
             .bounded("read leases", async {
-                self.frontier()
+                self.store
+                    .frontier()
+                    .collection()
                     .find(status_filter(bot, pass, UrlStatus::Leased))
                     .projection(doc! {
                         f::HOST: 1, f::LEASE_OWNER: 1, f::LEASE_TOKEN: 1, f::LEASED_AT: 1,
@@ -1153,7 +1167,7 @@ impl Store {
     /// token. Returns the leases taken, highest priority first.
     #[allow(clippy::too_many_arguments)]
     pub async fn take_leases(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         me: &InstanceId,
@@ -1205,6 +1219,7 @@ impl Store {
         };
         let mut abandoned = None;
         let sent = self
+            .store
             .command_within("lease urls", command, None, LEASE_WRITE_WAIT)
             .await;
         let (taken, held) = match sent {
@@ -1245,8 +1260,11 @@ impl Store {
                 .chain(takes.reclaim.iter().map(|(id, _)| id.as_str()))
                 .collect();
             let docs: Vec<Document> = self
+                .store
                 .bounded("read leases taken", async {
-                    self.frontier()
+                    self.store
+                        .frontier()
+                        .collection()
                         .find(doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str() })
                         .projection(lease_projection())
                         .batch_size(whole_batch(ids.len()))
@@ -1294,7 +1312,7 @@ impl Store {
     /// (which does not mean the pass is over). A simple form of the crawl's batched leasing, for
     /// tools and tests: it reads the whole pending set of the pass.
     pub async fn lease_url(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         me: &InstanceId,
@@ -1303,8 +1321,11 @@ impl Store {
     ) -> Result<Option<UrlLease>> {
         for _ in 0..20 {
             let mut pending: Vec<Candidate> = self
+                .store
                 .bounded("find a pending url", async {
-                    self.frontier()
+                    self.store
+                        .frontier()
+                        .collection()
                         .find(status_filter(bot, pass, UrlStatus::Pending))
                         .projection(lease_projection())
                         .await?
@@ -1366,11 +1387,14 @@ impl Store {
     }
 
     /// The hosts (`host:port`) with pending URLs in pass `pass` (one `distinct`).
-    pub async fn hosts_with_work(&self, bot: &BotId, pass: i64) -> Result<Vec<String>> {
+    pub async fn hosts_with_work(self, bot: &BotId, pass: i64) -> Result<Vec<String>> {
         let found = self
+            .store
             .bounded(
                 "hosts with pending urls",
-                self.frontier()
+                self.store
+                    .frontier()
+                    .collection()
                     .distinct(f::HOST, status_filter(bot, pass, UrlStatus::Pending)),
             )
             .await?;
@@ -1385,7 +1409,7 @@ impl Store {
     /// and lease token, per-URL values picked by `_id` in an update pipeline. Returns, per mark,
     /// whether it was applied (false: the lease went to another worker, whose result wins).
     pub async fn settle_urls(
-        &self,
+        self,
         marks: &[(&UrlLease, Mark)],
         now: DateTime<Utc>,
     ) -> Result<Vec<bool>> {
@@ -1396,6 +1420,7 @@ impl Store {
         let nonce = new_token();
         for chunk in settle_statements(marks, now, &nonce).chunks(CHUNK) {
             let reply = self
+                .store
                 .command(
                     "settle urls",
                     doc! { "update": FRONTIER, "updates": chunk, "ordered": false },
@@ -1411,7 +1436,7 @@ impl Store {
     /// Which of `marks` were applied, given that `matched` entries matched their statements: all,
     /// or (when some leases were lost) those whose entry carries the mark's lease token now.
     pub(super) async fn applied_marks(
-        &self,
+        self,
         marks: &[(&UrlLease, Mark)],
         matched: usize,
         nonce: &str,
@@ -1423,6 +1448,7 @@ impl Store {
         let ids: Vec<&str> = marks.iter().map(|(l, _)| l.id.as_str()).collect();
         let bot = &marks[0].0.bot;
         let docs = self
+            .store
             .find_once(
                 "read settled urls",
                 FRONTIER,
@@ -1702,8 +1728,8 @@ fn manifest_stages(set: &mut Document, stages: &mut Vec<Document>, column: Colum
     } });
 }
 
-impl Store {
-    async fn settle_one(&self, lease: &UrlLease, mark: Mark, now: DateTime<Utc>) -> Result<()> {
+impl Frontier<'_> {
+    async fn settle_one(self, lease: &UrlLease, mark: Mark, now: DateTime<Utc>) -> Result<()> {
         if self.settle_urls(&[(lease, mark)], now).await?[0] {
             Ok(())
         } else {
@@ -1714,7 +1740,7 @@ impl Store {
     }
 
     /// Marks a leased URL done — only if the lease is still this worker's.
-    pub async fn complete_url(&self, lease: &UrlLease, now: DateTime<Utc>) -> Result<()> {
+    pub async fn complete_url(self, lease: &UrlLease, now: DateTime<Utc>) -> Result<()> {
         let mark = Mark::Done {
             validators: lease.validators.clone(),
             record_id: None,
@@ -1724,7 +1750,7 @@ impl Store {
     }
 
     /// Marks a leased URL failed with its reason — only if the lease is still this worker's.
-    pub async fn fail_url(&self, lease: &UrlLease, now: DateTime<Utc>, reason: &str) -> Result<()> {
+    pub async fn fail_url(self, lease: &UrlLease, now: DateTime<Utc>, reason: &str) -> Result<()> {
         let mark = Mark::Failed {
             reason: reason.to_owned(),
         };
@@ -1733,9 +1759,9 @@ impl Store {
 
     /// Gives a leased URL back for another attempt no earlier than `not_before` — only if the
     /// lease is still this worker's. A retry due later waits in the frontier (status `waiting`,
-    /// `notBefore`), not in memory; [`Store::promote_due`] makes it pending when its time comes.
+    /// `notBefore`), not in memory; [`Frontier::promote_due`] makes it pending when its time comes.
     pub async fn retry_url(
-        &self,
+        self,
         lease: &UrlLease,
         now: DateTime<Utc>,
         not_before: DateTime<Utc>,
@@ -1751,7 +1777,7 @@ impl Store {
     /// Gives a leased URL back without counting the attempt (shutdown, a paused host): pending
     /// again, or waiting until `not_before` — only if the lease is still this worker's.
     pub async fn release_url(
-        &self,
+        self,
         lease: &UrlLease,
         now: DateTime<Utc>,
         not_before: DateTime<Utc>,
@@ -1765,11 +1791,14 @@ impl Store {
     }
 
     /// Makes the pass's waiting retries whose `notBefore` has come pending again (one write).
-    pub async fn promote_due(&self, bot: &BotId, pass: i64, now: DateTime<Utc>) -> Result<u64> {
+    pub async fn promote_due(self, bot: &BotId, pass: i64, now: DateTime<Utc>) -> Result<u64> {
         // The waiting entries are few: read them by the index, pick the due ones here.
         let waiting: Vec<Document> = self
+            .store
             .bounded("read waiting retries", async {
-                self.frontier()
+                self.store
+                    .frontier()
+                    .collection()
                     .find(status_filter(bot, pass, UrlStatus::Waiting))
                     .projection(doc! { f::NOT_BEFORE: 1 })
                     .await?
@@ -1785,12 +1814,13 @@ impl Store {
         if due.is_empty() {
             return Ok(0);
         }
-        let frontier = self.frontier();
+        let frontier = self.collection();
         let update = frontier.update_many(
             doc! { f::ID: { "$in": due }, f::BOT: bot.as_str(), f::STATUS: UrlStatus::Waiting.as_str() },
             doc! { "$set": { f::STATUS: UrlStatus::Pending.as_str() } },
         );
         Ok(self
+            .store
             .bounded("promote due retries", update)
             .await?
             .modified_count)
@@ -1798,7 +1828,7 @@ impl Store {
 
     /// What the frontier knows of these URLs from any pass, by frontier `_id`.
     pub async fn known_pages(
-        &self,
+        self,
         bot: &BotId,
         urls: &[&NormalizedUrl],
     ) -> Result<HashMap<String, KnownPage>> {
@@ -1806,17 +1836,20 @@ impl Store {
         self.known_by_id(bot, &ids).await
     }
 
-    /// As [`Store::known_pages`], by frontier `_id`.
+    /// As [`Frontier::known_pages`], by frontier `_id`.
     pub async fn known_by_id(
-        &self,
+        self,
         bot: &BotId,
         ids: &[String],
     ) -> Result<HashMap<String, KnownPage>> {
         let mut known = HashMap::with_capacity(ids.len());
         for chunk in ids.chunks(CHUNK) {
             let found: Vec<Document> = self
+                .store
                 .bounded("read known pages", async {
-                    self.frontier()
+                    self.store
+                        .frontier()
+                        .collection()
                         .find(doc! { f::ID: { "$in": chunk }, f::BOT: bot.as_str() })
                         .projection(doc! {
                             f::PASS: 1, f::STATUS: 1, f::FINGERPRINT: 1, f::RECORD_ID: 1,
@@ -1844,11 +1877,14 @@ impl Store {
     /// without the probe, a server that reads every entry a sort matches reads the whole frontier
     /// (3.7 s at 200,000 entries on the test server; the probe 0.2 s) — and only when it finds
     /// one does the full answer follow.
-    pub async fn highest_pass_above(&self, bot: &BotId, floor: i64) -> Result<i64> {
+    pub async fn highest_pass_above(self, bot: &BotId, floor: i64) -> Result<i64> {
         let above = self
+            .store
             .bounded(
                 "highest pass",
-                self.frontier()
+                self.store
+                    .frontier()
+                    .collection()
                     .find_one(doc! { f::BOT: bot.as_str(), f::PASS: { "$gt": floor } })
                     .hint(Hint::Name(FRONTIER_INDEX.to_owned()))
                     .projection(doc! { f::PASS: 1 }),
@@ -1858,9 +1894,12 @@ impl Store {
             return Ok(floor);
         }
         let top = self
+            .store
             .bounded(
                 "highest pass",
-                self.frontier()
+                self.store
+                    .frontier()
+                    .collection()
                     .find_one(doc! { f::BOT: bot.as_str() })
                     .sort(doc! { f::BOT: 1, f::PASS: -1 })
                     .projection(doc! { f::PASS: 1 }),
@@ -1873,15 +1912,18 @@ impl Store {
     }
 
     /// True while any URL of the pass is pending, waiting or leased (by anyone): bounded index
-    /// lookups, cheap enough for every idle worker, where [`Store::pass_progress`] counts all.
-    pub async fn pass_has_work(&self, bot: &BotId, pass: i64) -> Result<bool> {
+    /// lookups, cheap enough for every idle worker, where [`Frontier::pass_progress`] counts all.
+    pub async fn pass_has_work(self, bot: &BotId, pass: i64) -> Result<bool> {
         // The few leased and waiting entries first: a server that reads every entry a query
         // matches pays for the pending ones only when there are no others.
         for status in [UrlStatus::Leased, UrlStatus::Waiting, UrlStatus::Pending] {
             let found = self
+                .store
                 .bounded(
                     "pass has work",
-                    self.frontier()
+                    self.store
+                        .frontier()
+                        .collection()
                         .find_one(status_filter(bot, pass, status))
                         .projection(doc! { f::ID: 1 }),
                 )
@@ -1897,7 +1939,7 @@ impl Store {
     /// each with its count and one example URL (one aggregation on the frontier index's
     /// `bot, pass, status` prefix).
     pub async fn failure_reasons(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         limit: i64,
@@ -1913,8 +1955,11 @@ impl Store {
             doc! { "$limit": limit.max(1) },
         ];
         let rows: Vec<Document> = self
+            .store
             .bounded("read failure reasons", async {
-                self.frontier()
+                self.store
+                    .frontier()
+                    .collection()
                     .aggregate(pipeline)
                     .await?
                     .try_collect()
@@ -1940,13 +1985,13 @@ impl Store {
 
     /// Counts pass `pass`'s URLs by status (leases past their expiry still count as leased until
     /// someone re-leases them: the pass waits for them).
-    pub async fn pass_progress(&self, bot: &BotId, pass: i64) -> Result<PassProgress> {
+    pub async fn pass_progress(self, bot: &BotId, pass: i64) -> Result<PassProgress> {
         // The same one aggregation that ends a pass; its coverage figures are not needed here.
-        Ok(self.pass_coverage(bot, pass).await?.0)
+        Ok(self.store.passes().coverage(bot, pass).await?.0)
     }
 }
 
-/// One item of a stored manifest, as [`Store::listing_manifests`] hands it out: the key of the
+/// One item of a stored manifest, as [`Frontier::listing_manifests`] hands it out: the key of the
 /// detail page's frontier id ([`id_key`]), its fingerprint hash (0: a plain link) and whether the
 /// pass that read the manifest enqueued it to fetch.
 pub type ListedItem = (u64, i64, bool);
@@ -2113,20 +2158,23 @@ pub(super) fn raw_integer(doc: &bson::RawDocument, name: &str) -> Option<i64> {
     }
 }
 
-impl Store {
+impl Frontier<'_> {
     /// Every manifest the bot's listing and seed pages carry (one per page, as its last read
     /// wrote it), streamed raw on [`LISTINGS_INDEX`] — what the next pass knows of the items
     /// without reading them one by one. `visit` gets the pass that read each manifest and its
     /// items.
     pub async fn listing_manifests(
-        &self,
+        self,
         bot: &BotId,
         mut visit: impl FnMut(i64, &[ListedItem]),
     ) -> Result<()> {
         let mut filter = doc! { f::BOT: bot.as_str() };
         filter.extend(listing_kinds());
         filter.insert(f::LISTED_PASS, doc! { "$exists": true });
-        let frontier = self.database().collection::<bson::RawDocumentBuf>(FRONTIER);
+        let frontier = self
+            .store
+            .database()
+            .collection::<bson::RawDocumentBuf>(FRONTIER);
         let find = frontier
             .find(filter)
             .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
@@ -2134,33 +2182,34 @@ impl Store {
                 doc! { f::LISTED: 1, f::LISTED_FP: 1, f::LISTED_FETCH: 1, f::LISTED_PASS: 1 },
             )
             .batch_size(MANIFESTS_PER_BATCH);
-        self.each_raw("read listing manifests", find, |doc| {
-            let Some(pass) = raw_integer(doc, f::LISTED_PASS) else {
-                return Ok(());
-            };
-            let listed = Ids::of(doc, f::LISTED);
-            let fingerprints = raw_numbers(doc, f::LISTED_FP);
-            let mut fetched = vec![false; listed.len()];
-            for i in raw_numbers(doc, f::LISTED_FETCH) {
-                if let Some(slot) = usize::try_from(i).ok().and_then(|i| fetched.get_mut(i)) {
-                    *slot = true;
+        self.store
+            .each_raw("read listing manifests", find, |doc| {
+                let Some(pass) = raw_integer(doc, f::LISTED_PASS) else {
+                    return Ok(());
+                };
+                let listed = Ids::of(doc, f::LISTED);
+                let fingerprints = raw_numbers(doc, f::LISTED_FP);
+                let mut fetched = vec![false; listed.len()];
+                for i in raw_numbers(doc, f::LISTED_FETCH) {
+                    if let Some(slot) = usize::try_from(i).ok().and_then(|i| fetched.get_mut(i)) {
+                        *slot = true;
+                    }
                 }
-            }
-            let items: Vec<ListedItem> = listed
-                .keys()
-                .enumerate()
-                .map(|(i, k)| (k, fingerprints.get(i).copied().unwrap_or(0), fetched[i]))
-                .collect();
-            visit(pass, &items);
-            Ok(())
-        })
-        .await
+                let items: Vec<ListedItem> = listed
+                    .keys()
+                    .enumerate()
+                    .map(|(i, k)| (k, fingerprints.get(i).copied().unwrap_or(0), fetched[i]))
+                    .collect();
+                visit(pass, &items);
+                Ok(())
+            })
+            .await
     }
 
     /// The frontier ids of pass `pass`'s entries that did not end done (pending, waiting, leased,
     /// failed): after a pass, the detail pages it enqueued whose records are not known stored.
     /// One read per status on the main index.
-    pub async fn not_done_in(&self, bot: &BotId, pass: i64) -> Result<Vec<String>> {
+    pub async fn not_done_in(self, bot: &BotId, pass: i64) -> Result<Vec<String>> {
         let mut ids = Vec::new();
         for status in [
             UrlStatus::Failed,
@@ -2168,22 +2217,38 @@ impl Store {
             UrlStatus::Waiting,
             UrlStatus::Leased,
         ] {
-            let frontier = self.frontier();
+            let frontier = self.collection();
             let find = frontier
                 .find(status_filter(bot, pass, status))
                 .projection(doc! { f::ID: 1 })
                 .batch_size(whole_batch(CHUNK));
-            self.each_doc("read the entries a pass did not finish", find, |doc| {
-                ids.extend(get_text(&doc, f::ID));
-                Ok(())
-            })
-            .await?;
+            self.store
+                .each_doc("read the entries a pass did not finish", find, |doc| {
+                    ids.extend(get_text(&doc, f::ID));
+                    Ok(())
+                })
+                .await?;
         }
         Ok(ids)
     }
+
+    /// URLs of the bot leased by anyone whose lease has not run out.
+    pub async fn live_leases(self, bot: &BotId, now: DateTime<Utc>) -> Result<u64> {
+        use super::frontier::field as fr;
+        self.store
+            .bounded(
+                "count live leases",
+                self.store.frontier().collection().count_documents(doc! {
+                    fr::BOT: bot.as_str(),
+                    fr::STATUS: "leased",
+                    fr::LEASE_EXPIRES_AT: { "$gt": super::date(now) },
+                }),
+            )
+            .await
+    }
 }
 
-/// Leasing on enqueue ([`Store::enqueue_links`]): the first `first` links go to `me`.
+/// Leasing on enqueue ([`Frontier::enqueue_links`]): the first `first` links go to `me`.
 #[derive(Clone, Copy, Debug)]
 pub struct LeaseTo<'a> {
     pub me: &'a InstanceId,
@@ -2191,7 +2256,7 @@ pub struct LeaseTo<'a> {
     pub first: usize,
 }
 
-/// What [`Store::enqueue_links`] did.
+/// What [`Frontier::enqueue_links`] did.
 #[derive(Clone, Debug, Default)]
 pub struct Enqueued {
     /// URLs inserted or reset into the pass.

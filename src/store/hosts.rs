@@ -40,20 +40,26 @@ fn read_date(d: &Document, key: &str) -> Option<DateTime<Utc>> {
 /// `updatedAt`): rows of instances that stopped, or of ids never seen again, do not pile up.
 pub const HOSTS_EXPIRE_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
 
-impl Store {
+/// The `hosts` collection, reached through [`Store::hosts`].
+#[derive(Clone, Copy, Debug)]
+pub struct Hosts<'a> {
+    pub(super) store: &'a Store,
+}
+
+impl Hosts<'_> {
     /// The `hosts` TTL index on `updatedAt` (idempotent; rebuilt if its definition changed); it
     /// also serves "published lately".
-    pub async fn ensure_host_indexes(&self) -> Result<()> {
+    pub async fn ensure_indexes(self) -> Result<()> {
         let ttl = super::indexes::Wanted {
             expire_after: Some(HOSTS_EXPIRE_AFTER),
             ..super::indexes::Wanted::new("updated_at_ttl", doc! { "updatedAt": 1 })
         };
-        self.ensure_indexes(HOSTS, &[ttl], &[]).await
+        super::indexes::ensure(self.store, HOSTS, &[ttl], &[]).await
     }
 
     /// Upserts this instance's rows (one write per host).
-    pub async fn publish_hosts(&self, me: &InstanceId, rows: &[HostRow]) -> Result<()> {
-        let hosts = self.database().collection::<Document>(HOSTS);
+    pub async fn publish(self, me: &InstanceId, rows: &[HostRow]) -> Result<()> {
+        let hosts = self.store.database().collection::<Document>(HOSTS);
         for row in rows {
             let update = doc! { "$set": {
                 "host": row.host.as_str(), "instance": me.as_str(), "limit": row.limit,
@@ -61,26 +67,29 @@ impl Store {
                 "lastThrottleAt": date(row.last_throttle_at), "pausedUntil": date(row.paused_until),
                 "updatedAt": date(Some(row.updated_at)),
             } };
-            self.bounded(
-                "publish host",
-                hosts
-                    .update_one(
-                        doc! { "_id": format!("{} {}", me.as_str(), row.host) },
-                        update,
-                    )
-                    .with_options(UpdateOptions::builder().upsert(true).build()),
-            )
-            .await?;
+            self.store
+                .bounded(
+                    "publish host",
+                    hosts
+                        .update_one(
+                            doc! { "_id": format!("{} {}", me.as_str(), row.host) },
+                            update,
+                        )
+                        .with_options(UpdateOptions::builder().upsert(true).build()),
+                )
+                .await?;
         }
         Ok(())
     }
 
     /// Rows refreshed since `since` (older ones belong to instances that stopped publishing).
-    pub async fn recent_hosts(&self, since: DateTime<Utc>) -> Result<Vec<HostRow>> {
+    pub async fn recent(self, since: DateTime<Utc>) -> Result<Vec<HostRow>> {
         use futures_util::TryStreamExt;
         let docs: Vec<Document> = self
+            .store
             .bounded("read hosts", async {
-                self.database()
+                self.store
+                    .database()
                     .collection::<Document>(HOSTS)
                     .find(doc! { "updatedAt": { "$gte": date(Some(since)) } })
                     .await?

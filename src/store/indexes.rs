@@ -73,68 +73,69 @@ fn same_keys(a: &Document, b: &Document) -> bool {
             .all(|((ka, va), (kb, vb))| ka == kb && direction(va) == direction(vb))
 }
 
-impl Store {
-    /// Makes `collection`'s indexes named in `wanted` exactly those definitions, and drops those
-    /// named in `retired` (see the module comment). Idempotent: a second call changes nothing.
-    pub(crate) async fn ensure_indexes(
-        &self,
-        collection: &str,
-        wanted: &[Wanted],
-        retired: &[&str],
-    ) -> Result<()> {
-        let coll = self.database().collection::<Document>(collection);
-        let existing: Vec<IndexModel> = self
-            .bounded("list indexes", async {
-                coll.list_indexes().await?.try_collect().await
-            })
-            .await
-            // A collection that does not exist yet has no indexes.
-            .or_else(|e| match &e {
-                crate::error::Error::Db(db) if is_namespace_not_found(db) => Ok(Vec::new()),
-                _ => Err(e),
-            })?;
-        let named = |name: &str| {
-            existing
-                .iter()
-                .find(|i| i.options.as_ref().and_then(|o| o.name.as_deref()) == Some(name))
-        };
-        let mut create = Vec::new();
-        for index in wanted {
-            match named(index.name) {
-                Some(found) if index.is(found) => {}
-                Some(found) => {
-                    tracing::info!(
-                        collection,
-                        index = index.name,
-                        was = %found.keys,
-                        "rebuilding an index whose definition changed in this version"
-                    );
-                    self.index_build("drop a changed index", coll.drop_index(index.name))
-                        .await
-                        .or_else(gone)?;
-                    create.push(index.model());
-                }
-                None => create.push(index.model()),
-            }
-        }
-        if !create.is_empty() {
-            self.index_build("create indexes", coll.create_indexes(create))
-                .await?;
-        }
-        for name in retired {
-            if named(name).is_some() {
-                self.index_build("drop a retired index", coll.drop_index(*name))
-                    .await
-                    .or_else(gone)?;
+/// Makes `collection`'s indexes named in `wanted` exactly those definitions, and drops those
+/// named in `retired` (see the module comment). Idempotent: a second call changes nothing.
+pub(crate) async fn ensure(
+    store: &Store,
+    collection: &str,
+    wanted: &[Wanted],
+    retired: &[&str],
+) -> Result<()> {
+    let coll = store.database().collection::<Document>(collection);
+    let existing: Vec<IndexModel> = store
+        .bounded("list indexes", async {
+            coll.list_indexes().await?.try_collect().await
+        })
+        .await
+        // A collection that does not exist yet has no indexes.
+        .or_else(|e| match &e {
+            crate::error::Error::Db(db) if is_namespace_not_found(db) => Ok(Vec::new()),
+            _ => Err(e),
+        })?;
+    let named = |name: &str| {
+        existing
+            .iter()
+            .find(|i| i.options.as_ref().and_then(|o| o.name.as_deref()) == Some(name))
+    };
+    let mut create = Vec::new();
+    for index in wanted {
+        match named(index.name) {
+            Some(found) if index.is(found) => {}
+            Some(found) => {
                 tracing::info!(
                     collection,
-                    index = *name,
-                    "dropped an index this version does not use"
+                    index = index.name,
+                    was = %found.keys,
+                    "rebuilding an index whose definition changed in this version"
                 );
+                store
+                    .index_build("drop a changed index", coll.drop_index(index.name))
+                    .await
+                    .or_else(gone)?;
+                create.push(index.model());
             }
+            None => create.push(index.model()),
         }
-        Ok(())
     }
+    if !create.is_empty() {
+        store
+            .index_build("create indexes", coll.create_indexes(create))
+            .await?;
+    }
+    for name in retired {
+        if named(name).is_some() {
+            store
+                .index_build("drop a retired index", coll.drop_index(*name))
+                .await
+                .or_else(gone)?;
+            tracing::info!(
+                collection,
+                index = *name,
+                "dropped an index this version does not use"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// An index already gone (another instance, upgraded at the same moment, dropped it first) is as

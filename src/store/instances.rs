@@ -102,20 +102,27 @@ pub enum Registration {
     Vanished,
 }
 
-impl Store {
-    fn instances(&self) -> mongodb::Collection<Document> {
-        self.database().collection(INSTANCES)
+/// The `instances` collection, reached through [`Store::instances`].
+#[derive(Clone, Copy, Debug)]
+pub struct Instances<'a> {
+    pub(super) store: &'a Store,
+}
+
+impl Instances<'_> {
+    fn instances(self) -> mongodb::Collection<Document> {
+        self.store.database().collection(INSTANCES)
     }
 
     /// Registers `me` for this process, if no other process has.
-    pub async fn insert_instance(
-        &self,
+    pub async fn insert(
+        self,
         me: &InstanceId,
         mine: &Presence,
         now: DateTime<Utc>,
         ttl: Duration,
     ) -> Result<Registration> {
         match self
+            .store
             .bounded(
                 "register instance",
                 self.instances().insert_one(mine.document(me, now, ttl)),
@@ -125,6 +132,7 @@ impl Store {
             Ok(_) => Ok(Registration::Registered),
             Err(crate::error::Error::Db(e)) if is_duplicate_key(&e) => {
                 let held = self
+                    .store
                     .bounded(
                         "read instance",
                         self.instances().find_one(doc! { "_id": me.as_str() }),
@@ -140,8 +148,8 @@ impl Store {
 
     /// Takes `me` over from a dead process whose registration is `theirs` — conditional on its
     /// token, so two processes replacing the same dead one cannot both win. True if it did.
-    pub async fn replace_instance(
-        &self,
+    pub async fn replace(
+        self,
         me: &InstanceId,
         theirs: &Presence,
         mine: &Presence,
@@ -155,6 +163,7 @@ impl Store {
             doc! { "_id": me.as_str(), "token": theirs.token.as_str() }
         };
         let result = self
+            .store
             .bounded(
                 "take over instance",
                 self.instances()
@@ -165,15 +174,15 @@ impl Store {
     }
 
     /// Renews this process's registration. False if the id is no longer this process's.
-    pub async fn instance_heartbeat(
-        &self,
+    pub async fn heartbeat(
+        self,
         me: &InstanceId,
         token: &str,
         now: DateTime<Utc>,
         ttl: Duration,
     ) -> Result<bool> {
         let result = self
-            .bounded(
+            .store.bounded(
                 "instance heartbeat",
                 self.instances().update_one(
                     doc! { "_id": me.as_str(), "token": token },
@@ -186,23 +195,24 @@ impl Store {
 
     /// From now on, names each session of this process's commit transactions in `me`'s
     /// registration before its first transaction.
-    pub fn name_transaction_sessions(&self, me: &InstanceId) {
-        let _ = self.sessions.owner.set(me.clone());
+    pub fn name_transaction_sessions(self, me: &InstanceId) {
+        let _ = self.store.sessions.owner.set(me.clone());
     }
 
     /// Names `session` in this process's registration, unless it already is (a session is
     /// named once; the driver reuses a few). Without a registration (tests, one-off commands)
     /// nothing is named.
-    pub async fn name_session(&self, session: &ClientSession) -> Result<()> {
-        let Some(me) = self.sessions.owner.get() else {
+    pub async fn name_session(self, session: &ClientSession) -> Result<()> {
+        let Some(me) = self.store.sessions.owner.get() else {
             return Ok(());
         };
         let lsid = session.id().clone();
         let key = lsid.to_string();
-        if names(&self.sessions).contains(&key) {
+        if names(&self.store.sessions).contains(&key) {
             return Ok(());
         }
         let pushed = self
+            .store
             .bounded(
                 "name transaction session",
                 self.instances().update_one(
@@ -218,7 +228,7 @@ impl Store {
             // again): named on a later transaction.
             return Ok(());
         }
-        let mut named = names(&self.sessions);
+        let mut named = names(&self.store.sessions);
         if named.len() >= NAMED_SESSIONS {
             // The registration keeps the newest only: name the next ones again.
             named.clear();
@@ -229,13 +239,14 @@ impl Store {
 
     /// Ends the transactions a dead process may have left open in its `sessions`. Best effort:
     /// the server ends them itself after its transaction lifetime. Returns whether it did.
-    pub async fn end_sessions(&self, sessions: &[Document]) -> bool {
+    pub async fn end_sessions(self, sessions: &[Document]) -> bool {
         if sessions.is_empty() {
             return false;
         }
-        let admin = self.database().client().database("admin");
+        let admin = self.store.database().client().database("admin");
         let command = doc! { "killSessions": sessions.to_vec() };
         match self
+            .store
             .bounded("end a dead process's sessions", admin.run_command(command))
             .await
         {
@@ -252,11 +263,12 @@ impl Store {
     }
 
     /// The registrations of `ids` that exist (an id without one stopped cleanly, or never ran).
-    pub async fn registrations(&self, ids: &[&str]) -> Result<HashMap<String, Presence>> {
+    pub async fn registrations(self, ids: &[&str]) -> Result<HashMap<String, Presence>> {
         if ids.is_empty() {
             return Ok(HashMap::new());
         }
         let found = self
+            .store
             .find_once(
                 "read instances",
                 INSTANCES,
@@ -273,13 +285,14 @@ impl Store {
     }
 
     /// Ends this process's registration (at a clean stop).
-    pub async fn remove_instance(&self, me: &InstanceId, token: &str) -> Result<()> {
-        self.bounded(
-            "remove instance",
-            self.instances()
-                .delete_one(doc! { "_id": me.as_str(), "token": token }),
-        )
-        .await?;
+    pub async fn remove(self, me: &InstanceId, token: &str) -> Result<()> {
+        self.store
+            .bounded(
+                "remove instance",
+                self.instances()
+                    .delete_one(doc! { "_id": me.as_str(), "token": token }),
+            )
+            .await?;
         Ok(())
     }
 }

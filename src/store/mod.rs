@@ -4,6 +4,12 @@
 //! filter on exactly what was read. No write here is unconditional except the admin's `unlock`,
 //! which bumps the epoch so the old holder's writes fail.
 //!
+//! [`Store`] is the connection and what every operation shares (the bound, the raw commands, the
+//! counts); each collection is one small type reached through it, its `impl` in one file:
+//! [`Store::bots`], [`Store::frontier`], [`Store::records`], [`Store::instances`],
+//! [`Store::hosts`], and a bot's passes ([`Store::passes`], [`Store::deletions`]), which live in
+//! its `bots` document and its frontier.
+//!
 //! The database's vocabulary lives here too, below every wing that reads it: the bot document
 //! ([`document`]: its field names, the strict parse, `BotState`, `Claim`).
 
@@ -12,16 +18,16 @@ use std::time::Duration;
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
 use mongodb::options::{
-    ClientOptions, CollectionOptions, DatabaseOptions, ReadConcern, ReturnDocument, WriteConcern,
+    ClientOptions, CollectionOptions, DatabaseOptions, ReadConcern, WriteConcern,
 };
 use mongodb::{Client, Collection, Database};
 
 use crate::clock::ServerClock;
 use crate::config::MongoSettings;
 use crate::error::{is_duplicate_key, Error, Result};
-use crate::ids::{BotId, InstanceId, LockEpoch};
-use crate::store::document::{field, integer, BotDoc, Claim, Observed, HISTORY_LEN};
+use crate::ids::BotId;
 
+pub mod bots;
 pub mod deletions;
 pub mod document;
 pub mod frontier;
@@ -31,8 +37,17 @@ pub mod instances;
 pub mod passes;
 pub mod records;
 pub mod reply;
-pub mod specs;
 pub mod startup;
+
+pub use bots::{
+    Applied, BotChange, BotChanges, BotDigest, Bots, EditLock, NextPass, Pause, UnlockOutcome,
+};
+pub use deletions::Deletions;
+pub use frontier::Frontier;
+pub use hosts::Hosts;
+pub use instances::Instances;
+pub use passes::Passes;
+pub use records::{ExportRecords, Records};
 
 pub const BOTS: &str = "bots";
 
@@ -54,57 +69,6 @@ pub(crate) fn durable_field() -> Document {
 
 /// The commands that write: outside a transaction each carries [`durable_field`].
 const WRITE_COMMANDS: [&str; 4] = ["insert", "update", "delete", "findAndModify"];
-
-/// A lock this process holds: the fence for every write it makes while refreshing.
-#[derive(Clone, Debug)]
-pub struct EditLock {
-    pub bot: BotId,
-    pub me: InstanceId,
-    pub epoch: LockEpoch,
-    /// `lastUpdateStartedAt` as the server set it: `max_refresh` counts from here.
-    pub started_at: DateTime<Utc>,
-    /// The seeds before this refresh (kept on failure with `keep_previous`).
-    pub previous_seeds: Vec<String>,
-    /// Consecutive failed refreshes before this one (sizes the shared backoff on failure).
-    pub failed_refreshes: i64,
-    /// The bot's crawl pass when the lock was taken: a successful refresh starts the next one.
-    pub crawl_pass: i64,
-    /// When that pass started, if it was still running (its end not recorded).
-    pub crawl_pass_running_since: Option<DateTime<Utc>>,
-}
-
-impl EditLock {
-    fn fence(&self) -> Document {
-        doc! {
-            field::ID: self.bot.as_str(),
-            field::IS_EDITING: true,
-            field::EDITING_BY: self.me.as_str(),
-            field::LOCK_EPOCH: self.epoch.get(),
-        }
-    }
-}
-
-/// What a successful refresh does to a crawling bot's passes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NextPass {
-    /// Not a crawling bot.
-    None,
-    /// Start this pass now (its seeds are enqueued).
-    Start(i64),
-    /// The current pass runs: the next starts when it ends, on the seeds stored now.
-    AfterCurrent,
-}
-
-/// What `seedlock unlock` found.
-#[derive(Debug, PartialEq)]
-pub enum UnlockOutcome {
-    Unlocked {
-        holder: Option<String>,
-        old_epoch: Option<i64>,
-    },
-    NotLocked,
-    NoSuchBot,
-}
 
 #[derive(Debug, thiserror::Error)]
 #[error("cannot reach MongoDB at {uri}: {reason}")]
@@ -190,7 +154,7 @@ pub struct Store {
     op_timeout: Duration,
     answers: std::sync::Arc<Answers>,
     /// The sessions of this process's commit transactions, as its instance registration names
-    /// them (see [`Store::name_transaction_sessions`]).
+    /// them (see [`Instances::name_transaction_sessions`]).
     sessions: std::sync::Arc<instances::TransactionSessions>,
     /// Time spent waiting for a pooled connection.
     pool_wait: std::sync::Arc<PoolWait>,
@@ -291,46 +255,6 @@ impl Drop for InFlight<'_> {
 
 /// The default for `mongo.op_timeout`.
 pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A new bot document's fields (its lock free, not ready, no seeds), created by `by` for `why`.
-fn initial_fields(now: DateTime<Utc>, by: &str, why: &str) -> Document {
-    doc! {
-        field::IS_READY: false,
-        field::IS_EDITING: false,
-        field::SEEDS: [],
-        field::LAST_UPDATE_STARTED_AT: Bson::Null,
-        field::LAST_SEED_UPDATED_AT: Bson::Null,
-        field::EDITING_BY: Bson::Null,
-        field::LOCK_EPOCH: 0_i64,
-        field::HEARTBEAT_AT: Bson::Null,
-        field::LOCK_EXPIRES_AT: Bson::Null,
-        field::LAST_ERROR: Bson::Null,
-        field::FAILED_REFRESHES: 0_i32,
-        field::REFRESH_REQUESTED_AT: Bson::Null,
-        field::RETRY_AFTER: Bson::Null,
-        field::HISTORY: [history_entry(now, "created", by, LockEpoch::ZERO, why)],
-    }
-}
-
-fn history_entry(
-    now: DateTime<Utc>,
-    event: &str,
-    by: &str,
-    epoch: LockEpoch,
-    reason: &str,
-) -> Document {
-    doc! {
-        "at": bson::DateTime::from_chrono(now),
-        "event": event,
-        "by": by,
-        "epoch": epoch.get(),
-        "reason": reason,
-    }
-}
-
-fn push_history(entry: Document) -> Document {
-    doc! { field::HISTORY: { "$each": [entry], "$slice": -HISTORY_LEN } }
-}
 
 /// A time as BSON (every date this crate writes goes through here).
 pub fn date(at: DateTime<Utc>) -> Bson {
@@ -456,6 +380,65 @@ impl Store {
     pub fn with_op_timeout(mut self, op_timeout: Duration) -> Store {
         self.op_timeout = op_timeout;
         self
+    }
+
+    /// The `bots` collection.
+    pub fn bots(&self) -> Bots<'_> {
+        Bots { store: self }
+    }
+
+    /// The `frontier` collection.
+    pub fn frontier(&self) -> Frontier<'_> {
+        Frontier { store: self }
+    }
+
+    /// The `records` collection.
+    pub fn records(&self) -> Records<'_> {
+        Records { store: self }
+    }
+
+    /// A bot's passes: their start, progress, end and evaluation (in its `bots` document and
+    /// its frontier).
+    pub fn passes(&self) -> Passes<'_> {
+        Passes { store: self }
+    }
+
+    /// Deletion detection at a pass's end, from the listing manifests.
+    pub fn deletions(&self) -> Deletions<'_> {
+        Deletions { store: self }
+    }
+
+    /// The `instances` collection.
+    pub fn instances(&self) -> Instances<'_> {
+        Instances { store: self }
+    }
+
+    /// The `hosts` collection.
+    pub fn hosts(&self) -> Hosts<'_> {
+        Hosts { store: self }
+    }
+
+    /// Deletes the bot's frontier and records; returns how many of each.
+    pub async fn purge_bot(&self, bot: &BotId) -> Result<(u64, u64)> {
+        let frontier = self
+            .bounded(
+                "purge frontier",
+                self.frontier()
+                    .collection()
+                    .delete_many(doc! { frontier::field::BOT: bot.as_str() }),
+            )
+            .await?
+            .deleted_count;
+        let records = self
+            .bounded(
+                "purge records",
+                self.records()
+                    .collection()
+                    .delete_many(doc! { records::field::BOT: bot.as_str() }),
+            )
+            .await?
+            .deleted_count;
+        Ok((frontier, records))
     }
 
     /// Runs one driver operation under the store's operation timeout.
@@ -709,702 +692,6 @@ impl Store {
         clock.record(sent, server, received);
         Ok(())
     }
-
-    pub async fn load(&self, bot: &BotId) -> Result<Observed> {
-        Ok(Observed::from_raw(self.load_raw(bot).await?))
-    }
-
-    pub async fn load_raw(&self, bot: &BotId) -> Result<Option<Document>> {
-        self.bounded(
-            "find bot",
-            self.bots.find_one(doc! { field::ID: bot.as_str() }),
-        )
-        .await
-    }
-
-    /// The bots' state index (idempotent; rebuilt if its definition changed): an operator's
-    /// reads of bots by state — ready, locked, failing, stuck (the README's mongosh recipes) —
-    /// select on `isEditing` and `isReady`.
-    pub async fn ensure_bot_indexes(&self) -> Result<()> {
-        let state = indexes::Wanted::new(
-            "editing_ready",
-            doc! { field::IS_EDITING: 1, field::IS_READY: 1 },
-        );
-        self.ensure_indexes(BOTS, &[state], &[]).await
-    }
-
-    /// Whether the bot is paused (`paused: true`), read alone — not its seeds and history;
-    /// `None` when it has no document.
-    pub async fn paused(&self, bot: &BotId) -> Result<Option<bool>> {
-        let found = self
-            .bounded(
-                "find bot pause",
-                self.bots
-                    .find_one(doc! { field::ID: bot.as_str() })
-                    .projection(doc! { field::PAUSED: 1 }),
-            )
-            .await?;
-        Ok(found.map(|d| matches!(d.get(field::PAUSED), Some(Bson::Boolean(true)))))
-    }
-
-    /// Every bot document without its history and the spec its pass recorded, sorted by id (for
-    /// `status` and `bots list`: at a thousand bots the histories alone are megabytes).
-    pub async fn load_all(&self) -> Result<Vec<Document>> {
-        use futures_util::TryStreamExt;
-        let all = async {
-            let cursor = self
-                .bots
-                .find(doc! {})
-                .projection(doc! { field::HISTORY: 0, field::CRAWL_PASS_SPEC: 0 })
-                .sort(doc! { field::ID: 1 })
-                .await?;
-            cursor.try_collect().await
-        };
-        self.bounded("list bots", all).await
-    }
-
-    /// Creates the initial document if there is none. Idempotent: concurrent callers all succeed
-    /// and exactly one document exists afterwards.
-    pub async fn initialize(&self, bot: &BotId, me: &InstanceId, now: DateTime<Utc>) -> Result<()> {
-        let initial = initial_fields(now, me.as_str(), "C: no document yet");
-        let upsert = self
-            .bots
-            .update_one(
-                doc! { field::ID: bot.as_str() },
-                doc! { "$setOnInsert": initial },
-            )
-            .upsert(true);
-        match self.bounded("initialize", upsert).await {
-            Ok(_) => Ok(()),
-            // Another instance inserted it between our filter and our insert: the goal is met.
-            Err(Error::Db(e)) if is_duplicate_key(&e) => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Claims the edit lock in ONE `find_one_and_update`: `isEditing=true` and `isReady=false`
-    /// together, the epoch incremented, start and heartbeat stamped by the server. The filter holds
-    /// the observed epoch and the claim's condition, so at most one claimant per epoch wins.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn claim(
-        &self,
-        bot: &BotId,
-        me: &InstanceId,
-        expected: LockEpoch,
-        claim: Claim,
-        now: DateTime<Utc>,
-        ttl: Duration,
-        reason: &str,
-    ) -> Result<Option<EditLock>> {
-        let mut filter = doc! { field::ID: bot.as_str(), field::LOCK_EPOCH: expected.get() };
-        match claim {
-            Claim::Free => {
-                filter.insert(field::IS_EDITING, false);
-            }
-            Claim::Expired { now: cutoff } => {
-                filter.insert(field::IS_EDITING, true);
-                filter.insert(field::LOCK_EXPIRES_AT, doc! { "$lte": date(cutoff) });
-            }
-            Claim::Stuck { started_before } => {
-                filter.insert(field::IS_EDITING, true);
-                filter.insert(
-                    field::LAST_UPDATE_STARTED_AT,
-                    doc! { "$lte": date(started_before) },
-                );
-            }
-            Claim::Orphaned => {
-                filter.insert(field::IS_EDITING, true);
-                filter.insert(field::EDITING_BY, me.as_str());
-            }
-        }
-        let epoch = expected.next().ok_or_else(|| Error::EpochExhausted {
-            bot: bot.to_string(),
-        })?;
-        let event = if claim.is_takeover() {
-            "took_over"
-        } else {
-            "acquired"
-        };
-        let update = doc! {
-            "$set": {
-                field::IS_EDITING: true,
-                field::IS_READY: false,
-                field::EDITING_BY: me.as_str(),
-                field::LOCK_EXPIRES_AT: date(plus(now, ttl)),
-            },
-            "$inc": { field::LOCK_EPOCH: 1_i64 },
-            "$currentDate": { field::LAST_UPDATE_STARTED_AT: true, field::HEARTBEAT_AT: true },
-            "$push": push_history(history_entry(now, event, me.as_str(), epoch, reason)),
-        };
-        let after = self
-            .bounded(
-                "claim",
-                self.bots
-                    .find_one_and_update(filter, update)
-                    .return_document(ReturnDocument::After),
-            )
-            .await?;
-        let Some(raw) = after else { return Ok(None) };
-        let doc = BotDoc::parse(&raw).map_err(|problems| Error::Protocol {
-            what: "claim",
-            detail: problems.join("; "),
-        })?;
-        if doc.lock_epoch != epoch || doc.editing_by.as_deref() != Some(me.as_str()) {
-            return Err(Error::Protocol {
-                what: "claim",
-                detail: format!(
-                    "expected epoch {epoch} held by {me}, read {} by {:?}",
-                    doc.lock_epoch, doc.editing_by
-                ),
-            });
-        }
-        Ok(Some(EditLock {
-            bot: bot.clone(),
-            me: me.clone(),
-            epoch,
-            started_at: doc.last_update_started_at.unwrap_or(now),
-            previous_seeds: doc.seeds,
-            failed_refreshes: doc.failed_refreshes,
-            crawl_pass: doc.crawl_pass,
-            crawl_pass_running_since: doc
-                .crawl_pass_started_at
-                .filter(|_| doc.crawl_pass > 0 && doc.crawl_pass_ended_at.is_none()),
-        }))
-    }
-
-    async fn fenced(&self, held: &EditLock, update: Document) -> Result<()> {
-        let result = self
-            .bounded("fenced write", self.bots.update_one(held.fence(), update))
-            .await?;
-        if result.matched_count == 1 {
-            Ok(())
-        } else {
-            Err(Error::EditLockLost {
-                bot: held.bot.clone(),
-                epoch: held.epoch,
-            })
-        }
-    }
-
-    /// Renews the edit lock until `now + ttl`. `EditLockLost` if it is no longer ours.
-    pub async fn heartbeat(
-        &self,
-        held: &EditLock,
-        now: DateTime<Utc>,
-        ttl: Duration,
-    ) -> Result<DateTime<Utc>> {
-        let expires = plus(now, ttl);
-        self.fenced(
-            held,
-            doc! {
-                "$set": { field::LOCK_EXPIRES_AT: date(expires) },
-                "$currentDate": { field::HEARTBEAT_AT: true },
-            },
-        )
-        .await?;
-        Ok(expires)
-    }
-
-    /// Renews every lock in `held` until `now + ttl` in one round trip: one statement per lock,
-    /// each fenced on its own lock. Returns the new expiry and, per lock, whether it is still
-    /// this instance's — when fewer statements matched than were sent, one read of the locks'
-    /// documents tells which (a fence once broken never holds again: epochs only rise).
-    pub async fn heartbeat_all(
-        &self,
-        held: &[&EditLock],
-        now: DateTime<Utc>,
-        ttl: Duration,
-    ) -> Result<(DateTime<Utc>, Vec<bool>)> {
-        let expires = plus(now, ttl);
-        if held.is_empty() {
-            return Ok((expires, Vec::new()));
-        }
-        let statements: Vec<Document> = held
-            .iter()
-            .map(|lock| {
-                doc! {
-                    "q": lock.fence(),
-                    "u": {
-                        "$set": { field::LOCK_EXPIRES_AT: date(expires) },
-                        "$currentDate": { field::HEARTBEAT_AT: true },
-                    },
-                }
-            })
-            .collect();
-        let reply = self
-            .command(
-                "heartbeat locks",
-                doc! { "update": BOTS, "updates": statements, "ordered": false },
-                None,
-            )
-            .await?;
-        if let Ok(errors) = reply.get_array("writeErrors") {
-            if let Some(first) = errors.first() {
-                return Err(Error::Protocol {
-                    what: "heartbeat locks",
-                    detail: format!("{first}"),
-                });
-            }
-        }
-        let matched = reply.get("n").and_then(integer).unwrap_or(0);
-        if usize::try_from(matched).is_ok_and(|n| n == held.len()) {
-            return Ok((expires, vec![true; held.len()]));
-        }
-        let ids: Vec<&str> = held.iter().map(|l| l.bot.as_str()).collect();
-        let mut found: std::collections::HashMap<String, Document> = Default::default();
-        let read = self
-            .bots
-            .find(doc! { field::ID: { "$in": &ids } })
-            .projection(doc! {
-                field::IS_EDITING: 1, field::EDITING_BY: 1, field::LOCK_EPOCH: 1,
-            });
-        self.each_doc("read held locks", read, |d| {
-            if let Ok(id) = d.get_str(field::ID) {
-                found.insert(id.to_owned(), d.clone());
-            }
-            Ok(())
-        })
-        .await?;
-        let alive = held
-            .iter()
-            .map(|lock| {
-                found.get(lock.bot.as_str()).is_some_and(|d| {
-                    d.get_bool(field::IS_EDITING).ok() == Some(true)
-                        && d.get_str(field::EDITING_BY).ok() == Some(lock.me.as_str())
-                        && d.get(field::LOCK_EPOCH).and_then(integer) == Some(lock.epoch.get())
-                })
-            })
-            .collect();
-        Ok((expires, alive))
-    }
-
-    /// Every bot document's digest (see [`BotDigest`]), in one read.
-    pub async fn bot_digests(&self) -> Result<Vec<BotDigest>> {
-        use std::hash::{Hash, Hasher};
-        // Read concern `majority`, as every read of the bots: a wake-up never rests on a write
-        // a failover could roll back.
-        let bots = self.bots.clone_with_type::<bson::RawDocumentBuf>();
-        // One reply for any fleet up to 10,000 bots (the driver's first batch is 101).
-        let find = bots
-            .find(doc! {})
-            .projection(doc! {
-                field::SEEDS: 0, field::HISTORY: 0, field::SPEC: 0, field::CRAWL_PASS_SPEC: 0,
-                field::HEARTBEAT_AT: 0, field::LOCK_EXPIRES_AT: 0,
-            })
-            .batch_size(10_000);
-        let mut out = Vec::new();
-        self.each_raw("read bot digests", find, |raw| {
-            let Ok(id) = raw.get_str(field::ID) else {
-                return Ok(());
-            };
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            raw.as_bytes().hash(&mut hasher);
-            let spec_version = match raw.get(field::SPEC_VERSION) {
-                Ok(Some(bson::RawBsonRef::Int64(v))) => Some(v),
-                Ok(Some(bson::RawBsonRef::Int32(v))) => Some(i64::from(v)),
-                _ => None,
-            };
-            out.push(BotDigest {
-                id: id.to_owned(),
-                digest: hasher.finish(),
-                spec_version,
-            });
-            Ok(())
-        })
-        .await?;
-        Ok(out)
-    }
-
-    /// Replaces the seeds and marks the bot ready, releasing the lock — fenced. For a crawling
-    /// bot, the same write starts the next pass (whose seeds the caller already enqueued), or —
-    /// while the current pass runs — marks it to start when that one ends (`crawlNextPassAt`).
-    pub async fn complete(
-        &self,
-        held: &EditLock,
-        seeds: &[String],
-        now: DateTime<Utc>,
-        pass: NextPass,
-    ) -> Result<()> {
-        self.complete_with(held, seeds, now, pass, Document::new())
-            .await
-    }
-
-    /// [`complete`](Self::complete), also setting `pass_fields` when it starts a pass (the spec
-    /// the pass runs on, for bots defined in the database).
-    pub async fn complete_with(
-        &self,
-        held: &EditLock,
-        seeds: &[String],
-        now: DateTime<Utc>,
-        pass: NextPass,
-        pass_fields: Document,
-    ) -> Result<()> {
-        let mut reason = format!("{} seeds", seeds.len());
-        let mut set = doc! {
-            field::SEEDS: seeds,
-            field::IS_READY: true,
-            field::IS_EDITING: false,
-            field::EDITING_BY: Bson::Null,
-            field::LOCK_EXPIRES_AT: Bson::Null,
-            field::LAST_ERROR: Bson::Null,
-            field::FAILED_REFRESHES: 0_i32,
-            field::RETRY_AFTER: Bson::Null,
-        };
-        let mut current = doc! { field::LAST_SEED_UPDATED_AT: true, field::HEARTBEAT_AT: true };
-        match pass {
-            NextPass::None => {}
-            NextPass::Start(pass) => {
-                set.extend(pass_fields);
-                set.insert(field::CRAWL_PASS, pass);
-                set.insert(field::CRAWL_PASS_ENDED_AT, Bson::Null);
-                set.insert(field::CRAWL_NEXT_PASS_AT, Bson::Null);
-                current.insert(field::CRAWL_PASS_STARTED_AT, true);
-                reason.push_str(&format!("; crawl pass {pass}"));
-            }
-            NextPass::AfterCurrent => {
-                current.insert(field::CRAWL_NEXT_PASS_AT, true);
-                reason.push_str(&format!(
-                    "; the next crawl pass starts when pass {} ends",
-                    held.crawl_pass
-                ));
-            }
-        }
-        self.fenced(
-            held,
-            doc! {
-                "$set": set,
-                "$currentDate": current,
-                "$push": push_history(history_entry(now, "refreshed", held.me.as_str(), held.epoch, &reason)),
-            },
-        )
-        .await
-    }
-
-    /// Records a failed refresh and releases the lock — fenced. `stay_ready` returns the bot to
-    /// Ready on its previous seeds (`keep_previous`); nobody retries before `retry_after`.
-    pub async fn fail(
-        &self,
-        held: &EditLock,
-        now: DateTime<Utc>,
-        error: &str,
-        retry_after: DateTime<Utc>,
-        stay_ready: bool,
-    ) -> Result<()> {
-        self.fenced(
-            held,
-            doc! {
-                "$set": {
-                    field::IS_READY: stay_ready,
-                    field::IS_EDITING: false,
-                    field::EDITING_BY: Bson::Null,
-                    field::LOCK_EXPIRES_AT: Bson::Null,
-                    field::LAST_ERROR: error,
-                    field::RETRY_AFTER: date(retry_after),
-                },
-                "$inc": { field::FAILED_REFRESHES: 1_i32 },
-                "$push": push_history(history_entry(now, "refresh_failed", held.me.as_str(), held.epoch, error)),
-            },
-        )
-        .await
-    }
-
-    /// Gives the lock back without a result (shutdown) — fenced. The bot is left not ready, so the
-    /// next instance claims it at once (rule C).
-    pub async fn release(&self, held: &EditLock, now: DateTime<Utc>, reason: &str) -> Result<()> {
-        self.fenced(
-            held,
-            doc! {
-                "$set": {
-                    field::IS_READY: false,
-                    field::IS_EDITING: false,
-                    field::EDITING_BY: Bson::Null,
-                    field::LOCK_EXPIRES_AT: Bson::Null,
-                },
-                "$push": push_history(history_entry(now, "released", held.me.as_str(), held.epoch, reason)),
-            },
-        )
-        .await
-    }
-
-    /// Rule D: ready and editing at once. Clears `isReady` only, keeping the lock and its epoch, so a
-    /// live holder is not disturbed and an expired one is then taken over by rule B.
-    pub async fn repair_contradiction(
-        &self,
-        bot: &BotId,
-        expected: LockEpoch,
-        me: &InstanceId,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        let filter = doc! {
-            field::ID: bot.as_str(),
-            field::IS_READY: true,
-            field::IS_EDITING: true,
-            field::LOCK_EPOCH: expected.get(),
-        };
-        let reason = "D: ready and editing at once; cleared isReady, kept the lock";
-        let update = doc! {
-            "$set": { field::IS_READY: false },
-            "$push": push_history(history_entry(now, "repaired", me.as_str(), expected, reason)),
-        };
-        Ok(self
-            .bounded("repair", self.bots.update_one(filter, update))
-            .await?
-            .modified_count
-            == 1)
-    }
-
-    /// Rule E: rewrites a malformed document into a not-ready one, keeping whatever can be
-    /// salvaged (valid seeds, dates, history) and raising the epoch above any it held. The filter is
-    /// the exact document that was read, so a concurrent change makes this a no-op.
-    pub async fn repair_malformed(
-        &self,
-        raw: &Document,
-        problems: &[String],
-        me: &InstanceId,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        let Some(id) = raw.get(field::ID).cloned() else {
-            return Ok(false);
-        };
-        // Equality on every field that can be queried by equality: a key with a '.' or a leading
-        // '$' cannot be, so it is left out (the rest still pins the document down).
-        let mut filter = Document::new();
-        for (key, value) in raw {
-            if !key.contains('.') && !key.starts_with('$') {
-                filter.insert(key.clone(), value.clone());
-            }
-        }
-        for name in [
-            field::IS_READY,
-            field::IS_EDITING,
-            field::SEEDS,
-            field::LOCK_EPOCH,
-        ] {
-            if !raw.contains_key(name) {
-                filter.insert(name, doc! { "$exists": false });
-            }
-        }
-        let seeds: Vec<Bson> = match raw.get(field::SEEDS) {
-            Some(Bson::Array(items)) if items.iter().all(|s| matches!(s, Bson::String(_))) => {
-                items.clone()
-            }
-            _ => Vec::new(),
-        };
-        let epoch = highest_epoch(raw)
-            .next()
-            .ok_or_else(|| Error::EpochExhausted {
-                bot: id.as_str().map_or_else(|| id.to_string(), str::to_owned),
-            })?;
-        let salvage_date = |name: &str| match raw.get(name) {
-            Some(Bson::DateTime(d)) => Bson::DateTime(*d),
-            _ => Bson::Null,
-        };
-        let reason = format!("E: malformed document repaired: {}", problems.join("; "));
-        let mut history: Vec<Bson> = match raw.get(field::HISTORY) {
-            Some(Bson::Array(items)) => items
-                .iter()
-                .filter(|h| matches!(h, Bson::Document(_)))
-                .cloned()
-                .collect(),
-            _ => Vec::new(),
-        };
-        history.push(Bson::Document(history_entry(
-            now,
-            "repaired",
-            me.as_str(),
-            epoch,
-            &reason,
-        )));
-        let keep = history.len().saturating_sub(HISTORY_LEN as usize);
-        let history: Vec<Bson> = history.into_iter().skip(keep).collect();
-        let replacement = doc! {
-            field::ID: id,
-            field::IS_READY: false,
-            field::IS_EDITING: false,
-            field::SEEDS: seeds,
-            field::LAST_UPDATE_STARTED_AT: salvage_date(field::LAST_UPDATE_STARTED_AT),
-            field::LAST_SEED_UPDATED_AT: salvage_date(field::LAST_SEED_UPDATED_AT),
-            field::EDITING_BY: Bson::Null,
-            field::LOCK_EPOCH: epoch.get(),
-            field::HEARTBEAT_AT: Bson::Null,
-            field::LOCK_EXPIRES_AT: Bson::Null,
-            field::LAST_ERROR: reason,
-            field::FAILED_REFRESHES: 0_i32,
-            field::REFRESH_REQUESTED_AT: Bson::Null,
-            field::RETRY_AFTER: Bson::Null,
-            field::HISTORY: history,
-        };
-        let mut replacement = replacement;
-        // The crawl's pass number survives a repair when it is readable (a new pass must not
-        // reuse an old number); `start_pass` also looks at the frontier for the highest one.
-        if let Some(pass) = raw
-            .get(field::CRAWL_PASS)
-            .and_then(integer)
-            .filter(|p| *p >= 0)
-        {
-            replacement.insert(field::CRAWL_PASS, pass);
-            for name in [
-                field::CRAWL_PASS_STARTED_AT,
-                field::CRAWL_PASS_ENDED_AT,
-                field::CRAWL_LAST_RUN_AT,
-            ] {
-                replacement.insert(name, salvage_date(name));
-            }
-        }
-        Ok(self
-            .bounded("repair", self.bots.replace_one(filter, replacement))
-            .await?
-            .modified_count
-            == 1)
-    }
-
-    /// `seedlock unlock`: the admin's override. Clears the lock of an editing bot and raises its
-    /// epoch, so the old holder's fenced writes fail from now on. Conditional on the epoch it read
-    /// (retried if the document changed in between), so the history names the right epoch.
-    pub async fn admin_unlock(
-        &self,
-        bot: &BotId,
-        by: &str,
-        reason: &str,
-        now: DateTime<Utc>,
-    ) -> Result<UnlockOutcome> {
-        let note = format!("unlocked by admin: {reason}");
-        for _ in 0..10 {
-            let Some(raw) = self.load_raw(bot).await? else {
-                return Ok(UnlockOutcome::NoSuchBot);
-            };
-            if raw.get(field::IS_EDITING) != Some(&Bson::Boolean(true)) {
-                return Ok(UnlockOutcome::NotLocked);
-            }
-            let observed_epoch = raw.get(field::LOCK_EPOCH).cloned().unwrap_or(Bson::Null);
-            let old_epoch = integer(&observed_epoch);
-            let epoch = highest_epoch(&raw)
-                .next()
-                .ok_or_else(|| Error::EpochExhausted {
-                    bot: bot.to_string(),
-                })?;
-            let filter = doc! { field::ID: bot.as_str(), field::IS_EDITING: true, field::LOCK_EPOCH: observed_epoch };
-            let update = doc! {
-                "$set": {
-                    field::IS_EDITING: false,
-                    field::IS_READY: false,
-                    field::EDITING_BY: Bson::Null,
-                    field::LOCK_EXPIRES_AT: Bson::Null,
-                    field::RETRY_AFTER: Bson::Null,
-                    field::LAST_ERROR: note.as_str(),
-                    field::LOCK_EPOCH: epoch.get(),
-                },
-                "$push": push_history(history_entry(now, "unlocked", by, epoch, &note)),
-            };
-            if self
-                .bounded("unlock", self.bots.update_one(filter, update))
-                .await?
-                .matched_count
-                == 1
-            {
-                return Ok(UnlockOutcome::Unlocked {
-                    holder: raw.get_str(field::EDITING_BY).ok().map(str::to_owned),
-                    old_epoch,
-                });
-            }
-        }
-        Err(Error::Protocol {
-            what: "unlock",
-            detail: "the document kept changing; try again".into(),
-        })
-    }
-
-    /// `seedlock refresh`: asks for a refresh at the next opportunity. False if there is no such bot.
-    pub async fn request_refresh(&self, bot: &BotId, by: &str, now: DateTime<Utc>) -> Result<bool> {
-        let Some(raw) = self.load_raw(bot).await? else {
-            return Ok(false);
-        };
-        let epoch = highest_epoch(&raw);
-        let update = self.bots.update_one(
-            doc! { field::ID: bot.as_str() },
-            doc! {
-                "$currentDate": { field::REFRESH_REQUESTED_AT: true },
-                "$push": push_history(history_entry(now, "refresh_requested", by, epoch, "requested by admin")),
-            },
-        );
-        let result = self.bounded("request refresh", update).await?;
-        Ok(result.matched_count == 1)
-    }
-
-    /// The one change stream on the `bots` collection an instance keeps open (the lock wing's hub):
-    /// each event names the bot it concerns and whether the fleet loop should look (a bot added,
-    /// removed or replaced, or its `specVersion` changed). Only those fields travel — not the
-    /// seeds a refresh wrote. Its events only prompt reads, so it uses the server's default read
-    /// concern (the test server delivers no events on a stream opened with `majority`).
-    pub async fn watch_bots(&self) -> Result<BotChanges> {
-        let bots = self.db.collection::<Document>(BOTS);
-        let spec_version = format!("updateDescription.updatedFields.{}", field::SPEC_VERSION);
-        let watch = bots.watch().pipeline([doc! { "$project": {
-            "operationType": 1, "documentKey": 1, &spec_version: 1,
-        } }]);
-        let stream = self.bounded("watch bots", watch).await?;
-        // Events as plain documents: the projection leaves out what the driver's typed event
-        // requires (`ns`, `removedFields`).
-        Ok(BotChanges {
-            stream: stream.with_type::<Document>(),
-        })
-    }
-}
-
-/// A bot document as [`Store::bot_digests`] reads it: its `_id`, a digest of every field that can
-/// change what an instance does (not the seeds, history, specs, or the holder's heartbeat —
-/// waiters wake at the lock's expiry anyway), and its `specVersion`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BotDigest {
-    pub id: String,
-    pub digest: u64,
-    pub spec_version: Option<i64>,
-}
-
-/// One event of [`Store::watch_bots`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BotChange {
-    /// The bot's `_id` (when it is a string).
-    pub id: Option<String>,
-    /// A bot added, removed or replaced, or its spec changed.
-    pub concerns_fleet: bool,
-}
-
-/// The stream of [`BotChange`]s.
-pub struct BotChanges {
-    stream: mongodb::change_stream::ChangeStream<Document>,
-}
-
-impl futures_util::Stream for BotChanges {
-    type Item = Result<BotChange>;
-
-    fn poll_next(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Self::Item>> {
-        std::pin::Pin::new(&mut self.stream)
-            .poll_next(cx)
-            .map(|event| {
-                event.map(|event| {
-                    let event = event?;
-                    let id = event
-                        .get_document("documentKey")
-                        .ok()
-                        .and_then(|k| k.get_str(field::ID).ok())
-                        .map(str::to_owned);
-                    let concerns_fleet = match event.get_str("operationType") {
-                        Ok("insert" | "delete" | "replace") => true,
-                        Ok("update") => event
-                            .get_document("updateDescription")
-                            .ok()
-                            .and_then(|u| u.get_document("updatedFields").ok())
-                            .is_some_and(|f| f.contains_key(field::SPEC_VERSION)),
-                        _ => false,
-                    };
-                    Ok(BotChange { id, concerns_fleet })
-                })
-            })
-    }
 }
 
 /// Whether a failed command may be sent again as it is: the server labelled it retryable, the
@@ -1441,26 +728,7 @@ pub(crate) fn retryable(e: &Error) -> bool {
     }
 }
 
-/// The highest epoch a (possibly malformed) document shows, in `lockEpoch` or in its history: a
-/// repair or an unlock moves past it, so no epoch is ever handed out twice.
-fn highest_epoch(raw: &Document) -> LockEpoch {
-    let in_field = raw.get(field::LOCK_EPOCH).and_then(integer);
-    let in_history = match raw.get(field::HISTORY) {
-        Some(Bson::Array(entries)) => entries
-            .iter()
-            .filter_map(|e| {
-                e.as_document()
-                    .and_then(|d| d.get("epoch"))
-                    .and_then(integer)
-            })
-            .max(),
-        _ => None,
-    };
-    let highest = in_field.into_iter().chain(in_history).max().unwrap_or(0);
-    LockEpoch::new(highest.max(0)).unwrap_or(LockEpoch::ZERO)
-}
-
-fn one_line(text: &str) -> String {
+pub(crate) fn one_line(text: &str) -> String {
     let line = text.split_whitespace().collect::<Vec<_>>().join(" ");
     if line.chars().count() > 400 {
         format!("{}…", line.chars().take(400).collect::<String>())

@@ -4,7 +4,7 @@
 //!
 //! A pass starts in two steps, in this order: its seeds are enqueued into the frontier under the
 //! new number (idempotent: any instance may repeat it), then one conditional write moves
-//! `crawlPass` to that number — the refresh holder's fenced `complete`, or [`Store::start_pass`]
+//! `crawlPass` to that number — the refresh holder's fenced `complete`, or [`Passes::start`]
 //! for a bot that never crawled. So no instance ever sees a pass whose seeds are not queued yet.
 //!
 //! A pass finishes when none of its URLs is pending, waiting or leased by anyone. One conditional
@@ -15,7 +15,7 @@
 //! manifests (`store::deletions`: removals only when the pass covered enough of its listing pages
 //! and failed few enough pages, in the modes that read every listing page; restorations always)
 //! and records what it did (`evaluation: "done"`, `removed`, `restored`). A claim whose holder
-//! died is taken over once it expires ([`Store::resume_evaluation`]).
+//! died is taken over once it expires ([`Passes::resume_evaluation`]).
 
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
@@ -79,18 +79,29 @@ pub struct PassReport {
 
 use super::date;
 
-impl Store {
+/// A bot's passes, reached through [`Store::passes`].
+#[derive(Clone, Copy, Debug)]
+pub struct Passes<'a> {
+    pub(super) store: &'a Store,
+}
+
+impl Passes<'_> {
     /// Enqueues `seeds` into the pass after `current` (numbered above every pass the frontier
     /// has seen, so a repaired document never reuses a number) and returns that pass. The caller
     /// then records it in the bot document with one conditional write.
-    pub async fn prepare_pass(
-        &self,
+    pub async fn prepare(
+        self,
         bot: &BotId,
         current: i64,
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
     ) -> Result<i64> {
-        let next = self.highest_pass_above(bot, current.max(0)).await? + 1;
+        let next = self
+            .store
+            .frontier()
+            .highest_pass_above(bot, current.max(0))
+            .await?
+            + 1;
         let urls: Vec<NewUrl> = seeds
             .iter()
             .map(|url| NewUrl {
@@ -100,15 +111,18 @@ impl Store {
                 priority: PageKind::Seed.default_priority(),
             })
             .collect();
-        self.enqueue_urls(bot, next, &urls, now).await?;
+        self.store
+            .frontier()
+            .enqueue_urls(bot, next, &urls, now)
+            .await?;
         Ok(next)
     }
 
     /// Starts the first pass of a ready bot that has none yet (`crawlPass` unset or 0): one
     /// instance's conditional write wins; the others' seeds enqueues were no-ops. Returns the
     /// pass number when this call started it.
-    pub async fn start_pass(
-        &self,
+    pub async fn start(
+        self,
         bot: &BotId,
         current: i64,
         seeds: &[NormalizedUrl],
@@ -136,8 +150,8 @@ impl Store {
     /// (`crawlNextPassAt`): its seeds are enqueued, then one conditional write (the pass
     /// unchanged, ended, the next asked for) moves `crawlPass`. Returns the pass number when this
     /// call started it.
-    pub async fn start_next_pass(
-        &self,
+    pub async fn start_next(
+        self,
         bot: &BotId,
         current: i64,
         seeds: &[NormalizedUrl],
@@ -167,7 +181,7 @@ impl Store {
     /// next pass). The pass number when this call's write won.
     #[allow(clippy::too_many_arguments)]
     async fn move_to_next_pass(
-        &self,
+        self,
         what: &'static str,
         bot: &BotId,
         current: i64,
@@ -176,7 +190,7 @@ impl Store {
         now: DateTime<Utc>,
         pass_fields: Document,
     ) -> Result<Option<i64>> {
-        let next = self.prepare_pass(bot, current, seeds, now).await?;
+        let next = self.prepare(bot, current, seeds, now).await?;
         let mut set = pass_fields;
         set.insert(field::CRAWL_PASS, next);
         set.insert(field::CRAWL_PASS_ENDED_AT, Bson::Null);
@@ -186,15 +200,16 @@ impl Store {
             "$currentDate": { field::CRAWL_PASS_STARTED_AT: true },
         };
         let result = self
-            .bounded(what, self.bots.update_one(filter, update))
+            .store
+            .bounded(what, self.store.bots.update_one(filter, update))
             .await?;
         Ok((result.modified_count == 1).then_some(next))
     }
 
     /// Counts a pass's URLs by kind and status, in one aggregation: its progress, and (listing
     /// pages, listing pages done, all pages, failed pages).
-    pub(super) async fn pass_coverage(
-        &self,
+    pub(super) async fn coverage(
+        self,
         bot: &BotId,
         pass: i64,
     ) -> Result<(PassProgress, (u64, u64, u64, u64))> {
@@ -207,8 +222,11 @@ impl Store {
             } },
         ];
         let rows: Vec<Document> = self
+            .store
             .bounded("pass coverage", async {
-                self.frontier()
+                self.store
+                    .frontier()
+                    .collection()
                     .aggregate(pipeline)
                     .await?
                     .try_collect()
@@ -251,8 +269,8 @@ impl Store {
     /// Ends pass `pass` (the caller saw nothing pending or leased): the conditional write that
     /// records the end, then (by its winner) deletion detection. Safe to run on several
     /// instances at once, and on a pass a refresh has replaced (then it does nothing).
-    pub async fn finish_pass(
-        &self,
+    pub async fn finish(
+        self,
         bot: &BotId,
         pass: i64,
         started_at: Option<DateTime<Utc>>,
@@ -261,8 +279,7 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<PassEnd> {
         let t0 = std::time::Instant::now();
-        let (progress, (mut lists, lists_done, all, failed)) =
-            self.pass_coverage(bot, pass).await?;
+        let (progress, (mut lists, lists_done, all, failed)) = self.coverage(bot, pass).await?;
         tracing::debug!(%bot, pass, took = ?t0.elapsed(), "pass end: counted");
         if rules.enabled && progress.is_finished() {
             if let Some(since) = rules.known_since {
@@ -314,9 +331,11 @@ impl Store {
         // A last pass evaluated by a version before the manifests (no `evaluation` field), or
         // whose upgrade sweep never finished, calls for the upgrade's sweep.
         let previous = self
+            .store
             .bounded(
                 "read the last pass",
-                self.bots
+                self.store
+                    .bots
                     .find_one(doc! { field::ID: bot.as_str() })
                     .projection(doc! { field::CRAWL_LAST_PASS: 1 }),
             )
@@ -352,7 +371,8 @@ impl Store {
         }
         let update = doc! { "$set": set, "$currentDate": { field::CRAWL_PASS_ENDED_AT: true } };
         let recorded = self
-            .bounded("finish pass", self.bots.update_one(filter, update))
+            .store
+            .bounded("finish pass", self.store.bots.update_one(filter, update))
             .await?
             .modified_count
             == 1;
@@ -384,15 +404,18 @@ impl Store {
     /// Listing pages (and seeds) read since `since` that pass `pass` did not enqueue: their
     /// frontier entries still carry an earlier pass. One count, at the end of a pass.
     pub async fn unreached_lists(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         since: DateTime<Utc>,
     ) -> Result<u64> {
         let n = self
+            .store
             .bounded(
                 "count unreached listing pages",
-                self.frontier()
+                self.store
+                    .frontier()
+                    .collection()
                     .count_documents(unreached_listings_filter(bot, pass, since))
                     .hint(Hint::Name(LISTINGS_INDEX.to_owned())),
             )
@@ -400,17 +423,20 @@ impl Store {
         Ok(n)
     }
 
-    /// The listing pages counted by [`Store::unreached_lists`], by URL (to enqueue them).
+    /// The listing pages counted by [`Passes::unreached_lists`], by URL (to enqueue them).
     pub async fn unreached_list_urls(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         since: DateTime<Utc>,
     ) -> Result<Vec<NormalizedUrl>> {
         use futures_util::TryStreamExt;
         let docs: Vec<Document> = self
+            .store
             .bounded("read unreached listing pages", async {
-                self.frontier()
+                self.store
+                    .frontier()
+                    .collection()
                     .find(unreached_listings_filter(bot, pass, since))
                     .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
                     .projection(doc! { fr::URL: 1 })
@@ -427,21 +453,25 @@ impl Store {
     }
 
     /// How long an instance's claim on a pass's evaluation holds before another may take it over.
-    fn evaluation_claim(&self) -> std::time::Duration {
-        (self.op_timeout * 6).max(std::time::Duration::from_secs(30))
+    fn evaluation_claim(self) -> std::time::Duration {
+        (self.store.op_timeout * 6).max(std::time::Duration::from_secs(30))
     }
 
-    /// Evaluates pass `pass` ([`Store::evaluate_pass`]) and records what it did in
+    /// Evaluates pass `pass` ([`Deletions::evaluate`]) and records what it did in
     /// `crawlLastPass` (while it is still this pass's).
     async fn evaluate_and_record(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         remove: bool,
         sweep: bool,
         now: DateTime<Utc>,
     ) -> Result<super::deletions::Evaluation> {
-        let evaluation = self.evaluate_pass(bot, pass, remove, sweep, now).await?;
+        let evaluation = self
+            .store
+            .deletions()
+            .evaluate(bot, pass, remove, sweep, now)
+            .await?;
         let last = field::CRAWL_LAST_PASS;
         let mut unset = doc! {
             format!("{last}.evaluatingBy"): "", format!("{last}.evaluatingUntil"): "",
@@ -465,11 +495,11 @@ impl Store {
             // The pages this pass read start their baselines anew from that read.
             update.insert("$max", doc! { field::CRAWL_EVALUATED_PASS: pass });
         }
-        let update = self.bots.update_one(
+        let update = self.store.bots.update_one(
             doc! { field::ID: bot.as_str(), format!("{last}.pass"): pass },
             update,
         );
-        self.bounded("record the evaluation", update).await?;
+        self.store.bounded("record the evaluation", update).await?;
         tracing::info!(
             bot = %bot, pass, removed = evaluation.removed, restored = evaluation.restored,
             candidates = evaluation.candidates, changed_pages = evaluation.changed_pages,
@@ -482,7 +512,7 @@ impl Store {
     /// mid-way) — conditional on the claim read — and runs it again (it is idempotent). `None`
     /// when another instance took it first or it is no longer pending.
     pub async fn resume_evaluation(
-        &self,
+        self,
         bot: &BotId,
         pass: i64,
         claimed_until: DateTime<Utc>,
@@ -490,7 +520,7 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<Option<super::deletions::Evaluation>> {
         let last = field::CRAWL_LAST_PASS;
-        let claim = self.bots.find_one_and_update(
+        let claim = self.store.bots.find_one_and_update(
             doc! {
                 field::ID: bot.as_str(),
                 field::CRAWL_PASS: pass,
@@ -503,7 +533,7 @@ impl Store {
                 format!("{last}.evaluatingUntil"): date(super::plus(now, self.evaluation_claim())),
             } },
         );
-        let Some(doc) = self.bounded("claim an evaluation", claim).await? else {
+        let Some(doc) = self.store.bounded("claim an evaluation", claim).await? else {
             return Ok(None);
         };
         let summary = doc.get_document(last).ok();
@@ -517,8 +547,8 @@ impl Store {
     }
 
     /// The current pass of a bot as `seedlock status` shows it.
-    pub async fn pass_report(
-        &self,
+    pub async fn report(
+        self,
         bot: &BotId,
         pass: i64,
         started_at: Option<DateTime<Utc>>,
@@ -527,11 +557,14 @@ impl Store {
         if pass == 0 {
             return Ok(PassReport::default());
         }
-        let progress = self.pass_progress(bot, pass).await?;
+        let progress = self.store.frontier().pass_progress(bot, pass).await?;
         let oldest = self
+            .store
             .bounded(
                 "oldest pending",
-                self.frontier()
+                self.store
+                    .frontier()
+                    .collection()
                     .find_one(super::frontier::status_filter(
                         bot,
                         pass,
@@ -542,7 +575,12 @@ impl Store {
             )
             .await?;
         let top_failure = if progress.failed > 0 {
-            self.failure_reasons(bot, pass, 1).await?.into_iter().next()
+            self.store
+                .frontier()
+                .failure_reasons(bot, pass, 1)
+                .await?
+                .into_iter()
+                .next()
         } else {
             None
         };

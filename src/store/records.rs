@@ -7,7 +7,7 @@
 //! completed pass by definition; deletion detection reads the listing pages' manifests
 //! (`store::deletions`), not per-record marks.
 //!
-//! [`Store::commit_batch`] is the **group commit**: the pages waiting in the store queue are
+//! [`Records::commit_batch`] is the **group commit**: the pages waiting in the store queue are
 //! committed together, the record of each and its URL's settle mark — on the ordered path, in
 //! three round trips for the whole batch: one read of the stored records, one write of the new
 //! and changed ones (new records in one `insert`, the rest in one `update` command whose every
@@ -22,6 +22,7 @@ use std::collections::{HashMap, HashSet};
 
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
+use futures_util::TryStreamExt;
 use mongodb::{ClientSession, Collection};
 
 use super::indexes::Wanted;
@@ -300,9 +301,15 @@ impl From<Error> for Abort {
     }
 }
 
-impl Store {
-    pub(super) fn records(&self) -> Collection<Document> {
-        self.database().collection(RECORDS)
+/// The `records` collection, reached through [`Store::records`].
+#[derive(Clone, Copy, Debug)]
+pub struct Records<'a> {
+    pub(super) store: &'a Store,
+}
+
+impl Records<'_> {
+    pub(super) fn collection(self) -> Collection<Document> {
+        self.store.database().collection(RECORDS)
     }
 
     /// Creates the records' indexes — an operator's reads by natural key, "changed since" and
@@ -310,22 +317,21 @@ impl Store {
     /// bot and `naturalKey` / `lastChanged` / `removedAt`; the natural key never changes, so its
     /// index costs an insert, not a rewrite — rebuilds one whose definition changed and drops
     /// those of earlier versions (idempotent; see `store::indexes`).
-    pub async fn ensure_record_indexes(&self) -> Result<()> {
+    pub async fn ensure_indexes(self) -> Result<()> {
         let wanted = [
             Wanted::new("bot_natural_key", doc! { f::BOT: 1, f::NATURAL_KEY: 1 }),
             Wanted::new("bot_last_changed", doc! { f::BOT: 1, f::LAST_CHANGED: 1 }),
             Wanted::new("bot_removed_at", doc! { f::BOT: 1, f::REMOVED_AT: 1 }),
         ];
-        self.ensure_indexes(RECORDS, &wanted, &RETIRED_RECORD_INDEXES)
-            .await
+        super::indexes::ensure(self.store, RECORDS, &wanted, &RETIRED_RECORD_INDEXES).await
     }
 
     /// Stores the page's record (if any) and marks its URL done, together: a group commit of one
-    /// page (see [`Store::commit_batch`]). `UrlLeaseLost` when the lease went to another worker:
+    /// page (see [`Records::commit_batch`]). `UrlLeaseLost` when the lease went to another worker:
     /// then nothing of this page was kept on the transaction path, and on the other path only a
     /// record the newer worker's result supersedes.
     pub async fn commit_page(
-        &self,
+        self,
         lease: &UrlLease,
         record: Option<&Extracted>,
         now: DateTime<Utc>,
@@ -364,7 +370,7 @@ impl Store {
     /// records first (guarded by the lease time, so an older lease's result never replaces a
     /// newer one), then the marks. Returns what became of each page, in order.
     pub async fn commit_batch(
-        &self,
+        self,
         pages: &[PageCommit<'_>],
         now: DateTime<Utc>,
         transaction: bool,
@@ -404,7 +410,7 @@ impl Store {
 
     /// The stored versions of `ids` (their `contentHash`, `fetchedAt`, `removedAt`).
     async fn stored_versions(
-        &self,
+        self,
         bot: &BotId,
         ids: &[&str],
         session: Option<&mut ClientSession>,
@@ -413,6 +419,7 @@ impl Store {
             return Ok(HashMap::new());
         }
         let docs = self
+            .store
             .find_once(
                 "read records",
                 RECORDS,
@@ -433,8 +440,9 @@ impl Store {
     /// crash between the two writes, or a lease taken over), found gone: its frontier entry does
     /// not know the record. No index serves it (it reads the bot's records); it is asked only
     /// in that case.
-    pub async fn live_record_at(&self, bot: &BotId, url: &NormalizedUrl) -> Result<Option<String>> {
+    pub async fn live_record_at(self, bot: &BotId, url: &NormalizedUrl) -> Result<Option<String>> {
         let docs = self
+            .store
             .find_once(
                 "read the record of a gone page",
                 RECORDS,
@@ -453,7 +461,7 @@ impl Store {
     /// The ordered path for one wave: records (rounds of read + write while compare-and-swaps
     /// lose), then the marks of the pages whose record is settled.
     async fn commit_ordered(
-        &self,
+        self,
         pages: &[PageCommit<'_>],
         ids: &[Option<String>],
         wave: &[usize],
@@ -499,6 +507,7 @@ impl Store {
                 }
                 let docs: Vec<&Document> = inserts.iter().map(|(_, d)| d).collect();
                 let reply = self
+                    .store
                     .command(
                         "insert records",
                         doc! { "insert": RECORDS, "documents": docs, "ordered": false },
@@ -513,6 +522,7 @@ impl Store {
                     return Ok(HashSet::new());
                 }
                 let reply = self
+                    .store
                     .command(
                         "write records",
                         doc! { "update": RECORDS, "updates": &statements, "ordered": false },
@@ -551,7 +561,7 @@ impl Store {
             marks.push((pages[*i].lease, mark_of(&pages[*i], ids[*i].as_deref())));
             marked.push(*i);
         }
-        let applied = self.settle_urls(&marks, now).await?;
+        let applied = self.store.frontier().settle_urls(&marks, now).await?;
         let by_page: HashMap<usize, bool> = marked.into_iter().zip(applied).collect();
         Ok(wave
             .iter()
@@ -568,7 +578,7 @@ impl Store {
 
     /// The transaction path for one wave: `None` when it conflicted on every attempt.
     async fn commit_in_transaction(
-        &self,
+        self,
         pages: &[PageCommit<'_>],
         ids: &[Option<String>],
         wave: &[usize],
@@ -576,15 +586,20 @@ impl Store {
     ) -> Result<Option<Vec<Committed>>> {
         for attempt in 1..=ROUNDS as u32 {
             let mut session = self
-                .bounded("start session", self.database().client().start_session())
+                .store
+                .bounded(
+                    "start session",
+                    self.store.database().client().start_session(),
+                )
                 .await?;
             // Named before it writes: a successor can end it if this process dies inside it.
-            self.name_session(&session).await?;
-            self.bounded(
-                "start transaction",
-                session.start_transaction().write_concern(super::durable()),
-            )
-            .await?;
+            self.store.instances().name_session(&session).await?;
+            self.store
+                .bounded(
+                    "start transaction",
+                    session.start_transaction().write_concern(super::durable()),
+                )
+                .await?;
             let result = self
                 .bounded_result(
                     "commit batch",
@@ -596,7 +611,8 @@ impl Store {
                 Err(abort) => {
                     // Best effort: the server also aborts a transaction whose session goes away.
                     let _ =
-                        tokio::time::timeout(self.op_timeout, session.abort_transaction()).await;
+                        tokio::time::timeout(self.store.op_timeout, session.abort_transaction())
+                            .await;
                     match abort {
                         Abort::Again => {
                             tokio::time::sleep(crate::backoff::full_jitter(
@@ -617,7 +633,7 @@ impl Store {
     /// One attempt of a batch's transaction: read the leases (a lost one is left out), read and
     /// write the records, mark the URLs, commit.
     async fn transaction_attempt(
-        &self,
+        self,
         session: &mut ClientSession,
         pages: &[PageCommit<'_>],
         ids: &[Option<String>],
@@ -627,6 +643,7 @@ impl Store {
         let bot = &pages[wave[0]].lease.bot;
         let urls: Vec<&str> = wave.iter().map(|i| pages[*i].lease.id.as_str()).collect();
         let fences = self
+            .store
             .find_once(
                 "read leases",
                 FRONTIER,
@@ -695,6 +712,7 @@ impl Store {
         }
         if !inserts.is_empty() {
             let reply = self
+                .store
                 .command(
                     "insert records",
                     doc! { "insert": RECORDS, "documents": inserts, "ordered": true },
@@ -708,6 +726,7 @@ impl Store {
         if !swaps.is_empty() {
             let expected = swaps.len();
             let reply = self
+                .store
                 .command(
                     "write records",
                     doc! { "update": RECORDS, "updates": swaps, "ordered": true },
@@ -723,12 +742,13 @@ impl Store {
         let members: Vec<&PageCommit<'_>> = alive.iter().map(|i| &pages[*i]).collect();
         let extra = removed_statements(&members, now);
         if !extra.is_empty() {
-            self.command(
-                "mark records",
-                doc! { "update": RECORDS, "updates": extra, "ordered": true },
-                Some(session),
-            )
-            .await?;
+            self.store
+                .command(
+                    "mark records",
+                    doc! { "update": RECORDS, "updates": extra, "ordered": true },
+                    Some(session),
+                )
+                .await?;
         }
         let marks: Vec<(&UrlLease, Mark)> = alive
             .iter()
@@ -737,6 +757,7 @@ impl Store {
         if !marks.is_empty() {
             let statements = settle_statements(&marks, now, &super::frontier::new_token());
             let reply = self
+                .store
                 .command(
                     "settle urls",
                     doc! { "update": FRONTIER, "updates": statements, "ordered": true },
@@ -776,36 +797,73 @@ impl Store {
 
     /// Runs a multi-step future under the operation timeout.
     async fn bounded_result<T, E: From<Error>>(
-        &self,
+        self,
         what: &'static str,
         work: impl std::future::Future<Output = std::result::Result<T, E>>,
     ) -> std::result::Result<T, E> {
-        match tokio::time::timeout(self.op_timeout * 3, work).await {
+        match tokio::time::timeout(self.store.op_timeout * 3, work).await {
             Ok(result) => result,
             Err(_) => Err(E::from(Error::Timeout {
                 what,
-                after: self.op_timeout * 3,
+                after: self.store.op_timeout * 3,
             })),
         }
     }
 
     /// Whether the server runs multi-document transactions (`crawl.transactions = "auto"`): one
     /// empty transaction, aborted. A transient failure is an error, not a "no".
-    pub async fn supports_transactions(&self) -> Result<bool> {
+    pub async fn supports_transactions(self) -> Result<bool> {
         let probe = async {
-            let mut session = self.database().client().start_session().await?;
+            let mut session = self.store.database().client().start_session().await?;
             session.start_transaction().await?;
-            self.records()
+            self.store
+                .records()
+                .collection()
                 .find_one(doc! { f::ID: "__seedlock_probe" })
                 .session(&mut session)
                 .await?;
             session.abort_transaction().await
         };
-        match self.bounded("probe transactions", probe).await {
+        match self.store.bounded("probe transactions", probe).await {
             Ok(()) => Ok(true),
             Err(e) if e.is_transient() => Err(e),
             Err(_) => Ok(false),
         }
+    }
+
+    /// The bot's records for `export`, in `_id` order, a batch at a time (constant memory):
+    /// those changed since `changed_since`, and removed ones only with `include_removed`. The
+    /// find and each further batch are bounded by the operation timeout: a server that stops
+    /// answering mid-export is an error, not a hang.
+    pub async fn export_records(
+        self,
+        bot: &BotId,
+        changed_since: Option<DateTime<Utc>>,
+        include_removed: bool,
+    ) -> Result<ExportRecords> {
+        use super::records::field as rf;
+        let mut filter = doc! { rf::BOT: bot.as_str() };
+        if let Some(since) = changed_since {
+            filter.insert(rf::LAST_CHANGED, doc! { "$gte": super::date(since) });
+        }
+        if !include_removed {
+            filter.insert(rf::REMOVED_AT, Bson::Null);
+        }
+        let cursor = self
+            .store
+            .bounded(
+                "export records",
+                self.store
+                    .records()
+                    .collection()
+                    .find(filter)
+                    .batch_size(1000),
+            )
+            .await?;
+        Ok(ExportRecords {
+            store: self.store.clone(),
+            cursor,
+        })
     }
 }
 
@@ -825,5 +883,21 @@ fn mark_of(page: &PageCommit<'_>, record_id: Option<&str>) -> Mark {
             manifest: manifest.clone(),
         },
         (mark, _) => mark.clone(),
+    }
+}
+
+/// The records an export reads, one at a time off the cursor.
+pub struct ExportRecords {
+    store: Store,
+    cursor: mongodb::Cursor<Document>,
+}
+
+impl ExportRecords {
+    /// The next record; `None` at the end. A further batch is waited for at most the operation
+    /// timeout.
+    pub async fn next(&mut self) -> Result<Option<Document>> {
+        self.store
+            .unaccounted("export records", self.cursor.try_next())
+            .await
     }
 }

@@ -297,6 +297,7 @@ pub async fn request_refresh(db: &TestDb) {
     let bot = seedlock::ids::BotId::parse("shop").unwrap();
     assert!(db
         .store()
+        .bots()
         .request_refresh(&bot, "test", chrono::Utc::now())
         .await
         .unwrap());
