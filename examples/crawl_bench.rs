@@ -36,6 +36,7 @@
 //!
 //! Prints Markdown tables.
 
+use seedlock::ids::PassNumber;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -879,7 +880,7 @@ async fn db_ceiling(
         .frontier()
         .enqueue(
             &bot,
-            1,
+            PassNumber::new(1),
             seedlock::store::frontier::PageKind::Detail,
             &urls,
             chrono::Utc::now(),

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{LogFormat, Settings};
 use crate::daemon::{self, Mode, RunError};
 use crate::ids::BotId;
+use crate::ids::PassNumber;
 use crate::ops::bots::BotsCommand;
 use crate::ops::{admin_name, bot_arg, fail, with_store, EXIT_FAILED, EXIT_USAGE};
 use crate::store::startup;
@@ -339,7 +340,7 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
     match result {
         Ok(summaries) => {
             // The passes' failures, grouped by reason, from the database.
-            let store = if summaries.iter().any(|s| s.pass > 0) {
+            let store = if summaries.iter().any(|s| s.pass > PassNumber::NONE) {
                 match startup::open(&after.mongo).await {
                     Ok((store, _)) => Some(store),
                     Err(e) => return fail(EXIT_FAILED, e),
@@ -349,7 +350,7 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
             };
             let mut too_many = Vec::new();
             for s in summaries {
-                let pass = if s.pass > 0 {
+                let pass = if s.pass > PassNumber::NONE {
                     format!(" pass={} finished", s.pass)
                 } else {
                     String::new()
@@ -358,7 +359,7 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
                     "{} ready epoch={} seeds={} digest={}{pass}",
                     s.bot, s.epoch, s.seeds, s.seeds_digest
                 );
-                let Some(store) = store.as_ref().filter(|_| s.pass > 0) else {
+                let Some(store) = store.as_ref().filter(|_| s.pass > PassNumber::NONE) else {
                     continue;
                 };
                 match crate::ops::progress::failures(store, &s.bot, s.pass).await {
@@ -438,7 +439,7 @@ async fn crawl(mut settings: Settings, bot: &str, timeout: Duration) -> ExitCode
             Err(e @ RunError::Startup(_)) => return fail(EXIT_USAGE, e),
             Err(e) => return fail(EXIT_FAILED, e),
         };
-        let pass = summary.map_or(0, |s| s.pass);
+        let pass = summary.map_or(PassNumber::NONE, |s| s.pass);
         match crate::ops::progress::summary(&store, &id, pass, started.elapsed()).await {
             Ok((text, failures)) => {
                 println!("{text}");

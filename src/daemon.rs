@@ -2,6 +2,7 @@
 //! machine until shutdown (`run`) or until each bot is Ready (`run --once`), serve `/healthz` and
 //! `/metrics`. Tests start instances through the same [`run`] the binary uses.
 
+use crate::ids::{LockEpoch, PassNumber};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,12 +60,12 @@ pub enum RunError {
 #[derive(Debug)]
 pub struct BotSummary {
     pub bot: BotId,
-    pub epoch: i64,
+    pub epoch: LockEpoch,
     pub seeds: usize,
     /// SHA-256 of the seed list (in order), so several instances can show they agree.
     pub seeds_digest: String,
     /// The crawl pass the bot is on (0: the bot does not crawl).
-    pub pass: i64,
+    pub pass: PassNumber,
 }
 
 /// With no `[[bots]]` in its file, an instance runs the bots defined in the database
@@ -526,7 +527,7 @@ async fn once(
             Ok(Observed::Valid(doc)) => out.push(BotSummary {
                 seeds_digest: digest(&doc.seeds),
                 seeds: doc.seeds.len(),
-                epoch: doc.lock_epoch.get(),
+                epoch: doc.lock_epoch,
                 pass: doc.crawl_pass,
                 bot,
             }),

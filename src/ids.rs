@@ -79,7 +79,8 @@ impl fmt::Display for InstanceId {
 /// The fencing token: `lockEpoch` in the bot document. Every acquisition, takeover, repair and
 /// admin unlock increments it, and every holder write filters on the epoch it acquired, so a
 /// stale holder's late writes match nothing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(transparent)]
 pub struct LockEpoch(i64);
 
 impl LockEpoch {
@@ -106,6 +107,54 @@ impl LockEpoch {
 impl fmt::Display for LockEpoch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.0)
+    }
+}
+
+/// A bot's crawl pass: `crawlPass` in its document, `pass` on its frontier entries, `listedPass`
+/// on a listing page's manifest. 0 before the bot's first pass; each pass is the one before it
+/// plus one. Read from a document, a negative number is refused where the document is parsed
+/// (`crawlPass`) or counts as no pass (an entry's), so a value here is never negative.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(transparent)]
+pub struct PassNumber(i64);
+
+impl PassNumber {
+    /// No pass yet.
+    pub const NONE: PassNumber = PassNumber(0);
+
+    /// The pass numbered `value`; a negative one is no pass ([`PassNumber::NONE`]).
+    pub const fn new(value: i64) -> Self {
+        if value < 0 {
+            Self::NONE
+        } else {
+            Self(value)
+        }
+    }
+
+    pub const fn get(self) -> i64 {
+        self.0
+    }
+
+    /// The pass after this one (saturating at the Int64 maximum, which no bot reaches).
+    pub const fn next(self) -> Self {
+        Self(self.0.saturating_add(1))
+    }
+
+    /// The pass before this one; none before the first.
+    pub const fn previous(self) -> Self {
+        Self::new(self.0 - 1)
+    }
+}
+
+impl fmt::Display for PassNumber {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl From<PassNumber> for bson::Bson {
+    fn from(pass: PassNumber) -> Self {
+        bson::Bson::Int64(pass.0)
     }
 }
 

@@ -14,6 +14,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::ids::BotId;
+use crate::ids::PassNumber;
 use crate::store::document::BotState;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -411,8 +412,10 @@ impl Metrics {
             .inc();
     }
 
-    pub fn crawling(&self, bot: &BotId, pass: i64) {
-        self.crawl_pass.get_or_create(&Self::bot(bot)).set(pass);
+    pub fn crawling(&self, bot: &BotId, pass: PassNumber) {
+        self.crawl_pass
+            .get_or_create(&Self::bot(bot))
+            .set(pass.get());
     }
 
     pub fn pass_finished(&self, bot: &BotId) {
@@ -448,8 +451,10 @@ impl Metrics {
             .set(i64::from(paused));
     }
 
-    pub fn saw_epoch(&self, bot: &BotId, epoch: i64) {
-        self.lock_epoch.get_or_create(&Self::bot(bot)).set(epoch);
+    pub fn saw_epoch(&self, bot: &BotId, epoch: crate::ids::LockEpoch) {
+        self.lock_epoch
+            .get_or_create(&Self::bot(bot))
+            .set(epoch.get());
     }
 
     pub fn acquired(&self, bot: &BotId, takeover: Option<&str>) {

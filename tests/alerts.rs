@@ -197,7 +197,7 @@ async fn a_lock_held_past_max_refresh_is_counted_as_a_stuck_takeover() {
     );
     assert!(matches!(
         i.step().await,
-        StepOutcome::Refreshed { epoch: 6, .. }
+        StepOutcome::Refreshed { epoch, .. } if epoch.get() == 6
     ));
     // The rule: increase(seedlock_lock_takeovers_total{kind="stuck"}[30m]) > 0.
     assert_eq!(
@@ -256,7 +256,7 @@ async fn every_takeover_is_counted_for_the_storm_alert() {
         .await;
         let outcome = i.step().await;
         assert!(
-            matches!(outcome, StepOutcome::Refreshed { epoch: e, .. } if e == epoch + 1),
+            matches!(outcome, StepOutcome::Refreshed { epoch: e, .. } if e.get() == epoch + 1),
             "takeover {n}: {outcome:?}"
         );
     }

@@ -108,14 +108,17 @@ async fn c_missing_document_is_created_then_refreshed() {
     assert_eq!(f.step().await, StepOutcome::Initialized);
     assert_eq!(
         f.step().await,
-        StepOutcome::Refreshed { seeds: 2, epoch: 1 }
+        StepOutcome::Refreshed {
+            seeds: 2,
+            epoch: epoch(1)
+        }
     );
     assert_eq!(f.seeds().await, SeedSourceServer::seeds_of_hit(1));
     assert_eq!(
         f.step().await,
         StepOutcome::Ready {
             seeds: 2,
-            epoch: 1,
+            epoch: epoch(1),
             pass: None
         }
     );
@@ -128,7 +131,10 @@ async fn a1_ready_with_empty_seeds_refreshes() {
     f.put(ready_doc(&[], f.now())).await;
     assert_eq!(
         f.step().await,
-        StepOutcome::Refreshed { seeds: 2, epoch: 6 }
+        StepOutcome::Refreshed {
+            seeds: 2,
+            epoch: epoch(6)
+        }
     );
     let acquired =
         f.db.history("shop")
@@ -151,7 +157,7 @@ async fn a2_daily_refresh_on_utc_date_change() {
     f.put(ready_doc(&["http://old/"], yesterday)).await;
     assert!(matches!(
         f.step().await,
-        StepOutcome::Refreshed { epoch: 6, .. }
+        StepOutcome::Refreshed { epoch, .. } if epoch.get() == 6
     ));
     assert_eq!(f.seeds().await, SeedSourceServer::seeds_of_hit(1));
     // Refreshed earlier today: not due, no fetch.
@@ -232,7 +238,7 @@ async fn b1_expired_lock_is_taken_over() {
     .await;
     assert!(matches!(
         f.step().await,
-        StepOutcome::Refreshed { epoch: 6, .. }
+        StepOutcome::Refreshed { epoch, .. } if epoch.get() == 6
     ));
     let took =
         f.db.history("shop")
@@ -256,7 +262,7 @@ async fn b2_heartbeating_refresh_past_max_refresh_is_taken_over() {
     .await;
     assert!(matches!(
         f.step().await,
-        StepOutcome::Refreshed { epoch: 6, .. }
+        StepOutcome::Refreshed { epoch, .. } if epoch.get() == 6
     ));
     let took =
         f.db.history("shop")
@@ -331,7 +337,7 @@ async fn d_contradictory_document_with_an_expired_lock_ends_ready() {
     assert_eq!(f.step().await, StepOutcome::Repaired);
     assert!(matches!(
         f.step().await,
-        StepOutcome::Refreshed { epoch: 6, .. }
+        StepOutcome::Refreshed { epoch, .. } if epoch.get() == 6
     ));
 }
 
@@ -560,7 +566,10 @@ async fn a_heartbeating_refresh_longer_than_ttl_is_not_taken_over() {
     source.release();
     assert_eq!(
         holding.await.unwrap(),
-        StepOutcome::Refreshed { seeds: 2, epoch: 1 }
+        StepOutcome::Refreshed {
+            seeds: 2,
+            epoch: epoch(1)
+        }
     );
     assert_eq!(source.hits(), 1);
 }
@@ -575,7 +584,7 @@ async fn a_lock_epoch_at_the_int64_maximum_is_refused_with_one_clear_line_and_no
     f.put(near).await;
     assert!(matches!(
         f.step().await,
-        StepOutcome::Refreshed { epoch, .. } if epoch == i64::MAX
+        StepOutcome::Refreshed { epoch, .. } if epoch.get() == i64::MAX
     ));
     assert_eq!(f.db.epoch("shop").await, i64::MAX);
 
@@ -615,4 +624,9 @@ async fn a_lock_epoch_at_the_int64_maximum_is_refused_with_one_clear_line_and_no
             .unwrap_err();
     assert!(refused(&err), "{err}");
     assert_eq!(f.db.epoch("shop").await, i64::MAX);
+}
+
+/// The epoch numbered `n`.
+fn epoch(n: i64) -> seedlock::ids::LockEpoch {
+    seedlock::ids::LockEpoch::new(n).expect("a non-negative epoch")
 }

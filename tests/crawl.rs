@@ -5,6 +5,7 @@
 
 mod common;
 
+use seedlock::ids::PassNumber;
 use std::time::Duration;
 
 use bson::{doc, Bson, Document};
@@ -21,7 +22,11 @@ async fn a_full_pass_stores_one_correct_record_per_product(transactions: &str) {
     };
     let summary = once(settings(&db, &base, &setup, "solo")).await;
     assert_eq!(summary.len(), 1);
-    assert_eq!(summary[0].pass, 1, "the first refresh started pass 1");
+    assert_eq!(
+        summary[0].pass,
+        PassNumber::new(1),
+        "the first refresh started pass 1"
+    );
     let requests = Requests::take(&base).await;
     assert_eq!(live_records(&db).await, truth(&base).await);
     assert_eq!(records(&db).await.len(), 100);
@@ -69,7 +74,7 @@ async fn a_finished_pass_is_not_crawled_again_until_a_refresh_starts_the_next() 
     once(settings(&db, &base, &Setup::default(), "a")).await;
     Requests::take(&base).await;
     let summary = once(settings(&db, &base, &Setup::default(), "a")).await;
-    assert_eq!(summary[0].pass, 1);
+    assert_eq!(summary[0].pass, PassNumber::new(1));
     assert_eq!(
         Requests::take(&base).await.0.len(),
         0,
@@ -78,7 +83,8 @@ async fn a_finished_pass_is_not_crawled_again_until_a_refresh_starts_the_next() 
     request_refresh(&db).await;
     let summary = once(settings(&db, &base, &Setup::default(), "a")).await;
     assert_eq!(
-        summary[0].pass, 2,
+        summary[0].pass,
+        PassNumber::new(2),
         "`seedlock refresh` then `run --once`: a new pass"
     );
     let requests = Requests::take(&base).await;
@@ -103,7 +109,7 @@ async fn three_instances_share_one_pass_without_fetching_a_page_twice() {
         .map(|name| tokio::spawn(once(settings(&db, &base, &Setup::default(), name))))
         .collect();
     for r in runs {
-        assert_eq!(r.await.unwrap()[0].pass, 1);
+        assert_eq!(r.await.unwrap()[0].pass, PassNumber::new(1));
     }
     let requests = Requests::take(&base).await;
     assert_eq!(requests.repeated(), 0, "{:?}", requests.0);
@@ -466,7 +472,7 @@ async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
     // nothing is removed, though pass 1 has no work left.
     let stale = store
         .passes()
-        .finish(&bot, 1, None, rules, &me, now)
+        .finish(&bot, PassNumber::new(1), None, rules, &me, now)
         .await
         .unwrap();
     assert!(stale.finished && !stale.recorded);
@@ -475,7 +481,7 @@ async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
     // The current pass ends once, and its end marks the departed record.
     let end = store
         .passes()
-        .finish(&bot, 2, None, rules, &me, now)
+        .finish(&bot, PassNumber::new(2), None, rules, &me, now)
         .await
         .unwrap();
     assert!(end.recorded);
@@ -483,7 +489,7 @@ async fn only_the_current_pass_ends_and_only_its_end_marks_records_removed() {
     assert_eq!(removed_keys(&db).await, ["SKU-001"]);
     let again = store
         .passes()
-        .finish(&bot, 2, None, rules, &me, now)
+        .finish(&bot, PassNumber::new(2), None, rules, &me, now)
         .await
         .unwrap();
     assert!(!again.recorded, "the end is recorded once");
@@ -513,7 +519,7 @@ async fn a_pass_end_marks_every_departed_record_removed_however_many_batches_the
     let me = seedlock::ids::InstanceId::parse("a").unwrap();
     let end = store
         .passes()
-        .finish(&bot, 2, None, always_delete(), &me, now)
+        .finish(&bot, PassNumber::new(2), None, always_delete(), &me, now)
         .await
         .unwrap();
     assert!(end.recorded);
@@ -568,13 +574,13 @@ async fn an_evaluation_cut_short_is_taken_over_once_its_claim_expires_and_runs_o
     // A claim read wrongly (another instance moved it) takes nothing.
     let wrong = store
         .passes()
-        .resume_evaluation(&bot, 2, now, &me, now)
+        .resume_evaluation(&bot, PassNumber::new(2), now, &me, now)
         .await
         .unwrap();
     assert!(wrong.is_none());
     let done = store
         .passes()
-        .resume_evaluation(&bot, 2, claimed, &me, now)
+        .resume_evaluation(&bot, PassNumber::new(2), claimed, &me, now)
         .await
         .unwrap()
         .expect("the expired claim is taken over");
@@ -590,13 +596,13 @@ async fn an_evaluation_cut_short_is_taken_over_once_its_claim_expires_and_runs_o
     // Once done, nobody takes it again; run again by hand it changes nothing.
     assert!(store
         .passes()
-        .resume_evaluation(&bot, 2, claimed, &me, now)
+        .resume_evaluation(&bot, PassNumber::new(2), claimed, &me, now)
         .await
         .unwrap()
         .is_none());
     let again = store
         .deletions()
-        .evaluate(&bot, 2, true, false, now)
+        .evaluate(&bot, PassNumber::new(2), true, false, now)
         .await
         .unwrap();
     assert_eq!((again.removed, again.restored), (0, 0));
@@ -644,7 +650,7 @@ async fn a_page_that_failed_keeps_what_it_listed_and_an_item_that_moved_pages_st
     let me = seedlock::ids::InstanceId::parse("a").unwrap();
     let end = store
         .passes()
-        .finish(&bot, 2, None, always_delete(), &me, now)
+        .finish(&bot, PassNumber::new(2), None, always_delete(), &me, now)
         .await
         .unwrap();
     assert_eq!(end.removed, 2, "{end:?}");

@@ -3,6 +3,7 @@
 
 mod common;
 
+use seedlock::ids::PassNumber;
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -42,7 +43,13 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
     assert_eq!(
         store
             .frontier()
-            .enqueue(&bot(), 1, PageKind::Detail, &list, Utc::now())
+            .enqueue(
+                &bot(),
+                PassNumber::new(1),
+                PageKind::Detail,
+                &list,
+                Utc::now()
+            )
             .await
             .unwrap(),
         5
@@ -50,7 +57,13 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
     assert_eq!(
         store
             .frontier()
-            .enqueue(&bot(), 1, PageKind::Detail, &list, Utc::now())
+            .enqueue(
+                &bot(),
+                PassNumber::new(1),
+                PageKind::Detail,
+                &list,
+                Utc::now()
+            )
             .await
             .unwrap(),
         0,
@@ -62,7 +75,7 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
             .frontier()
             .enqueue(
                 &bot(),
-                1,
+                PassNumber::new(1),
                 PageKind::Detail,
                 &spelled_differently,
                 Utc::now()
@@ -83,7 +96,7 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
     // Crawl one URL to done, rediscover it in the same pass: it stays done.
     let lease = store
         .frontier()
-        .lease_url(&bot(), 1, &me("w"), Utc::now(), LEASE)
+        .lease_url(&bot(), PassNumber::new(1), &me("w"), Utc::now(), LEASE)
         .await
         .unwrap()
         .unwrap();
@@ -96,7 +109,7 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
         .frontier()
         .enqueue(
             &bot(),
-            1,
+            PassNumber::new(1),
             PageKind::Detail,
             std::slice::from_ref(&lease.url),
             Utc::now(),
@@ -104,7 +117,11 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
         .await
         .unwrap();
     assert_eq!(
-        store.frontier().pass_progress(&bot(), 1).await.unwrap(),
+        store
+            .frontier()
+            .pass_progress(&bot(), PassNumber::new(1))
+            .await
+            .unwrap(),
         PassProgress {
             pending: 4,
             waiting: 0,
@@ -118,7 +135,13 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
     assert_eq!(
         store
             .frontier()
-            .enqueue(&bot(), 2, PageKind::Detail, &list, Utc::now())
+            .enqueue(
+                &bot(),
+                PassNumber::new(2),
+                PageKind::Detail,
+                &list,
+                Utc::now()
+            )
             .await
             .unwrap(),
         5
@@ -126,7 +149,7 @@ async fn enqueue_is_idempotent_within_a_pass_and_resets_in_the_next() {
     assert_eq!(
         store
             .frontier()
-            .pass_progress(&bot(), 2)
+            .pass_progress(&bot(), PassNumber::new(2))
             .await
             .unwrap()
             .pending,
@@ -152,7 +175,13 @@ async fn concurrent_workers_lease_each_url_exactly_once() {
     store.frontier().ensure_indexes().await.unwrap();
     store
         .frontier()
-        .enqueue(&bot(), 1, PageKind::Detail, &urls(60), Utc::now())
+        .enqueue(
+            &bot(),
+            PassNumber::new(1),
+            PageKind::Detail,
+            &urls(60),
+            Utc::now(),
+        )
         .await
         .unwrap();
     let mut workers = Vec::new();
@@ -162,7 +191,13 @@ async fn concurrent_workers_lease_each_url_exactly_once() {
             let mut mine = Vec::new();
             while let Some(lease) = store
                 .frontier()
-                .lease_url(&bot(), 1, &me(&format!("w{w}")), Utc::now(), LEASE)
+                .lease_url(
+                    &bot(),
+                    PassNumber::new(1),
+                    &me(&format!("w{w}")),
+                    Utc::now(),
+                    LEASE,
+                )
                 .await
                 .unwrap()
             {
@@ -186,7 +221,11 @@ async fn concurrent_workers_lease_each_url_exactly_once() {
         (60, 60),
         "every URL leased once, none twice"
     );
-    let progress = store.frontier().pass_progress(&bot(), 1).await.unwrap();
+    let progress = store
+        .frontier()
+        .pass_progress(&bot(), PassNumber::new(1))
+        .await
+        .unwrap();
     assert_eq!(
         progress,
         PassProgress {
@@ -206,13 +245,25 @@ async fn an_expired_lease_is_retried_and_the_stale_worker_is_fenced_out() {
     let store = db.store();
     store
         .frontier()
-        .enqueue(&bot(), 1, PageKind::List, &urls(1), Utc::now())
+        .enqueue(
+            &bot(),
+            PassNumber::new(1),
+            PageKind::List,
+            &urls(1),
+            Utc::now(),
+        )
         .await
         .unwrap();
     let t0 = Utc::now();
     let crashed = store
         .frontier()
-        .lease_url(&bot(), 1, &me("crashed"), t0, Duration::from_secs(5))
+        .lease_url(
+            &bot(),
+            PassNumber::new(1),
+            &me("crashed"),
+            t0,
+            Duration::from_secs(5),
+        )
         .await
         .unwrap()
         .unwrap();
@@ -220,13 +271,17 @@ async fn an_expired_lease_is_retried_and_the_stale_worker_is_fenced_out() {
     assert!(
         store
             .frontier()
-            .lease_url(&bot(), 1, &me("other"), t0, LEASE)
+            .lease_url(&bot(), PassNumber::new(1), &me("other"), t0, LEASE)
             .await
             .unwrap()
             .is_none(),
         "a live lease is exclusive"
     );
-    let progress = store.frontier().pass_progress(&bot(), 1).await.unwrap();
+    let progress = store
+        .frontier()
+        .pass_progress(&bot(), PassNumber::new(1))
+        .await
+        .unwrap();
     assert!(
         !progress.is_finished(),
         "the pass waits for a URL leased by someone else: {progress:?}"
@@ -235,7 +290,7 @@ async fn an_expired_lease_is_retried_and_the_stale_worker_is_fenced_out() {
     let later = t0 + chrono::Duration::seconds(6);
     let retry = store
         .frontier()
-        .lease_url(&bot(), 1, &me("other"), later, LEASE)
+        .lease_url(&bot(), PassNumber::new(1), &me("other"), later, LEASE)
         .await
         .unwrap()
         .expect("the expired lease is retried");
@@ -262,7 +317,7 @@ async fn an_expired_lease_is_retried_and_the_stale_worker_is_fenced_out() {
     );
     assert!(store
         .frontier()
-        .pass_progress(&bot(), 1)
+        .pass_progress(&bot(), PassNumber::new(1))
         .await
         .unwrap()
         .is_finished());
@@ -274,12 +329,18 @@ async fn failed_urls_record_their_reason_and_end_the_pass() {
     let store = db.store();
     store
         .frontier()
-        .enqueue(&bot(), 3, PageKind::Detail, &urls(1), Utc::now())
+        .enqueue(
+            &bot(),
+            PassNumber::new(3),
+            PageKind::Detail,
+            &urls(1),
+            Utc::now(),
+        )
         .await
         .unwrap();
     let lease = store
         .frontier()
-        .lease_url(&bot(), 3, &me("w"), Utc::now(), LEASE)
+        .lease_url(&bot(), PassNumber::new(3), &me("w"), Utc::now(), LEASE)
         .await
         .unwrap()
         .unwrap();
@@ -301,7 +362,11 @@ async fn failed_urls_record_their_reason_and_end_the_pass() {
         "no natural key (.sku) on the page"
     );
     assert_eq!(
-        store.frontier().pass_progress(&bot(), 3).await.unwrap(),
+        store
+            .frontier()
+            .pass_progress(&bot(), PassNumber::new(3))
+            .await
+            .unwrap(),
         PassProgress {
             pending: 0,
             waiting: 0,
@@ -319,7 +384,13 @@ async fn the_lease_query_uses_its_index() {
     store.frontier().ensure_indexes().await.unwrap();
     store
         .frontier()
-        .enqueue(&bot(), 1, PageKind::Detail, &urls(50), Utc::now())
+        .enqueue(
+            &bot(),
+            PassNumber::new(1),
+            PageKind::Detail,
+            &urls(50),
+            Utc::now(),
+        )
         .await
         .unwrap();
     // The lease queries exactly as the leaser sends them: a host's priorities above the lowest
@@ -333,12 +404,24 @@ async fn the_lease_query_uses_its_index() {
         limit: 50,
     };
     let filters = vec![
-        candidate_filter(&bot(), 1, &query(Priority::Above(0), None)),
-        candidate_filter(&bot(), 1, &query(Priority::Exactly(0), Some(vec![7, 8, 9]))),
-        candidate_filter(&bot(), 1, &query(Priority::Exactly(0), None)),
-        candidate_filter(&bot(), 1, &query(Priority::Exactly(2), Some(vec![1023, 0]))),
-        status_filter(&bot(), 1, UrlStatus::Leased),
-        status_filter(&bot(), 1, UrlStatus::Waiting),
+        candidate_filter(&bot(), PassNumber::new(1), &query(Priority::Above(0), None)),
+        candidate_filter(
+            &bot(),
+            PassNumber::new(1),
+            &query(Priority::Exactly(0), Some(vec![7, 8, 9])),
+        ),
+        candidate_filter(
+            &bot(),
+            PassNumber::new(1),
+            &query(Priority::Exactly(0), None),
+        ),
+        candidate_filter(
+            &bot(),
+            PassNumber::new(1),
+            &query(Priority::Exactly(2), Some(vec![1023, 0])),
+        ),
+        status_filter(&bot(), PassNumber::new(1), UrlStatus::Leased),
+        status_filter(&bot(), PassNumber::new(1), UrlStatus::Waiting),
     ];
     assert_eq!(filters.len(), 6);
     for filter in filters {
@@ -389,22 +472,34 @@ async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
     let other = BotId::parse("other").unwrap();
     store
         .frontier()
-        .enqueue(&bot(), 1, PageKind::Detail, &urls(200), now)
+        .enqueue(
+            &bot(),
+            PassNumber::new(1),
+            PageKind::Detail,
+            &urls(200),
+            now,
+        )
         .await
         .unwrap();
     store
         .frontier()
-        .enqueue(&bot(), 1, PageKind::List, &lists, now)
+        .enqueue(&bot(), PassNumber::new(1), PageKind::List, &lists, now)
         .await
         .unwrap();
     store
         .frontier()
-        .enqueue(&bot(), 1, PageKind::Seed, std::slice::from_ref(&seed), now)
+        .enqueue(
+            &bot(),
+            PassNumber::new(1),
+            PageKind::Seed,
+            std::slice::from_ref(&seed),
+            now,
+        )
         .await
         .unwrap();
     store
         .frontier()
-        .enqueue(&other, 1, PageKind::List, &lists, now)
+        .enqueue(&other, PassNumber::new(1), PageKind::List, &lists, now)
         .await
         .unwrap();
     db.db
@@ -419,13 +514,13 @@ async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
     // listing pages of this bot.
     store
         .frontier()
-        .enqueue(&bot(), 2, PageKind::List, &lists[2..], now)
+        .enqueue(&bot(), PassNumber::new(2), PageKind::List, &lists[2..], now)
         .await
         .unwrap();
     let since = now - chrono::Duration::minutes(5);
     let mut unreached: Vec<String> = store
         .passes()
-        .unreached_list_urls(&bot(), 2, since)
+        .unreached_list_urls(&bot(), PassNumber::new(2), since)
         .await
         .unwrap()
         .iter()
@@ -442,7 +537,7 @@ async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
     assert_eq!(
         store
             .passes()
-            .unreached_lists(&bot(), 2, since)
+            .unreached_lists(&bot(), PassNumber::new(2), since)
             .await
             .unwrap(),
         3
@@ -451,14 +546,14 @@ async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
     let later = now + chrono::Duration::minutes(5);
     assert!(store
         .passes()
-        .unreached_list_urls(&bot(), 2, later)
+        .unreached_list_urls(&bot(), PassNumber::new(2), later)
         .await
         .unwrap()
         .is_empty());
     assert_eq!(
         store
             .passes()
-            .unreached_lists(&bot(), 2, later)
+            .unreached_lists(&bot(), PassNumber::new(2), later)
             .await
             .unwrap(),
         0
@@ -472,7 +567,7 @@ async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
         .run_command(doc! {
             "explain": {
                 "find": "frontier",
-                "filter": unreached_listings_filter(&bot(), 2, since),
+                "filter": unreached_listings_filter(&bot(), PassNumber::new(2), since),
                 "hint": LISTINGS_INDEX,
             },
             "verbosity": "executionStats",
@@ -517,7 +612,13 @@ async fn two_leasers_racing_for_one_batch_never_get_the_same_url() {
     let (a, b) = (db.store(), other_store(&db).await);
     a.frontier().ensure_indexes().await.unwrap();
     a.frontier()
-        .enqueue(&bot(), 1, PageKind::Detail, &urls(300), Utc::now())
+        .enqueue(
+            &bot(),
+            PassNumber::new(1),
+            PageKind::Detail,
+            &urls(300),
+            Utc::now(),
+        )
         .await
         .unwrap();
     let query = CandidateQuery {
@@ -531,7 +632,7 @@ async fn two_leasers_racing_for_one_batch_never_get_the_same_url() {
     for round in 0..10 {
         let found = a
             .frontier()
-            .lease_candidates(&bot(), 1, std::slice::from_ref(&query))
+            .lease_candidates(&bot(), PassNumber::new(1), std::slice::from_ref(&query))
             .await
             .unwrap()
             .remove(0);
@@ -545,9 +646,9 @@ async fn two_leasers_racing_for_one_batch_never_get_the_same_url() {
         let (bot, ma, mb) = (bot(), me("a"), me("b"));
         let (got_a, got_b) = tokio::join!(
             a.frontier()
-                .take_leases(&bot, 1, &ma, now, LEASE, takes.clone()),
+                .take_leases(&bot, PassNumber::new(1), &ma, now, LEASE, takes.clone()),
             b.frontier()
-                .take_leases(&bot, 1, &mb, now, LEASE, takes.clone()),
+                .take_leases(&bot, PassNumber::new(1), &mb, now, LEASE, takes.clone()),
         );
         let (got_a, got_b) = (got_a.unwrap().leases, got_b.unwrap().leases);
         assert_eq!(
@@ -604,7 +705,14 @@ async fn links_enqueued_leased_go_to_the_enqueuer_alone() {
     };
     let from_a = a
         .frontier()
-        .enqueue_links(&bot(), 1, &links, &no_known, lease_to("a", 3), Utc::now())
+        .enqueue_links(
+            &bot(),
+            PassNumber::new(1),
+            &links,
+            &no_known,
+            lease_to("a", 3),
+            Utc::now(),
+        )
         .await
         .unwrap();
     assert_eq!(from_a.added, 10);
@@ -612,12 +720,22 @@ async fn links_enqueued_leased_go_to_the_enqueuer_alone() {
     // b finds the same page a moment later: every link is in the pass already, none is its.
     let from_b = b
         .frontier()
-        .enqueue_links(&bot(), 1, &links, &no_known, lease_to("b", 10), Utc::now())
+        .enqueue_links(
+            &bot(),
+            PassNumber::new(1),
+            &links,
+            &no_known,
+            lease_to("b", 10),
+            Utc::now(),
+        )
         .await
         .unwrap();
     assert_eq!((from_b.added, from_b.leased.len()), (0, 0));
     assert_eq!(
-        a.frontier().pass_progress(&bot(), 1).await.unwrap(),
+        a.frontier()
+            .pass_progress(&bot(), PassNumber::new(1))
+            .await
+            .unwrap(),
         PassProgress {
             pending: 7,
             waiting: 0,
@@ -640,10 +758,22 @@ async fn links_enqueued_leased_go_to_the_enqueuer_alone() {
         .unwrap();
     let shop = bot();
     let (again_a, again_b) = tokio::join!(
-        a.frontier()
-            .enqueue_links(&shop, 2, &links, &known, lease_to("a", 5), Utc::now()),
-        b.frontier()
-            .enqueue_links(&shop, 2, &links, &known, lease_to("b", 5), Utc::now()),
+        a.frontier().enqueue_links(
+            &shop,
+            PassNumber::new(2),
+            &links,
+            &known,
+            lease_to("a", 5),
+            Utc::now()
+        ),
+        b.frontier().enqueue_links(
+            &shop,
+            PassNumber::new(2),
+            &links,
+            &known,
+            lease_to("b", 5),
+            Utc::now()
+        ),
     );
     let (again_a, again_b) = (again_a.unwrap(), again_b.unwrap());
     let mut ids: Vec<&str> = again_a
@@ -660,7 +790,11 @@ async fn links_enqueued_leased_go_to_the_enqueuer_alone() {
         "no link leased to both"
     );
     assert_eq!(again_a.added + again_b.added, 10);
-    let progress = a.frontier().pass_progress(&bot(), 2).await.unwrap();
+    let progress = a
+        .frontier()
+        .pass_progress(&bot(), PassNumber::new(2))
+        .await
+        .unwrap();
     assert_eq!(progress.leased as usize, ids.len());
     assert_eq!(progress.pending as usize, 10 - ids.len());
 }
@@ -673,14 +807,20 @@ async fn a_batch_of_marks_lands_for_every_lease_still_held_and_not_for_a_lost_on
     store.frontier().ensure_indexes().await.unwrap();
     store
         .frontier()
-        .enqueue(&bot(), 1, PageKind::Detail, &urls(5), Utc::now())
+        .enqueue(
+            &bot(),
+            PassNumber::new(1),
+            PageKind::Detail,
+            &urls(5),
+            Utc::now(),
+        )
         .await
         .unwrap();
     let found = store
         .frontier()
         .lease_candidates(
             &bot(),
-            1,
+            PassNumber::new(1),
             &[CandidateQuery {
                 host: "shop.test:80".into(),
                 priority: Priority::Exactly(0),
@@ -696,7 +836,7 @@ async fn a_batch_of_marks_lands_for_every_lease_still_held_and_not_for_a_lost_on
         .frontier()
         .take_leases(
             &bot(),
-            1,
+            PassNumber::new(1),
             &me("w"),
             t0,
             Duration::from_secs(5),
@@ -716,7 +856,7 @@ async fn a_batch_of_marks_lands_for_every_lease_still_held_and_not_for_a_lost_on
         .frontier()
         .take_leases(
             &bot(),
-            1,
+            PassNumber::new(1),
             &me("other"),
             later,
             LEASE,
@@ -795,7 +935,13 @@ async fn large_reads_come_back_in_one_round_trip() {
     let all = urls(300);
     store
         .frontier()
-        .enqueue(&bot(), 1, PageKind::Detail, &all, Utc::now())
+        .enqueue(
+            &bot(),
+            PassNumber::new(1),
+            PageKind::Detail,
+            &all,
+            Utc::now(),
+        )
         .await
         .unwrap();
     let before = store
@@ -809,7 +955,7 @@ async fn large_reads_come_back_in_one_round_trip() {
     };
     let found = store
         .frontier()
-        .lease_candidates(&bot(), 1, std::slice::from_ref(&query))
+        .lease_candidates(&bot(), PassNumber::new(1), std::slice::from_ref(&query))
         .await
         .unwrap();
     assert_eq!(found[0].len(), 200);
@@ -842,41 +988,41 @@ async fn a_new_pass_numbers_above_every_pass_of_the_bot_in_the_frontier() {
     // another bot's in pass 50, which numbers nothing here.
     store
         .frontier()
-        .enqueue(&bot(), 5, PageKind::Detail, &urls(3), now)
+        .enqueue(&bot(), PassNumber::new(5), PageKind::Detail, &urls(3), now)
         .await
         .unwrap();
     let other = BotId::parse("other").unwrap();
     store
         .frontier()
-        .enqueue(&other, 50, PageKind::Detail, &urls(3), now)
+        .enqueue(&other, PassNumber::new(50), PageKind::Detail, &urls(3), now)
         .await
         .unwrap();
     let seeds = [NormalizedUrl::parse("http://shop.test/").unwrap()];
     assert_eq!(
         store
             .passes()
-            .prepare(&bot(), 2, &seeds, now)
+            .prepare(&bot(), PassNumber::new(2), &seeds, now)
             .await
             .unwrap(),
-        6,
+        PassNumber::new(6),
         "above the frontier's pass 5, not the document's 2"
     );
     assert_eq!(
         store
             .passes()
-            .prepare(&bot(), 0, &seeds, now)
+            .prepare(&bot(), PassNumber::new(0), &seeds, now)
             .await
             .unwrap(),
-        7,
+        PassNumber::new(7),
         "a document without a pass: above the seed just prepared in 6"
     );
     assert_eq!(
         store
             .passes()
-            .prepare(&bot(), 9, &seeds, now)
+            .prepare(&bot(), PassNumber::new(9), &seeds, now)
             .await
             .unwrap(),
-        10,
+        PassNumber::new(10),
         "nothing above the document's pass: the next one"
     );
 }

@@ -4,6 +4,7 @@
 
 mod common;
 
+use seedlock::ids::PassNumber;
 use std::collections::HashMap;
 
 use bson::{doc, Bson, Document};
@@ -734,7 +735,13 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
     let at = chrono::Utc::now() + chrono::Duration::seconds(5);
     store
         .frontier()
-        .enqueue(&bot, pass, PageKind::Detail, std::slice::from_ref(&url), at)
+        .enqueue(
+            &bot,
+            PassNumber::new(pass),
+            PageKind::Detail,
+            std::slice::from_ref(&url),
+            at,
+        )
         .await
         .unwrap();
     let frontier = || async {
@@ -759,7 +766,13 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
                 let me = InstanceId::parse(who).unwrap();
                 match store
                     .frontier()
-                    .lease_url(&bot, pass, &me, at, Duration::from_millis(1))
+                    .lease_url(
+                        &bot,
+                        PassNumber::new(pass),
+                        &me,
+                        at,
+                        Duration::from_millis(1),
+                    )
                     .await
                     .unwrap()
                 {

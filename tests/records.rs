@@ -3,6 +3,7 @@
 
 mod common;
 
+use seedlock::ids::PassNumber;
 use std::time::Duration;
 
 use bson::{doc, Document};
@@ -35,14 +36,20 @@ fn url() -> NormalizedUrl {
 async fn lease(store: &Store, pass: i64, who: &str, at: chrono::DateTime<Utc>) -> UrlLease {
     store
         .frontier()
-        .enqueue(&bot(), pass, PageKind::Detail, &[url()], at)
+        .enqueue(
+            &bot(),
+            PassNumber::new(pass),
+            PageKind::Detail,
+            &[url()],
+            at,
+        )
         .await
         .unwrap();
     store
         .frontier()
         .lease_url(
             &bot(),
-            pass,
+            PassNumber::new(pass),
             &InstanceId::parse(who).unwrap(),
             at,
             Duration::from_secs(5),
@@ -82,7 +89,7 @@ async fn records_are_written_once_and_rewritten_only_on_change() {
         assert!(
             store
                 .frontier()
-                .pass_progress(&bot(), 1)
+                .pass_progress(&bot(), PassNumber::new(1))
                 .await
                 .unwrap()
                 .is_finished(),
@@ -109,7 +116,7 @@ async fn records_are_written_once_and_rewritten_only_on_change() {
         );
         assert!(store
             .frontier()
-            .pass_progress(&bot(), 2)
+            .pass_progress(&bot(), PassNumber::new(2))
             .await
             .unwrap()
             .is_finished());
@@ -163,7 +170,7 @@ async fn a_stale_worker_cannot_overwrite_the_newer_result() {
             .frontier()
             .lease_url(
                 &bot(),
-                1,
+                PassNumber::new(1),
                 &InstanceId::parse("fresh").unwrap(),
                 later,
                 Duration::from_secs(5),
@@ -229,7 +236,7 @@ async fn a_retry_that_finds_the_content_unchanged_still_fences_out_the_older_lea
             .frontier()
             .lease_url(
                 &bot(),
-                2,
+                PassNumber::new(2),
                 &InstanceId::parse("retry").unwrap(),
                 t2,
                 Duration::from_secs(5),
@@ -281,7 +288,7 @@ async fn a_crash_between_record_and_done_mark_leaves_exactly_one_record() {
         .frontier()
         .lease_url(
             &bot(),
-            1,
+            PassNumber::new(1),
             &InstanceId::parse("retry").unwrap(),
             later,
             Duration::from_secs(5),
@@ -301,7 +308,7 @@ async fn a_crash_between_record_and_done_mark_leaves_exactly_one_record() {
     );
     assert!(!store
         .frontier()
-        .pass_progress(&bot(), 1)
+        .pass_progress(&bot(), PassNumber::new(1))
         .await
         .unwrap()
         .is_finished());
@@ -314,7 +321,7 @@ async fn a_crash_between_record_and_done_mark_leaves_exactly_one_record() {
     assert_eq!(records(&db).await.len(), 1);
     assert!(store
         .frontier()
-        .pass_progress(&bot(), 1)
+        .pass_progress(&bot(), PassNumber::new(1))
         .await
         .unwrap()
         .is_finished());
@@ -331,7 +338,7 @@ async fn in_a_transaction_a_fenced_out_commit_keeps_nothing() {
         .frontier()
         .lease_url(
             &bot(),
-            1,
+            PassNumber::new(1),
             &InstanceId::parse("fresh").unwrap(),
             later,
             Duration::from_secs(5),
@@ -372,7 +379,7 @@ async fn an_unchanged_newer_fetch_still_fences_out_an_older_different_one() {
         .frontier()
         .lease_url(
             &bot(),
-            2,
+            PassNumber::new(2),
             &InstanceId::parse("fresh").unwrap(),
             later,
             Duration::from_secs(5),
@@ -420,7 +427,7 @@ async fn lease_many(
         .collect();
     store
         .frontier()
-        .enqueue(&bot(), pass, PageKind::Detail, &urls, at)
+        .enqueue(&bot(), PassNumber::new(pass), PageKind::Detail, &urls, at)
         .await
         .unwrap();
     let mut leases = Vec::new();
@@ -428,7 +435,7 @@ async fn lease_many(
         .frontier()
         .lease_url(
             &bot(),
-            pass,
+            PassNumber::new(pass),
             &InstanceId::parse(who).unwrap(),
             at,
             Duration::from_secs(5),
@@ -471,7 +478,7 @@ async fn a_group_commit_marks_done_only_pages_whose_record_was_written_and_whose
             .frontier()
             .take_leases(
                 &bot(),
-                1,
+                PassNumber::new(1),
                 &InstanceId::parse("newer").unwrap(),
                 later,
                 Duration::from_secs(5),
@@ -515,7 +522,11 @@ async fn a_group_commit_marks_done_only_pages_whose_record_was_written_and_whose
             "transaction={transaction}: {:?}",
             committed[1]
         );
-        let progress = store.frontier().pass_progress(&bot(), 1).await.unwrap();
+        let progress = store
+            .frontier()
+            .pass_progress(&bot(), PassNumber::new(1))
+            .await
+            .unwrap();
         assert_eq!(
             (progress.done, progress.leased),
             (3, 1),
@@ -615,7 +626,7 @@ async fn a_transaction_that_conflicts_keeps_its_pages_and_commits_once_the_confl
     );
     assert!(store
         .frontier()
-        .pass_progress(&bot(), 2)
+        .pass_progress(&bot(), PassNumber::new(2))
         .await
         .unwrap()
         .is_finished());

@@ -486,7 +486,7 @@ mod tests {
                 id: url.as_str().into(),
                 url,
                 kind,
-                pass: 1,
+                pass: crate::ids::PassNumber::new(1),
                 token: "t".into(),
                 expires_at: Utc::now(),
                 attempt: 1,

@@ -14,6 +14,7 @@
 //!
 //! [`Manifest`]: crate::store::frontier::Manifest
 
+use crate::ids::PassNumber;
 use std::collections::HashSet;
 
 use crate::error::Result;
@@ -35,7 +36,7 @@ pub fn key(url_id: &str) -> u64 {
 /// `pass`.
 #[derive(Debug, Default)]
 pub struct Known {
-    pub pass: i64,
+    pub pass: PassNumber,
     /// Sorted by key; a fingerprint of 0 means "listed, but not known stored".
     items: Vec<(u64, i64)>,
 }
@@ -54,12 +55,12 @@ pub enum Listed {
 impl Known {
     /// Reads every manifest of the bot's listing pages and the not-done entries of the passes
     /// that enqueued their unconfirmed fetches, for `pass`.
-    pub async fn read(store: &Store, bot: &BotId, pass: i64) -> Result<Known> {
+    pub async fn read(store: &Store, bot: &BotId, pass: PassNumber) -> Result<Known> {
         // The entries the last few passes did not finish, first: then each manifest's items are
         // decided as they stream by, and memory holds the table alone.
         let mut unfinished: HashSet<u64> = HashSet::new();
-        let checked = (pass - CHECKED_PASSES).max(1)..pass;
-        for p in checked.clone() {
+        let checked = PassNumber::new(pass.get() - CHECKED_PASSES).max(PassNumber::new(1))..pass;
+        for p in (checked.start.get()..checked.end.get()).map(PassNumber::new) {
             for id in store.frontier().not_done_in(bot, p).await? {
                 unfinished.insert(key(&id));
             }
@@ -118,7 +119,10 @@ mod tests {
     use super::*;
 
     fn table(items: Vec<(u64, i64)>) -> Known {
-        let mut k = Known { pass: 2, items };
+        let mut k = Known {
+            pass: PassNumber::new(2),
+            items,
+        };
         k.items.sort_unstable();
         k
     }

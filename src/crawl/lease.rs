@@ -14,6 +14,7 @@
 //! Expired leases and those a dead predecessor of this instance id still holds are taken in the
 //! same round trip; retries that came due go back to pending about once a second.
 
+use crate::ids::PassNumber;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
@@ -64,7 +65,7 @@ pub enum LeaseStep {
 /// What the leaser remembers between rounds (per crawler; reset for a new pass).
 #[derive(Debug, Default)]
 pub struct Leaser {
-    pass: i64,
+    pass: PassNumber,
     /// Pending URLs per slot, per (host, priority), as the last queries found them.
     density: HashMap<(String, i64), f64>,
     last_promotion: Option<Instant>,
@@ -83,7 +84,7 @@ pub struct Leaser {
 }
 
 impl Leaser {
-    fn start(&mut self, pass: i64) {
+    fn start(&mut self, pass: PassNumber) {
         if self.pass != pass {
             *self = Leaser {
                 pass,
@@ -519,18 +520,18 @@ impl Crawler {
                 .map(|l| crate::store::frontier::url_id(&self.bot, &l.url))
                 .collect(),
         );
-        debug!(bot = %self.bot, pass = pass.number, pages = links.len(), added, "the last pass's listing pages enqueued");
+        debug!(bot = %self.bot, pass = pass.number.get(), pages = links.len(), added, "the last pass's listing pages enqueued");
         Ok(())
     }
 
     /// Whether this instance enqueued the last pass's listing pages into `pass` (then none can
     /// be unreached at its end).
     fn listings_enqueued(&self, pass: &Pass) -> bool {
-        self.listings_in.load(std::sync::atomic::Ordering::Relaxed) == pass.number
+        self.listings_in.load(std::sync::atomic::Ordering::Relaxed) == pass.number.get()
     }
 
     /// The hosts this instance knows to have work in `pass`.
-    fn pass_hosts(&self, pass: i64) -> BTreeSet<String> {
+    fn pass_hosts(&self, pass: PassNumber) -> BTreeSet<String> {
         let hosts = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
         if hosts.0 == pass {
             hosts.1.clone()
@@ -540,7 +541,7 @@ impl Crawler {
     }
 
     /// Adds `host` to the hosts with work in `pass`.
-    pub(super) fn note_host(&self, pass: i64, host: String) {
+    pub(super) fn note_host(&self, pass: PassNumber, host: String) {
         let mut hosts = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
         if hosts.0 != pass {
             *hosts = (pass, BTreeSet::new());
@@ -549,7 +550,7 @@ impl Crawler {
     }
 
     /// Reads the hosts with pending work in `pass` (one `distinct`) and remembers them.
-    async fn refresh_hosts(&self, pass: i64) -> Result<BTreeSet<String>> {
+    async fn refresh_hosts(&self, pass: PassNumber) -> Result<BTreeSet<String>> {
         let found = self
             .store
             .frontier()
@@ -574,7 +575,7 @@ impl Crawler {
         if in_pipeline {
             return Ok(LeaseStep::Busy);
         }
-        debug!(bot = %self.bot, pass = pass.number, "nothing to lease and nothing in flight here");
+        debug!(bot = %self.bot, pass = pass.number.get(), "nothing to lease and nothing in flight here");
         if self
             .store
             .frontier()
@@ -616,7 +617,7 @@ impl Crawler {
                 .await?;
             if !missed.is_empty() {
                 warn!(
-                    bot = %self.bot, pass = pass.number, pages = missed.len(),
+                    bot = %self.bot, pass = pass.number.get(), pages = missed.len(),
                     "listing pages the last pass read were not reached (a broken pagination chain?); enqueuing them"
                 );
                 for url in &missed {
@@ -659,7 +660,7 @@ impl Crawler {
         if end.recorded {
             self.metrics.pass_finished(&self.bot);
             info!(
-                bot = %self.bot, pass = end.pass, done = end.progress.done, failed = end.progress.failed,
+                bot = %self.bot, pass = end.pass.get(), done = end.progress.done, failed = end.progress.failed,
                 coverage = end.coverage, error_rate = end.error_rate, removed = end.removed,
                 restored = end.restored,
                 deletion = end.deletion_skipped.as_deref().unwrap_or("applied"),

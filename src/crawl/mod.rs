@@ -21,6 +21,7 @@
 //! written: a listing page's done mark carries what it listed (its manifest), and deletion
 //! detection compares the manifests at the pass's end.
 
+use crate::ids::PassNumber;
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,7 +68,7 @@ use queue::Queue;
 /// The pass a crawl works on, as the bot document shows it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Pass {
-    pub number: i64,
+    pub number: PassNumber,
     pub started_at: Option<DateTime<Utc>>,
     /// When the last completed pass started (`updated_at` mode reads from here − overlap).
     pub last_run_at: Option<DateTime<Utc>>,
@@ -81,7 +82,7 @@ pub struct Pass {
     pub refetch: bool,
     /// The last pass whose deletion evaluation applied its removals (`crawlEvaluatedPass`): a
     /// listing page read then has that read as its baseline.
-    pub evaluated: i64,
+    pub evaluated: PassNumber,
 }
 
 /// A crawling bot's pass as its document shows it.
@@ -89,12 +90,12 @@ pub struct Pass {
 pub enum PassState {
     /// No pass has run yet (`crawlPass` unset or 0), or none since a repair.
     NotStarted {
-        current: i64,
+        current: PassNumber,
         seeds: Vec<String>,
     },
     Running(Pass),
     Finished {
-        number: i64,
+        number: PassNumber,
         /// A refresh succeeded while it ran: the next pass starts now, on the current seeds.
         next: Option<Vec<String>>,
         /// Its deletion evaluation is pending, claimed until then (see
@@ -105,7 +106,7 @@ pub enum PassState {
 
 impl PassState {
     pub fn of(doc: &crate::store::document::BotDoc) -> PassState {
-        if doc.crawl_pass == 0 || doc.crawl_pass_started_at.is_none() {
+        if doc.crawl_pass == PassNumber::NONE || doc.crawl_pass_started_at.is_none() {
             PassState::NotStarted {
                 current: doc.crawl_pass,
                 seeds: doc.seeds.clone(),
@@ -199,11 +200,11 @@ pub struct Crawler {
     /// The leaser's memory (one lease round at a time).
     leaser: tokio::sync::Mutex<lease::Leaser>,
     /// Hosts with work in a pass, as far as this instance knows.
-    hosts: std::sync::Mutex<(i64, BTreeSet<String>)>,
+    hosts: std::sync::Mutex<(PassNumber, BTreeSet<String>)>,
     /// The pass into which this instance enqueued the last complete pass's listing pages.
     listings_in: std::sync::atomic::AtomicI64,
     /// Frontier ids of links this instance enqueued in a pass (bounded; cleared when full).
-    enqueued: std::sync::Mutex<(i64, HashSet<String>)>,
+    enqueued: std::sync::Mutex<(PassNumber, HashSet<String>)>,
     /// The listed items known stored, read from the manifests once per pass.
     known: tokio::sync::Mutex<Option<Arc<known::Known>>>,
     flow: Arc<Flow>,
@@ -479,9 +480,9 @@ impl Crawler {
             cut_off_after: ctx.cut_off_after,
             finishing: tokio::sync::Mutex::new(()),
             leaser: Default::default(),
-            hosts: std::sync::Mutex::new((0, BTreeSet::new())),
+            hosts: std::sync::Mutex::new((PassNumber::NONE, BTreeSet::new())),
             listings_in: std::sync::atomic::AtomicI64::new(0),
-            enqueued: std::sync::Mutex::new((0, HashSet::new())),
+            enqueued: std::sync::Mutex::new((PassNumber::NONE, HashSet::new())),
             known: Default::default(),
             flow: ctx.flow.clone(),
             robots: ctx.robots.clone(),
@@ -672,7 +673,7 @@ impl Crawler {
         if shutdown.is_cancelled() && !matches!(end, SliceEnd::Finished(_)) {
             end = SliceEnd::Shutdown;
         }
-        debug!(bot = %self.bot, pass = pass.number, ?end, "crawl slice ended");
+        debug!(bot = %self.bot, pass = pass.number.get(), ?end, "crawl slice ended");
         let error = run.failure.lock().unwrap_or_else(|p| p.into_inner()).take();
         match error {
             Some(e) if !matches!(end, SliceEnd::Finished(_)) => Err(e),
@@ -713,14 +714,14 @@ impl Crawler {
         for _ in 0..self.limits.parsers.max(1) {
             parsers.spawn(self.clone().parser(run.clone(), pass.clone()));
         }
-        if self.listings_in.load(std::sync::atomic::Ordering::Relaxed) != pass.number {
+        if self.listings_in.load(std::sync::atomic::Ordering::Relaxed) != pass.number.get() {
             let (crawler, run, pass) = (self.clone(), run.clone(), pass.clone());
             run.clone().settling.spawn(async move {
                 match crawler.enqueue_known_listings(&pass).await {
                     Ok(()) => {
                         crawler
                             .listings_in
-                            .store(pass.number, std::sync::atomic::Ordering::Relaxed);
+                            .store(pass.number.get(), std::sync::atomic::Ordering::Relaxed);
                         run.progressed(true);
                     }
                     Err(e) => run.fail(e),

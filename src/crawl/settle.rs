@@ -14,6 +14,7 @@
 //! failed with the reason, or back to the frontier for a retry after max(`Retry-After`,
 //! jittered backoff) within the host's retry budget.
 
+use crate::ids::PassNumber;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -443,7 +444,7 @@ impl Crawler {
     }
 
     /// Drops the table of listed items of `pass` (its pass is over).
-    pub(super) async fn forget_known(&self, pass: i64) {
+    pub(super) async fn forget_known(&self, pass: PassNumber) {
         let mut held = self.known.lock().await;
         if held.as_ref().is_some_and(|t| t.pass == pass) {
             *held = None;
@@ -452,7 +453,7 @@ impl Crawler {
 
     /// The table of listed items known stored ([`Known`]) for `pass`: read once per pass (the
     /// first listing page waits for it), then shared.
-    async fn known_items(&self, pass: i64) -> Result<Arc<Known>> {
+    async fn known_items(&self, pass: PassNumber) -> Result<Arc<Known>> {
         let mut held = self.known.lock().await;
         if let Some(table) = held.as_ref().filter(|t| t.pass == pass) {
             return Ok(table.clone());
@@ -461,7 +462,7 @@ impl Crawler {
         *held = None;
         let t0 = tokio::time::Instant::now();
         let table = Arc::new(Known::read(&self.store, &self.bot, pass).await?);
-        debug!(bot = %self.bot, pass, items = table.len(), took = ?t0.elapsed(), "listed items read from the manifests");
+        debug!(bot = %self.bot, pass = pass.get(), items = table.len(), took = ?t0.elapsed(), "listed items read from the manifests");
         *held = Some(table.clone());
         Ok(table)
     }
@@ -501,7 +502,7 @@ impl Crawler {
     }
 
     /// Remembers frontier ids this instance put into `pass` (bounded: cleared when full).
-    pub(super) fn remember_enqueued(&self, pass: i64, ids: Vec<String>) {
+    pub(super) fn remember_enqueued(&self, pass: PassNumber, ids: Vec<String>) {
         let mut cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
         if cache.0 != pass || cache.1.len() + ids.len() > ENQUEUED_CACHE {
             *cache = (pass, HashSet::new());

@@ -18,6 +18,7 @@ use crate::config::{BotSettings, LockSettings, OnRefreshFailure};
 use crate::crawl::{CrawlContext, Crawler, PassState, SliceEnd};
 use crate::error::{Error, Result};
 use crate::ids::{BotId, InstanceId};
+use crate::ids::{LockEpoch, PassNumber};
 use crate::lock::decide::{decide, ready_until, Decision, Me, Policy};
 use crate::lock::hub::{Beat, Hub, Permit};
 use crate::lock::seeds::{SeedError, SeedFetcher, Seeds};
@@ -50,7 +51,7 @@ pub enum StepOutcome {
     /// (`None` for a bot without `[bots.crawl]`).
     Ready {
         seeds: usize,
-        epoch: i64,
+        epoch: LockEpoch,
         pass: Option<PassState>,
     },
     /// Nothing to do before `until` or a change of the document.
@@ -65,7 +66,7 @@ pub enum StepOutcome {
     /// A contradictory or malformed document was rewritten.
     Repaired,
     /// This instance refreshed the seeds and marked the bot ready.
-    Refreshed { seeds: usize, epoch: i64 },
+    Refreshed { seeds: usize, epoch: LockEpoch },
     /// The refresh failed; the failure is recorded and the lock released.
     RefreshFailed { error: String },
     /// A fenced write matched nothing: someone else owns the bot now. Nothing more was written.
@@ -94,7 +95,7 @@ pub enum RunEnd {
     /// Ready (and its pass finished, for a crawling bot), on `seeds` seeds at `epoch`.
     Ready {
         seeds: usize,
-        epoch: i64,
+        epoch: LockEpoch,
     },
     Shutdown,
     /// The bot, defined in the database, was removed.
@@ -251,7 +252,7 @@ impl BotRunner {
             .and_then(|b| b.crawl);
         match (rules, &self.ctx.crawl) {
             (Some(rules), Some(crawl)) => {
-                info!(bot = %self.bot.id, pass = pass.number, spec_version = *version, "this pass started on an earlier spec: crawling it on that one");
+                info!(bot = %self.bot.id, pass = pass.number.get(), spec_version = *version, "this pass started on an earlier spec: crawling it on that one");
                 let crawler = Crawler::new(self.bot.id.clone(), rules, crawl);
                 *cached = Some((recorded.clone(), crawler.clone()));
                 Some(crawler)
@@ -273,7 +274,7 @@ impl BotRunner {
         let observed = ctx.store.bots().load(id).await?;
         ctx.metrics.db_ok();
         if let Observed::Valid(doc) = &observed {
-            ctx.metrics.saw_epoch(id, doc.lock_epoch.get());
+            ctx.metrics.saw_epoch(id, doc.lock_epoch);
             *self.last_pass_spec.lock().expect("pass spec lock") = doc.crawl_pass_spec.clone();
         }
         if self.spec.is_some() && observed == Observed::Missing {
@@ -307,7 +308,7 @@ impl BotRunner {
                 }
                 Ok(StepOutcome::Ready {
                     seeds: doc.seeds.len(),
-                    epoch: doc.lock_epoch.get(),
+                    epoch: doc.lock_epoch,
                     pass: self.crawler.as_ref().map(|_| PassState::of(&doc)),
                 })
             }
@@ -395,7 +396,7 @@ impl BotRunner {
                     Claim::Orphaned => Some("orphaned"),
                 };
                 ctx.metrics.acquired(id, takeover);
-                ctx.metrics.saw_epoch(id, held.epoch.get());
+                ctx.metrics.saw_epoch(id, held.epoch);
                 info!(bot = %id, epoch = held.epoch.get(), %reason, takeover = takeover.unwrap_or("no"), "won the edit lock");
                 let outcome = self.refresh(held, shutdown).await;
                 drop(permit);
@@ -636,10 +637,10 @@ impl BotRunner {
             }
         }
         ctx.metrics.db_ok();
-        let epoch = held.epoch.get();
+        let epoch = held.epoch;
         Ok(match finish {
             Finish::Complete(seeds) => {
-                info!(bot = %id, epoch, seeds = seeds.len(), pass = new_pass, "seeds refreshed; bot is ready");
+                info!(bot = %id, epoch = epoch.get(), seeds = seeds.len(), pass = new_pass.map(PassNumber::get), "seeds refreshed; bot is ready");
                 ctx.metrics.refresh_finished(id, "ok", timer.elapsed());
                 StepOutcome::Refreshed {
                     seeds: seeds.len(),
@@ -647,12 +648,12 @@ impl BotRunner {
                 }
             }
             Finish::Fail(error) => {
-                warn!(bot = %id, epoch, %error, "refresh failed; recorded and released");
+                warn!(bot = %id, epoch = epoch.get(), %error, "refresh failed; recorded and released");
                 ctx.metrics.refresh_finished(id, "failed", timer.elapsed());
                 StepOutcome::RefreshFailed { error }
             }
             Finish::Release => {
-                info!(bot = %id, epoch, "shutdown mid-refresh: work stopped, lock released");
+                info!(bot = %id, epoch = epoch.get(), "shutdown mid-refresh: work stopped, lock released");
                 ctx.metrics
                     .refresh_finished(id, "released", timer.elapsed());
                 StepOutcome::Released
@@ -842,7 +843,7 @@ impl BotRunner {
                     )
                     .await?
                 {
-                    info!(bot = %crawler.bot(), pass, seeds = seeds.len(), "the pass is over; started the next, on the latest seeds");
+                    info!(bot = %crawler.bot(), pass = pass.get(), seeds = seeds.len(), "the pass is over; started the next, on the latest seeds");
                 }
                 Ok(CrawlTurn::Started)
             }
@@ -879,7 +880,7 @@ impl BotRunner {
                     )
                     .await?
                 {
-                    info!(bot = %crawler.bot(), pass, seeds = seeds.len(), "started the first crawl pass");
+                    info!(bot = %crawler.bot(), pass = pass.get(), seeds = seeds.len(), "started the first crawl pass");
                 }
                 Ok(CrawlTurn::Started)
             }

@@ -1,6 +1,8 @@
 //! The admin commands' views: `status` (a table or JSON), `inspect` (one document with its
 //! history). Pure rendering over what the store read, so the output is testable without a server.
 
+use crate::ids::LockEpoch;
+use crate::ids::PassNumber;
 use bson::{Bson, Document};
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::{json, Value};
@@ -18,7 +20,7 @@ pub struct StatusRow {
     /// Paused by an operator (`seedlock pause`): no instance locks or leases it.
     pub paused: bool,
     pub holder: Option<String>,
-    pub epoch: Option<i64>,
+    pub epoch: Option<LockEpoch>,
     pub lock_age_seconds: Option<i64>,
     pub expires_in_seconds: Option<i64>,
     pub seeds: usize,
@@ -93,7 +95,7 @@ pub fn counts_line(rows: &[StatusRow]) -> String {
 /// A crawl pass as `status` shows it.
 #[derive(Debug, Clone, serde::Serialize, PartialEq)]
 pub struct CrawlColumns {
-    pub pass: i64,
+    pub pass: PassNumber,
     pub finished: bool,
     pub done: u64,
     pub pending: u64,
@@ -151,7 +153,7 @@ pub fn with_pass(
     last_pass_pages: Option<u64>,
     now: DateTime<Utc>,
 ) {
-    if report.pass == 0 {
+    if report.pass == PassNumber::NONE {
         return;
     }
     let p = report.progress;
@@ -264,7 +266,7 @@ pub fn status_rows(
                     state,
                     paused: doc.paused,
                     holder: doc.editing_by.filter(|_| editing),
-                    epoch: Some(doc.lock_epoch.get()),
+                    epoch: Some(doc.lock_epoch),
                     lock_age_seconds: doc
                         .last_update_started_at
                         .filter(|_| editing)
@@ -684,7 +686,7 @@ mod tests {
         ];
         let mut rows = status_rows(docs, &[], now);
         let report = PassReport {
-            pass: 4,
+            pass: PassNumber::new(4),
             progress: PassProgress {
                 pending: 30,
                 waiting: 2,
@@ -705,7 +707,7 @@ mod tests {
         let crawl = rows[0].crawl.clone().expect("pass columns");
         assert_eq!(
             (crawl.pass, crawl.finished, crawl.pending, crawl.leased),
-            (4, false, 32, 4),
+            (PassNumber::new(4), false, 32, 4),
             "waiting retries count as pending"
         );
         assert_eq!(crawl.pages_per_second, 2.0, "200 pages finished in 100 s");

@@ -7,6 +7,7 @@ use chrono::{DateTime, Utc};
 use crate::config::RefreshSchedule;
 use crate::error::Result;
 use crate::ids::BotId;
+use crate::ids::PassNumber;
 use crate::ops::admin::{problems_first, status_rows, with_pass, StatusRow};
 use crate::store::document::BotDoc;
 use crate::store::hosts::HostRow;
@@ -37,7 +38,7 @@ pub async fn read(
     let crawling: Vec<BotDoc> = docs
         .iter()
         .filter_map(|raw| BotDoc::parse(raw).ok())
-        .filter(|doc| doc.crawl_pass > 0)
+        .filter(|doc| doc.crawl_pass > PassNumber::NONE)
         .collect();
     let mut rows = status_rows(docs, configured, now);
     for doc in crawling {

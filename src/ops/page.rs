@@ -307,7 +307,7 @@ mod tests {
         ];
         let mut rows = status_rows(docs, &[], now);
         let report = PassReport {
-            pass: 4,
+            pass: crate::ids::PassNumber::new(4),
             progress: PassProgress {
                 pending: 30,
                 waiting: 0,

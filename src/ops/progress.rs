@@ -4,6 +4,7 @@
 //! printed when the pass is over. Everything shown is read from the database, so the figures
 //! cover every instance working on the pass, not only this one.
 
+use crate::ids::PassNumber;
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
@@ -223,7 +224,7 @@ pub async fn show(store: Store, bots: Vec<BotId>, done: CancellationToken) {
             let Ok(Observed::Valid(doc)) = store.bots().load(bot).await else {
                 continue;
             };
-            if doc.crawl_pass == 0 {
+            if doc.crawl_pass == PassNumber::NONE {
                 continue;
             }
             let Ok(p) = store.frontier().pass_progress(bot, doc.crawl_pass).await else {
@@ -272,7 +273,7 @@ pub async fn show(store: Store, bots: Vec<BotId>, done: CancellationToken) {
 pub async fn summary(
     store: &Store,
     bot: &BotId,
-    pass: i64,
+    pass: PassNumber,
     took: Duration,
 ) -> Result<(String, Failures)> {
     let p = store.frontier().pass_progress(bot, pass).await?;
@@ -296,7 +297,7 @@ const REASONS_SHOWN: i64 = 5;
 #[derive(Clone, Debug, PartialEq)]
 pub struct Failures {
     pub bot: BotId,
-    pub pass: i64,
+    pub pass: PassNumber,
     /// Every URL of the pass (the error rate's denominator, as the deletion gate counts it).
     pub pages: u64,
     pub failed: u64,
@@ -305,7 +306,7 @@ pub struct Failures {
 }
 
 /// Reads pass `pass`'s failures (two aggregations on the frontier index).
-pub async fn failures(store: &Store, bot: &BotId, pass: i64) -> Result<Failures> {
+pub async fn failures(store: &Store, bot: &BotId, pass: PassNumber) -> Result<Failures> {
     let p = store.frontier().pass_progress(bot, pass).await?;
     let reasons = if p.failed > 0 {
         store
@@ -403,7 +404,7 @@ mod tests {
         };
         let f = Failures {
             bot: BotId::parse("shop").unwrap(),
-            pass: 3,
+            pass: PassNumber::new(3),
             pages: 105,
             failed: 101,
             reasons: vec![reason(

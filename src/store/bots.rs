@@ -3,6 +3,7 @@
 //! `specVersion`, `specUpdatedAt`), the operator's pause (`paused`, `pausedBy`, `pausedAt`,
 //! `pauseReason`), and the change stream an instance watches them by.
 
+use crate::ids::PassNumber;
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
 use futures_util::TryStreamExt;
@@ -28,7 +29,7 @@ pub struct EditLock {
     /// Consecutive failed refreshes before this one (sizes the shared backoff on failure).
     pub failed_refreshes: i64,
     /// The bot's crawl pass when the lock was taken: a successful refresh starts the next one.
-    pub crawl_pass: i64,
+    pub crawl_pass: PassNumber,
     /// When that pass started, if it was still running (its end not recorded).
     pub crawl_pass_running_since: Option<DateTime<Utc>>,
 }
@@ -50,7 +51,7 @@ pub enum NextPass {
     /// Not a crawling bot.
     None,
     /// Start this pass now (its seeds are enqueued).
-    Start(i64),
+    Start(PassNumber),
     /// The current pass runs: the next starts when it ends, on the seeds stored now.
     AfterCurrent,
 }
@@ -60,6 +61,7 @@ pub enum NextPass {
 pub enum UnlockOutcome {
     Unlocked {
         holder: Option<String>,
+        /// `lockEpoch` as the document showed it: raw, since the document unlocked may be malformed.
         old_epoch: Option<i64>,
     },
     NotLocked,
@@ -282,7 +284,7 @@ impl Bots<'_> {
             crawl_pass: doc.crawl_pass,
             crawl_pass_running_since: doc
                 .crawl_pass_started_at
-                .filter(|_| doc.crawl_pass > 0 && doc.crawl_pass_ended_at.is_none()),
+                .filter(|_| doc.crawl_pass > PassNumber::NONE && doc.crawl_pass_ended_at.is_none()),
         }))
     }
 

@@ -39,6 +39,7 @@
 //!
 //! [`Manifest`]: super::frontier::Manifest
 
+use crate::ids::PassNumber;
 use std::collections::HashSet;
 
 use bson::{doc, Bson, Document, RawDocumentBuf};
@@ -140,7 +141,7 @@ impl Deletions<'_> {
     pub async fn evaluate(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         remove: bool,
         sweep: bool,
         now: DateTime<Utc>,
@@ -168,7 +169,7 @@ impl Deletions<'_> {
         self.store
             .each_raw("read this pass's listings", find, |page| {
                 let read_now = page.get_str(fr::STATUS).ok() == Some(UrlStatus::Done.as_str())
-                    && raw_integer(page, fr::LISTED_PASS) == Some(pass);
+                    && raw_integer(page, fr::LISTED_PASS).map(PassNumber::new) == Some(pass);
                 if !read_now {
                     unknown.extend(baseline_keys(page));
                     return Ok(());
@@ -195,7 +196,7 @@ impl Deletions<'_> {
         present.sort_unstable();
         present.dedup();
         let present = Present(present);
-        tracing::debug!(%bot, pass, took = ?t0.elapsed(), items = present.0.len(), "evaluation: the present read");
+        tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), items = present.0.len(), "evaluation: the present read");
 
         let mut unreached: Vec<String> = Vec::new();
         if remove {
@@ -234,9 +235,9 @@ impl Deletions<'_> {
                 outcome.removed += removed;
             }
         }
-        tracing::debug!(%bot, pass, took = ?t0.elapsed(), "evaluation: removals done");
+        tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), "evaluation: removals done");
         outcome.restored = self.restore_listed(bot, pass, &present, now).await?;
-        tracing::debug!(%bot, pass, took = ?t0.elapsed(), "evaluation: restorations done");
+        tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), "evaluation: restorations done");
         if remove {
             self.clear_baselines(bot, pass, &unreached).await?;
         }
@@ -286,7 +287,7 @@ impl Deletions<'_> {
     async fn remove_departed(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         departed: &[String],
         present: &Present,
         now: DateTime<Utc>,
@@ -345,7 +346,7 @@ impl Deletions<'_> {
     async fn sweep_unlisted(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         present: &Present,
         now: DateTime<Utc>,
     ) -> Result<(u64, u64)> {
@@ -410,7 +411,7 @@ impl Deletions<'_> {
     async fn restore_listed(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         present: &Present,
         now: DateTime<Utc>,
     ) -> Result<u64> {
@@ -427,6 +428,7 @@ impl Deletions<'_> {
                 let this_pass = record
                     .get(rf::REMOVED_IN_PASS)
                     .and_then(crate::store::document::integer)
+                    .map(PassNumber::new)
                     == Some(pass);
                 if !this_pass && present.lists_url(bot, record.get_str(rf::URL).ok()) {
                     back.extend(record.get(rf::ID).cloned());
@@ -455,7 +457,12 @@ impl Deletions<'_> {
     /// After the marks: the listing pages this pass never reached start an empty baseline (what
     /// they listed was a candidate now). The pages it read start theirs anew from this read at
     /// their next done mark (`crawlEvaluatedPass`): nothing is written per page here.
-    async fn clear_baselines(self, bot: &BotId, pass: i64, unreached: &[String]) -> Result<()> {
+    async fn clear_baselines(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        unreached: &[String],
+    ) -> Result<()> {
         let statements: Vec<Document> = unreached
             .chunks(IN_CHUNK)
             .map(|chunk| {

@@ -2,6 +2,7 @@
 //! a typed [`BotDoc`]. A document that does not parse is [`Observed::Malformed`] with the reasons,
 //! which the state machine repairs instead of trusting.
 
+use crate::ids::PassNumber;
 use bson::{Bson, Document};
 use chrono::{DateTime, Utc};
 
@@ -73,7 +74,7 @@ pub struct BotDoc {
     /// After a failed refresh, no instance starts another before this (backoff shared by all).
     pub retry_refresh_after: Option<DateTime<Utc>>,
     /// The bot's current crawl pass (0: none started yet).
-    pub crawl_pass: i64,
+    pub crawl_pass: PassNumber,
     pub crawl_pass_started_at: Option<DateTime<Utc>>,
     /// Set when the current pass finished; `None` while it runs.
     pub crawl_pass_ended_at: Option<DateTime<Utc>>,
@@ -86,7 +87,7 @@ pub struct BotDoc {
     pub crawl_last_pass_pages: Option<u64>,
     /// The last completed pass's deletion evaluation while it is pending: the pass and until
     /// when its claim holds (`crawlLastPass.evaluation`, `evaluatingUntil`). Advisory.
-    pub crawl_evaluation_pending: Option<(i64, DateTime<Utc>)>,
+    pub crawl_evaluation_pending: Option<(PassNumber, DateTime<Utc>)>,
     /// Paused by an operator (`paused: true`): no lock is taken and no URL leased.
     pub paused: bool,
     /// The spec the current pass started with (`crawlPassSpecVersion`, `crawlPassSpec`), for bots
@@ -98,7 +99,7 @@ pub struct BotDoc {
     pub crawl_pass_refetch: bool,
     /// `crawlEvaluatedPass`: the last pass whose deletion evaluation applied its removals (0:
     /// none) — the listing pages' baselines are what they listed then.
-    pub crawl_evaluated_pass: i64,
+    pub crawl_evaluated_pass: PassNumber,
 }
 
 /// What one read of a bot's document found. (`Valid` is much larger than the others; an
@@ -224,7 +225,7 @@ impl BotDoc {
                     crawl_evaluated_pass: raw
                         .get(field::CRAWL_EVALUATED_PASS)
                         .and_then(integer)
-                        .unwrap_or(0),
+                        .map_or(PassNumber::NONE, PassNumber::new),
                 })
             }
             _ => Err(problems),
@@ -274,17 +275,17 @@ fn optional_string(raw: &Document, name: &str, problems: &mut Vec<String>) -> Op
 }
 
 /// `crawlPass`: a non-negative integer, 0 when absent or null.
-fn crawl_pass_of(raw: &Document, problems: &mut Vec<String>) -> i64 {
+fn crawl_pass_of(raw: &Document, problems: &mut Vec<String>) -> PassNumber {
     match raw.get(field::CRAWL_PASS) {
-        None | Some(Bson::Null) => 0,
+        None | Some(Bson::Null) => PassNumber::NONE,
         Some(v) => match integer(v) {
-            Some(n) if n >= 0 => n,
+            Some(n) if n >= 0 => PassNumber::new(n),
             _ => {
                 problems.push(format!(
                     "crawlPass must be a non-negative integer, found {}",
                     describe(Some(v))
                 ));
-                0
+                PassNumber::NONE
             }
         },
     }
@@ -301,12 +302,12 @@ fn last_pass_pages(raw: &Document) -> Option<u64> {
 
 /// The last pass's deletion evaluation, while it is pending: its pass and until when its
 /// evaluator holds it.
-fn evaluation_pending(raw: &Document) -> Option<(i64, DateTime<Utc>)> {
+fn evaluation_pending(raw: &Document) -> Option<(PassNumber, DateTime<Utc>)> {
     raw.get_document(field::CRAWL_LAST_PASS)
         .ok()
         .filter(|last| last.get_str("evaluation").ok() == Some("pending"))
         .and_then(|last| {
-            let pass = last.get("pass").and_then(integer)?;
+            let pass = PassNumber::new(last.get("pass").and_then(integer)?);
             match last.get("evaluatingUntil") {
                 Some(Bson::DateTime(t)) => Some((pass, t.to_chrono())),
                 _ => None,

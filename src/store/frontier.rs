@@ -16,6 +16,7 @@
 //! update pipeline). The test server applies every statement under one collection lock with its
 //! own storage transaction, so statements, not documents, are what a write costs.
 
+use crate::ids::PassNumber;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
@@ -210,7 +211,7 @@ pub struct UrlLease {
     pub id: String,
     pub url: NormalizedUrl,
     pub kind: PageKind,
-    pub pass: i64,
+    pub pass: PassNumber,
     /// The lease's token: shared by the URLs leased in one round trip, and every write about this
     /// URL filters on its `_id` and this token.
     pub token: String,
@@ -257,7 +258,7 @@ pub struct NewUrl {
 /// whether a detail page needs fetching; an enqueue, whether to insert or reset it).
 #[derive(Clone, Debug, PartialEq)]
 pub struct KnownPage {
-    pub pass: i64,
+    pub pass: PassNumber,
     pub status: Option<UrlStatus>,
     /// The listing fingerprint the page was last stored with.
     pub fingerprint: Option<String>,
@@ -302,7 +303,7 @@ pub struct Manifest {
     /// The last pass whose evaluation applied its removals, as the reader knew it: a page whose
     /// previous read was that pass's starts its baseline anew from that read (an older value
     /// only keeps more — a superset is always safe).
-    pub evaluated: i64,
+    pub evaluated: PassNumber,
 }
 
 impl Manifest {
@@ -448,7 +449,7 @@ type Reset<'a> = (&'a NewUrl, String, bool, &'a KnownPage);
 /// new or reset entry's fields and the leases it took, the same for every kind of enqueue.
 struct Taking<'a> {
     bot: &'a BotId,
-    pass: i64,
+    pass: PassNumber,
     owner: Option<&'a str>,
     token: String,
     expires_at: Option<DateTime<Utc>>,
@@ -456,7 +457,12 @@ struct Taking<'a> {
 }
 
 impl<'a> Taking<'a> {
-    fn new(bot: &'a BotId, pass: i64, lease: Option<&LeaseTo<'a>>, now: DateTime<Utc>) -> Self {
+    fn new(
+        bot: &'a BotId,
+        pass: PassNumber,
+        lease: Option<&LeaseTo<'a>>,
+        now: DateTime<Utc>,
+    ) -> Self {
         Taking {
             bot,
             pass,
@@ -535,7 +541,7 @@ pub fn url_id(bot: &BotId, url: &NormalizedUrl) -> String {
 /// on `priority`, or equalities down to `priority` and an `$in` on `slot`. Every server answers
 /// it from the index alone (the test server only when the one non-equality is on the field after
 /// the equalities). Public for the `explain` test, so the test checks the queries the code sends.
-pub fn candidate_filter(bot: &BotId, pass: i64, query: &CandidateQuery) -> Document {
+pub fn candidate_filter(bot: &BotId, pass: PassNumber, query: &CandidateQuery) -> Document {
     let mut filter = doc! {
         f::BOT: bot.as_str(), f::PASS: pass, f::STATUS: UrlStatus::Pending.as_str(),
         f::HOST: query.host.as_str(),
@@ -560,7 +566,7 @@ pub fn candidate_filter(bot: &BotId, pass: i64, query: &CandidateQuery) -> Docum
 /// The seed and listing entries of `bot` an earlier pass than `pass` read since `since`: the
 /// listing pages the last complete pass read and `pass` has not (yet) enqueued. Sent with a hint
 /// of [`LISTINGS_INDEX`], whose partial filter this filter carries word for word.
-pub fn unreached_listings_filter(bot: &BotId, pass: i64, since: DateTime<Utc>) -> Document {
+pub fn unreached_listings_filter(bot: &BotId, pass: PassNumber, since: DateTime<Utc>) -> Document {
     let mut filter = doc! { f::BOT: bot.as_str(), f::PASS: { "$lt": pass } };
     filter.extend(listing_kinds());
     filter.insert(f::STATUS, UrlStatus::Done.as_str());
@@ -574,7 +580,7 @@ fn listing_kinds() -> Document {
 }
 
 /// The filter that reads a pass's entries of one status (a prefix of the index).
-pub fn status_filter(bot: &BotId, pass: i64, status: UrlStatus) -> Document {
+pub fn status_filter(bot: &BotId, pass: PassNumber, status: UrlStatus) -> Document {
     doc! { f::BOT: bot.as_str(), f::PASS: pass, f::STATUS: status.as_str() }
 }
 
@@ -646,7 +652,7 @@ const LEASE_WRITE_WAIT: Duration = Duration::from_secs(3);
 impl KnownPage {
     fn from_doc(doc: &Document) -> KnownPage {
         KnownPage {
-            pass: get_int(doc, f::PASS).unwrap_or(0),
+            pass: get_int(doc, f::PASS).map_or(PassNumber::NONE, PassNumber::new),
             status: doc.get_str(f::STATUS).ok().and_then(UrlStatus::parse),
             fingerprint: get_text(doc, f::FINGERPRINT),
             record_id: get_text(doc, f::RECORD_ID),
@@ -662,7 +668,7 @@ impl KnownPage {
 fn lease_of(
     bot: &BotId,
     doc: &Document,
-    pass: i64,
+    pass: PassNumber,
     token: &str,
     now: DateTime<Utc>,
     expires_at: DateTime<Utc>,
@@ -757,7 +763,7 @@ impl Frontier<'_> {
     pub async fn enqueue(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         kind: PageKind,
         urls: &[NormalizedUrl],
         now: DateTime<Utc>,
@@ -780,7 +786,7 @@ impl Frontier<'_> {
     pub async fn enqueue_urls(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         urls: &[NewUrl],
         now: DateTime<Utc>,
     ) -> Result<u64> {
@@ -803,7 +809,7 @@ impl Frontier<'_> {
     pub async fn enqueue_links(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         links: &[NewUrl],
         known: &HashMap<String, KnownPage>,
         lease: Option<LeaseTo<'_>>,
@@ -998,7 +1004,7 @@ impl Frontier<'_> {
     pub async fn enqueue_listing(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         links: &[NewUrl],
         lease: LeaseTo<'_>,
         now: DateTime<Utc>,
@@ -1081,7 +1087,7 @@ impl Frontier<'_> {
     pub async fn lease_candidates(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         queries: &[CandidateQuery],
     ) -> Result<Vec<Vec<Candidate>>> {
         let reads = queries.iter().map(|query| {
@@ -1127,7 +1133,7 @@ impl Frontier<'_> {
 
     /// The pass's leased entries (few: at most every instance's pipeline), for finding leases
     /// past their expiry and a dead predecessor's.
-    pub async fn leased_entries(self, bot: &BotId, pass: i64) -> Result<Vec<LeasedEntry>> {
+    pub async fn leased_entries(self, bot: &BotId, pass: PassNumber) -> Result<Vec<LeasedEntry>> {
         let docs: Vec<Document> = self
             .store
             .bounded("read leases", async {
@@ -1169,7 +1175,7 @@ impl Frontier<'_> {
     pub async fn take_leases(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         me: &InstanceId,
         now: DateTime<Utc>,
         lease_for: Duration,
@@ -1314,7 +1320,7 @@ impl Frontier<'_> {
     pub async fn lease_url(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         me: &InstanceId,
         now: DateTime<Utc>,
         lease_for: Duration,
@@ -1387,7 +1393,7 @@ impl Frontier<'_> {
     }
 
     /// The hosts (`host:port`) with pending URLs in pass `pass` (one `distinct`).
-    pub async fn hosts_with_work(self, bot: &BotId, pass: i64) -> Result<Vec<String>> {
+    pub async fn hosts_with_work(self, bot: &BotId, pass: PassNumber) -> Result<Vec<String>> {
         let found = self
             .store
             .bounded(
@@ -1704,7 +1710,7 @@ fn manifest_stages(set: &mut Document, stages: &mut Vec<Document>, column: Colum
     set.insert(f::LISTED_PASS, format!("${}", f::PASS));
     let listed = format!("${}", f::LISTED);
     let since = format!("${}", f::LISTED_SINCE);
-    let evaluated = column(&|m| of(m, |x| Bson::Int64(x.evaluated)).unwrap_or(Bson::Null));
+    let evaluated = column(&|m| of(m, |x| Bson::from(x.evaluated)).unwrap_or(Bson::Null));
     // Before the manifest's `$set` (it still sees the previous read): the baseline, as a list of
     // lists — the previous read alone if it was the evaluated pass's, else what the page kept
     // (null: the same as its previous list; none for a page never read).
@@ -1791,7 +1797,12 @@ impl Frontier<'_> {
     }
 
     /// Makes the pass's waiting retries whose `notBefore` has come pending again (one write).
-    pub async fn promote_due(self, bot: &BotId, pass: i64, now: DateTime<Utc>) -> Result<u64> {
+    pub async fn promote_due(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        now: DateTime<Utc>,
+    ) -> Result<u64> {
         // The waiting entries are few: read them by the index, pick the due ones here.
         let waiting: Vec<Document> = self
             .store
@@ -1877,7 +1888,7 @@ impl Frontier<'_> {
     /// without the probe, a server that reads every entry a sort matches reads the whole frontier
     /// (3.7 s at 200,000 entries on the test server; the probe 0.2 s) — and only when it finds
     /// one does the full answer follow.
-    pub async fn highest_pass_above(self, bot: &BotId, floor: i64) -> Result<i64> {
+    pub async fn highest_pass_above(self, bot: &BotId, floor: PassNumber) -> Result<PassNumber> {
         let above = self
             .store
             .bounded(
@@ -1907,13 +1918,13 @@ impl Frontier<'_> {
             .await?;
         Ok(top
             .and_then(|d| get_int(&d, f::PASS))
-            .unwrap_or(0)
+            .map_or(PassNumber::NONE, PassNumber::new)
             .max(floor))
     }
 
     /// True while any URL of the pass is pending, waiting or leased (by anyone): bounded index
     /// lookups, cheap enough for every idle worker, where [`Frontier::pass_progress`] counts all.
-    pub async fn pass_has_work(self, bot: &BotId, pass: i64) -> Result<bool> {
+    pub async fn pass_has_work(self, bot: &BotId, pass: PassNumber) -> Result<bool> {
         // The few leased and waiting entries first: a server that reads every entry a query
         // matches pays for the pending ones only when there are no others.
         for status in [UrlStatus::Leased, UrlStatus::Waiting, UrlStatus::Pending] {
@@ -1941,7 +1952,7 @@ impl Frontier<'_> {
     pub async fn failure_reasons(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         limit: i64,
     ) -> Result<Vec<FailureReason>> {
         let pipeline = [
@@ -1985,7 +1996,7 @@ impl Frontier<'_> {
 
     /// Counts pass `pass`'s URLs by status (leases past their expiry still count as leased until
     /// someone re-leases them: the pass waits for them).
-    pub async fn pass_progress(self, bot: &BotId, pass: i64) -> Result<PassProgress> {
+    pub async fn pass_progress(self, bot: &BotId, pass: PassNumber) -> Result<PassProgress> {
         // The same one aggregation that ends a pass; its coverage figures are not needed here.
         Ok(self.store.passes().coverage(bot, pass).await?.0)
     }
@@ -2166,7 +2177,7 @@ impl Frontier<'_> {
     pub async fn listing_manifests(
         self,
         bot: &BotId,
-        mut visit: impl FnMut(i64, &[ListedItem]),
+        mut visit: impl FnMut(PassNumber, &[ListedItem]),
     ) -> Result<()> {
         let mut filter = doc! { f::BOT: bot.as_str() };
         filter.extend(listing_kinds());
@@ -2184,7 +2195,7 @@ impl Frontier<'_> {
             .batch_size(MANIFESTS_PER_BATCH);
         self.store
             .each_raw("read listing manifests", find, |doc| {
-                let Some(pass) = raw_integer(doc, f::LISTED_PASS) else {
+                let Some(pass) = raw_integer(doc, f::LISTED_PASS).map(PassNumber::new) else {
                     return Ok(());
                 };
                 let listed = Ids::of(doc, f::LISTED);
@@ -2209,7 +2220,7 @@ impl Frontier<'_> {
     /// The frontier ids of pass `pass`'s entries that did not end done (pending, waiting, leased,
     /// failed): after a pass, the detail pages it enqueued whose records are not known stored.
     /// One read per status on the main index.
-    pub async fn not_done_in(self, bot: &BotId, pass: i64) -> Result<Vec<String>> {
+    pub async fn not_done_in(self, bot: &BotId, pass: PassNumber) -> Result<Vec<String>> {
         let mut ids = Vec::new();
         for status in [
             UrlStatus::Failed,

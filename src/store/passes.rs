@@ -17,6 +17,7 @@
 //! and records what it did (`evaluation: "done"`, `removed`, `restored`). A claim whose holder
 //! died is taken over once it expires ([`Passes::resume_evaluation`]).
 
+use crate::ids::PassNumber;
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
 use mongodb::options::Hint;
@@ -47,7 +48,7 @@ pub struct DeletionRules {
 /// A pass's figures when it ended.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PassEnd {
-    pub pass: i64,
+    pub pass: PassNumber,
     pub progress: PassProgress,
     /// Listing (and seed) pages done / all listing pages of the pass.
     pub coverage: f64,
@@ -68,7 +69,7 @@ pub struct PassEnd {
 /// What `seedlock status` shows of a bot's current pass.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PassReport {
-    pub pass: i64,
+    pub pass: PassNumber,
     pub progress: PassProgress,
     pub started_at: Option<DateTime<Utc>>,
     pub ended_at: Option<DateTime<Utc>>,
@@ -92,16 +93,16 @@ impl Passes<'_> {
     pub async fn prepare(
         self,
         bot: &BotId,
-        current: i64,
+        current: PassNumber,
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
-    ) -> Result<i64> {
+    ) -> Result<PassNumber> {
         let next = self
             .store
             .frontier()
-            .highest_pass_above(bot, current.max(0))
+            .highest_pass_above(bot, current)
             .await?
-            + 1;
+            .next();
         let urls: Vec<NewUrl> = seeds
             .iter()
             .map(|url| NewUrl {
@@ -124,13 +125,13 @@ impl Passes<'_> {
     pub async fn start(
         self,
         bot: &BotId,
-        current: i64,
+        current: PassNumber,
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
         pass_fields: Document,
-    ) -> Result<Option<i64>> {
+    ) -> Result<Option<PassNumber>> {
         let mut filter = doc! { field::ID: bot.as_str(), field::IS_READY: true };
-        if current == 0 {
+        if current == PassNumber::NONE {
             filter.insert(
                 "$or",
                 vec![
@@ -153,11 +154,11 @@ impl Passes<'_> {
     pub async fn start_next(
         self,
         bot: &BotId,
-        current: i64,
+        current: PassNumber,
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
         pass_fields: Document,
-    ) -> Result<Option<i64>> {
+    ) -> Result<Option<PassNumber>> {
         let filter = doc! {
             field::ID: bot.as_str(),
             field::CRAWL_PASS: current,
@@ -184,12 +185,12 @@ impl Passes<'_> {
         self,
         what: &'static str,
         bot: &BotId,
-        current: i64,
+        current: PassNumber,
         seeds: &[NormalizedUrl],
         filter: Document,
         now: DateTime<Utc>,
         pass_fields: Document,
-    ) -> Result<Option<i64>> {
+    ) -> Result<Option<PassNumber>> {
         let next = self.prepare(bot, current, seeds, now).await?;
         let mut set = pass_fields;
         set.insert(field::CRAWL_PASS, next);
@@ -211,7 +212,7 @@ impl Passes<'_> {
     pub(super) async fn coverage(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
     ) -> Result<(PassProgress, (u64, u64, u64, u64))> {
         use futures_util::TryStreamExt;
         let pipeline = [
@@ -272,7 +273,7 @@ impl Passes<'_> {
     pub async fn finish(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         started_at: Option<DateTime<Utc>>,
         rules: DeletionRules,
         me: &InstanceId,
@@ -280,7 +281,7 @@ impl Passes<'_> {
     ) -> Result<PassEnd> {
         let t0 = std::time::Instant::now();
         let (progress, (mut lists, lists_done, all, failed)) = self.coverage(bot, pass).await?;
-        tracing::debug!(%bot, pass, took = ?t0.elapsed(), "pass end: counted");
+        tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), "pass end: counted");
         if rules.enabled && progress.is_finished() {
             if let Some(since) = rules.known_since {
                 lists += self.unreached_lists(bot, pass, since).await?;
@@ -376,7 +377,7 @@ impl Passes<'_> {
             .await?
             .modified_count
             == 1;
-        tracing::debug!(%bot, pass, took = ?t0.elapsed(), recorded, "pass end: recorded");
+        tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), recorded, "pass end: recorded");
         // The evaluation only by the instance whose write ended the pass: that write proves the
         // pass was still the bot's current one and complete. (An instance still working on a
         // pass a refresh has replaced must not mark the records it cut short as removed.) A crash
@@ -406,7 +407,7 @@ impl Passes<'_> {
     pub async fn unreached_lists(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         since: DateTime<Utc>,
     ) -> Result<u64> {
         let n = self
@@ -427,7 +428,7 @@ impl Passes<'_> {
     pub async fn unreached_list_urls(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         since: DateTime<Utc>,
     ) -> Result<Vec<NormalizedUrl>> {
         use futures_util::TryStreamExt;
@@ -462,7 +463,7 @@ impl Passes<'_> {
     async fn evaluate_and_record(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         remove: bool,
         sweep: bool,
         now: DateTime<Utc>,
@@ -501,7 +502,7 @@ impl Passes<'_> {
         );
         self.store.bounded("record the evaluation", update).await?;
         tracing::info!(
-            bot = %bot, pass, removed = evaluation.removed, restored = evaluation.restored,
+            bot = %bot, pass = pass.get(), removed = evaluation.removed, restored = evaluation.restored,
             candidates = evaluation.candidates, changed_pages = evaluation.changed_pages,
             "deletion evaluation done"
         );
@@ -514,7 +515,7 @@ impl Passes<'_> {
     pub async fn resume_evaluation(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         claimed_until: DateTime<Utc>,
         me: &InstanceId,
         now: DateTime<Utc>,
@@ -539,7 +540,7 @@ impl Passes<'_> {
         let summary = doc.get_document(last).ok();
         let remove = summary.and_then(|l| l.get_str("deletion").ok()) == Some("applied");
         let sweep = summary.is_some_and(|l| l.get_bool("sweep") == Ok(true));
-        tracing::warn!(bot = %bot, pass, "taking over a pass evaluation whose instance stopped mid-way");
+        tracing::warn!(bot = %bot, pass = pass.get(), "taking over a pass evaluation whose instance stopped mid-way");
         Ok(Some(
             self.evaluate_and_record(bot, pass, remove, sweep, now)
                 .await?,
@@ -550,11 +551,11 @@ impl Passes<'_> {
     pub async fn report(
         self,
         bot: &BotId,
-        pass: i64,
+        pass: PassNumber,
         started_at: Option<DateTime<Utc>>,
         ended_at: Option<DateTime<Utc>>,
     ) -> Result<PassReport> {
-        if pass == 0 {
+        if pass == PassNumber::NONE {
             return Ok(PassReport::default());
         }
         let progress = self.store.frontier().pass_progress(bot, pass).await?;
