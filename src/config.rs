@@ -560,99 +560,9 @@ impl Default for RawCrawlLimits {
 
 impl RawCrawlLimits {
     fn validate(&self, user_agent: &str) -> Result<CrawlLimits, String> {
-        for (key, value, max) in [
-            ("crawl.workers", self.workers, 1024),
-            ("crawl.host_queue", self.host_queue, 100_000),
-            ("crawl.writers", self.writers, 256),
-            ("crawl.parsers", self.parsers, 256),
-            ("crawl.parse_queue", self.parse_queue, 100_000),
-            ("crawl.store_queue", self.store_queue, 100_000),
-            ("crawl.max_uncommitted", self.max_uncommitted, 100_000),
-            ("crawl.host_limit", self.host_limit, 1024),
-            ("crawl.host_limit_min", self.host_limit_min, 1024),
-            ("crawl.host_limit_max", self.host_limit_max, 1024),
-        ] {
-            if value == 0 || value > max {
-                return Err(format!("key `{key}`: {value} must be between 1 and {max}"));
-            }
-        }
-        if self.host_limit_min > self.host_limit_max
-            || !(self.host_limit_min..=self.host_limit_max).contains(&self.host_limit)
-        {
-            return Err(format!(
-                "key `crawl.host_limit`: {} must lie between crawl.host_limit_min ({}) and crawl.host_limit_max ({})",
-                self.host_limit, self.host_limit_min, self.host_limit_max
-            ));
-        }
-        if !(0.0..=10.0).contains(&self.retry_budget) {
-            return Err(format!(
-                "key `crawl.retry_budget`: {} must be a share of first attempts between 0 and 10",
-                self.retry_budget
-            ));
-        }
-        let mut hosts = std::collections::HashMap::new();
-        for (host, o) in &self.hosts {
-            let key = format!("crawl.hosts.\"{host}\"");
-            let well_formed = host
-                .rsplit_once(':')
-                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
-            if !well_formed {
-                return Err(format!(
-                    "key `{key}`: a host is written \"host:port\" (e.g. \"example.com:443\")"
-                ));
-            }
-            if o.max_limit == Some(0) {
-                return Err(format!("key `{key}.max_limit`: must be at least 1"));
-            }
-            let min_delay = o
-                .min_delay
-                .as_deref()
-                .map(|d| bounded(&format!("{key}.min_delay"), d))
-                .transpose()?;
-            hosts.insert(
-                host.to_ascii_lowercase(),
-                crate::flow::HostOverride {
-                    max_limit: o.max_limit,
-                    min_delay,
-                },
-            );
-        }
-        let flow = crate::flow::FlowSettings {
-            initial_limit: self.host_limit,
-            min_limit: self.host_limit_min,
-            max_limit: self.host_limit_max,
-            min_delay: bounded("crawl.politeness", &self.politeness)?,
-            hosts,
-            retry_budget: self.retry_budget,
-            retry_budget_min: self.retry_budget_min,
-            retry_window: positive("crawl.retry_window", &self.retry_window)?,
-        };
-        if self.attempts == 0 || self.attempts > 20 {
-            return Err(format!(
-                "key `crawl.attempts`: {} must be between 1 and 20",
-                self.attempts
-            ));
-        }
-        if self.max_page_bytes == 0 {
-            return Err("key `crawl.max_page_bytes`: must be greater than zero".into());
-        }
-        if !(1024..=1 << 40).contains(&self.max_uncommitted_bytes) {
-            return Err(format!(
-                "key `crawl.max_uncommitted_bytes`: {} must be between 1024 (1 KiB) and {} (1 TiB)",
-                self.max_uncommitted_bytes,
-                1_u64 << 40
-            ));
-        }
-        for (key, share) in [
-            ("crawl.min_coverage", self.min_coverage),
-            ("crawl.max_error_rate", self.max_error_rate),
-        ] {
-            if !(0.0..=1.0).contains(&share) {
-                return Err(format!(
-                    "key `{key}`: {share} must be a share between 0 and 1"
-                ));
-            }
-        }
+        self.check_sizes()?;
+        let flow = self.flow()?;
+        self.check_pages()?;
         let lease = positive("crawl.lease", &self.lease)?;
         let timeout = positive("crawl.timeout", &self.timeout)?;
         if timeout >= lease {
@@ -697,6 +607,121 @@ impl RawCrawlLimits {
             max_error_rate: self.max_error_rate,
             user_agent: user_agent.to_owned(),
         })
+    }
+
+    /// The queue and pool sizes (each 1 to its maximum), the host limits and the retry budget.
+    fn check_sizes(&self) -> Result<(), String> {
+        for (key, value, max) in [
+            ("crawl.workers", self.workers, 1024),
+            ("crawl.host_queue", self.host_queue, 100_000),
+            ("crawl.writers", self.writers, 256),
+            ("crawl.parsers", self.parsers, 256),
+            ("crawl.parse_queue", self.parse_queue, 100_000),
+            ("crawl.store_queue", self.store_queue, 100_000),
+            ("crawl.max_uncommitted", self.max_uncommitted, 100_000),
+            ("crawl.host_limit", self.host_limit, 1024),
+            ("crawl.host_limit_min", self.host_limit_min, 1024),
+            ("crawl.host_limit_max", self.host_limit_max, 1024),
+        ] {
+            if value == 0 || value > max {
+                return Err(format!("key `{key}`: {value} must be between 1 and {max}"));
+            }
+        }
+        if self.host_limit_min > self.host_limit_max
+            || !(self.host_limit_min..=self.host_limit_max).contains(&self.host_limit)
+        {
+            return Err(format!(
+                "key `crawl.host_limit`: {} must lie between crawl.host_limit_min ({}) and crawl.host_limit_max ({})",
+                self.host_limit, self.host_limit_min, self.host_limit_max
+            ));
+        }
+        if !(0.0..=10.0).contains(&self.retry_budget) {
+            return Err(format!(
+                "key `crawl.retry_budget`: {} must be a share of first attempts between 0 and 10",
+                self.retry_budget
+            ));
+        }
+        Ok(())
+    }
+
+    /// How hard each host is asked: the limits, the spacing, the retry budget, the overrides.
+    fn flow(&self) -> Result<crate::flow::FlowSettings, String> {
+        let hosts = self.host_overrides()?;
+        Ok(crate::flow::FlowSettings {
+            initial_limit: self.host_limit,
+            min_limit: self.host_limit_min,
+            max_limit: self.host_limit_max,
+            min_delay: bounded("crawl.politeness", &self.politeness)?,
+            hosts,
+            retry_budget: self.retry_budget,
+            retry_budget_min: self.retry_budget_min,
+            retry_window: positive("crawl.retry_window", &self.retry_window)?,
+        })
+    }
+
+    /// `[crawl.hosts."host:port"]`.
+    fn host_overrides(
+        &self,
+    ) -> Result<std::collections::HashMap<String, crate::flow::HostOverride>, String> {
+        let mut hosts = std::collections::HashMap::new();
+        for (host, o) in &self.hosts {
+            let key = format!("crawl.hosts.\"{host}\"");
+            let well_formed = host
+                .rsplit_once(':')
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+            if !well_formed {
+                return Err(format!(
+                    "key `{key}`: a host is written \"host:port\" (e.g. \"example.com:443\")"
+                ));
+            }
+            if o.max_limit == Some(0) {
+                return Err(format!("key `{key}.max_limit`: must be at least 1"));
+            }
+            let min_delay = o
+                .min_delay
+                .as_deref()
+                .map(|d| bounded(&format!("{key}.min_delay"), d))
+                .transpose()?;
+            hosts.insert(
+                host.to_ascii_lowercase(),
+                crate::flow::HostOverride {
+                    max_limit: o.max_limit,
+                    min_delay,
+                },
+            );
+        }
+        Ok(hosts)
+    }
+
+    /// The attempts, the page size caps and the pass-end shares.
+    fn check_pages(&self) -> Result<(), String> {
+        if self.attempts == 0 || self.attempts > 20 {
+            return Err(format!(
+                "key `crawl.attempts`: {} must be between 1 and 20",
+                self.attempts
+            ));
+        }
+        if self.max_page_bytes == 0 {
+            return Err("key `crawl.max_page_bytes`: must be greater than zero".into());
+        }
+        if !(1024..=1 << 40).contains(&self.max_uncommitted_bytes) {
+            return Err(format!(
+                "key `crawl.max_uncommitted_bytes`: {} must be between 1024 (1 KiB) and {} (1 TiB)",
+                self.max_uncommitted_bytes,
+                1_u64 << 40
+            ));
+        }
+        for (key, share) in [
+            ("crawl.min_coverage", self.min_coverage),
+            ("crawl.max_error_rate", self.max_error_rate),
+        ] {
+            if !(0.0..=1.0).contains(&share) {
+                return Err(format!(
+                    "key `{key}`: {share} must be a share between 0 and 1"
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -840,18 +865,58 @@ impl Default for RawIncremental {
     }
 }
 
+/// The keys of one bot's `[bots.crawl]` section, for its errors: `key("scope")` is
+/// `bots[0].crawl.scope`, and `named("follow")` prefixes an error with that key.
+#[derive(Clone, Copy)]
+struct CrawlKeys<'a>(&'a str);
+
+impl CrawlKeys<'_> {
+    fn key(self, k: &str) -> String {
+        format!("{}.crawl.{k}", self.0)
+    }
+
+    fn named(self, k: &str) -> impl Fn(String) -> String {
+        let k = self.key(k);
+        move |e: String| format!("key `{k}`: {e}")
+    }
+
+    fn regexes(self, k: &str, list: &[String]) -> Result<Vec<regex::Regex>, String> {
+        list.iter()
+            .map(|r| {
+                regex::Regex::new(r).map_err(|e| {
+                    format!(
+                        "key `{}`: {r:?} is not a regular expression ({e})",
+                        self.key(k)
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
 impl RawCrawl {
     fn validate(self, p: &str) -> Result<CrawlSettings, String> {
-        use crate::extract::{selector, LinkRules, ListRules, RecordRules, ValueSpec};
-        let key = |k: &str| format!("{p}.crawl.{k}");
-        let named = |k: &str| {
-            let k = key(k);
-            move |e: String| format!("key `{k}`: {e}")
-        };
+        let keys = CrawlKeys(p);
+        let links = self.link_rules(keys)?;
+        let list = self.list.as_ref().map(|l| l.validate(keys)).transpose()?;
+        let record = self.record.as_ref().map(|r| r.validate(keys)).transpose()?;
+        let incremental = self.incremental.validate(keys, list.as_ref())?;
+        Ok(CrawlSettings {
+            links,
+            list,
+            record,
+            incremental,
+            priorities: priorities(keys, &self.priority)?,
+            headers: headers(keys, &self.headers)?,
+        })
+    }
+
+    /// `scope`, `follow`, `allow`, `deny`, `strip_query`, `max_links`.
+    fn link_rules(&self, keys: CrawlKeys<'_>) -> Result<crate::extract::LinkRules, String> {
         if self.scope.is_empty() {
             return Err(format!(
                 "key `{}`: name at least one host:port links may lead to",
-                key("scope")
+                keys.key("scope")
             ));
         }
         for host in &self.scope {
@@ -860,89 +925,95 @@ impl RawCrawl {
             if !ok || host.contains(['/', '?', '#', '@']) {
                 return Err(format!(
                     "key `{}`: {host:?} is not a host or host:port",
-                    key("scope")
+                    keys.key("scope")
                 ));
             }
         }
-        let regexes = |k: &str, list: &[String]| -> Result<Vec<regex::Regex>, String> {
-            list.iter()
-                .map(|r| {
-                    regex::Regex::new(r).map_err(|e| {
-                        format!("key `{}`: {r:?} is not a regular expression ({e})", key(k))
-                    })
-                })
-                .collect()
-        };
-        let links = LinkRules {
+        Ok(crate::extract::LinkRules {
             scope: self
                 .scope
                 .iter()
                 .map(|s| s.trim().to_ascii_lowercase())
                 .collect(),
-            follow: selector(&self.follow).map_err(named("follow"))?,
-            allow: regexes("allow", &self.allow)?,
-            deny: regexes("deny", &self.deny)?,
+            follow: crate::extract::selector(&self.follow).map_err(keys.named("follow"))?,
+            allow: keys.regexes("allow", &self.allow)?,
+            deny: keys.regexes("deny", &self.deny)?,
             strip: crate::urls::StripQuery::parse(&self.strip_query)
-                .map_err(named("strip_query"))?,
+                .map_err(keys.named("strip_query"))?,
             max: match usize::try_from(self.max_links) {
                 Ok(0) | Err(_) => {
                     return Err(format!(
                         "key `{}`: must be between 1 and {}",
-                        key("max_links"),
+                        keys.key("max_links"),
                         usize::MAX
                     ))
                 }
                 Ok(n) => n,
             },
-        };
-        let list = match self.list {
-            None => None,
-            Some(l) => Some(ListRules {
-                item: selector(&l.item).map_err(named("list.item"))?,
-                item_id: ValueSpec::parse(&l.item_id).map_err(named("list.item_id"))?,
-                item_link: ValueSpec::parse(&l.item_link).map_err(named("list.item_link"))?,
-                fingerprint: l
-                    .fingerprint
-                    .iter()
-                    .map(|f| ValueSpec::parse(f).map_err(named("list.fingerprint")))
-                    .collect::<Result<_, _>>()?,
-                updated_at: l
-                    .updated_at
-                    .as_deref()
-                    .map(|u| ValueSpec::parse(u).map_err(named("list.updated_at")))
-                    .transpose()?,
-            }),
-        };
-        let record = match self.record {
-            None => None,
-            Some(r) => {
-                let mut fields = std::collections::BTreeMap::new();
-                for (name, spec) in &r.fields {
-                    if name.is_empty() || name.contains('.') || name.starts_with('$') {
-                        return Err(format!(
-                            "key `{}`: {name:?} cannot be a field name (no '.', no leading '$')",
-                            key("record.fields")
-                        ));
-                    }
-                    let spec =
-                        ValueSpec::parse(spec).map_err(named(&format!("record.fields.{name}")))?;
-                    fields.insert(name.clone(), spec);
-                }
-                Some(RecordRules {
-                    url_match: regex::Regex::new(&r.url_match).map_err(|e| {
-                        format!(
-                            "key `{}`: {:?} is not a regular expression ({e})",
-                            key("record.match"),
-                            r.url_match
-                        )
-                    })?,
-                    natural_key: ValueSpec::parse(&r.natural_key)
-                        .map_err(named("record.natural_key"))?,
-                    fields,
-                })
+        })
+    }
+}
+
+impl RawList {
+    fn validate(&self, keys: CrawlKeys<'_>) -> Result<crate::extract::ListRules, String> {
+        use crate::extract::ValueSpec;
+        Ok(crate::extract::ListRules {
+            item: crate::extract::selector(&self.item).map_err(keys.named("list.item"))?,
+            item_id: ValueSpec::parse(&self.item_id).map_err(keys.named("list.item_id"))?,
+            item_link: ValueSpec::parse(&self.item_link).map_err(keys.named("list.item_link"))?,
+            fingerprint: self
+                .fingerprint
+                .iter()
+                .map(|f| ValueSpec::parse(f).map_err(keys.named("list.fingerprint")))
+                .collect::<Result<_, _>>()?,
+            updated_at: self
+                .updated_at
+                .as_deref()
+                .map(|u| ValueSpec::parse(u).map_err(keys.named("list.updated_at")))
+                .transpose()?,
+        })
+    }
+}
+
+impl RawRecord {
+    fn validate(&self, keys: CrawlKeys<'_>) -> Result<crate::extract::RecordRules, String> {
+        use crate::extract::ValueSpec;
+        let mut fields = std::collections::BTreeMap::new();
+        for (name, spec) in &self.fields {
+            if name.is_empty() || name.contains('.') || name.starts_with('$') {
+                return Err(format!(
+                    "key `{}`: {name:?} cannot be a field name (no '.', no leading '$')",
+                    keys.key("record.fields")
+                ));
             }
-        };
-        let mode = match self.incremental.mode.as_str() {
+            let spec =
+                ValueSpec::parse(spec).map_err(keys.named(&format!("record.fields.{name}")))?;
+            fields.insert(name.clone(), spec);
+        }
+        Ok(crate::extract::RecordRules {
+            url_match: regex::Regex::new(&self.url_match).map_err(|e| {
+                format!(
+                    "key `{}`: {:?} is not a regular expression ({e})",
+                    keys.key("record.match"),
+                    self.url_match
+                )
+            })?,
+            natural_key: ValueSpec::parse(&self.natural_key)
+                .map_err(keys.named("record.natural_key"))?,
+            fields,
+        })
+    }
+}
+
+impl RawIncremental {
+    /// The mode and its overlap; the modes that decide from the listings need `list` (and
+    /// `updated_at` its `list.updated_at`).
+    fn validate(
+        &self,
+        keys: CrawlKeys<'_>,
+        list: Option<&crate::extract::ListRules>,
+    ) -> Result<Incremental, String> {
+        let mode = match self.mode.as_str() {
             "fingerprint" => IncrementalMode::Fingerprint,
             "watermark" => IncrementalMode::Watermark,
             "updated_at" => IncrementalMode::UpdatedAt,
@@ -950,72 +1021,79 @@ impl RawCrawl {
             other => {
                 return Err(format!(
                     "key `{}`: {other:?} is not one of \"fingerprint\", \"watermark\", \"updated_at\", \"full\"",
-                    key("incremental.mode")
+                    keys.key("incremental.mode")
                 ))
             }
         };
         if mode != IncrementalMode::Full && list.is_none() {
             return Err(format!(
                 "key `{}`: {:?} needs a [bots.crawl.list] section (or use \"full\")",
-                key("incremental.mode"),
-                self.incremental.mode
+                keys.key("incremental.mode"),
+                self.mode
             ));
         }
-        if mode == IncrementalMode::UpdatedAt
-            && list.as_ref().is_some_and(|l| l.updated_at.is_none())
-        {
+        if mode == IncrementalMode::UpdatedAt && list.is_some_and(|l| l.updated_at.is_none()) {
             return Err(format!(
                 "key `{}`: \"updated_at\" needs `list.updated_at` (where an item shows when it changed)",
-                key("incremental.mode")
+                keys.key("incremental.mode")
             ));
         }
-        let overlap = duration(&key("incremental.overlap"), &self.incremental.overlap)?;
+        let overlap = duration(&keys.key("incremental.overlap"), &self.overlap)?;
         if overlap > MAX_DURATION {
             return Err(format!(
                 "key `{}`: longer than the 7-day maximum",
-                key("incremental.overlap")
+                keys.key("incremental.overlap")
             ));
         }
-        let mut priorities = Vec::new();
-        for (j, p) in self.priority.iter().enumerate() {
-            let k = key(&format!("priority[{j}]"));
-            let pattern = regex::Regex::new(&p.url_match).map_err(|e| {
-                format!(
-                    "key `{k}.match`: {:?} is not a regular expression ({e})",
-                    p.url_match
-                )
-            })?;
-            if !(0..=9).contains(&p.priority) {
-                return Err(format!(
-                    "key `{k}.priority`: {} must be between 0 and 9",
-                    p.priority
-                ));
-            }
-            priorities.push((pattern, p.priority));
-        }
-        let mut headers = crate::fetch::RequestHeaders::default();
-        for (name, raw) in &self.headers {
-            let k = key(&format!("headers.{name}"));
-            let pushed = match raw {
-                RawHeader::Value(value) => headers.push(name, value, None),
-                RawHeader::Env { env } => match std::env::var(env) {
-                    Ok(value) => headers.push(name, &value, Some(env)),
-                    Err(_) => Err(format!(
-                        "the environment variable {env} is not set (or not UTF-8)"
-                    )),
-                },
-            };
-            pushed.map_err(|e| format!("key `{k}`: {e}"))?;
-        }
-        Ok(CrawlSettings {
-            links,
-            list,
-            record,
-            incremental: Incremental { mode, overlap },
-            priorities,
-            headers,
-        })
+        Ok(Incremental { mode, overlap })
     }
+}
+
+/// `[[bots.crawl.priority]]`: each `match` a regular expression, each `priority` 0–9.
+fn priorities(
+    keys: CrawlKeys<'_>,
+    raw: &[RawPriority],
+) -> Result<Vec<(regex::Regex, i64)>, String> {
+    let mut priorities = Vec::new();
+    for (j, p) in raw.iter().enumerate() {
+        let k = keys.key(&format!("priority[{j}]"));
+        let pattern = regex::Regex::new(&p.url_match).map_err(|e| {
+            format!(
+                "key `{k}.match`: {:?} is not a regular expression ({e})",
+                p.url_match
+            )
+        })?;
+        if !(0..=9).contains(&p.priority) {
+            return Err(format!(
+                "key `{k}.priority`: {} must be between 0 and 9",
+                p.priority
+            ));
+        }
+        priorities.push((pattern, p.priority));
+    }
+    Ok(priorities)
+}
+
+/// `headers`: each a value or the environment variable it is read from here.
+fn headers(
+    keys: CrawlKeys<'_>,
+    raw: &std::collections::BTreeMap<String, RawHeader>,
+) -> Result<crate::fetch::RequestHeaders, String> {
+    let mut headers = crate::fetch::RequestHeaders::default();
+    for (name, raw) in raw {
+        let k = keys.key(&format!("headers.{name}"));
+        let pushed = match raw {
+            RawHeader::Value(value) => headers.push(name, value, None),
+            RawHeader::Env { env } => match std::env::var(env) {
+                Ok(value) => headers.push(name, &value, Some(env)),
+                Err(_) => Err(format!(
+                    "the environment variable {env} is not set (or not UTF-8)"
+                )),
+            },
+        };
+        pushed.map_err(|e| format!("key `{k}`: {e}"))?;
+    }
+    Ok(headers)
 }
 
 fn default_refresh() -> String {
