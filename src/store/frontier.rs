@@ -1191,31 +1191,41 @@ impl Frontier<'_> {
             f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_OWNER: me.as_str(),
             f::LEASE_TOKEN: token.as_str(), f::LEASE_EXPIRES_AT: date(expires_at), f::LEASED_AT: date(now),
         };
-        let take = doc! { "$set": set.clone(), "$inc": { f::ATTEMPTS: 1_i64 } };
-        let mut statements = Vec::new();
-        if !takes.pending.is_empty() {
-            let ids: Vec<&str> = takes.pending.iter().map(|c| c.id.as_str()).collect();
-            statements.push(doc! {
-                "q": { f::ID: { "$in": ids }, f::BOT: bot.as_str(), f::PASS: pass, f::STATUS: UrlStatus::Pending.as_str() },
-                "u": take.clone(), "multi": true,
-            });
-        }
-        if !takes.expired.is_empty() {
-            statements.push(doc! {
-                "q": {
-                    f::ID: { "$in": takes.expired }, f::BOT: bot.as_str(), f::PASS: pass,
-                    f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_EXPIRES_AT: { "$lte": date(now) },
-                },
-                "u": take.clone(), "multi": true,
-            });
-        }
-        for (id, old) in takes.reclaim {
-            // The same attempt the predecessor counted.
-            statements.push(doc! {
-                "q": { f::ID: id.as_str(), f::BOT: bot.as_str(), f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_TOKEN: old.as_str() },
-                "u": { "$set": set.clone() },
-            });
-        }
+        let statements = lease_statements(bot, pass, &set, now, &takes);
+        let (taken, held, abandoned) = self.send_leases(bot, statements, &token).await?;
+        // Which are ours: all, or (after a race, or a write cut short) those that carry our
+        // token now — read back with everything a lease needs for the expired and reclaimed
+        // ones, which were not read.
+        let must_read =
+            held || taken < wanted || !takes.expired.is_empty() || !takes.reclaim.is_empty();
+        let mut leases = if must_read {
+            self.read_back_leases(bot, pass, &token, now, expires_at, &takes)
+                .await?
+        } else {
+            takes
+                .pending
+                .iter()
+                .map(|candidate| {
+                    lease_of(bot, &candidate.doc, pass, &token, now, expires_at, false)
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        leases.sort_by_key(|l| std::cmp::Reverse(l.priority));
+        Ok(Taken {
+            leases,
+            held,
+            abandoned,
+        })
+    }
+
+    /// Sends a lease round's write: how many it took, whether it met documents an open
+    /// transaction holds, and its token if it was given up on before its answer.
+    async fn send_leases(
+        self,
+        bot: &BotId,
+        statements: Vec<Document>,
+        token: &str,
+    ) -> Result<(usize, bool, Option<String>)> {
         // On MongoDB a write outside a transaction that meets a document an open transaction
         // holds (a killed worker's commit, until the server ends it) waits for it: bounded, so
         // the leaser takes what it could and moves on to other URLs.
@@ -1244,73 +1254,60 @@ impl Frontier<'_> {
                 // A server that does not bound the write itself (the test server waits out the
                 // transaction): given up here, it may still land later under this token.
                 tracing::debug!(bot = %bot, "a lease write waited past its bound; leasing other URLs");
-                abandoned = Some(token.clone());
+                abandoned = Some(token.to_owned());
                 (0, true)
             }
             Err(e) => return Err(e),
         };
-        // Which are ours: all, or (after a race, or a write cut short) those that carry our
-        // token now — read back with everything a lease needs for the expired and reclaimed
-        // ones, which were not read.
-        let mut leases = Vec::with_capacity(taken);
+        Ok((taken, held, abandoned))
+    }
+
+    /// The URLs of `takes` that carry `token` now, read back whole: the leases this round took.
+    async fn read_back_leases(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        token: &str,
+        now: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+        takes: &Takes<'_>,
+    ) -> Result<Vec<UrlLease>> {
         let reclaimed: std::collections::HashSet<&str> =
             takes.reclaim.iter().map(|(id, _)| id.as_str()).collect();
-        let must_read =
-            held || taken < wanted || !takes.expired.is_empty() || !takes.reclaim.is_empty();
-        if must_read {
-            let ids: Vec<&str> = takes
-                .pending
-                .iter()
-                .map(|c| c.id.as_str())
-                .chain(takes.expired.iter().map(String::as_str))
-                .chain(takes.reclaim.iter().map(|(id, _)| id.as_str()))
-                .collect();
-            let docs: Vec<Document> = self
-                .store
-                .bounded("read leases taken", async {
-                    self.store
-                        .frontier()
-                        .collection()
-                        .find(doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str() })
-                        .projection(lease_projection())
-                        .batch_size(whole_batch(ids.len()))
-                        .await?
-                        .try_collect()
-                        .await
-                })
-                .await?;
-            for doc in docs {
-                if doc.get_str(f::LEASE_TOKEN).ok() != Some(token.as_str()) {
-                    continue;
-                }
-                let id = doc.get_str(f::ID).unwrap_or_default();
-                let reclaimed = reclaimed.contains(id);
-                let mut lease = lease_of(bot, &doc, pass, &token, now, expires_at, reclaimed)?;
-                // Read after the take: `attempts` already counts it.
-                if !reclaimed {
-                    lease.attempt -= 1;
-                }
-                leases.push(lease);
+        let mut leases = Vec::new();
+        let ids: Vec<&str> = takes
+            .pending
+            .iter()
+            .map(|c| c.id.as_str())
+            .chain(takes.expired.iter().map(String::as_str))
+            .chain(takes.reclaim.iter().map(|(id, _)| id.as_str()))
+            .collect();
+        let docs: Vec<Document> = self
+            .store
+            .bounded("read leases taken", async {
+                self.collection()
+                    .find(doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str() })
+                    .projection(lease_projection())
+                    .batch_size(whole_batch(ids.len()))
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        for doc in docs {
+            if doc.get_str(f::LEASE_TOKEN).ok() != Some(token) {
+                continue;
             }
-        } else {
-            for candidate in takes.pending {
-                leases.push(lease_of(
-                    bot,
-                    &candidate.doc,
-                    pass,
-                    &token,
-                    now,
-                    expires_at,
-                    false,
-                )?);
+            let id = doc.get_str(f::ID).unwrap_or_default();
+            let reclaimed = reclaimed.contains(id);
+            let mut lease = lease_of(bot, &doc, pass, token, now, expires_at, reclaimed)?;
+            // Read after the take: `attempts` already counts it.
+            if !reclaimed {
+                lease.attempt -= 1;
             }
+            leases.push(lease);
         }
-        leases.sort_by_key(|l| std::cmp::Reverse(l.priority));
-        Ok(Taken {
-            leases,
-            held,
-            abandoned,
-        })
+        Ok(leases)
     }
 
     /// Leases one URL of pass `pass` on any host: a pending one (highest priority first), or one
@@ -2249,7 +2246,7 @@ impl Frontier<'_> {
         self.store
             .bounded(
                 "count live leases",
-                self.store.frontier().collection().count_documents(doc! {
+                self.collection().count_documents(doc! {
                     fr::BOT: bot.as_str(),
                     fr::STATUS: "leased",
                     fr::LEASE_EXPIRES_AT: { "$gt": super::date(now) },
@@ -2274,4 +2271,41 @@ pub struct Enqueued {
     pub added: u64,
     /// The links leased to the caller as they were enqueued.
     pub leased: Vec<UrlLease>,
+}
+
+/// A lease round's update statements: the pending candidates (still pending), the expired leases
+/// (still expired), each taken with `set` and one more attempt; the reclaimed ones (still under
+/// the predecessor's token) with `set` alone — the same attempt the predecessor counted.
+fn lease_statements(
+    bot: &BotId,
+    pass: PassNumber,
+    set: &Document,
+    now: DateTime<Utc>,
+    takes: &Takes<'_>,
+) -> Vec<Document> {
+    let take = doc! { "$set": set.clone(), "$inc": { f::ATTEMPTS: 1_i64 } };
+    let mut statements = Vec::new();
+    if !takes.pending.is_empty() {
+        let ids: Vec<&str> = takes.pending.iter().map(|c| c.id.as_str()).collect();
+        statements.push(doc! {
+            "q": { f::ID: { "$in": ids }, f::BOT: bot.as_str(), f::PASS: pass, f::STATUS: UrlStatus::Pending.as_str() },
+            "u": take.clone(), "multi": true,
+        });
+    }
+    if !takes.expired.is_empty() {
+        statements.push(doc! {
+            "q": {
+                f::ID: { "$in": takes.expired }, f::BOT: bot.as_str(), f::PASS: pass,
+                f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_EXPIRES_AT: { "$lte": date(now) },
+            },
+            "u": take.clone(), "multi": true,
+        });
+    }
+    for (id, old) in takes.reclaim {
+        statements.push(doc! {
+            "q": { f::ID: id.as_str(), f::BOT: bot.as_str(), f::STATUS: UrlStatus::Leased.as_str(), f::LEASE_TOKEN: old.as_str() },
+            "u": { "$set": set.clone() },
+        });
+    }
+    statements
 }

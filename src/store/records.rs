@@ -640,6 +640,36 @@ impl Records<'_> {
         wave: &[usize],
         now: DateTime<Utc>,
     ) -> std::result::Result<Vec<Committed>, Abort> {
+        let alive = self.leases_held(session, pages, wave).await?;
+        let bot = &pages[wave[0]].lease.bot;
+        let planned = self
+            .plan_writes(session, bot, pages, ids, &alive, now)
+            .await?;
+        self.write_records(session, planned.inserts, planned.swaps)
+            .await?;
+        self.mark_in_transaction(session, pages, ids, &alive, now)
+            .await?;
+        commit_with_retries(session).await?;
+        let alive: HashSet<usize> = alive.into_iter().collect();
+        Ok(wave
+            .iter()
+            .map(|i| {
+                if alive.contains(i) {
+                    Committed::Settled(planned.writes.get(i).copied())
+                } else {
+                    Committed::UrlLeaseLost(None)
+                }
+            })
+            .collect())
+    }
+
+    /// The pages of `wave` whose lease this transaction reads as still theirs.
+    async fn leases_held(
+        self,
+        session: &mut ClientSession,
+        pages: &[PageCommit<'_>],
+        wave: &[usize],
+    ) -> std::result::Result<Vec<usize>, Abort> {
         let bot = &pages[wave[0]].lease.bot;
         let urls: Vec<&str> = wave.iter().map(|i| pages[*i].lease.id.as_str()).collect();
         let fences = self
@@ -663,14 +693,27 @@ impl Records<'_> {
                 Some((d.get_str(fr::ID).ok()?.to_owned(), token))
             })
             .collect();
-        let alive: Vec<usize> = wave
+        Ok(wave
             .iter()
             .copied()
             .filter(|i| {
                 let lease = pages[*i].lease;
                 tokens.get(&lease.id).and_then(|t| t.as_deref()) == Some(lease.token.as_str())
             })
-            .collect();
+            .collect())
+    }
+
+    /// What each of `alive`'s records becomes (read in the transaction): the inserts, the
+    /// conditional swaps, and each page's write.
+    async fn plan_writes(
+        self,
+        session: &mut ClientSession,
+        bot: &BotId,
+        pages: &[PageCommit<'_>],
+        ids: &[Option<String>],
+        alive: &[usize],
+        now: DateTime<Utc>,
+    ) -> std::result::Result<PlannedWrites, Abort> {
         let with_records: Vec<usize> = alive
             .iter()
             .copied()
@@ -710,6 +753,21 @@ impl Records<'_> {
                 }
             }
         }
+        Ok(PlannedWrites {
+            writes,
+            inserts,
+            swaps,
+        })
+    }
+
+    /// The records' inserts and swaps; a duplicate or a swap that matched nothing (another
+    /// writer got there first) aborts the attempt to run again.
+    async fn write_records(
+        self,
+        session: &mut ClientSession,
+        inserts: Vec<Document>,
+        swaps: Vec<Document>,
+    ) -> std::result::Result<(), Abort> {
         if !inserts.is_empty() {
             let reply = self
                 .store
@@ -739,6 +797,19 @@ impl Records<'_> {
                 return Err(Abort::Again);
             }
         }
+        Ok(())
+    }
+
+    /// The removed records' marks and every live page's done mark; a lease lost since the read
+    /// aborts the attempt to run again.
+    async fn mark_in_transaction(
+        self,
+        session: &mut ClientSession,
+        pages: &[PageCommit<'_>],
+        ids: &[Option<String>],
+        alive: &[usize],
+        now: DateTime<Utc>,
+    ) -> std::result::Result<(), Abort> {
         let members: Vec<&PageCommit<'_>> = alive.iter().map(|i| &pages[*i]).collect();
         let extra = removed_statements(&members, now);
         if !extra.is_empty() {
@@ -770,29 +841,7 @@ impl Records<'_> {
                 return Err(Abort::Again);
             }
         }
-        // A commit whose outcome is unknown (a network blip) is retried as it is: the server
-        // applies a transaction's commit at most once.
-        let mut unknown = 0;
-        loop {
-            match session.commit_transaction().await {
-                Ok(()) => break,
-                Err(e) if e.contains_label("UnknownTransactionCommitResult") && unknown < 3 => {
-                    unknown += 1;
-                }
-                Err(e) => return Err(Error::from(e).into()),
-            }
-        }
-        let alive: HashSet<usize> = alive.into_iter().collect();
-        Ok(wave
-            .iter()
-            .map(|i| {
-                if alive.contains(i) {
-                    Committed::Settled(writes.get(i).copied())
-                } else {
-                    Committed::UrlLeaseLost(None)
-                }
-            })
-            .collect())
+        Ok(())
     }
 
     /// Runs a multi-step future under the operation timeout.
@@ -900,4 +949,28 @@ impl ExportRecords {
             .unaccounted("export records", self.cursor.try_next())
             .await
     }
+}
+
+/// What a transaction writes to `records`: the inserts, the conditional swaps, and each page's
+/// write (by its index in the batch).
+struct PlannedWrites {
+    writes: HashMap<usize, RecordWrite>,
+    inserts: Vec<Document>,
+    swaps: Vec<Document>,
+}
+
+/// Commits the session's transaction. A commit whose outcome is unknown (a network blip) is
+/// retried as it is: the server applies a transaction's commit at most once.
+async fn commit_with_retries(session: &mut ClientSession) -> std::result::Result<(), Abort> {
+    let mut unknown = 0;
+    loop {
+        match session.commit_transaction().await {
+            Ok(()) => break,
+            Err(e) if e.contains_label("UnknownTransactionCommitResult") && unknown < 3 => {
+                unknown += 1;
+            }
+            Err(e) => return Err(Error::from(e).into()),
+        }
+    }
+    Ok(())
 }
