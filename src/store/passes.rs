@@ -45,6 +45,39 @@ pub struct DeletionRules {
     pub known_since: Option<DateTime<Utc>>,
 }
 
+impl DeletionRules {
+    /// Why a finished pass with this coverage and error rate removes nothing; `None` when it
+    /// may.
+    fn skipped(&self, coverage: f64, error_rate: f64) -> Option<String> {
+        if !self.enabled {
+            Some("this incremental mode does not read every listing page".to_owned())
+        } else if coverage < self.min_coverage {
+            Some(format!(
+                "listing coverage {:.1}% is under {:.1}%",
+                coverage * 100.0,
+                self.min_coverage * 100.0
+            ))
+        } else if error_rate > self.max_error_rate {
+            Some(format!(
+                "error rate {:.1}% is over {:.1}%",
+                error_rate * 100.0,
+                self.max_error_rate * 100.0
+            ))
+        } else {
+            None
+        }
+    }
+}
+
+/// `part / whole`, 0 of nothing.
+fn share(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
 /// A pass's figures when it ended.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PassEnd {
@@ -287,16 +320,8 @@ impl Passes<'_> {
                 lists += self.unreached_lists(bot, pass, since).await?;
             }
         }
-        let coverage = if lists == 0 {
-            0.0
-        } else {
-            lists_done as f64 / lists as f64
-        };
-        let error_rate = if all == 0 {
-            0.0
-        } else {
-            failed as f64 / all as f64
-        };
+        let coverage = share(lists_done, lists);
+        let error_rate = share(failed, all);
         if !progress.is_finished() {
             // Work appeared between the caller's look and this count (a retry came due, say):
             // the pass goes on; nothing is recorded.
@@ -312,41 +337,8 @@ impl Passes<'_> {
                 finished: false,
             });
         }
-        let deletion_skipped = if !rules.enabled {
-            Some("this incremental mode does not read every listing page".to_owned())
-        } else if coverage < rules.min_coverage {
-            Some(format!(
-                "listing coverage {:.1}% is under {:.1}%",
-                coverage * 100.0,
-                rules.min_coverage * 100.0
-            ))
-        } else if error_rate > rules.max_error_rate {
-            Some(format!(
-                "error rate {:.1}% is over {:.1}%",
-                error_rate * 100.0,
-                rules.max_error_rate * 100.0
-            ))
-        } else {
-            None
-        };
-        // A last pass evaluated by a version before the manifests (no `evaluation` field), or
-        // whose upgrade sweep never finished, calls for the upgrade's sweep.
-        let previous = self
-            .store
-            .bounded(
-                "read the last pass",
-                self.store
-                    .bots
-                    .find_one(doc! { field::ID: bot.as_str() })
-                    .projection(doc! { field::CRAWL_LAST_PASS: 1 }),
-            )
-            .await?;
-        let sweep = previous
-            .as_ref()
-            .and_then(|b| b.get_document(field::CRAWL_LAST_PASS).ok())
-            .is_some_and(|last| {
-                !last.contains_key("evaluation") || last.get_bool("sweep") == Ok(true)
-            });
+        let deletion_skipped = rules.skipped(coverage, error_rate);
+        let sweep = self.needs_sweep(bot).await?;
         let summary = doc! {
             "sweep": sweep,
             "pass": pass,
@@ -361,22 +353,7 @@ impl Passes<'_> {
             "evaluatingBy": me.as_str(),
             "evaluatingUntil": date(super::plus(now, self.evaluation_claim())),
         };
-        let filter = doc! {
-            field::ID: bot.as_str(),
-            field::CRAWL_PASS: pass,
-            field::CRAWL_PASS_ENDED_AT: Bson::Null,
-        };
-        let mut set = doc! { field::CRAWL_LAST_PASS: summary };
-        if let Some(started) = started_at {
-            set.insert(field::CRAWL_LAST_RUN_AT, date(started));
-        }
-        let update = doc! { "$set": set, "$currentDate": { field::CRAWL_PASS_ENDED_AT: true } };
-        let recorded = self
-            .store
-            .bounded("finish pass", self.store.bots.update_one(filter, update))
-            .await?
-            .modified_count
-            == 1;
+        let recorded = self.record_end(bot, pass, summary, started_at).await?;
         tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), recorded, "pass end: recorded");
         // The evaluation only by the instance whose write ended the pass: that write proves the
         // pass was still the bot's current one and complete. (An instance still working on a
@@ -400,6 +377,54 @@ impl Passes<'_> {
             recorded,
             finished: true,
         })
+    }
+
+    /// Whether the last pass was evaluated by a version before the manifests (no `evaluation`
+    /// field), or its upgrade sweep never finished: then this evaluation sweeps.
+    async fn needs_sweep(self, bot: &BotId) -> Result<bool> {
+        let previous = self
+            .store
+            .bounded(
+                "read the last pass",
+                self.store
+                    .bots
+                    .find_one(doc! { field::ID: bot.as_str() })
+                    .projection(doc! { field::CRAWL_LAST_PASS: 1 }),
+            )
+            .await?;
+        Ok(previous
+            .as_ref()
+            .and_then(|b| b.get_document(field::CRAWL_LAST_PASS).ok())
+            .is_some_and(|last| {
+                !last.contains_key("evaluation") || last.get_bool("sweep") == Ok(true)
+            }))
+    }
+
+    /// Ends pass `pass` with its report `summary` — if it is still the bot's current pass and not
+    /// ended: true for the one write that did.
+    async fn record_end(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        summary: Document,
+        started_at: Option<DateTime<Utc>>,
+    ) -> Result<bool> {
+        let filter = doc! {
+            field::ID: bot.as_str(),
+            field::CRAWL_PASS: pass,
+            field::CRAWL_PASS_ENDED_AT: Bson::Null,
+        };
+        let mut set = doc! { field::CRAWL_LAST_PASS: summary };
+        if let Some(started) = started_at {
+            set.insert(field::CRAWL_LAST_RUN_AT, date(started));
+        }
+        let update = doc! { "$set": set, "$currentDate": { field::CRAWL_PASS_ENDED_AT: true } };
+        Ok(self
+            .store
+            .bounded("finish pass", self.store.bots.update_one(filter, update))
+            .await?
+            .modified_count
+            == 1)
     }
 
     /// Listing pages (and seeds) read since `since` that pass `pass` did not enqueue: their
