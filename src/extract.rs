@@ -115,11 +115,7 @@ impl LinkRules {
     /// Why `url` is not followed: out of scope (its `host:port`), not matched by `allow`, or
     /// matched by a `deny` pattern; `None` when it is followed.
     pub fn refusal(&self, url: &NormalizedUrl) -> Option<String> {
-        let parsed = url.to_url();
-        let Some(host) = parsed.host_str() else {
-            return Some("no host".into());
-        };
-        let port = parsed.port_or_known_default().unwrap_or(0);
+        let (host, port) = url.host_and_port();
         let here = format!("{host}:{port}");
         let in_scope = self
             .scope

@@ -179,12 +179,14 @@ pub fn sha256_hex(chunks: &[&[u8]], bytes: usize) -> String {
     for chunk in chunks {
         hasher.update(chunk);
     }
-    hasher
-        .finalize()
-        .iter()
-        .take(bytes)
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let digest = hasher.finalize();
+    let mut out = String::with_capacity(2 * bytes.min(digest.len()));
+    for b in digest.iter().take(bytes) {
+        out.push(char::from(HEX[usize::from(b >> 4)]));
+        out.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+    out
 }
 
 #[cfg(test)]

@@ -109,12 +109,26 @@ impl NormalizedUrl {
     /// `host:port`, the port spelled out even when it is the scheme's default: the unit that
     /// flow control limits and robots.txt covers.
     pub fn host_port(&self) -> String {
-        let url = self.to_url();
-        format!(
-            "{}:{}",
-            url.host_str().unwrap_or_default(),
-            url.port_or_known_default().unwrap_or(0)
-        )
+        let (host, port) = self.host_and_port();
+        format!("{host}:{port}")
+    }
+
+    /// The host (an IPv6 address in brackets, as `Url::host_str` has it) and the port, the
+    /// scheme's default when none is written — read off the normalized text, which is
+    /// `scheme://host[:port]/…` with no credentials (see [`NormalizedUrl::parse_with`]), without
+    /// parsing it again.
+    pub fn host_and_port(&self) -> (&str, u16) {
+        let (scheme, rest) = self.0.split_once("://").unwrap_or(("http", &self.0));
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let authority = &rest[..end];
+        // A port follows the last ':' outside an IPv6 address's brackets.
+        let port_at = authority
+            .rfind(':')
+            .filter(|at| !authority[*at..].contains(']'));
+        match port_at.and_then(|at| Some((at, authority[at + 1..].parse::<u16>().ok()?))) {
+            Some((at, port)) => (&authority[..at], port),
+            None => (authority, if scheme == "https" { 443 } else { 80 }),
+        }
     }
 
     /// `scheme://host[:port]` (where robots.txt lives).
@@ -175,6 +189,30 @@ mod tests {
             "http://u:p@h/",
         ] {
             assert!(NormalizedUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn host_and_port_read_off_the_text_agree_with_the_parser() {
+        for raw in [
+            "http://example.com/a",
+            "https://example.com/a?x=1",
+            "http://h:8000/p",
+            "https://h:443/p",
+            "http://[::1]:8080/x",
+            "https://[2001:db8::1]/x",
+            "http://127.0.0.1/",
+            "http://xn--bcher-kva.example/",
+        ] {
+            let url = NormalizedUrl::parse(raw).unwrap();
+            let parsed = url.to_url();
+            let expected = (
+                parsed.host_str().unwrap().to_owned(),
+                parsed.port_or_known_default().unwrap(),
+            );
+            let (host, port) = url.host_and_port();
+            assert_eq!((host.to_owned(), port), expected, "{raw}");
+            assert_eq!(url.host_port(), format!("{}:{}", expected.0, expected.1));
         }
     }
 
