@@ -5,26 +5,50 @@
 //! or one transaction, with `crawl.transactions`. A commit that fails for a transient reason is
 //! retried with the pages kept (never fetched again), while their leases last.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::{debug, warn};
 
-use super::settle::Settled;
-use super::{Crawler, PageResult};
+use super::settle::{PageResult, Settled};
+use super::shared::Shared;
 use crate::error::Result;
 use crate::store::records::{Committed, PageCommit, RecordWrite};
 
 /// Attempts of one batch's commit when the database fails transiently.
 const COMMIT_ATTEMPTS: u32 = 5;
 
-impl Crawler {
+/// The commit stage: how the group commit is sent, and the records it stored.
+pub struct Committer {
+    shared: Arc<Shared>,
+    /// Resolved `crawl.transactions`: each batch is one transaction.
+    transactions: bool,
+    /// Records stored (requests per stored record is seed 000's health signal).
+    records: AtomicU64,
+}
+
+impl Committer {
+    pub fn new(shared: Arc<Shared>, transactions: bool) -> Self {
+        Self {
+            shared,
+            transactions,
+            records: AtomicU64::new(0),
+        }
+    }
+
+    /// Records stored so far.
+    pub fn records(&self) -> u64 {
+        self.records.load(Ordering::Relaxed)
+    }
+
     /// The commit step: one group commit of `batch`. Returns what became of each page, in
     /// order.
-    pub async fn commit_step(&self, batch: &[&Settled]) -> Result<Vec<Committed>> {
-        if !self.limits.store_delay.is_zero() {
+    pub async fn step(&self, batch: &[&Settled]) -> Result<Vec<Committed>> {
+        if !self.shared.limits.store_delay.is_zero() {
             // A slow database, for tests: as slow per page as the setting says.
             let pages = u32::try_from(batch.len()).unwrap_or(u32::MAX);
-            tokio::time::sleep(self.limits.store_delay * pages).await;
+            tokio::time::sleep(self.shared.limits.store_delay * pages).await;
         }
         let pages: Vec<PageCommit<'_>> = batch
             .iter()
@@ -38,8 +62,9 @@ impl Crawler {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let now = self.clock.now();
+            let now = self.shared.clock.now();
             match self
+                .shared
                 .store
                 .records()
                 .commit_batch(&pages, now, self.transactions)
@@ -53,7 +78,7 @@ impl Crawler {
                         && attempt < COMMIT_ATTEMPTS
                         && batch.iter().all(|s| s.lease.expires_at > now) =>
                 {
-                    warn!(bot = %self.bot, error = %e, pages = batch.len(), attempt, "commit failed; retrying with the pages kept");
+                    warn!(bot = %self.shared.bot, error = %e, pages = batch.len(), attempt, "commit failed; retrying with the pages kept");
                     tokio::time::sleep(crate::backoff::full_jitter(
                         Duration::from_millis(50),
                         Duration::from_secs(2),
@@ -67,7 +92,7 @@ impl Crawler {
     }
 
     /// Counts a committed page in the metrics (and the log).
-    pub(super) fn account(&self, settled: &Settled, committed: &Committed) {
+    pub fn account(&self, settled: &Settled, committed: &Committed) {
         match committed {
             Committed::Settled(write) => {
                 let Some(result) = &settled.result else {
@@ -79,23 +104,46 @@ impl Crawler {
                     }
                     other => other.clone(),
                 };
-                self.metrics
-                    .page_crawled(&self.bot, super::page_result_label(&result));
+                self.shared
+                    .metrics
+                    .page_crawled(&self.shared.bot, page_result_label(&result));
                 if let PageResult::Stored(write) = &result {
-                    self.records
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    self.metrics
-                        .record_written(&self.bot, super::write_label(*write));
+                    self.records.fetch_add(1, Ordering::Relaxed);
+                    self.shared
+                        .metrics
+                        .record_written(&self.shared.bot, write_label(*write));
                 }
-                debug!(bot = %self.bot, url = %settled.lease.url, kind = settled.lease.kind.as_str(), ?result, "page crawled");
+                debug!(bot = %self.shared.bot, url = %settled.lease.url, kind = settled.lease.kind.as_str(), ?result, "page crawled");
             }
             Committed::UrlLeaseLost(_) => {
-                self.metrics.url_lease_lost(&self.bot);
-                warn!(bot = %self.bot, url = %settled.lease.url, "url lease lost; the newer worker's result wins");
+                self.shared.metrics.url_lease_lost(&self.shared.bot);
+                warn!(bot = %self.shared.bot, url = %settled.lease.url, "url lease lost; the newer worker's result wins");
             }
             Committed::Failed(why) => {
-                warn!(bot = %self.bot, url = %settled.lease.url, %why, "page not committed; it is fetched again after its lease");
+                warn!(bot = %self.shared.bot, url = %settled.lease.url, %why, "page not committed; it is fetched again after its lease");
             }
         }
+    }
+}
+
+fn page_result_label(result: &PageResult) -> &'static str {
+    match result {
+        PageResult::Stored(_) => "stored",
+        PageResult::Done => "done",
+        PageResult::NotModified => "not_modified",
+        PageResult::Skipped => "skipped",
+        PageResult::Gone => "gone",
+        PageResult::Retry => "retry",
+        PageResult::Failed(_) => "failed",
+    }
+}
+
+fn write_label(write: RecordWrite) -> &'static str {
+    match write {
+        RecordWrite::Inserted => "inserted",
+        RecordWrite::Changed => "changed",
+        RecordWrite::Unchanged => "unchanged",
+        RecordWrite::Restored => "restored",
+        RecordWrite::Superseded => "superseded",
     }
 }

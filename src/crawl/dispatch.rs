@@ -1,51 +1,34 @@
-//! Dispatch and fetch: leased URLs wait in per-host queues (seeds and listing pages at the
-//! front) until their host's limiter admits them ([`Flow::try_admit`](crate::flow::Flow::try_admit), with the host's fair
-//! share of the fetch slots) and a fetch slot and an uncommitted-page permit are free; then one
-//! task per URL reads robots.txt (once per host) and fetches the page.
+//! The dispatch stage: leased URLs wait in per-host queues, in the order they came, until
+//! their host's limiter admits them ([`Flow::try_admit`], with the host's fair share of the
+//! fetch slots) and a fetch slot and an uncommitted-page permit are free; [`Dispatcher::step`]
+//! hands them to the fetch stage (`crawl::fetch`).
 //!
-//! [`HostQueues`] is shared with the settle stage, which puts the links it leased on enqueue
-//! straight into it: room is counted here, per host ([`Flow::queue_target`](crate::flow::Flow::queue_target)) and in all (at most
-//! `crawl.host_queue` URLs waiting), with room *reserved* for links whose enqueue is on its way.
+//! [`HostQueues`] is shared with the lease and follow stages, which put the URLs they lease
+//! into it: room is counted here, per host ([`QueueSizing::target`]) and in all (at most
+//! `crawl.host_queue` URLs waiting), with room *reserved* for links whose enqueue is on its
+//! way.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::debug;
 
-use super::Crawler;
-use crate::crawl::stages::Ticket;
-use crate::fetch::{next_hop, FetchOutcome, Validators};
-use crate::flow::robots::Verdict;
-use crate::flow::{Admission, Busy, HostPermit, Signal};
-use crate::store::frontier::{PageKind, UrlLease};
-use crate::urls::NormalizedUrl;
+use super::shared::Shared;
+use super::stages::Ticket;
+use crate::flow::robots::RobotsCache;
+use crate::flow::{Admission, Busy, Flow, HostPermit};
+use crate::store::frontier::UrlLease;
 
 /// How far ahead a host's queue is filled: enough URLs for this long at its pace.
 const QUEUE_HORIZON: Duration = Duration::from_millis(100);
 /// At most this much is added to the horizon for slow lease rounds (a database that takes
 /// seconds to answer does not make every host's queue hold seconds of work).
 const MAX_ROUND_ALLOWANCE: Duration = Duration::from_millis(400);
-
-/// A fetch stage's answer for one leased URL.
-#[derive(Debug)]
-pub enum Fetched {
-    Outcome(FetchOutcome),
-    /// robots.txt disallows the URL.
-    Disallowed,
-    /// robots.txt could not be read: the host is paused and the URL goes back without an
-    /// attempt counted.
-    HostPaused {
-        wait: Duration,
-        reason: String,
-    },
-    /// Shutdown came first: the URL goes back.
-    Released,
-}
 
 /// A leased URL waiting for its host.
 #[derive(Debug)]
@@ -223,80 +206,52 @@ impl HostQueues {
     }
 }
 
-impl Crawler {
+/// The dispatch stage: which queued URLs go to a fetch now.
+pub struct Dispatcher {
+    shared: Arc<Shared>,
+    /// Whose rules are read: until a host's are, it gets one request at a time.
+    robots: Arc<RobotsCache>,
+}
+
+/// What a dispatch turn works with: the fetch slots and uncommitted-page permits it takes
+/// from, the time (the server's, for lease expiry), and whether the database has cut this
+/// instance off (then nothing starts).
+pub struct Turn<'a> {
+    pub slots: &'a Arc<Semaphore>,
+    pub uncommitted: &'a Arc<Semaphore>,
+    pub server_now: DateTime<Utc>,
+    pub now: Instant,
+    pub cut_off: bool,
+}
+
+impl Dispatcher {
+    pub fn new(shared: Arc<Shared>, robots: Arc<RobotsCache>) -> Self {
+        Self { shared, robots }
+    }
+
     /// One dispatch turn: for each host with URLs waiting, while its limiter admits (within its
     /// fair share of the fetch slots) and a fetch slot and an uncommitted-page permit are free,
     /// the front URL goes to a fetch. A URL whose lease ran out while it waited (a stopped
     /// process, a long Crawl-delay) is dropped unfetched before it takes a slot — it may be
     /// another worker's already; whoever leases it next fetches it. A paused host's URLs are
     /// taken out, to be given back until the pause ends.
-    pub fn dispatch_step(
-        &self,
-        queues: &HostQueues,
-        slots: &std::sync::Arc<tokio::sync::Semaphore>,
-        uncommitted: &std::sync::Arc<tokio::sync::Semaphore>,
-        server_now: DateTime<Utc>,
-        now: Instant,
-        cut_off: bool,
-    ) -> DispatchStep {
+    pub fn step(&self, queues: &HostQueues, turn: Turn<'_>) -> DispatchStep {
         let mut step = DispatchStep::default();
         let hosts = queues.hosts();
         let share = self
+            .shared
             .flow
-            .fair_share(self.limits.workers, hosts.iter().map(String::as_str));
+            .fair_share(self.shared.limits.workers, hosts.iter().map(String::as_str));
         let mut inner = queues.lock();
         let mut removed = 0;
-        'hosts: for host in hosts {
+        for host in hosts {
             let Some(queue) = inner.hosts.get_mut(&host) else {
                 continue;
             };
-            while let Some(front) = queue.items.front() {
-                if server_now >= front.lease.expires_at {
-                    let item = queue.items.pop_front().expect("front exists");
-                    debug!(bot = %self.bot, url = %item.lease.url, "lease expired while queued; not fetched");
-                    self.metrics.url_lease_lost(&self.bot);
-                    step.expired += 1;
-                    removed += 1;
-                    continue;
-                }
-                // Cut off from the database: nothing new starts (the queued leases run out here).
-                if cut_off {
-                    break;
-                }
-                // Until its robots.txt is read, one request at a time: its Crawl-delay must
-                // space the first requests too (an instance joining a running pass).
-                if !self.robots.known(&front.lease.url) && self.flow.in_flight(&host) > 0 {
-                    break;
-                }
-                let Ok(slot) = slots.clone().try_acquire_owned() else {
-                    break 'hosts;
-                };
-                let Ok(permit) = uncommitted.clone().try_acquire_owned() else {
-                    break 'hosts;
-                };
-                match self
-                    .flow
-                    .try_admit(&host, front.lease.attempt > 1, now, share)
-                {
-                    Admission::Admitted(admitted) => {
-                        let item = queue.items.pop_front().expect("front exists");
-                        removed += 1;
-                        step.started.push((item, admitted, slot, permit));
-                    }
-                    Admission::Wait { why, until } => {
-                        if why == Busy::Paused {
-                            let wait =
-                                until.map_or(Duration::ZERO, |u| u.saturating_duration_since(now));
-                            removed += queue.items.len();
-                            step.paused
-                                .extend(queue.items.drain(..).map(|item| (item, wait)));
-                        }
-                        if let Some(until) = until {
-                            step.wake = Some(step.wake.map_or(until, |w| w.min(until)));
-                        }
-                        break;
-                    }
-                }
+            let (taken, more) = self.host_turn(&host, queue, &turn, share, &mut step);
+            removed += taken;
+            if !more {
+                break;
             }
         }
         inner.queued = inner.queued.saturating_sub(removed);
@@ -311,163 +266,113 @@ impl Crawler {
         step
     }
 
-    /// The fetch stage for one admitted URL: robots.txt, then the page (raced against
-    /// shutdown); the host's limiter learns from the answer. A redirect is followed hop by hop,
-    /// each hop judged before it is requested: out of the bot's scope (or its allow/deny
-    /// patterns) the page fails (`redirect out of scope: HOST`) and that host hears nothing; an
-    /// in-scope hop goes through its host's robots.txt and flow control like any page.
-    pub async fn fetch(
-        &self,
-        lease: &UrlLease,
-        permit: HostPermit,
-        shutdown: &CancellationToken,
-    ) -> Fetched {
-        let mut url = lease.url.clone();
-        let mut permit = permit;
-        // Listing pages are read every pass (their items are the pass's evidence of what
-        // exists); only detail pages are fetched conditionally — and only at the first hop.
-        let mut validators = match lease.kind {
-            PageKind::Detail => lease.validators.clone(),
-            PageKind::List | PageKind::Seed => Validators::default(),
-        };
-        for hop in 0.. {
-            let outcome = match self.fetch_hop(&url, permit, &validators, shutdown).await {
-                Ok(outcome) => outcome,
-                Err(other) => return other,
-            };
-            let FetchOutcome::Redirect { status, to } = outcome else {
-                return Fetched::Outcome(outcome);
-            };
-            if let Err(reason) = next_hop(&self.rules.links, hop, &to) {
-                debug!(bot = %self.bot, from = %url, %to, status, %reason, "redirect not followed");
-                return Fetched::Outcome(FetchOutcome::Permanent { reason });
-            }
-            debug!(bot = %self.bot, from = %url, %to, status, "following a redirect");
-            permit = match self.admit(&to.host_port(), lease, shutdown).await {
-                Some(permit) => permit,
-                None => return Fetched::Released,
-            };
-            url = to;
-            validators = Validators::default();
-        }
-        unreachable!("every hop returns or goes on")
-    }
-
-    /// One request of a fetch, on `url`'s host, whose `permit` it holds: robots.txt, then the
-    /// page. `Err` ends the fetch as it says (disallowed, the host paused, shutdown).
-    async fn fetch_hop(
-        &self,
-        url: &NormalizedUrl,
-        permit: HostPermit,
-        validators: &Validators,
-        shutdown: &CancellationToken,
-    ) -> std::result::Result<FetchOutcome, Fetched> {
-        let host = permit.host().to_owned();
-        match self.robots.check(&self.fetcher, url).await {
-            Verdict::Allowed { crawl_delay } => {
-                if let Some(delay) = crawl_delay {
-                    self.flow.set_crawl_delay(&host, delay);
-                }
-            }
-            Verdict::Disallowed => {
-                permit.finish(Signal::Neutral);
-                return Err(Fetched::Disallowed);
-            }
-            Verdict::Unavailable { reason } => {
-                let wait = self.limits.robots_retry;
-                self.flow.pause(&host, Instant::now() + wait);
-                permit.finish(Signal::Neutral);
-                warn!(bot = %self.bot, %host, %reason, ?wait, "host paused");
-                return Err(Fetched::HostPaused { wait, reason });
-            }
-        }
-        self.requests
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.metrics.page_requested(&self.bot);
-        let started = Instant::now();
-        self.flow.sending(&host, started);
-        let outcome = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => {
-                permit.finish(Signal::Neutral);
-                return Err(Fetched::Released);
-            }
-            outcome = self.fetcher.fetch_one(url, validators) => outcome,
-        };
-        permit.finish(match &outcome {
-            FetchOutcome::Throttled { retry_after, .. } => Signal::Throttled {
-                retry_after: *retry_after,
-            },
-            FetchOutcome::Timeout => Signal::Timeout,
-            // A connection refused or reset says nothing about how much the host can take.
-            FetchOutcome::Transient { reason } if !reason.starts_with("HTTP ") => Signal::Neutral,
-            _ => Signal::Answered {
-                latency: started.elapsed(),
-            },
-        });
-        Ok(outcome)
-    }
-
-    /// Waits until `host`'s limiter admits one more request for a redirect of `lease` (as a
-    /// retry would be: it is the same page's fetch going on). `None` at shutdown, while the host
-    /// is paused, or once the lease has run out (no fetch starts on an expired lease).
-    async fn admit(
+    /// `host`'s part of a dispatch turn (see [`Dispatcher::step`]), into `step`: how many URLs
+    /// it took off the host's queue, and whether other hosts may still start fetches (false
+    /// once the fetch slots or the uncommitted-page permits ran out).
+    fn host_turn(
         &self,
         host: &str,
-        lease: &UrlLease,
-        shutdown: &CancellationToken,
-    ) -> Option<HostPermit> {
-        loop {
-            if self.clock.now() >= lease.expires_at {
-                return None;
+        queue: &mut HostQueue,
+        turn: &Turn<'_>,
+        share: usize,
+        step: &mut DispatchStep,
+    ) -> (usize, bool) {
+        let mut removed = 0;
+        while let Some(front) = queue.items.front() {
+            if turn.server_now >= front.lease.expires_at {
+                let item = queue.items.pop_front().expect("front exists");
+                debug!(bot = %self.shared.bot, url = %item.lease.url, "lease expired while queued; not fetched");
+                self.shared.metrics.url_lease_lost(&self.shared.bot);
+                step.expired += 1;
+                removed += 1;
+                continue;
             }
-            let share = self.flow.fair_share(self.limits.workers, [host]);
-            let wait = match self.flow.try_admit(host, false, Instant::now(), share) {
-                Admission::Admitted(permit) => return Some(permit),
-                Admission::Wait {
-                    why: Busy::Paused, ..
-                } => return None,
-                Admission::Wait { until, .. } => until
-                    .map(|u| u.saturating_duration_since(Instant::now()))
-                    .unwrap_or(Duration::from_millis(20))
-                    .clamp(Duration::from_millis(5), Duration::from_secs(1)),
+            // Cut off from the database: nothing new starts (the queued leases run out here).
+            if turn.cut_off {
+                break;
+            }
+            // Until its robots.txt is read, one request at a time: its Crawl-delay must space
+            // the first requests too (an instance joining a running pass).
+            if !self.robots.known(&front.lease.url) && self.shared.flow.in_flight(host) > 0 {
+                break;
+            }
+            let Ok(slot) = turn.slots.clone().try_acquire_owned() else {
+                return (removed, false);
             };
-            tokio::select! {
-                _ = shutdown.cancelled() => return None,
-                _ = tokio::time::sleep(wait) => {}
+            let Ok(permit) = turn.uncommitted.clone().try_acquire_owned() else {
+                return (removed, false);
+            };
+            let retry = front.lease.attempt > 1;
+            match self.shared.flow.try_admit(host, retry, turn.now, share) {
+                Admission::Admitted(admitted) => {
+                    let item = queue.items.pop_front().expect("front exists");
+                    removed += 1;
+                    step.started.push((item, admitted, slot, permit));
+                }
+                Admission::Wait { why, until } => {
+                    if why == Busy::Paused {
+                        let wait =
+                            until.map_or(Duration::ZERO, |u| u.saturating_duration_since(turn.now));
+                        removed += queue.items.len();
+                        step.paused
+                            .extend(queue.items.drain(..).map(|item| (item, wait)));
+                    }
+                    if let Some(until) = until {
+                        step.wake = Some(step.wake.map_or(until, |w| w.min(until)));
+                    }
+                    break;
+                }
             }
+        }
+        (removed, true)
+    }
+}
+
+/// How many URLs each host's queue holds: enough for [`QUEUE_HORIZON`] of its pace plus two
+/// lease rounds as long as they take here (a moving average the lease stage feeds).
+pub struct QueueSizing {
+    flow: Arc<Flow>,
+    /// `crawl.workers`: the fetch slots the hosts share.
+    workers: usize,
+    /// How long a lease round takes here (µs, a moving average).
+    lease_round_us: AtomicU64,
+}
+
+impl QueueSizing {
+    pub fn new(flow: Arc<Flow>, workers: usize) -> Self {
+        Self {
+            flow,
+            workers,
+            lease_round_us: AtomicU64::new(0),
         }
     }
 
     /// The target queue length of `host` (see [`Flow::queue_target`]).
-    pub(super) fn queue_target(&self, host: &str, queues: &HostQueues) -> usize {
+    pub fn target(&self, host: &str, queues: &HostQueues) -> usize {
         let share = self.flow.fair_share(
-            self.limits.workers,
+            self.workers,
             queues.hosts().iter().map(String::as_str).chain([host]),
         );
-        self.flow.queue_target(host, share, self.queue_horizon())
+        self.flow.queue_target(host, share, self.horizon())
     }
 
     /// How much fetching a host's queue holds: [`QUEUE_HORIZON`], plus two lease rounds as
     /// long as they take here — what the queue must last while the next round is out and the
     /// one after it is sent, so that the database's round trip does not pace fetching (a
     /// database 10 ms away makes a round 30–50 ms).
-    fn queue_horizon(&self) -> Duration {
-        let round = self
-            .lease_round_us
-            .load(std::sync::atomic::Ordering::Relaxed);
+    fn horizon(&self) -> Duration {
+        let round = self.lease_round_us.load(Ordering::Relaxed);
         QUEUE_HORIZON + Duration::from_micros(round.saturating_mul(2)).min(MAX_ROUND_ALLOWANCE)
     }
 
-    /// Counts a lease round's duration into the moving average [`Crawler::queue_horizon`]
-    /// reads.
-    pub(super) fn lease_round_took(&self, took: Duration) {
+    /// Counts a lease round's duration into the moving average [`QueueSizing::horizon`] reads.
+    pub fn lease_round_took(&self, took: Duration) {
         let took = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
-        let _ = self.lease_round_us.fetch_update(
-            std::sync::atomic::Ordering::Relaxed,
-            std::sync::atomic::Ordering::Relaxed,
-            |avg| Some(if avg == 0 { took } else { (avg * 4 + took) / 5 }),
-        );
+        let _ = self
+            .lease_round_us
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
+                Some(if avg == 0 { took } else { (avg * 4 + took) / 5 })
+            });
     }
 }
 
@@ -475,7 +380,9 @@ impl Crawler {
 mod tests {
     use super::*;
     use crate::crawl::stages::Stages;
+    use crate::fetch::Validators;
     use crate::ids::BotId;
+    use crate::store::frontier::PageKind;
     use crate::urls::NormalizedUrl;
 
     fn queued(stages: &Stages, url: &str, kind: PageKind) -> Queued {

@@ -1,6 +1,7 @@
-//! The lease stage: one [`Crawler::lease_step`] is one batched lease round trip — the pending
-//! URLs of the hosts with room in this instance's queues, as many as there is room for, taken in
-//! one conditional `update` ([`Frontier::take_leases`](crate::store::Frontier::take_leases)).
+//! The lease stage: one [`Leaser::step`] is one batched lease round trip — the pending URLs of
+//! the hosts with room in this instance's queues, as many as there is room for, taken in one
+//! conditional `update` ([`Frontier::take_leases`](crate::store::Frontier::take_leases)) — and
+//! [`Rounds`] is when the dispatcher sends the next one.
 //!
 //! Lease queries are per host (`{botId, pass, status: pending, host, …}`), so a slow or paused
 //! host's URLs are never leased, read or skipped while another host has room: leasing cannot
@@ -12,20 +13,26 @@
 //! finds when it knows none or the pass still has work it cannot see.
 //!
 //! Expired leases and those a dead predecessor of this instance id still holds are taken in the
-//! same round trip; retries that came due go back to pending about once a second.
+//! same round trip; retries that came due go back to pending about once a second. A round that
+//! finds nothing, with nothing in flight here, looks whether the pass is over and ends it.
 
-use crate::ids::PassNumber;
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::dispatch::{HostQueues, Queued};
-use super::{Crawler, Pass};
+use super::dispatch::{HostQueues, QueueSizing, Queued};
+use super::pass::Pass;
+use super::shared::{PassMemory, Shared};
 use crate::error::Result;
+use crate::ids::PassNumber;
 use crate::store::frontier::{
-    Candidate, CandidateQuery, PageKind, Priority, Takes, UrlLease, SLOTS,
+    Candidate, CandidateQuery, LeasedEntry, Mark, NewUrl, PageKind, Priority, Takes, UrlLease,
+    SLOTS,
 };
 use crate::store::passes::PassEnd;
 
@@ -64,7 +71,7 @@ pub enum LeaseStep {
 
 /// What the leaser remembers between rounds (per crawler; reset for a new pass).
 #[derive(Debug, Default)]
-pub struct Leaser {
+struct Memory {
     pass: PassNumber,
     /// Pending URLs per slot, per (host, priority), as the last queries found them.
     density: HashMap<(String, i64), f64>,
@@ -83,12 +90,12 @@ pub struct Leaser {
     rotate: usize,
 }
 
-impl Leaser {
+impl Memory {
     fn start(&mut self, pass: PassNumber) {
         if self.pass != pass {
-            *self = Leaser {
+            *self = Memory {
                 pass,
-                ..Leaser::default()
+                ..Memory::default()
             };
         }
     }
@@ -152,116 +159,184 @@ impl Leaser {
     }
 }
 
-impl Crawler {
+/// The shortest and longest pause between lease rounds that keep finding nothing while pages
+/// are in flight (the wait doubles from one to the other; a lease, a settled page or new work
+/// ends it).
+const DRY_SPELL_MIN: Duration = Duration::from_millis(20);
+const DRY_SPELL_MAX: Duration = Duration::from_millis(500);
+/// A slice in which lease rounds keep finding the pass idle (and nothing is in flight) ends
+/// after this.
+const IDLE_END: Duration = Duration::from_secs(2);
+
+/// The leaser's state across the dispatcher's turns: the lease round out (one at a time), the
+/// dry spell and how long the pass has looked idle here.
+#[derive(Default)]
+pub(super) struct Rounds {
+    pub(super) round: Option<BoxFuture<'static, Result<LeaseStep>>>,
+    /// `Slice::new_work` when the round out now was sent, and when the dispatcher last looked.
+    sent_at_work: u64,
+    work_seen: u64,
+    /// No new lease round before this (a dry spell: the last ones found nothing while pages
+    /// were in flight — every pending URL taken, the next listing page not read yet). Without
+    /// it every instance re-queries as fast as the database answers, and the database spends
+    /// itself answering "nothing" (measured: 5 instances, 600 ops/s, 7 pages/s on the test
+    /// server). A lease, a settled page or new work ends it.
+    pub(super) dry: Option<Instant>,
+    dry_spell: Duration,
+    /// Since when lease rounds have found the pass idle here (its URLs leased by others, or
+    /// waiting for a retry time): they go on at the longest dry spell, and the slice ends idle
+    /// after `IDLE_END` of it with nothing in flight (the coordinator looks at the bot document,
+    /// then crawls on).
+    idle_since: Option<Instant>,
+    /// Pages were in flight at the last turn: when the pipeline drains, the pass may be over.
+    was_busy: bool,
+}
+
+impl Rounds {
+    /// The slice ends idle: nothing in flight, no round out, and idle rounds for `IDLE_END`.
+    pub(super) fn idle_over(&self, busy: bool) -> bool {
+        !busy
+            && self.round.is_none()
+            && self
+                .idle_since
+                .is_some_and(|since| since.elapsed() >= IDLE_END)
+    }
+
+    /// New pending work here, or nothing left in flight (the pass may be over): the dry spell
+    /// ends. (A committed page alone does not end it: its links were enqueued when it was
+    /// parsed.)
+    pub(super) fn look(&mut self, new_work: u64, busy: bool) {
+        if new_work != self.work_seen || (self.was_busy && !busy) {
+            self.work_seen = new_work;
+            self.dry = None;
+        }
+        self.was_busy = busy;
+    }
+
+    /// A new round goes out: none is out, the host queues have room and want more, and no dry
+    /// spell holds it back.
+    pub(super) fn due(&self, queues: &HostQueues, now: Instant) -> bool {
+        self.round.is_none()
+            && queues.room() > 0
+            && queues.wants_more()
+            && self.dry.is_none_or(|until| now >= until)
+    }
+
+    pub(super) fn send(&mut self, new_work: u64, round: BoxFuture<'static, Result<LeaseStep>>) {
+        self.sent_at_work = new_work;
+        self.round = Some(round);
+    }
+
+    /// A round came back with `step` (not the pass's end): a lease ends any dry spell; a round
+    /// that found nothing starts or doubles one, unless pages settled while it was out (what it
+    /// found may be stale already); an idle pass waits the longest.
+    pub(super) fn landed(&mut self, step: &LeaseStep, new_work: u64) {
+        match step {
+            LeaseStep::Leased(_) => {
+                self.dry = None;
+                self.dry_spell = Duration::ZERO;
+                self.idle_since = None;
+            }
+            LeaseStep::Busy if new_work != self.sent_at_work => self.dry = None,
+            LeaseStep::Busy => {
+                self.dry_spell = (self.dry_spell * 2).clamp(DRY_SPELL_MIN, DRY_SPELL_MAX);
+                self.dry = Some(Instant::now() + self.dry_spell);
+            }
+            LeaseStep::Idle => {
+                self.idle_since.get_or_insert_with(Instant::now);
+                self.dry_spell = DRY_SPELL_MAX;
+                self.dry = Some(Instant::now() + self.dry_spell);
+            }
+            LeaseStep::PassFinished(_) => {}
+        }
+    }
+}
+
+/// The lease stage: what the leaser remembers between rounds, what this instance remembers of
+/// the pass (shared with the follow stage), and the end of the pass, which the leaser finds.
+pub struct Leaser {
+    shared: Arc<Shared>,
+    memory: Arc<PassMemory>,
+    sizing: Arc<QueueSizing>,
+    /// One lease round at a time.
+    rounds: tokio::sync::Mutex<Memory>,
+    /// Held by the round that is ending a pass.
+    finishing: tokio::sync::Mutex<()>,
+    /// Leases this instance id took before this are a dead predecessor's: reclaimed at once.
+    started_at: DateTime<Utc>,
+}
+
+/// The URLs a round may take besides the pending ones: leases past their expiry, and those of
+/// dead processes (`true`: reclaimed by their token).
+type Takeovers = Vec<(LeasedEntry, bool)>;
+
+impl Leaser {
+    pub fn new(
+        shared: Arc<Shared>,
+        memory: Arc<PassMemory>,
+        sizing: Arc<QueueSizing>,
+        started_at: DateTime<Utc>,
+    ) -> Self {
+        Self {
+            shared,
+            memory,
+            sizing,
+            rounds: Default::default(),
+            finishing: Default::default(),
+            started_at,
+        }
+    }
+
     /// One lease round: up to the room in this instance's host queues, per host, highest
     /// priority first, leased in one round trip and put into `queues`. Finds the pipeline busy,
     /// the pass idle, or the pass over when there is nothing to lease.
-    pub async fn lease_step(
+    pub async fn step(
         &self,
         pass: &Pass,
         queues: &HostQueues,
         in_pipeline: bool,
     ) -> Result<LeaseStep> {
-        let mut leaser = self.leaser.lock().await;
-        leaser.start(pass.number);
+        let mut memory = self.rounds.lock().await;
+        memory.start(pass.number);
         let now = Instant::now();
         // Retries that came due go back to pending about once a second.
-        if Leaser::due(&mut leaser.last_promotion, Duration::from_secs(1), now) {
-            self.store
-                .frontier()
-                .promote_due(&self.bot, pass.number, self.clock.now())
-                .await?;
-        }
-        let mut hosts = self.pass_hosts(pass.number);
-        if hosts.is_empty() {
-            // The hosts of the seeds and of the scope, to begin with; more are learnt from
-            // what this instance enqueues and leases, and from a `distinct` when the pass has
-            // work on none of them.
-            for host in pass.seed_hosts.iter().chain(&self.rules.links.scope) {
-                if host.contains(':') {
-                    self.note_host(pass.number, host.clone());
-                }
-            }
-            hosts = self.pass_hosts(pass.number);
-        }
-        // Leases past their expiry, and a dead predecessor's (same instance id, taken before
-        // this process started: reclaimed at once): read about once a second, and until no
-        // predecessor's is left. (An idle instance that asked every round would cost the busy
-        // ones a read of every lease of the pass each time.)
-        let mut takeovers = Vec::new();
-        let check =
-            !leaser.reclaimed || Leaser::due(&mut leaser.last_leased_check, LEASED_CHECK, now);
-        if check {
-            let server_now = self.clock.now();
-            let entries = self
+        if Memory::due(&mut memory.last_promotion, Duration::from_secs(1), now) {
+            self.shared
                 .store
                 .frontier()
-                .leased_entries(&self.bot, pass.number)
+                .promote_due(&self.shared.bot, pass.number, self.shared.clock.now())
                 .await?;
-            let dead = self.dead_owners(&entries, server_now).await?;
-            let mut predecessor = false;
-            for entry in entries {
-                let mine = entry.owner.as_deref() == Some(self.me.as_str());
-                let before = entry.leased_at.is_some_and(|t| t < self.started_at);
-                let orphan = entry
-                    .owner
-                    .as_deref()
-                    .and_then(|o| dead.get(o))
-                    .is_some_and(|since| entry.leased_at.is_none_or(|at| at < *since));
-                let late = mine
-                    && entry
-                        .token
-                        .as_ref()
-                        .is_some_and(|t| leaser.abandoned.contains(t));
-                let reclaim = (mine && (before || late)) || orphan;
-                predecessor |= reclaim;
-                if reclaim || entry.expires_at.is_some_and(|t| t <= server_now) {
-                    hosts.insert(entry.host.clone());
-                    takeovers.push((entry, reclaim));
-                }
-            }
-            leaser.reclaimed = !predecessor;
         }
+        let mut hosts = self.pass_hosts(pass);
+        let takeovers = self.takeovers(&mut memory, pass, &mut hosts, now).await?;
         let paused: HashSet<String> = self
+            .shared
             .flow
             .paused_hosts(now)
             .into_iter()
             .map(|(h, _)| h)
             .collect();
-        // Room per host, reserved for this round's leases.
-        let mut rooms: Vec<(String, usize)> = Vec::new();
-        let order: Vec<&String> = hosts.iter().collect();
-        let start = leaser.rotate % order.len().max(1);
-        leaser.rotate = leaser.rotate.wrapping_add(1);
-        for host in order.iter().cycle().skip(start).take(order.len()) {
-            if paused.contains(*host) || rooms.len() >= HOSTS_PER_ROUND {
-                continue;
-            }
-            let target = self.queue_target(host, queues);
-            let room = queues.reserve(host, usize::MAX, target);
-            tracing::trace!(host = %host, target, room, queued = queues.len(), all = queues.room(), "room");
-            if room > 0 {
-                rooms.push(((*host).clone(), room));
-            }
-        }
+        let rooms = self.rooms(&mut memory, &hosts, &paused, queues);
         let t0 = Instant::now();
         let result = self
-            .lease_into(&mut leaser, pass, queues, &rooms, takeovers)
+            .lease_into(&mut memory, pass, queues, &rooms, takeovers)
             .await;
         tracing::trace!(rooms = ?rooms, took = ?t0.elapsed(), leased = ?result.as_ref().ok(), "lease round");
         if result.is_ok() && !rooms.is_empty() {
-            self.lease_round_took(t0.elapsed());
+            self.sizing.lease_round_took(t0.elapsed());
         }
         for (host, room) in &rooms {
             queues.unreserve(host, *room);
         }
         let leased = result?;
-        self.metrics.lease_query(&self.bot, leased > 0);
+        self.shared
+            .metrics
+            .lease_query(&self.shared.bot, leased > 0);
         if leased > 0 {
             return Ok(LeaseStep::Leased(leased));
         }
-        let refresh = Leaser::due(&mut leaser.last_hosts_refresh, HOSTS_REFRESH, now);
-        drop(leaser);
+        let refresh = Memory::due(&mut memory.last_hosts_refresh, HOSTS_REFRESH, now);
+        drop(memory);
         self.nothing_to_lease(
             pass,
             in_pipeline,
@@ -271,6 +346,97 @@ impl Crawler {
         .await
     }
 
+    /// The hosts this instance knows to have work in the pass — to begin with, those of the
+    /// seeds and of the scope; more are learnt from what this instance enqueues and leases, and
+    /// from a `distinct` when the pass has work on none of them.
+    fn pass_hosts(&self, pass: &Pass) -> BTreeSet<String> {
+        let hosts = self.memory.hosts(pass.number);
+        if !hosts.is_empty() {
+            return hosts;
+        }
+        for host in pass.seed_hosts.iter().chain(&self.shared.rules.links.scope) {
+            if host.contains(':') {
+                self.memory.note_host(pass.number, host.clone());
+            }
+        }
+        self.memory.hosts(pass.number)
+    }
+
+    /// Leases past their expiry, and a dead predecessor's (same instance id, taken before this
+    /// process started: reclaimed at once) or a dead owner's: read about once a second, and
+    /// until no predecessor's is left. (An idle instance that asked every round would cost the
+    /// busy ones a read of every lease of the pass each time.) Their hosts join `hosts`.
+    async fn takeovers(
+        &self,
+        memory: &mut Memory,
+        pass: &Pass,
+        hosts: &mut BTreeSet<String>,
+        now: Instant,
+    ) -> Result<Takeovers> {
+        let mut takeovers = Vec::new();
+        if memory.reclaimed && !Memory::due(&mut memory.last_leased_check, LEASED_CHECK, now) {
+            return Ok(takeovers);
+        }
+        let server_now = self.shared.clock.now();
+        let entries = self
+            .shared
+            .store
+            .frontier()
+            .leased_entries(&self.shared.bot, pass.number)
+            .await?;
+        let dead = self.dead_owners(&entries, server_now).await?;
+        let mut predecessor = false;
+        for entry in entries {
+            let mine = entry.owner.as_deref() == Some(self.shared.me.as_str());
+            let before = entry.leased_at.is_some_and(|t| t < self.started_at);
+            let orphan = entry
+                .owner
+                .as_deref()
+                .and_then(|o| dead.get(o))
+                .is_some_and(|since| entry.leased_at.is_none_or(|at| at < *since));
+            let late = mine
+                && entry
+                    .token
+                    .as_ref()
+                    .is_some_and(|t| memory.abandoned.contains(t));
+            let reclaim = (mine && (before || late)) || orphan;
+            predecessor |= reclaim;
+            if reclaim || entry.expires_at.is_some_and(|t| t <= server_now) {
+                hosts.insert(entry.host.clone());
+                takeovers.push((entry, reclaim));
+            }
+        }
+        memory.reclaimed = !predecessor;
+        Ok(takeovers)
+    }
+
+    /// Room per host with room (at most [`HOSTS_PER_ROUND`], taking turns), reserved for this
+    /// round's leases.
+    fn rooms(
+        &self,
+        memory: &mut Memory,
+        hosts: &BTreeSet<String>,
+        paused: &HashSet<String>,
+        queues: &HostQueues,
+    ) -> Vec<(String, usize)> {
+        let mut rooms: Vec<(String, usize)> = Vec::new();
+        let order: Vec<&String> = hosts.iter().collect();
+        let start = memory.rotate % order.len().max(1);
+        memory.rotate = memory.rotate.wrapping_add(1);
+        for host in order.iter().cycle().skip(start).take(order.len()) {
+            if paused.contains(*host) || rooms.len() >= HOSTS_PER_ROUND {
+                continue;
+            }
+            let target = self.sizing.target(host, queues);
+            let room = queues.reserve(host, usize::MAX, target);
+            tracing::trace!(host = %host, target, room, queued = queues.len(), all = queues.room(), "room");
+            if room > 0 {
+                rooms.push(((*host).clone(), room));
+            }
+        }
+        rooms
+    }
+
     /// Among the owners of `entries` other than this instance, those whose process is gone:
     /// its registration expired (no heartbeat for `lock.ttl`), or another process took the id
     /// over. Each maps to the time before which its leases are a dead process's (a taken-over
@@ -278,27 +444,27 @@ impl Crawler {
     /// expired; an owner without a registration is left to its lease's expiry.
     async fn dead_owners(
         &self,
-        entries: &[crate::store::frontier::LeasedEntry],
-        server_now: chrono::DateTime<chrono::Utc>,
-    ) -> Result<HashMap<String, chrono::DateTime<chrono::Utc>>> {
+        entries: &[LeasedEntry],
+        server_now: DateTime<Utc>,
+    ) -> Result<HashMap<String, DateTime<Utc>>> {
         let mut owners: Vec<&str> = entries
             .iter()
             .filter(|e| e.expires_at.is_some_and(|t| t > server_now))
             .filter_map(|e| e.owner.as_deref())
-            .filter(|o| *o != self.me.as_str())
+            .filter(|o| *o != self.shared.me.as_str())
             .collect();
         owners.sort_unstable();
         owners.dedup();
         if owners.is_empty() {
             return Ok(HashMap::new());
         }
-        let registrations = self.store.instances().registrations(&owners).await?;
+        let registrations = self.shared.store.instances().registrations(&owners).await?;
         Ok(registrations
             .into_iter()
             .filter_map(|(id, p)| {
                 if p.expires_at.is_none_or(|t| t <= server_now) {
                     // Every lease it took is a dead process's.
-                    Some((id, chrono::DateTime::<chrono::Utc>::MAX_UTC))
+                    Some((id, DateTime::<Utc>::MAX_UTC))
                 } else {
                     // Taken over: the leases its predecessor took before this process started.
                     p.started_at.map(|started| (id, started))
@@ -308,258 +474,184 @@ impl Crawler {
     }
 
     /// The round trips of a round: candidates of every host with room (one query per level,
-    /// all at once), expired and reclaimable leases, then the take. Returns how many were
-    /// leased (and queued).
+    /// all at once), then the take of those, the expired and the reclaimable. Returns how many
+    /// were leased (and queued).
     async fn lease_into(
         &self,
-        leaser: &mut Leaser,
+        memory: &mut Memory,
         pass: &Pass,
         queues: &HostQueues,
         rooms: &[(String, usize)],
-        takeovers: Vec<(crate::store::frontier::LeasedEntry, bool)>,
+        takeovers: Takeovers,
     ) -> Result<usize> {
-        let server_now = self.clock.now();
-        let mut queries = Vec::new();
-        for (host, room) in rooms {
-            // Levels above the lowest are few (seeds, listing pages): one range query, unless
-            // one of them turned out dense here (then each is asked for by slot).
-            let dense = self.levels.iter().any(|level| {
-                leaser
-                    .density
-                    .get(&(host.clone(), *level))
-                    .is_some_and(|d| d * f64::from(SLOTS) > SPARSE)
-            });
-            if dense {
-                for level in &self.levels {
-                    queries.push(leaser.query(host, Priority::Exactly(*level), *level, *room));
-                }
-            } else if !self.levels.is_empty() {
-                queries.push(leaser.query(
-                    host,
-                    Priority::Above(self.lowest),
-                    self.levels[0],
-                    *room,
-                ));
-            }
-            queries.push(leaser.query(host, Priority::Exactly(self.lowest), self.lowest, *room));
-        }
+        let server_now = self.shared.clock.now();
+        let queries = self.queries(memory, rooms);
         let found = self
+            .shared
             .store
             .frontier()
-            .lease_candidates(&self.bot, pass.number, &queries)
+            .lease_candidates(&self.shared.bot, pass.number, &queries)
             .await?;
         for (query, found) in queries.iter().zip(&found) {
-            leaser.learn(query, &self.levels, found);
-        }
-        // Per host: the highest priorities first, up to its room.
-        let room_of: HashMap<&str, usize> = rooms.iter().map(|(h, r)| (h.as_str(), *r)).collect();
-        let mut by_host: HashMap<&str, Vec<Candidate>> = HashMap::new();
-        for candidate in found.into_iter().flatten() {
-            by_host
-                .entry(
-                    rooms
-                        .iter()
-                        .find(|(h, _)| *h == candidate.host)
-                        .map_or("", |(h, _)| h.as_str()),
-                )
-                .or_default()
-                .push(candidate);
+            memory.learn(query, &self.shared.levels, found);
         }
         let now = Instant::now();
-        leaser.busy.retain(|_, until| *until > now);
-        let busy = &leaser.busy;
-        let mut pending: Vec<Candidate> = Vec::new();
-        for (host, mut candidates) in by_host {
-            candidates.sort_by_key(|c| std::cmp::Reverse(c.priority));
-            let mut seen = HashSet::new();
-            candidates.retain(|c| !busy.contains_key(&c.id) && seen.insert(c.id.clone()));
-            candidates.truncate(room_of.get(host).copied().unwrap_or(0));
-            pending.extend(candidates);
-        }
-        // Takeovers fit in the room their host has left after its pending URLs.
-        let mut left: HashMap<&str, usize> = room_of.clone();
-        for c in &pending {
-            if let Some(r) = left.get_mut(c.host.as_str()) {
-                *r = r.saturating_sub(1);
-            }
-        }
-        let mut expired = Vec::new();
-        let mut reclaim = Vec::new();
-        for (entry, reclaiming) in takeovers {
-            if busy.contains_key(&entry.id) {
-                continue;
-            }
-            let Some(room) = left.get_mut(entry.host.as_str()).filter(|r| **r > 0) else {
-                continue;
-            };
-            *room -= 1;
-            if reclaiming {
-                if let Some(token) = entry.token {
-                    reclaim.push((entry.id, token));
-                }
-            } else {
-                expired.push(entry.id);
-            }
-        }
+        memory.busy.retain(|_, until| *until > now);
+        let pending = pick_pending(found.into_iter().flatten(), rooms, &memory.busy);
+        let (expired, reclaim) = fit_takeovers(&pending, takeovers, rooms, &memory.busy);
         if pending.is_empty() && expired.is_empty() && reclaim.is_empty() {
             return Ok(0);
         }
+        let takes = Takes {
+            pending: &pending,
+            expired: &expired,
+            reclaim: &reclaim,
+        };
         let taken = self
+            .shared
             .store
             .frontier()
             .take_leases(
-                &self.bot,
+                &self.shared.bot,
                 pass.number,
-                &self.me,
+                &self.shared.me,
                 server_now,
-                self.limits.url_lease,
-                Takes {
-                    pending: &pending,
-                    expired: &expired,
-                    reclaim: &reclaim,
-                },
+                self.shared.limits.url_lease,
+                takes.clone(),
             )
             .await?;
-        if let Some(token) = taken.abandoned {
-            leaser.abandoned.insert(token);
+        if let Some(token) = &taken.abandoned {
+            memory.abandoned.insert(token.clone());
             // Checked every round until none of its entries is left.
-            leaser.reclaimed = false;
+            memory.reclaimed = false;
         }
         if taken.held {
-            // What the write could not take is held by a transaction: other URLs first.
-            let ours: HashSet<&str> = taken.leases.iter().map(|l| l.id.as_str()).collect();
-            let until = Instant::now() + BUSY_FOR;
-            let held = pending
-                .iter()
-                .map(|c| c.id.as_str())
-                .chain(expired.iter().map(String::as_str))
-                .chain(reclaim.iter().map(|(id, _)| id.as_str()))
-                .filter(|id| !ours.contains(id));
-            for id in held {
-                leaser.busy.insert(id.to_owned(), until);
-            }
-            debug!(bot = %self.bot, busy = leaser.busy.len(), "lease write met an open transaction; leasing other URLs");
+            memory.leave_alone(&taken.leases, &takes);
+            debug!(bot = %self.shared.bot, busy = memory.busy.len(), "lease write met an open transaction; leasing other URLs");
         }
         let n = taken.leases.len();
         self.queue_leases(taken.leases, queues).await?;
         Ok(n)
     }
 
+    /// One query per host with room: levels above the lowest are few (seeds, listing pages):
+    /// one range query, unless one of them turned out dense here (then each is asked for by
+    /// slot); the lowest level by slot.
+    fn queries(&self, memory: &Memory, rooms: &[(String, usize)]) -> Vec<CandidateQuery> {
+        let (levels, lowest) = (&self.shared.levels, self.shared.lowest);
+        let mut queries = Vec::new();
+        for (host, room) in rooms {
+            let dense = levels.iter().any(|level| {
+                memory
+                    .density
+                    .get(&(host.clone(), *level))
+                    .is_some_and(|d| d * f64::from(SLOTS) > SPARSE)
+            });
+            if dense {
+                for level in levels {
+                    queries.push(memory.query(host, Priority::Exactly(*level), *level, *room));
+                }
+            } else if !levels.is_empty() {
+                queries.push(memory.query(host, Priority::Above(lowest), levels[0], *room));
+            }
+            queries.push(memory.query(host, Priority::Exactly(lowest), lowest, *room));
+        }
+        queries
+    }
+
     /// Puts leased URLs into the host queues — except a lowest-priority URL that should be shed
-    /// (see [`super::should_shed`]), which is deferred unfetched.
+    /// (see [`Shared::should_shed`]), which is deferred unfetched.
     async fn queue_leases(&self, leases: Vec<UrlLease>, queues: &HostQueues) -> Result<()> {
-        let now = self.clock.now();
+        let now = self.shared.clock.now();
         let mut shed = Vec::new();
         for lease in leases {
             if lease.reclaimed {
-                debug!(bot = %self.bot, url = %lease.url, "reclaimed a dead process's lease");
+                debug!(bot = %self.shared.bot, url = %lease.url, "reclaimed a dead process's lease");
             }
-            if self.should_shed(&lease, now) {
+            if self.shared.should_shed(&lease, now) {
                 shed.push(lease);
             } else {
                 queues.push(Queued {
-                    ticket: self.stages.host_queue.enter(),
+                    ticket: self.shared.stages.host_queue.enter(),
                     lease,
                 });
             }
         }
         if !shed.is_empty() {
-            let until = crate::store::plus(now, self.limits.shed_after);
+            let until = crate::store::plus(now, self.shared.limits.shed_after);
             let marks: Vec<_> = shed
                 .iter()
-                .map(|l| (l, crate::store::frontier::Mark::Shed { not_before: until }))
+                .map(|l| (l, Mark::Shed { not_before: until }))
                 .collect();
-            self.store.frontier().settle_urls(&marks, now).await?;
+            self.shared
+                .store
+                .frontier()
+                .settle_urls(&marks, now)
+                .await?;
             for _ in &shed {
-                self.metrics.shed(&self.bot);
+                self.shared.metrics.shed(&self.shared.bot);
             }
         }
         Ok(())
     }
 
     /// Enqueues the listing pages the last complete pass read into `pass` at its start (where
-    /// the incremental mode reads every listing page): they are read side by side instead of one
-    /// pagination link after the other, and the chain still finds the pages that are new. (A
-    /// listing page that the chain does not reach any more is read as before, when the pass
-    /// would end — see [`Crawler::nothing_to_lease`].)
-    pub(super) async fn enqueue_known_listings(&self, pass: &Pass) -> Result<()> {
-        let (true, Some(since)) = (self.deletion_rules(pass).enabled, pass.last_run_at) else {
+    /// the deletion rules apply): a pagination chain broken this time is mended at once, and
+    /// the pages are read side by side instead of one after the other.
+    pub async fn enqueue_known_listings(&self, pass: &Pass) -> Result<()> {
+        let (true, Some(since)) = (self.shared.deletion_rules(pass).enabled, pass.last_run_at)
+        else {
             return Ok(());
         };
-        let known = self
-            .store
+        let (bot, store) = (&self.shared.bot, &self.shared.store);
+        let known = store
             .passes()
-            .unreached_list_urls(&self.bot, pass.number, since)
+            .unreached_list_urls(bot, pass.number, since)
             .await?;
         if known.is_empty() {
             return Ok(());
         }
         for url in &known {
-            self.note_host(pass.number, url.host_port());
+            self.memory.note_host(pass.number, url.host_port());
         }
-        let links: Vec<crate::store::frontier::NewUrl> = known
+        let links: Vec<NewUrl> = known
             .into_iter()
-            .map(|url| crate::store::frontier::NewUrl {
-                priority: self.priority_of(&url, PageKind::List),
+            .map(|url| NewUrl {
+                priority: self.shared.priority_of(&url, PageKind::List),
                 url,
                 kind: PageKind::List,
                 fingerprint: None,
             })
             .collect();
-        let added = self
-            .store
+        // In the pass once this write lands: a listing page that links to one of them (the next
+        // page of the chain) needs no round trip to enqueue it again — remembered before the
+        // write, so that the chain's hops while it is out do not race it with writes of their
+        // own that it makes duplicates. (Should the write fail, the slice fails and the next one
+        // enqueues them again.)
+        let ids = links
+            .iter()
+            .map(|l| crate::store::frontier::url_id(bot, &l.url));
+        self.memory.remember_enqueued(pass.number, ids.collect());
+        let added = store
             .frontier()
-            .enqueue_urls(&self.bot, pass.number, &links, self.clock.now())
+            .enqueue_urls(bot, pass.number, &links, self.shared.clock.now())
             .await?;
-        // In the pass now: a listing page that links to one of them (the next page of the chain)
-        // needs no round trip to enqueue it again.
-        self.remember_enqueued(
-            pass.number,
-            links
-                .iter()
-                .map(|l| crate::store::frontier::url_id(&self.bot, &l.url))
-                .collect(),
-        );
-        debug!(bot = %self.bot, pass = pass.number.get(), pages = links.len(), added, "the last pass's listing pages enqueued");
+        debug!(%bot, pass = pass.number.get(), pages = links.len(), added, "the last pass's listing pages enqueued");
         Ok(())
     }
 
-    /// Whether this instance enqueued the last pass's listing pages into `pass` (then none can
-    /// be unreached at its end).
-    fn listings_enqueued(&self, pass: &Pass) -> bool {
-        self.listings_in.load(std::sync::atomic::Ordering::Relaxed) == pass.number.get()
-    }
-
-    /// The hosts this instance knows to have work in `pass`.
-    fn pass_hosts(&self, pass: PassNumber) -> BTreeSet<String> {
-        let hosts = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
-        if hosts.0 == pass {
-            hosts.1.clone()
-        } else {
-            BTreeSet::new()
-        }
-    }
-
-    /// Adds `host` to the hosts with work in `pass`.
-    pub(super) fn note_host(&self, pass: PassNumber, host: String) {
-        let mut hosts = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
-        if hosts.0 != pass {
-            *hosts = (pass, BTreeSet::new());
-        }
-        hosts.1.insert(host);
-    }
-
     /// Reads the hosts with pending work in `pass` (one `distinct`) and remembers them.
-    async fn refresh_hosts(&self, pass: PassNumber) -> Result<BTreeSet<String>> {
+    async fn refresh_hosts(&self, pass: PassNumber) -> Result<()> {
         let found = self
+            .shared
             .store
             .frontier()
-            .hosts_with_work(&self.bot, pass)
+            .hosts_with_work(&self.shared.bot, pass)
             .await?;
         for host in found {
-            self.note_host(pass, host);
+            self.memory.note_host(pass, host);
         }
-        Ok(self.pass_hosts(pass))
+        Ok(())
     }
 
     /// Nothing was leased: the pipeline is busy, the pass idle (others hold its URLs, or they
@@ -575,21 +667,18 @@ impl Crawler {
         if in_pipeline {
             return Ok(LeaseStep::Busy);
         }
-        debug!(bot = %self.bot, pass = pass.number.get(), "nothing to lease and nothing in flight here");
-        if self
-            .store
-            .frontier()
-            .pass_has_work(&self.bot, pass.number)
-            .await?
-        {
+        let bot = &self.shared.bot;
+        debug!(%bot, pass = pass.number.get(), "nothing to lease and nothing in flight here");
+        let store = &self.shared.store;
+        if store.frontier().pass_has_work(bot, pass.number).await? {
             // Work on a host this instance does not know of is found by a later round.
             if refresh_hosts {
                 match self.refresh_hosts(pass.number).await {
-                    Ok(_) => {}
+                    Ok(()) => {}
                     // A huge pending set can take longer than an operation may: the hosts
                     // the instance knows keep it busy meanwhile.
                     Err(e) if e.is_transient() => {
-                        warn!(bot = %self.bot, error = %e, "could not read the hosts with pending work; trying again later");
+                        warn!(%bot, error = %e, "could not read the hosts with pending work; trying again later");
                     }
                     Err(e) => return Err(e),
                 }
@@ -601,66 +690,87 @@ impl Crawler {
                 LeaseStep::Idle
             });
         }
-        // Listing pages link one to the next: one that failed hides the rest from this pass.
-        // The listing pages the last complete pass read and this one never reached are
-        // enqueued before the pass may end (not in watermark mode, which stops on purpose) —
-        // unless this instance enqueued them all when the pass started.
-        let mut rules = self.deletion_rules(pass);
-        if self.listings_enqueued(pass) {
-            rules.known_since = None;
+        if self.mend_pagination(pass).await? {
+            return Ok(LeaseStep::Busy);
         }
-        if let (true, Some(since)) = (rules.enabled, rules.known_since) {
-            let missed = self
-                .store
-                .passes()
-                .unreached_list_urls(&self.bot, pass.number, since)
-                .await?;
-            if !missed.is_empty() {
-                warn!(
-                    bot = %self.bot, pass = pass.number.get(), pages = missed.len(),
-                    "listing pages the last pass read were not reached (a broken pagination chain?); enqueuing them"
-                );
-                for url in &missed {
-                    self.note_host(pass.number, url.host_port());
-                }
-                self.store
-                    .frontier()
-                    .enqueue(
-                        &self.bot,
-                        pass.number,
-                        PageKind::List,
-                        &missed,
-                        self.clock.now(),
-                    )
-                    .await?;
-                return Ok(LeaseStep::Busy);
-            }
+        self.finish(pass).await
+    }
+
+    /// Listing pages link one to the next: one that failed hides the rest from this pass. The
+    /// listing pages the last complete pass read and this one never reached are enqueued
+    /// before the pass may end (not in watermark mode, which stops on purpose) — unless this
+    /// instance enqueued them all when the pass started. True when it enqueued some.
+    async fn mend_pagination(&self, pass: &Pass) -> Result<bool> {
+        let rules = self.shared.deletion_rules(pass);
+        let (true, Some(since), false) = (
+            rules.enabled,
+            rules.known_since,
+            self.memory.listings_enqueued(pass.number),
+        ) else {
+            return Ok(false);
+        };
+        let (bot, store) = (&self.shared.bot, &self.shared.store);
+        let missed = store
+            .passes()
+            .unreached_list_urls(bot, pass.number, since)
+            .await?;
+        if missed.is_empty() {
+            return Ok(false);
         }
-        // One leaser of this instance ends the pass (it counts the whole pass).
+        warn!(
+            %bot, pass = pass.number.get(), pages = missed.len(),
+            "listing pages the last pass read were not reached (a broken pagination chain?); enqueuing them"
+        );
+        for url in &missed {
+            self.memory.note_host(pass.number, url.host_port());
+        }
+        store
+            .frontier()
+            .enqueue(
+                bot,
+                pass.number,
+                PageKind::List,
+                &missed,
+                self.shared.clock.now(),
+            )
+            .await?;
+        Ok(true)
+    }
+
+    /// The pass has nothing pending, waiting or leased: one round of this instance ends it
+    /// (it counts the whole pass; [`Passes::finish`](crate::store::Passes::finish)).
+    async fn finish(&self, pass: &Pass) -> Result<LeaseStep> {
         let Ok(_finishing) = self.finishing.try_lock() else {
             return Ok(LeaseStep::Idle);
         };
+        // The pass's table of listed items is of no use any more (nothing is left to follow;
+        // the next pass reads its own), and the evaluation needs the room: gone before it.
+        self.memory.forget_known(pass.number).await;
+        let mut rules = self.shared.deletion_rules(pass);
+        if self.memory.listings_enqueued(pass.number) {
+            rules.known_since = None;
+        }
+        let (bot, me) = (&self.shared.bot, &self.shared.me);
         let end = self
+            .shared
             .store
             .passes()
             .finish(
-                &self.bot,
+                bot,
                 pass.number,
                 pass.started_at,
                 rules,
-                &self.me,
-                self.clock.now(),
+                me,
+                self.shared.clock.now(),
             )
             .await?;
         if !end.finished {
             return Ok(LeaseStep::Idle);
         }
-        // The pass's table of listed items is of no use any more (the next pass reads its own).
-        self.forget_known(pass.number).await;
         if end.recorded {
-            self.metrics.pass_finished(&self.bot);
+            self.shared.metrics.pass_finished(bot);
             info!(
-                bot = %self.bot, pass = end.pass.get(), done = end.progress.done, failed = end.progress.failed,
+                %bot, pass = end.pass.get(), done = end.progress.done, failed = end.progress.failed,
                 coverage = end.coverage, error_rate = end.error_rate, removed = end.removed,
                 restored = end.restored,
                 deletion = end.deletion_skipped.as_deref().unwrap_or("applied"),
@@ -668,5 +778,85 @@ impl Crawler {
             );
         }
         Ok(LeaseStep::PassFinished(end))
+    }
+}
+
+/// Per host: the highest priorities first, up to its room, each URL once, none that a lease
+/// write lately found held by a transaction (`busy`).
+fn pick_pending(
+    found: impl Iterator<Item = Candidate>,
+    rooms: &[(String, usize)],
+    busy: &HashMap<String, Instant>,
+) -> Vec<Candidate> {
+    let room_of: HashMap<&str, usize> = rooms.iter().map(|(h, r)| (h.as_str(), *r)).collect();
+    let mut by_host: HashMap<&str, Vec<Candidate>> = HashMap::new();
+    for candidate in found {
+        let host = rooms
+            .iter()
+            .find(|(h, _)| *h == candidate.host)
+            .map_or("", |(h, _)| h.as_str());
+        by_host.entry(host).or_default().push(candidate);
+    }
+    let mut pending: Vec<Candidate> = Vec::new();
+    for (host, mut candidates) in by_host {
+        candidates.sort_by_key(|c| std::cmp::Reverse(c.priority));
+        let mut seen = HashSet::new();
+        candidates.retain(|c| !busy.contains_key(&c.id) && seen.insert(c.id.clone()));
+        candidates.truncate(room_of.get(host).copied().unwrap_or(0));
+        pending.extend(candidates);
+    }
+    pending
+}
+
+/// The takeovers that fit in the room their host has left after its `pending` URLs: the ids of
+/// expired leases, and (id, token) of the dead processes' leases to reclaim.
+fn fit_takeovers(
+    pending: &[Candidate],
+    takeovers: Takeovers,
+    rooms: &[(String, usize)],
+    busy: &HashMap<String, Instant>,
+) -> (Vec<String>, Vec<(String, String)>) {
+    let mut left: HashMap<&str, usize> = rooms.iter().map(|(h, r)| (h.as_str(), *r)).collect();
+    for c in pending {
+        if let Some(r) = left.get_mut(c.host.as_str()) {
+            *r = r.saturating_sub(1);
+        }
+    }
+    let (mut expired, mut reclaim) = (Vec::new(), Vec::new());
+    for (entry, reclaiming) in takeovers {
+        if busy.contains_key(&entry.id) {
+            continue;
+        }
+        let Some(room) = left.get_mut(entry.host.as_str()).filter(|r| **r > 0) else {
+            continue;
+        };
+        *room -= 1;
+        if reclaiming {
+            if let Some(token) = entry.token {
+                reclaim.push((entry.id, token));
+            }
+        } else {
+            expired.push(entry.id);
+        }
+    }
+    (expired, reclaim)
+}
+
+impl Memory {
+    /// A lease write met documents an open transaction holds: what it could not take of
+    /// `takes` is left alone for [`BUSY_FOR`], other URLs first.
+    fn leave_alone(&mut self, leases: &[UrlLease], takes: &Takes<'_>) {
+        let ours: HashSet<&str> = leases.iter().map(|l| l.id.as_str()).collect();
+        let until = Instant::now() + BUSY_FOR;
+        let held = takes
+            .pending
+            .iter()
+            .map(|c| c.id.as_str())
+            .chain(takes.expired.iter().map(String::as_str))
+            .chain(takes.reclaim.iter().map(|(id, _)| id.as_str()))
+            .filter(|id| !ours.contains(id));
+        for id in held {
+            self.busy.insert(id.to_owned(), until);
+        }
     }
 }

@@ -1,9 +1,11 @@
 //! The parse stage: a fetched page's HTML is read on the blocking pool, off the runtime's
 //! workers (CSS selectors with `scraper`; see `extract`). Everything else a fetch can come to
-//! passes through unchanged.
+//! passes through unchanged ([`Parser::step`]).
 
-use super::dispatch::Fetched;
-use super::Crawler;
+use std::sync::Arc;
+
+use super::fetch::Fetched;
+use crate::config::CrawlSettings;
 use crate::error::{Error, Result};
 use crate::extract::{extract, PageData};
 use crate::fetch::{FetchOutcome, Validators};
@@ -18,9 +20,18 @@ pub enum Parsed {
     Other(Fetched),
 }
 
-impl Crawler {
+/// The parse stage: the bot's rules for reading a page.
+pub struct Parser {
+    rules: Arc<CrawlSettings>,
+}
+
+impl Parser {
+    pub fn new(rules: Arc<CrawlSettings>) -> Self {
+        Self { rules }
+    }
+
     /// The parse step for one fetched URL.
-    pub async fn parse(&self, fetched: Fetched) -> Result<Parsed> {
+    pub async fn step(&self, fetched: Fetched) -> Result<Parsed> {
         let Fetched::Outcome(FetchOutcome::Ok(page)) = fetched else {
             return Ok(Parsed::Other(fetched));
         };

@@ -1,0 +1,271 @@
+//! What the stages of one bot's crawl share: the bot and its rules with the instance's handles
+//! ([`Shared`], read-only), and what this instance remembers of the pass it crawls
+//! ([`PassMemory`]: the hosts with work, the links it enqueued, the table of listed items) —
+//! written by the lease and follow stages, each through its own method here.
+
+use std::collections::{BTreeSet, HashSet};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use super::known::Known;
+use super::pass::Pass;
+use super::stages::Stages;
+use crate::clock::ServerClock;
+use crate::config::{CrawlLimits, CrawlSettings, IncrementalMode};
+use crate::error::Result;
+use crate::flow::Flow;
+use crate::ids::{BotId, InstanceId, PassNumber};
+use crate::metrics::Metrics;
+use crate::store::frontier::{PageKind, UrlLease};
+use crate::store::passes::DeletionRules;
+use crate::store::Store;
+use crate::urls::NormalizedUrl;
+
+/// Links remembered per pass as already enqueued (about 100 bytes each).
+const ENQUEUED_CACHE: usize = 100_000;
+
+/// The bot a crawler crawls, its rules, and the instance's handles every stage reads.
+pub struct Shared {
+    pub bot: BotId,
+    pub rules: Arc<CrawlSettings>,
+    pub limits: CrawlLimits,
+    pub store: Store,
+    pub clock: Arc<ServerClock>,
+    pub me: InstanceId,
+    pub metrics: Arc<Metrics>,
+    /// Per-host limits, shared by every bot of the instance.
+    pub flow: Arc<Flow>,
+    /// How many items each stage holds (for an operator).
+    pub stages: Arc<Stages>,
+    /// The priorities above the lowest, highest first.
+    pub levels: Vec<i64>,
+    pub lowest: i64,
+}
+
+impl Shared {
+    /// The priority levels of `rules`: those above the lowest (highest first) and the lowest.
+    pub fn levels(rules: &CrawlSettings) -> (Vec<i64>, i64) {
+        let mut all: Vec<i64> = [PageKind::Seed, PageKind::List, PageKind::Detail]
+            .iter()
+            .map(|k| k.default_priority())
+            .chain(rules.priorities.iter().map(|(_, p)| *p))
+            .collect();
+        all.sort_unstable_by(|a, b| b.cmp(a));
+        all.dedup();
+        let lowest = all.pop().unwrap_or(0);
+        (all, lowest)
+    }
+
+    /// The first `[bots.crawl] priority` pattern that matches, else the kind's default.
+    pub fn priority_of(&self, url: &NormalizedUrl, kind: PageKind) -> i64 {
+        self.rules
+            .priorities
+            .iter()
+            .find(|(pattern, _)| pattern.is_match(url.as_str()))
+            .map_or_else(|| kind.default_priority(), |(_, p)| *p)
+    }
+
+    /// A followed link's kind: a detail page when the record rules match it, else a listing
+    /// page.
+    pub fn kind_of(&self, link: &NormalizedUrl) -> PageKind {
+        match &self.rules.record {
+            Some(r) if r.url_match.is_match(link.as_str()) => PageKind::Detail,
+            _ => PageKind::List,
+        }
+    }
+
+    /// The incremental mode a pass crawls in: `full` for a pass that refetches everything (its
+    /// spec changed), else the bot's.
+    pub fn mode(&self, pass: &Pass) -> IncrementalMode {
+        if pass.refetch {
+            IncrementalMode::Full
+        } else {
+            self.rules.incremental.mode
+        }
+    }
+
+    /// Load shedding: a lowest-priority URL that waited longer than `crawl.shed_after` for a
+    /// host that throttled us within the last minute is deferred (once a pass), before it costs
+    /// a fetch.
+    pub fn should_shed(&self, lease: &UrlLease, now: DateTime<Utc>) -> bool {
+        lease.sheds == 0
+            && should_shed(
+                lease.priority,
+                self.lowest,
+                !self.levels.is_empty(),
+                lease
+                    .eligible_since
+                    .and_then(|t| (now - t).to_std().ok())
+                    .unwrap_or_default(),
+                self.limits.shed_after,
+                self.flow
+                    .throttled_within(&lease.host(), Duration::from_secs(60)),
+            )
+    }
+
+    /// What a pass's end may remove, by the bot's rules and the pass.
+    pub fn deletion_rules(&self, pass: &Pass) -> DeletionRules {
+        DeletionRules {
+            known_since: pass.last_run_at,
+            enabled: self.rules.incremental.mode != IncrementalMode::Watermark,
+            min_coverage: self.limits.min_coverage,
+            max_error_rate: self.limits.max_error_rate,
+        }
+    }
+
+    /// At most this many pages are fetched (or being fetched) and not yet committed here at
+    /// once: `crawl.max_uncommitted`, and never more than the stages can hold.
+    pub fn uncommitted_cap(&self) -> usize {
+        let l = &self.limits;
+        l.max_uncommitted
+            .min(l.workers + l.parse_queue + l.parsers + l.store_queue)
+            .max(1)
+    }
+
+    /// `crawl.max_uncommitted_bytes` in KiB (the byte budget's unit).
+    pub fn bytes_kib(&self) -> u32 {
+        u32::try_from(self.limits.max_uncommitted_bytes / 1024)
+            .unwrap_or(u32::MAX)
+            .max(1)
+    }
+}
+
+/// Whether to defer a leased URL rather than fetch it: only the lowest priority class (and only
+/// when there is a higher one), only once it has waited past `shed_after`, and only for a host
+/// that is pushing back.
+pub fn should_shed(
+    priority: i64,
+    lowest: i64,
+    has_higher: bool,
+    waited: Duration,
+    shed_after: Duration,
+    host_throttling: bool,
+) -> bool {
+    has_higher && priority <= lowest && waited > shed_after && host_throttling
+}
+
+/// What this instance remembers of the pass it crawls, across slices; each part belongs to one
+/// pass and starts empty in the next.
+#[derive(Default)]
+pub struct PassMemory {
+    /// Hosts with work in a pass, as far as this instance knows.
+    hosts: Mutex<(PassNumber, BTreeSet<String>)>,
+    /// Frontier ids of links this instance enqueued in a pass (bounded; cleared when full).
+    enqueued: Mutex<(PassNumber, HashSet<String>)>,
+    /// The pass into which this instance enqueued the last complete pass's listing pages.
+    listings_in: AtomicI64,
+    /// The listed items known stored, read from the manifests once per pass.
+    known: tokio::sync::Mutex<Option<Arc<Known>>>,
+}
+
+impl PassMemory {
+    /// The hosts this instance knows to have work in `pass`.
+    pub fn hosts(&self, pass: PassNumber) -> BTreeSet<String> {
+        let hosts = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
+        if hosts.0 == pass {
+            hosts.1.clone()
+        } else {
+            BTreeSet::new()
+        }
+    }
+
+    /// Adds `host` to the hosts with work in `pass`.
+    pub fn note_host(&self, pass: PassNumber, host: String) {
+        let mut hosts = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
+        if hosts.0 != pass {
+            *hosts = (pass, BTreeSet::new());
+        }
+        hosts.1.insert(host);
+    }
+
+    /// Remembers frontier ids this instance put into `pass` (bounded: cleared when full).
+    pub fn remember_enqueued(&self, pass: PassNumber, ids: Vec<String>) {
+        let mut cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.0 != pass || cache.1.len() + ids.len() > ENQUEUED_CACHE {
+            *cache = (pass, HashSet::new());
+        }
+        cache.1.extend(ids);
+    }
+
+    /// Whether this instance put the link with frontier id `id` into `pass` (as far as it
+    /// remembers).
+    pub fn enqueued(&self, pass: PassNumber, id: &str) -> bool {
+        let cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
+        cache.0 == pass && cache.1.contains(id)
+    }
+
+    /// Whether this instance enqueued the last pass's listing pages into `pass` (then none can
+    /// be unreached at its end).
+    pub fn listings_enqueued(&self, pass: PassNumber) -> bool {
+        self.listings_in.load(Ordering::Relaxed) == pass.get()
+    }
+
+    pub fn set_listings_enqueued(&self, pass: PassNumber) {
+        self.listings_in.store(pass.get(), Ordering::Relaxed);
+    }
+
+    /// The table of listed items known stored ([`Known`]) for `pass`: read once per pass (the
+    /// first listing page waits for it), then shared.
+    pub async fn known_items(
+        &self,
+        store: &Store,
+        bot: &BotId,
+        pass: PassNumber,
+    ) -> Result<Arc<Known>> {
+        let mut held = self.known.lock().await;
+        if let Some(table) = held.as_ref().filter(|t| t.pass == pass) {
+            return Ok(table.clone());
+        }
+        // The last pass's table goes first: two at once would double the memory.
+        *held = None;
+        let t0 = tokio::time::Instant::now();
+        let table = Arc::new(Known::read(store, bot, pass).await?);
+        tracing::debug!(%bot, pass = pass.get(), items = table.len(), took = ?t0.elapsed(), "listed items read from the manifests");
+        *held = Some(table.clone());
+        Ok(table)
+    }
+
+    /// Drops the table of listed items of `pass` (its pass is over).
+    pub async fn forget_known(&self, pass: PassNumber) {
+        let mut held = self.known.lock().await;
+        if held.as_ref().is_some_and(|t| t.pass == pass) {
+            *held = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_old_lowest_priority_work_of_a_throttling_host_is_shed() {
+        let (after, long, short) = (
+            Duration::from_secs(600),
+            Duration::from_secs(601),
+            Duration::from_secs(599),
+        );
+        assert!(should_shed(0, 0, true, long, after, true));
+        // Not a higher priority, not fresh work, not a calm host, not when all work is alike.
+        assert!(!should_shed(1, 0, true, long, after, true));
+        assert!(!should_shed(0, 0, true, short, after, true));
+        assert!(!should_shed(0, 0, true, long, after, false));
+        assert!(!should_shed(0, 0, false, long, after, true));
+    }
+
+    #[test]
+    fn what_is_remembered_of_a_pass_is_forgotten_in_the_next() {
+        let memory = PassMemory::default();
+        let (one, two) = (PassNumber::new(1), PassNumber::new(2));
+        memory.note_host(one, "a:80".into());
+        memory.remember_enqueued(one, vec!["x".into()]);
+        assert!(memory.hosts(one).contains("a:80"));
+        assert!(memory.enqueued(one, "x"));
+        assert!(memory.hosts(two).is_empty() && !memory.enqueued(two, "x"));
+        memory.note_host(two, "b:80".into());
+        assert!(memory.hosts(one).is_empty(), "a new pass starts afresh");
+    }
+}
