@@ -266,53 +266,10 @@ impl PageFetcher {
             Ok(r) => r,
             Err(e) => return classify_error(&e),
         };
-        let status = response.status().as_u16();
-        let header = |name: reqwest::header::HeaderName| {
-            response
-                .headers()
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned)
-        };
-        match status {
-            304 => return FetchOutcome::NotModified,
-            301 | 302 | 303 | 307 | 308 => {
-                let target = header(reqwest::header::LOCATION)
-                    .and_then(|to| response.url().join(&to).ok())
-                    .and_then(|to| NormalizedUrl::parse(to.as_str()).ok());
-                return match target {
-                    Some(to) => FetchOutcome::Redirect { status, to },
-                    None => FetchOutcome::Permanent {
-                        reason: format!("HTTP {status} without a usable Location"),
-                    },
-                };
-            }
-            404 | 410 => return FetchOutcome::Gone { status },
-            429 | 503 => {
-                let retry_after = header(reqwest::header::RETRY_AFTER)
-                    .and_then(|v| parse_retry_after(&v, Utc::now()));
-                return FetchOutcome::Throttled {
-                    status,
-                    retry_after,
-                };
-            }
-            408 => {
-                return FetchOutcome::Transient {
-                    reason: "HTTP 408".into(),
-                }
-            }
-            s if (400..500).contains(&s) => {
-                return FetchOutcome::Permanent {
-                    reason: format!("HTTP {s}"),
-                }
-            }
-            s if !(200..300).contains(&s) => {
-                return FetchOutcome::Transient {
-                    reason: format!("HTTP {s}"),
-                }
-            }
-            _ => {}
+        if let Some(outcome) = by_status(&response) {
+            return outcome;
         }
+        let header = |name: reqwest::header::HeaderName| header_text(&response, name);
         let content_type = header(reqwest::header::CONTENT_TYPE).unwrap_or_default();
         let essence = content_type
             .split(';')
@@ -337,25 +294,33 @@ impl PageFetcher {
         {
             return self.too_large();
         }
-        let mut body = Vec::new();
-        loop {
-            match response.chunk().await {
-                Ok(Some(chunk)) => {
-                    if body.len() + chunk.len() > self.max_bytes {
-                        return self.too_large();
-                    }
-                    body.extend_from_slice(&chunk);
-                }
-                Ok(None) => break,
-                Err(e) => return classify_error(&e),
-            }
-        }
+        let body = match self.read_body(&mut response).await {
+            Ok(body) => body,
+            Err(outcome) => return outcome,
+        };
         FetchOutcome::Ok(Page {
             url: final_url,
             body: String::from_utf8_lossy(&body).into_owned(),
             etag,
             last_modified,
         })
+    }
+
+    /// A page's body, at most [`PageFetcher`]'s size cap (past it: the page is too large).
+    async fn read_body(&self, response: &mut reqwest::Response) -> Result<Vec<u8>, FetchOutcome> {
+        let mut body = Vec::new();
+        loop {
+            match response.chunk().await {
+                Ok(Some(chunk)) => {
+                    if body.len() + chunk.len() > self.max_bytes {
+                        return Err(self.too_large());
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(None) => return Ok(body),
+                Err(e) => return Err(classify_error(&e)),
+            }
+        }
     }
 
     /// Fetches `origin/robots.txt` (at most [`MAX_ROBOTS_BYTES`]; the rest is ignored).
@@ -451,6 +416,56 @@ pub fn parse_retry_after(value: &str, now: DateTime<Utc>) -> Option<Duration> {
             .unwrap_or(Duration::ZERO)
             .min(Duration::from_secs(24 * 3600)),
     )
+}
+
+/// A response header's value as text (`None`: absent or not text).
+fn header_text(response: &reqwest::Response, name: reqwest::header::HeaderName) -> Option<String> {
+    response
+        .headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// What a response's status alone says: not modified, a redirect (with its target), gone,
+/// throttled (with `Retry-After`), a transient or permanent failure; `None` for a success,
+/// whose body is read.
+fn by_status(response: &reqwest::Response) -> Option<FetchOutcome> {
+    let status = response.status().as_u16();
+    let header = |name: reqwest::header::HeaderName| header_text(response, name);
+    Some(match status {
+        304 => FetchOutcome::NotModified,
+        301 | 302 | 303 | 307 | 308 => {
+            let target = header(reqwest::header::LOCATION)
+                .and_then(|to| response.url().join(&to).ok())
+                .and_then(|to| NormalizedUrl::parse(to.as_str()).ok());
+            match target {
+                Some(to) => FetchOutcome::Redirect { status, to },
+                None => FetchOutcome::Permanent {
+                    reason: format!("HTTP {status} without a usable Location"),
+                },
+            }
+        }
+        404 | 410 => FetchOutcome::Gone { status },
+        429 | 503 => {
+            let retry_after = header(reqwest::header::RETRY_AFTER)
+                .and_then(|v| parse_retry_after(&v, Utc::now()));
+            FetchOutcome::Throttled {
+                status,
+                retry_after,
+            }
+        }
+        408 => FetchOutcome::Transient {
+            reason: "HTTP 408".into(),
+        },
+        s if (400..500).contains(&s) => FetchOutcome::Permanent {
+            reason: format!("HTTP {s}"),
+        },
+        s if !(200..300).contains(&s) => FetchOutcome::Transient {
+            reason: format!("HTTP {s}"),
+        },
+        _ => return None,
+    })
 }
 
 #[cfg(test)]

@@ -148,6 +148,24 @@ impl Catalog {
 
     /// Counts a request in the per-path table (at most [`MAX_STATS_PATHS`] paths; the rest
     /// under "(other)") and the request log.
+    /// The fault rule (without a concurrency limit) whose turn it is for a request of `path`:
+    /// every matching rule counts the request, and the first whose `every` comes round (and
+    /// whose `times` are not used up) applies.
+    fn next_fault(&mut self, path: &str) -> Option<FaultRule> {
+        for rule in self.faults.iter_mut().filter(|r| {
+            path.contains(&r.path)
+                && r.max_in_flight.is_none()
+                && r.times.is_none_or(|t| r.applied < t)
+        }) {
+            rule.seen += 1;
+            if rule.seen % rule.every.max(1) == 0 {
+                rule.applied += 1;
+                return Some(rule.clone());
+            }
+        }
+        None
+    }
+
     fn count_request(&mut self, path: &str) {
         let key = if self.stats.len() < MAX_STATS_PATHS || self.stats.contains_key(path) {
             path.to_owned()
@@ -426,20 +444,7 @@ async fn visit(catalog: &Shared, uri: &Uri) -> Fault {
     let rule = {
         let mut c = lock(catalog);
         c.count_request(&path);
-        let mut chosen = None;
-        for rule in c.faults.iter_mut().filter(|r| {
-            path.contains(&r.path)
-                && r.max_in_flight.is_none()
-                && r.times.is_none_or(|t| r.applied < t)
-        }) {
-            rule.seen += 1;
-            if rule.seen % rule.every.max(1) == 0 {
-                rule.applied += 1;
-                chosen = Some(rule.clone());
-                break;
-            }
-        }
-        chosen
+        c.next_fault(&path)
     };
     let Some(rule) = rule else { return Fault::None };
     if rule.latency_ms > 0 {

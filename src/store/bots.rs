@@ -210,27 +210,7 @@ impl Bots<'_> {
         ttl: Duration,
         reason: &str,
     ) -> Result<Option<EditLock>> {
-        let mut filter = doc! { field::ID: bot.as_str(), field::LOCK_EPOCH: expected.get() };
-        match claim {
-            Claim::Free => {
-                filter.insert(field::IS_EDITING, false);
-            }
-            Claim::Expired { now: cutoff } => {
-                filter.insert(field::IS_EDITING, true);
-                filter.insert(field::LOCK_EXPIRES_AT, doc! { "$lte": date(cutoff) });
-            }
-            Claim::Stuck { started_before } => {
-                filter.insert(field::IS_EDITING, true);
-                filter.insert(
-                    field::LAST_UPDATE_STARTED_AT,
-                    doc! { "$lte": date(started_before) },
-                );
-            }
-            Claim::Orphaned => {
-                filter.insert(field::IS_EDITING, true);
-                filter.insert(field::EDITING_BY, me.as_str());
-            }
-        }
+        let filter = claim_filter(bot, me, expected, claim);
         let epoch = expected.next().ok_or_else(|| Error::EpochExhausted {
             bot: bot.to_string(),
         })?;
@@ -591,24 +571,7 @@ impl Bots<'_> {
         let Some(id) = raw.get(field::ID).cloned() else {
             return Ok(false);
         };
-        // Equality on every field that can be queried by equality: a key with a '.' or a leading
-        // '$' cannot be, so it is left out (the rest still pins the document down).
-        let mut filter = Document::new();
-        for (key, value) in raw {
-            if !key.contains('.') && !key.starts_with('$') {
-                filter.insert(key.clone(), value.clone());
-            }
-        }
-        for name in [
-            field::IS_READY,
-            field::IS_EDITING,
-            field::SEEDS,
-            field::LOCK_EPOCH,
-        ] {
-            if !raw.contains_key(name) {
-                filter.insert(name, doc! { "$exists": false });
-            }
-        }
+        let filter = exactly(raw);
         let seeds: Vec<Bson> = match raw.get(field::SEEDS) {
             Some(Bson::Array(items)) if items.iter().all(|s| matches!(s, Bson::String(_))) => {
                 items.clone()
@@ -625,23 +588,10 @@ impl Bots<'_> {
             _ => Bson::Null,
         };
         let reason = format!("E: malformed document repaired: {}", problems.join("; "));
-        let mut history: Vec<Bson> = match raw.get(field::HISTORY) {
-            Some(Bson::Array(items)) => items
-                .iter()
-                .filter(|h| matches!(h, Bson::Document(_)))
-                .cloned()
-                .collect(),
-            _ => Vec::new(),
-        };
-        history.push(Bson::Document(history_entry(
-            now,
-            "repaired",
-            me.as_str(),
-            epoch,
-            &reason,
-        )));
-        let keep = history.len().saturating_sub(HISTORY_LEN as usize);
-        let history: Vec<Bson> = history.into_iter().skip(keep).collect();
+        let history = salvaged_history(
+            raw,
+            history_entry(now, "repaired", me.as_str(), epoch, &reason),
+        );
         let replacement = doc! {
             field::ID: id,
             field::IS_READY: false,
@@ -789,22 +739,8 @@ impl Bots<'_> {
         dry_run: bool,
     ) -> Result<Applied> {
         let current = self.load_raw(bot).await?;
-        let (applied, version) = match &current {
-            None => (Applied::Created, None),
-            Some(raw) => match (
-                raw.get(field::SPEC),
-                raw.get(field::SPEC_VERSION)
-                    .and_then(crate::store::document::integer),
-            ) {
-                (Some(Bson::Document(old)), _) if old == spec => return Ok(Applied::Unchanged),
-                (Some(Bson::Document(old)), Some(v)) => {
-                    (Applied::Changed(changed_keys(old, spec)), Some(v))
-                }
-                // Hand-edited into something that is no document: the file's spec replaces it.
-                (Some(_), Some(v)) => (Applied::Changed(vec![field::SPEC.to_owned()]), Some(v)),
-                // A bot that ran from a config file: the database now defines it.
-                _ => (Applied::Created, None),
-            },
+        let Some((applied, version)) = compare_spec(current.as_ref(), spec) else {
+            return Ok(Applied::Unchanged);
         };
         if dry_run {
             return Ok(applied);
@@ -819,33 +755,7 @@ impl Bots<'_> {
         let entry = history_entry(now, "spec", by, epoch, &reason);
         let mut set = doc! { field::SPEC: spec.clone(), field::SPEC_ERROR: Bson::Null };
         let result = match (&current, version) {
-            (None, _) => {
-                let mut initial = initial_fields(now, by, "spec applied");
-                initial.insert(field::SPEC_VERSION, 1_i64);
-                set.remove(field::SPEC_ERROR);
-                initial.insert(field::SPEC_ERROR, Bson::Null);
-                // Conditional on the document still having no spec: of two applies creating the
-                // bot at once, the second's upsert meets the first's document and fails.
-                match self
-                    .store.bounded(
-                        "create bot",
-                        self.store.bots
-                            .update_one(
-                                doc! { field::ID: bot.as_str(), field::SPEC: { "$exists": false } },
-                                doc! { "$setOnInsert": initial, "$set": set, "$currentDate": { field::SPEC_UPDATED_AT: true } },
-                            )
-                            .upsert(true),
-                    )
-                    .await
-                {
-                    Err(Error::Db(e)) if super::is_duplicate_key(&e) => {
-                        return Err(Error::Invalid(format!(
-                            "bot {bot}: created by another apply meanwhile; run this one again"
-                        )))
-                    }
-                    other => other?,
-                }
-            }
+            (None, _) => self.create_with_spec(bot, set, by, now).await?,
             (Some(raw), None) => {
                 set.insert(field::SPEC_VERSION, 1_i64);
                 // Conditional on the version field as read (absent, or not a number).
@@ -884,6 +794,41 @@ impl Bots<'_> {
             )));
         }
         Ok(applied)
+    }
+
+    /// Creates bot `bot` with its spec (`set`), conditional on the document still having no
+    /// spec: of two applies creating the bot at once, the second's upsert meets the first's
+    /// document and fails.
+    async fn create_with_spec(
+        self,
+        bot: &BotId,
+        mut set: Document,
+        by: &str,
+        now: DateTime<Utc>,
+    ) -> Result<mongodb::results::UpdateResult> {
+        let mut initial = initial_fields(now, by, "spec applied");
+        initial.insert(field::SPEC_VERSION, 1_i64);
+        set.remove(field::SPEC_ERROR);
+        initial.insert(field::SPEC_ERROR, Bson::Null);
+        let created = self
+            .store
+            .bounded(
+                "create bot",
+                self.store
+                    .bots
+                    .update_one(
+                        doc! { field::ID: bot.as_str(), field::SPEC: { "$exists": false } },
+                        doc! { "$setOnInsert": initial, "$set": set, "$currentDate": { field::SPEC_UPDATED_AT: true } },
+                    )
+                    .upsert(true),
+            )
+            .await;
+        match created {
+            Err(Error::Db(e)) if super::is_duplicate_key(&e) => Err(Error::Invalid(format!(
+                "bot {bot}: created by another apply meanwhile; run this one again"
+            ))),
+            other => other,
+        }
     }
 
     /// Every bot document that carries a spec, by id: its `_id`, `spec`, `specVersion` and
@@ -1092,4 +1037,92 @@ fn highest_epoch(raw: &Document) -> LockEpoch {
     };
     let highest = in_field.into_iter().chain(in_history).max().unwrap_or(0);
     LockEpoch::new(highest.max(0)).unwrap_or(LockEpoch::ZERO)
+}
+/// How `spec` compares with the bot document `current` holds: `None` when it is the same spec;
+/// else what applying it does and the spec version it replaces (none: the bot is created, or
+/// its document has no version yet).
+fn compare_spec(current: Option<&Document>, spec: &Document) -> Option<(Applied, Option<i64>)> {
+    let Some(raw) = current else {
+        return Some((Applied::Created, None));
+    };
+    let version = raw
+        .get(field::SPEC_VERSION)
+        .and_then(crate::store::document::integer);
+    Some(match (raw.get(field::SPEC), version) {
+        (Some(Bson::Document(old)), _) if old == spec => return None,
+        (Some(Bson::Document(old)), Some(v)) => {
+            (Applied::Changed(changed_keys(old, spec)), Some(v))
+        }
+        // Hand-edited into something that is no document: the file's spec replaces it.
+        (Some(_), Some(v)) => (Applied::Changed(vec![field::SPEC.to_owned()]), Some(v)),
+        // A bot that ran from a config file: the database now defines it.
+        _ => (Applied::Created, None),
+    })
+}
+
+/// A filter that matches `raw` exactly as it was read: equality on every field that can be
+/// queried by equality (a key with a '.' or a leading '$' cannot be, so it is left out — the
+/// rest still pins the document down), and the lock's fields that it lacks still missing.
+fn exactly(raw: &Document) -> Document {
+    let mut filter = Document::new();
+    for (key, value) in raw {
+        if !key.contains('.') && !key.starts_with('$') {
+            filter.insert(key.clone(), value.clone());
+        }
+    }
+    for name in [
+        field::IS_READY,
+        field::IS_EDITING,
+        field::SEEDS,
+        field::LOCK_EPOCH,
+    ] {
+        if !raw.contains_key(name) {
+            filter.insert(name, doc! { "$exists": false });
+        }
+    }
+    filter
+}
+
+/// A repaired document's history: the entries of `raw`'s that are documents, then `entry`, the
+/// last [`HISTORY_LEN`] kept.
+fn salvaged_history(raw: &Document, entry: Document) -> Vec<Bson> {
+    let mut history: Vec<Bson> = match raw.get(field::HISTORY) {
+        Some(Bson::Array(items)) => items
+            .iter()
+            .filter(|h| matches!(h, Bson::Document(_)))
+            .cloned()
+            .collect(),
+        _ => Vec::new(),
+    };
+    history.push(Bson::Document(entry));
+    let keep = history.len().saturating_sub(HISTORY_LEN as usize);
+    history.into_iter().skip(keep).collect()
+}
+
+/// A claim's filter: the bot at the epoch read, and the claim's condition — free, expired by
+/// `now`, stuck since before `started_before`, or held by this very instance id before its
+/// process started (orphaned).
+fn claim_filter(bot: &BotId, me: &InstanceId, expected: LockEpoch, claim: Claim) -> Document {
+    let mut filter = doc! { field::ID: bot.as_str(), field::LOCK_EPOCH: expected.get() };
+    match claim {
+        Claim::Free => {
+            filter.insert(field::IS_EDITING, false);
+        }
+        Claim::Expired { now: cutoff } => {
+            filter.insert(field::IS_EDITING, true);
+            filter.insert(field::LOCK_EXPIRES_AT, doc! { "$lte": date(cutoff) });
+        }
+        Claim::Stuck { started_before } => {
+            filter.insert(field::IS_EDITING, true);
+            filter.insert(
+                field::LAST_UPDATE_STARTED_AT,
+                doc! { "$lte": date(started_before) },
+            );
+        }
+        Claim::Orphaned => {
+            filter.insert(field::IS_EDITING, true);
+            filter.insert(field::EDITING_BY, me.as_str());
+        }
+    }
+    filter
 }

@@ -128,6 +128,30 @@ pub struct Deletions<'a> {
     pub(super) store: &'a Store,
 }
 
+/// What an evaluation reads of the listing pages.
+#[derive(Default)]
+struct Listings {
+    /// Pages whose baseline holds departures to check, by position in `pages`; each
+    /// departure by key (its full id is read again only if it is a candidate).
+    pages: Vec<String>,
+    departures: Vec<(u64, usize)>,
+    /// What the pages read in the pass list (8 bytes an item).
+    present: Vec<u64>,
+    /// What the pages this pass could not read listed since the last evaluation: kept.
+    unknown: Vec<u64>,
+}
+
+impl Listings {
+    /// Page `id` (`None`: a page without a readable id, whose departures are still checked)
+    /// shows `departed` no more.
+    fn depart(&mut self, id: Option<&str>, departed: Vec<u64>) {
+        let at = self.pages.len();
+        self.pages.extend(id.map(str::to_owned));
+        self.departures
+            .extend(departed.into_iter().map(|k| (k, at)));
+    }
+}
+
 impl Deletions<'_> {
     /// Evaluates pass `pass` of `bot` (see the module comment): restores the records a listing
     /// of the pass shows again and — with `remove` (a complete pass in a mode that reads every
@@ -148,83 +172,20 @@ impl Deletions<'_> {
     ) -> Result<Evaluation> {
         let mut outcome = Evaluation::default();
         let t0 = std::time::Instant::now();
-        // Pages whose baseline holds departures to check, by position in `pages`; each
-        // departure by key (its full id is read again only if it is a candidate).
-        let mut pages: Vec<String> = Vec::new();
-        let mut departures: Vec<(u64, usize)> = Vec::new();
-        let mut present: Vec<u64> = Vec::new();
-        // What the pages this pass could not read listed since the last evaluation: kept.
-        let mut unknown: Vec<u64> = Vec::new();
-        let frontier = self.store.database().collection::<RawDocumentBuf>(FRONTIER);
-        let mut filter = listing_filter(bot);
-        filter.insert(fr::PASS, pass);
-        let find = frontier
-            .find(filter)
-            .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
-            .projection(doc! {
-                fr::LISTED: 1, fr::LISTED_SINCE: 1, fr::LISTED_PASS: 1, fr::STATUS: 1,
-                fr::LISTED_SINCE_MORE: 1,
-            })
-            .batch_size(PRESENT_PER_BATCH);
-        self.store
-            .each_raw("read this pass's listings", find, |page| {
-                let read_now = page.get_str(fr::STATUS).ok() == Some(UrlStatus::Done.as_str())
-                    && raw_integer(page, fr::LISTED_PASS).map(PassNumber::new) == Some(pass);
-                if !read_now {
-                    unknown.extend(baseline_keys(page));
-                    return Ok(());
-                }
-                outcome.pages += 1;
-                let listed: Vec<u64> = Ids::of(page, fr::LISTED).keys().collect();
-                present.extend(&listed);
-                if page.get_bool(fr::LISTED_SINCE_MORE).ok() == Some(true) {
-                    let listed: HashSet<u64> = listed.into_iter().collect();
-                    let departed: Vec<u64> = baseline_keys(page)
-                        .into_iter()
-                        .filter(|k| !listed.contains(k))
-                        .collect();
-                    if !departed.is_empty() {
-                        outcome.changed_pages += 1;
-                        let at = pages.len();
-                        pages.extend(page.get_str(fr::ID).ok().map(str::to_owned));
-                        departures.extend(departed.into_iter().map(|k| (k, at)));
-                    }
-                }
-                Ok(())
-            })
-            .await?;
-        present.sort_unstable();
-        present.dedup();
-        let present = Present(present);
+        let mut read = self.read_pass_listings(bot, pass, &mut outcome).await?;
+        let present = Present(std::mem::take(&mut read.present));
         tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), items = present.0.len(), "evaluation: the present read");
-
         let mut unreached: Vec<String> = Vec::new();
         if remove {
-            // Everything the pages this pass never reached listed since the last evaluation.
-            let mut filter = listing_filter(bot);
-            filter.insert(fr::PASS, doc! { "$lt": pass });
-            let find = frontier
-                .find(filter)
-                .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
-                .projection(doc! { fr::LISTED_SINCE: 1, fr::LISTED: 1 })
-                .batch_size(super::frontier::MANIFESTS_PER_BATCH);
-            self.store
-                .each_raw("read unreached listings", find, |page| {
-                    let since = baseline_keys(page);
-                    if let (false, Ok(id)) = (since.is_empty(), page.get_str(fr::ID)) {
-                        let at = pages.len();
-                        pages.push(id.to_owned());
-                        unreached.push(id.to_owned());
-                        departures.extend(since.into_iter().map(|k| (k, at)));
-                    }
-                    Ok(())
-                })
-                .await?;
+            unreached = self.read_unreached(bot, pass, &mut read).await?;
             // Listed nowhere now (an item that moved pages is present on its new one), and not
             // on a page this pass could not read.
-            unknown.sort_unstable();
-            departures.retain(|(k, _)| !present.has(*k) && unknown.binary_search(k).is_err());
-            let candidates = self.departed_ids(bot, &pages, &departures).await?;
+            read.unknown.sort_unstable();
+            read.departures
+                .retain(|(k, _)| !present.has(*k) && read.unknown.binary_search(k).is_err());
+            let candidates = self
+                .departed_ids(bot, &read.pages, &read.departures)
+                .await?;
             outcome.candidates = candidates.len() as u64;
             outcome.removed = self
                 .remove_departed(bot, pass, &candidates, &present, now)
@@ -242,6 +203,88 @@ impl Deletions<'_> {
             self.clear_baselines(bot, pass, &unreached).await?;
         }
         Ok(outcome)
+    }
+
+    /// Reads the manifests of the listing pages of pass `pass`: what they list now (the
+    /// present, sorted), the departures of the pages whose baseline holds other lists, and what
+    /// the pages this pass could not read listed since the last evaluation (unknown: kept).
+    async fn read_pass_listings(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        outcome: &mut Evaluation,
+    ) -> Result<Listings> {
+        let mut read = Listings::default();
+        let frontier = self.store.database().collection::<RawDocumentBuf>(FRONTIER);
+        let mut filter = listing_filter(bot);
+        filter.insert(fr::PASS, pass);
+        let find = frontier
+            .find(filter)
+            .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
+            .projection(doc! {
+                fr::LISTED: 1, fr::LISTED_SINCE: 1, fr::LISTED_PASS: 1, fr::STATUS: 1,
+                fr::LISTED_SINCE_MORE: 1,
+            })
+            .batch_size(PRESENT_PER_BATCH);
+        self.store
+            .each_raw("read this pass's listings", find, |page| {
+                let read_now = page.get_str(fr::STATUS).ok() == Some(UrlStatus::Done.as_str())
+                    && raw_integer(page, fr::LISTED_PASS).map(PassNumber::new) == Some(pass);
+                if !read_now {
+                    read.unknown.extend(baseline_keys(page));
+                    return Ok(());
+                }
+                outcome.pages += 1;
+                let listed: Vec<u64> = Ids::of(page, fr::LISTED).keys().collect();
+                read.present.extend(&listed);
+                if page.get_bool(fr::LISTED_SINCE_MORE).ok() == Some(true) {
+                    let listed: HashSet<u64> = listed.into_iter().collect();
+                    let departed: Vec<u64> = baseline_keys(page)
+                        .into_iter()
+                        .filter(|k| !listed.contains(k))
+                        .collect();
+                    if !departed.is_empty() {
+                        outcome.changed_pages += 1;
+                        read.depart(page.get_str(fr::ID).ok(), departed);
+                    }
+                }
+                Ok(())
+            })
+            .await?;
+        read.present.sort_unstable();
+        read.present.dedup();
+        read.present.shrink_to_fit();
+        Ok(read)
+    }
+
+    /// Everything the pages this pass never reached listed since the last evaluation, as
+    /// departures in `read`; returns those pages' ids (their baselines are emptied at the end).
+    async fn read_unreached(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        read: &mut Listings,
+    ) -> Result<Vec<String>> {
+        let mut unreached: Vec<String> = Vec::new();
+        let frontier = self.store.database().collection::<RawDocumentBuf>(FRONTIER);
+        let mut filter = listing_filter(bot);
+        filter.insert(fr::PASS, doc! { "$lt": pass });
+        let find = frontier
+            .find(filter)
+            .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
+            .projection(doc! { fr::LISTED_SINCE: 1, fr::LISTED: 1 })
+            .batch_size(super::frontier::MANIFESTS_PER_BATCH);
+        self.store
+            .each_raw("read unreached listings", find, |page| {
+                let since = baseline_keys(page);
+                if let (false, Ok(id)) = (since.is_empty(), page.get_str(fr::ID)) {
+                    unreached.push(id.to_owned());
+                    read.depart(Some(id), since);
+                }
+                Ok(())
+            })
+            .await?;
+        Ok(unreached)
     }
 
     /// The full frontier ids of the departures left (by key), read again from their pages'

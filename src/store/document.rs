@@ -131,36 +131,12 @@ impl BotDoc {
     /// Parses strictly: wrong types and missing required fields are listed, not guessed at.
     pub fn parse(raw: &Document) -> Result<BotDoc, Vec<String>> {
         let mut problems = Vec::new();
-        let id = match raw.get(field::ID) {
-            Some(Bson::String(s)) => BotId::parse(s).map_err(|e| problems.push(e)).ok(),
-            other => {
-                problems.push(format!("_id must be a string, found {}", describe(other)));
-                None
-            }
-        };
+        let id = id_of(raw, &mut problems);
         let is_ready = required_bool(raw, field::IS_READY, &mut problems);
         let is_editing = required_bool(raw, field::IS_EDITING, &mut problems);
         let seeds = seeds_of(raw, &mut problems);
-        let lock_epoch = match raw.get(field::LOCK_EPOCH).and_then(integer) {
-            Some(n) => LockEpoch::new(n).map_err(|e| problems.push(e)).ok(),
-            None => {
-                problems.push(format!(
-                    "lockEpoch must be an integer, found {}",
-                    describe(raw.get(field::LOCK_EPOCH))
-                ));
-                None
-            }
-        };
-        let failed_refreshes = match raw.get(field::FAILED_REFRESHES) {
-            None | Some(Bson::Null) => 0,
-            Some(v) => integer(v).unwrap_or_else(|| {
-                problems.push(format!(
-                    "failedRefreshes must be an integer, found {}",
-                    describe(Some(v))
-                ));
-                0
-            }),
-        };
+        let lock_epoch = lock_epoch_of(raw, &mut problems);
+        let failed_refreshes = failed_refreshes_of(raw, &mut problems);
         let last_error = optional_string(raw, field::LAST_ERROR, &mut problems);
         let editing_by = optional_string(raw, field::EDITING_BY, &mut problems);
         let mut date = |name: &str| optional_date(raw, name, &mut problems);
@@ -176,18 +152,20 @@ impl BotDoc {
         let crawl_next_pass_at = date(field::CRAWL_NEXT_PASS_AT);
         let crawl_pass = crawl_pass_of(raw, &mut problems);
         if is_editing == Some(true) {
-            for (missing, problem) in [
+            let holder = [
                 (editing_by.is_none(), "editingBy names no holder"),
                 (lock_expires_at.is_none(), "lockExpiresAt is not set"),
                 (
                     last_update_started_at.is_none(),
                     "lastUpdateStartedAt is not set",
                 ),
-            ] {
-                if missing {
-                    problems.push(format!("isEditing is true but {problem}"));
-                }
-            }
+            ];
+            problems.extend(
+                holder
+                    .iter()
+                    .filter(|(missing, _)| *missing)
+                    .map(|(_, problem)| format!("isEditing is true but {problem}")),
+            );
         }
         match (id, is_ready, is_editing, lock_epoch) {
             (Some(id), Some(is_ready), Some(is_editing), Some(lock_epoch))
@@ -230,6 +208,45 @@ impl BotDoc {
             }
             _ => Err(problems),
         }
+    }
+}
+
+/// `_id`: a string that is a valid bot id.
+fn id_of(raw: &Document, problems: &mut Vec<String>) -> Option<BotId> {
+    match raw.get(field::ID) {
+        Some(Bson::String(s)) => BotId::parse(s).map_err(|e| problems.push(e)).ok(),
+        other => {
+            problems.push(format!("_id must be a string, found {}", describe(other)));
+            None
+        }
+    }
+}
+
+/// `lockEpoch`: an integer that is a valid epoch.
+fn lock_epoch_of(raw: &Document, problems: &mut Vec<String>) -> Option<LockEpoch> {
+    match raw.get(field::LOCK_EPOCH).and_then(integer) {
+        Some(n) => LockEpoch::new(n).map_err(|e| problems.push(e)).ok(),
+        None => {
+            problems.push(format!(
+                "lockEpoch must be an integer, found {}",
+                describe(raw.get(field::LOCK_EPOCH))
+            ));
+            None
+        }
+    }
+}
+
+/// `failedRefreshes`: an integer, 0 when missing or null.
+fn failed_refreshes_of(raw: &Document, problems: &mut Vec<String>) -> i64 {
+    match raw.get(field::FAILED_REFRESHES) {
+        None | Some(Bson::Null) => 0,
+        Some(v) => integer(v).unwrap_or_else(|| {
+            problems.push(format!(
+                "failedRefreshes must be an integer, found {}",
+                describe(Some(v))
+            ));
+            0
+        }),
     }
 }
 

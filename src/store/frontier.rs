@@ -620,13 +620,62 @@ fn pick(ids: &[Bson], values: Vec<Bson>) -> Bson {
     })
 }
 
+/// The `update` statement that resets `chunk` (links of earlier passes) into the pass of
+/// `taking` — one statement, per-link values picked by `_id`; the links to lease leased to its
+/// owner. Filtered on `pass < current`: sent twice, the second matches nothing.
+fn reset_statement(taking: &Taking<'_>, chunk: &[Reset<'_>]) -> Document {
+    let (bot, pass) = (taking.bot, taking.pass);
+    let ids: Vec<Bson> = chunk
+        .iter()
+        .map(|(_, id, _, _)| Bson::String(id.clone()))
+        .collect();
+    let column = |value: &dyn Fn(&Reset<'_>) -> Bson| pick(&ids, chunk.iter().map(value).collect());
+    let mut set = doc! {
+        f::KIND: column(&|(l, _, _, _)| Bson::String(l.kind.as_str().into())),
+        f::PASS: pass,
+        f::ATTEMPTS: column(&|(_, _, leased, _)| Bson::Int64(i64::from(*leased))),
+        f::SHEDS: 0_i64,
+        f::LAST_ERROR: Bson::Null,
+        f::ENQUEUED_AT: date(taking.now),
+        f::NOT_BEFORE: date(taking.now),
+        f::SLOT: column(&|_| Bson::Int64(i64::from(rand::random_range(0..SLOTS)))),
+        f::PRIORITY: column(&|(l, _, _, _)| Bson::Int64(l.priority)),
+        f::LIST_FINGERPRINT: column(&|(l, _, _, _)| text(l.fingerprint.as_deref())),
+    };
+    if chunk.iter().any(|(_, _, leased, _)| *leased) {
+        for name in [
+            f::STATUS,
+            f::LEASE_OWNER,
+            f::LEASE_TOKEN,
+            f::LEASE_EXPIRES_AT,
+            f::LEASED_AT,
+        ] {
+            let value = column(&|(_, _, leased, _)| {
+                taking
+                    .lease_fields(*leased)
+                    .remove(name)
+                    .unwrap_or(Bson::Null)
+            });
+            set.insert(name, value);
+        }
+    } else {
+        for (name, value) in taking.lease_fields(false) {
+            set.insert(name, value);
+        }
+    }
+    let statement = doc! {
+        "q": { f::ID: { "$in": &ids }, f::BOT: bot.as_str(), f::PASS: { "$lt": pass } },
+        "u": [ { "$set": set } ],
+        "multi": true,
+    };
+    statement
+}
+
 /// A pipeline value that is literally `value` (a string starting with `$` stays a string).
 fn literal(value: impl Into<Bson>) -> Bson {
     Bson::Document(doc! { "$literal": value.into() })
 }
 
-/// The `writeErrors` of a write command's reply, by statement index: duplicate keys (E11000) are
-/// returned, anything else is an error.
 /// How long a lease write may wait on the server (`maxTimeMS`) for documents an open
 /// transaction holds before it gives up on them.
 pub const LEASE_WRITE_MAX_TIME: Duration = Duration::from_secs(2);
@@ -919,51 +968,8 @@ impl Frontier<'_> {
         chunk: &[Reset<'_>],
         out: &mut Enqueued,
     ) -> Result<()> {
-        let (bot, pass) = (taking.bot, taking.pass);
-        let ids: Vec<Bson> = chunk
-            .iter()
-            .map(|(_, id, _, _)| Bson::String(id.clone()))
-            .collect();
-        let column =
-            |value: &dyn Fn(&Reset<'_>) -> Bson| pick(&ids, chunk.iter().map(value).collect());
-        let mut set = doc! {
-            f::KIND: column(&|(l, _, _, _)| Bson::String(l.kind.as_str().into())),
-            f::PASS: pass,
-            f::ATTEMPTS: column(&|(_, _, leased, _)| Bson::Int64(i64::from(*leased))),
-            f::SHEDS: 0_i64,
-            f::LAST_ERROR: Bson::Null,
-            f::ENQUEUED_AT: date(taking.now),
-            f::NOT_BEFORE: date(taking.now),
-            f::SLOT: column(&|_| Bson::Int64(i64::from(rand::random_range(0..SLOTS)))),
-            f::PRIORITY: column(&|(l, _, _, _)| Bson::Int64(l.priority)),
-            f::LIST_FINGERPRINT: column(&|(l, _, _, _)| text(l.fingerprint.as_deref())),
-        };
-        if chunk.iter().any(|(_, _, leased, _)| *leased) {
-            for name in [
-                f::STATUS,
-                f::LEASE_OWNER,
-                f::LEASE_TOKEN,
-                f::LEASE_EXPIRES_AT,
-                f::LEASED_AT,
-            ] {
-                let value = column(&|(_, _, leased, _)| {
-                    taking
-                        .lease_fields(*leased)
-                        .remove(name)
-                        .unwrap_or(Bson::Null)
-                });
-                set.insert(name, value);
-            }
-        } else {
-            for (name, value) in taking.lease_fields(false) {
-                set.insert(name, value);
-            }
-        }
-        let statement = doc! {
-            "q": { f::ID: { "$in": &ids }, f::BOT: bot.as_str(), f::PASS: { "$lt": pass } },
-            "u": [ { "$set": set } ],
-            "multi": true,
-        };
+        let bot = taking.bot;
+        let statement = reset_statement(taking, chunk);
         let reply = self
             .store
             .command(

@@ -169,16 +169,8 @@ fn plan(
 ) -> Plan {
     let id = record.id();
     let hash = content_hash(&record.data);
-    let fetched_at = date(lease.leased_at);
-    let now_b = date(now);
     let Some(old) = stored else {
-        return Plan::Insert(doc! {
-            f::ID: &id, f::BOT: record.bot.as_str(), f::NATURAL_KEY: &record.natural_key,
-            f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: &hash,
-            f::FIRST_SEEN: now_b.clone(), f::LAST_CHANGED: now_b.clone(),
-            f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null, f::FETCHED_AT: fetched_at,
-            f::FETCHED_PASS: lease.pass,
-        });
+        return Plan::Insert(new_record(record, lease, &hash, now));
     };
     let newer_stored = matches!(old.get(f::FETCHED_AT), Some(Bson::DateTime(t)) if t.to_chrono() > lease.leased_at);
     if newer_stored {
@@ -198,43 +190,8 @@ fn plan(
     let filter = doc! {
         f::ID: &id, f::BOT: record.bot.as_str(), f::CONTENT_HASH: &old_hash, f::FETCHED_AT: read_at,
     };
-    // What an upsert that only reports a miss would need to create a whole record (it never
-    // does: the `_id` exists, so the insert fails — unless the record was deleted meanwhile).
-    // The filter's equalities (`botId` among them) are part of such a document already.
-    let mut on_insert = doc! {
-        f::NATURAL_KEY: &record.natural_key, f::FIRST_SEEN: now_b.clone(),
-    };
-    let (update, write) = if old_hash == hash && !removed {
-        // Same content, by a retry: only `fetchedAt` moves on (see above).
-        on_insert.insert(f::URL, lease.url.as_str());
-        on_insert.insert(f::DATA, record.data.clone());
-        on_insert.insert(f::LAST_CHANGED, now_b.clone());
-        on_insert.insert(f::REMOVED_AT, Bson::Null);
-        on_insert.insert(f::FETCHED_PASS, lease.pass);
-        (
-            doc! { "$set": { f::FETCHED_AT: fetched_at } },
-            RecordWrite::Unchanged,
-        )
-    } else {
-        let changed = old_hash != hash;
-        let mut set = doc! {
-            f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: &hash,
-            f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null, f::FETCHED_AT: fetched_at,
-            f::FETCHED_PASS: lease.pass,
-        };
-        // A change, or a record back after a removal: `lastChanged` moves either way (an
-        // export `--changed-since` must carry a record that came back).
-        set.insert(f::LAST_CHANGED, now_b);
-        (
-            doc! { "$set": set },
-            if changed {
-                RecordWrite::Changed
-            } else {
-                RecordWrite::Restored
-            },
-        )
-    };
-    let mut update = update;
+    let (mut update, on_insert, write) =
+        swap_update(record, lease, &hash, old_hash != hash, removed, now);
     if report_misses {
         update.insert("$setOnInsert", on_insert);
     }
@@ -243,6 +200,62 @@ fn plan(
         statement.insert("upsert", true);
     }
     Plan::Swap(statement, write)
+}
+
+/// A record as it is first inserted, with content hash `hash`.
+fn new_record(record: &Extracted, lease: &UrlLease, hash: &str, now: DateTime<Utc>) -> Document {
+    let now = date(now);
+    doc! {
+        f::ID: record.id(), f::BOT: record.bot.as_str(), f::NATURAL_KEY: &record.natural_key,
+        f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: hash,
+        f::FIRST_SEEN: now.clone(), f::LAST_CHANGED: now,
+        f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null,
+        f::FETCHED_AT: date(lease.leased_at), f::FETCHED_PASS: lease.pass,
+    }
+}
+
+/// A compare-and-swap's update of a stored record (its content `changed`, or it was `removed`),
+/// what an upsert that only reports a miss would need to create a whole record, and the write
+/// it is.
+fn swap_update(
+    record: &Extracted,
+    lease: &UrlLease,
+    hash: &str,
+    changed: bool,
+    removed: bool,
+    now: DateTime<Utc>,
+) -> (Document, Document, RecordWrite) {
+    let fetched_at = date(lease.leased_at);
+    let now_b = date(now);
+    // What an upsert that only reports a miss would need to create a whole record (it never
+    // does: the `_id` exists, so the insert fails — unless the record was deleted meanwhile).
+    // The filter's equalities (`botId` among them) are part of such a document already.
+    let mut on_insert = doc! {
+        f::NATURAL_KEY: &record.natural_key, f::FIRST_SEEN: now_b.clone(),
+    };
+    if !changed && !removed {
+        // Same content, by a retry: only `fetchedAt` moves on (see `plan`).
+        on_insert.insert(f::URL, lease.url.as_str());
+        on_insert.insert(f::DATA, record.data.clone());
+        on_insert.insert(f::LAST_CHANGED, now_b);
+        on_insert.insert(f::REMOVED_AT, Bson::Null);
+        on_insert.insert(f::FETCHED_PASS, lease.pass);
+        let update = doc! { "$set": { f::FETCHED_AT: fetched_at } };
+        return (update, on_insert, RecordWrite::Unchanged);
+    }
+    // A change, or a record back after a removal: `lastChanged` moves either way (an export
+    // `--changed-since` must carry a record that came back).
+    let set = doc! {
+        f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: hash,
+        f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null, f::FETCHED_AT: fetched_at,
+        f::FETCHED_PASS: lease.pass, f::LAST_CHANGED: now_b,
+    };
+    let write = if changed {
+        RecordWrite::Changed
+    } else {
+        RecordWrite::Restored
+    };
+    (doc! { "$set": set }, on_insert, write)
 }
 
 /// Splits a batch's pages (their indexes; `ids`: each one's record id) into waves in which no record id appears twice: two pages of
@@ -501,38 +514,8 @@ impl Records<'_> {
             }
             let mut statements: Vec<Document> = swaps.iter().map(|(_, s, _)| s.clone()).collect();
             statements.append(&mut extra);
-            let insert = async {
-                if inserts.is_empty() {
-                    return Ok(HashSet::new());
-                }
-                let docs: Vec<&Document> = inserts.iter().map(|(_, d)| d).collect();
-                let reply = self
-                    .store
-                    .command(
-                        "insert records",
-                        doc! { "insert": RECORDS, "documents": docs, "ordered": false },
-                        None,
-                    )
-                    .await?;
-                reply::duplicates("insert records", &reply)
-                    .map(|d| d.into_iter().collect::<HashSet<_>>())
-            };
-            let update = async {
-                if statements.is_empty() {
-                    return Ok(HashSet::new());
-                }
-                let reply = self
-                    .store
-                    .command(
-                        "write records",
-                        doc! { "update": RECORDS, "updates": &statements, "ordered": false },
-                        None,
-                    )
-                    .await?;
-                reply::duplicates("write records", &reply)
-                    .map(|d| d.into_iter().collect::<HashSet<_>>())
-            };
-            let (lost_inserts, lost_swaps) = tokio::try_join!(insert, update)?;
+            let docs: Vec<&Document> = inserts.iter().map(|(_, d)| d).collect();
+            let (lost_inserts, lost_swaps) = self.write_round(&docs, &statements).await?;
             let mut again = Vec::new();
             // A duplicate `_id` on an insert: another worker stored the item first. On a swap: the
             // record changed since it was read. Either way, read it and decide again.
@@ -552,10 +535,66 @@ impl Records<'_> {
             }
             todo = again;
         }
+        self.mark_wave(pages, ids, wave, &todo, &writes, now).await
+    }
+
+    /// One round of an ordered commit's writes, at once: the new records in one `insert`, the
+    /// compare-and-swaps and removal statements in one `update`. Returns the indexes of the
+    /// inserts and of the statements that met a duplicate `_id` (another worker's insert, or a
+    /// record changed since it was read).
+    async fn write_round(
+        self,
+        inserts: &[&Document],
+        statements: &[Document],
+    ) -> Result<(HashSet<usize>, HashSet<usize>)> {
+        let insert = async {
+            if inserts.is_empty() {
+                return Ok(HashSet::new());
+            }
+            let reply = self
+                .store
+                .command(
+                    "insert records",
+                    doc! { "insert": RECORDS, "documents": inserts, "ordered": false },
+                    None,
+                )
+                .await?;
+            reply::duplicates("insert records", &reply)
+                .map(|d| d.into_iter().collect::<HashSet<_>>())
+        };
+        let update = async {
+            if statements.is_empty() {
+                return Ok(HashSet::new());
+            }
+            let reply = self
+                .store
+                .command(
+                    "write records",
+                    doc! { "update": RECORDS, "updates": statements, "ordered": false },
+                    None,
+                )
+                .await?;
+            reply::duplicates("write records", &reply)
+                .map(|d| d.into_iter().collect::<HashSet<_>>())
+        };
+        tokio::try_join!(insert, update)
+    }
+
+    /// The fenced marks of a wave's pages whose record write succeeded (`failed`: those whose
+    /// record kept changing are not marked), in one `update`; what became of each page.
+    async fn mark_wave(
+        self,
+        pages: &[PageCommit<'_>],
+        ids: &[Option<String>],
+        wave: &[usize],
+        failed: &[usize],
+        writes: &HashMap<usize, RecordWrite>,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Committed>> {
         let mut marks: Vec<(&UrlLease, Mark)> = Vec::new();
         let mut marked: Vec<usize> = Vec::new();
         for i in wave {
-            if todo.contains(i) {
+            if failed.contains(i) {
                 continue;
             }
             marks.push((pages[*i].lease, mark_of(&pages[*i], ids[*i].as_deref())));
