@@ -17,6 +17,7 @@ use crate::ids::PassNumber;
 use crate::ops::bots::BotsCommand;
 use crate::ops::{admin_name, bot_arg, fail, with_store, EXIT_FAILED, EXIT_USAGE};
 use crate::store::startup;
+use crate::store::Store;
 use crate::store::UnlockOutcome;
 
 #[derive(Debug, Parser)]
@@ -291,103 +292,18 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
     } else {
         Mode::Daemon
     };
-    // `run --once` on a terminal draws one bar per crawling bot (a daemon's stderr is its log).
-    let crawling: Vec<BotId> = settings
-        .bots
-        .iter()
-        .filter(|b| b.crawl.is_some())
-        .map(|b| b.id.clone())
-        .collect();
-    let from_database = settings.bots_from_database();
-    let display =
-        if once && (from_database || !crawling.is_empty()) && std::io::stderr().is_terminal() {
-            match startup::open(&settings.mongo).await {
-                Ok((store, _)) => {
-                    let mut crawling = crawling;
-                    if from_database {
-                        // The database's crawling bots this instance runs.
-                        for raw in store.bots().spec_documents().await.unwrap_or_default() {
-                            let id = crate::lock::fleet::spec_bot(&raw);
-                            let crawls = raw.get_document("spec").is_ok_and(|spec| {
-                                matches!(spec.get("crawl"), Some(bson::Bson::Document(_)))
-                            });
-                            if let Some(id) = id.filter(|id| crawls && settings.runs(id)) {
-                                crawling.push(id);
-                            }
-                        }
-                    }
-                    let done = CancellationToken::new();
-                    let shown = tokio::spawn(crate::ops::progress::show(
-                        store.clone(),
-                        crawling,
-                        done.clone(),
-                    ));
-                    Some((store, done, shown))
-                }
-                Err(e) => return fail(EXIT_USAGE, e),
-            }
-        } else {
-            None
-        };
+    let display = match ProgressDisplay::start(&settings, once).await {
+        Ok(display) => display,
+        Err(code) => return code,
+    };
     let max_error_rate = settings.crawl.max_error_rate;
     let after = settings.clone();
     let result = daemon::run(settings, mode, shutdown).await;
-    if let Some((store, done, shown)) = display {
-        done.cancel();
-        let _ = shown.await;
-        store.shutdown().await;
+    if let Some(display) = display {
+        display.stop().await;
     }
     match result {
-        Ok(summaries) => {
-            // The passes' failures, grouped by reason, from the database.
-            let store = if summaries.iter().any(|s| s.pass > PassNumber::NONE) {
-                match startup::open(&after.mongo).await {
-                    Ok((store, _)) => Some(store),
-                    Err(e) => return fail(EXIT_FAILED, e),
-                }
-            } else {
-                None
-            };
-            let mut too_many = Vec::new();
-            for s in summaries {
-                let pass = if s.pass > PassNumber::NONE {
-                    format!(" pass={} finished", s.pass)
-                } else {
-                    String::new()
-                };
-                println!(
-                    "{} ready epoch={} seeds={} digest={}{pass}",
-                    s.bot, s.epoch, s.seeds, s.seeds_digest
-                );
-                let Some(store) = store.as_ref().filter(|_| s.pass > PassNumber::NONE) else {
-                    continue;
-                };
-                match crate::ops::progress::failures(store, &s.bot, s.pass).await {
-                    Ok(failures) => {
-                        let lines = failures.lines();
-                        if !lines.is_empty() {
-                            println!("{}", lines.trim_start_matches('\n'));
-                        }
-                        too_many.extend(failures.too_many(max_error_rate));
-                    }
-                    Err(e) => {
-                        too_many.push(format!("bot {}: cannot read its failures: {e}", s.bot))
-                    }
-                }
-            }
-            if let Some(store) = store {
-                store.shutdown().await;
-            }
-            match too_many.as_slice() {
-                [] => ExitCode::SUCCESS,
-                lines => {
-                    for line in &lines[..lines.len() - 1] {
-                        eprintln!("seedlock: {line}");
-                    }
-                    fail(EXIT_FAILED, &lines[lines.len() - 1])
-                }
-            }
-        }
+        Ok(summaries) => report_summaries(summaries, &after, max_error_rate).await,
         Err(e @ RunError::Startup(_)) => fail(EXIT_USAGE, e),
         Err(
             e @ (RunError::Timeout { .. }
@@ -396,6 +312,125 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
             | RunError::Removed(_)
             | RunError::IdTakenOver(_)),
         ) => fail(EXIT_FAILED, e),
+    }
+}
+
+/// `run --once`'s progress display: one bar per crawling bot on stderr, until stopped.
+struct ProgressDisplay {
+    store: Store,
+    done: CancellationToken,
+    shown: tokio::task::JoinHandle<()>,
+}
+
+impl ProgressDisplay {
+    /// Starts the display for `run --once` on a terminal when it may run crawling bots (its
+    /// config's, or the database's); `None` otherwise, and an error code when the database
+    /// cannot be opened.
+    async fn start(settings: &Settings, once: bool) -> Result<Option<Self>, ExitCode> {
+        // `run --once` on a terminal draws one bar per crawling bot (a daemon's stderr is its log).
+        let mut crawling: Vec<BotId> = settings
+            .bots
+            .iter()
+            .filter(|b| b.crawl.is_some())
+            .map(|b| b.id.clone())
+            .collect();
+        let from_database = settings.bots_from_database();
+        if !(once && (from_database || !crawling.is_empty()) && std::io::stderr().is_terminal()) {
+            return Ok(None);
+        }
+        let (store, _) = match startup::open(&settings.mongo).await {
+            Ok(opened) => opened,
+            Err(e) => return Err(fail(EXIT_USAGE, e)),
+        };
+        if from_database {
+            crawling.extend(database_crawling_bots(&store, settings).await);
+        }
+        let done = CancellationToken::new();
+        let shown = tokio::spawn(crate::ops::progress::show(
+            store.clone(),
+            crawling,
+            done.clone(),
+        ));
+        Ok(Some(Self { store, done, shown }))
+    }
+
+    /// Stops the display, waits for it to finish drawing, and closes its database connection.
+    async fn stop(self) {
+        self.done.cancel();
+        let _ = self.shown.await;
+        self.store.shutdown().await;
+    }
+}
+
+/// The database's crawling bots this instance runs, in the order their specs are read (none
+/// when the specs cannot be read).
+async fn database_crawling_bots(store: &Store, settings: &Settings) -> Vec<BotId> {
+    let mut crawling = Vec::new();
+    for raw in store.bots().spec_documents().await.unwrap_or_default() {
+        let id = crate::lock::fleet::spec_bot(&raw);
+        let crawls = raw
+            .get_document("spec")
+            .is_ok_and(|spec| matches!(spec.get("crawl"), Some(bson::Bson::Document(_))));
+        if let Some(id) = id.filter(|id| crawls && settings.runs(id)) {
+            crawling.push(id);
+        }
+    }
+    crawling
+}
+
+/// `run --once`'s end: a line per bot, each finished pass's failures grouped by reason (read
+/// from the database, opened with `settings`); exit 1 when a pass failed more pages than
+/// `max_error_rate` allows or its failures cannot be read.
+async fn report_summaries(
+    summaries: Vec<daemon::BotSummary>,
+    settings: &Settings,
+    max_error_rate: f64,
+) -> ExitCode {
+    // The passes' failures, grouped by reason, from the database.
+    let store = if summaries.iter().any(|s| s.pass > PassNumber::NONE) {
+        match startup::open(&settings.mongo).await {
+            Ok((store, _)) => Some(store),
+            Err(e) => return fail(EXIT_FAILED, e),
+        }
+    } else {
+        None
+    };
+    let mut too_many = Vec::new();
+    for s in summaries {
+        let pass = if s.pass > PassNumber::NONE {
+            format!(" pass={} finished", s.pass)
+        } else {
+            String::new()
+        };
+        println!(
+            "{} ready epoch={} seeds={} digest={}{pass}",
+            s.bot, s.epoch, s.seeds, s.seeds_digest
+        );
+        let Some(store) = store.as_ref().filter(|_| s.pass > PassNumber::NONE) else {
+            continue;
+        };
+        match crate::ops::progress::failures(store, &s.bot, s.pass).await {
+            Ok(failures) => {
+                let lines = failures.lines();
+                if !lines.is_empty() {
+                    println!("{}", lines.trim_start_matches('\n'));
+                }
+                too_many.extend(failures.too_many(max_error_rate));
+            }
+            Err(e) => too_many.push(format!("bot {}: cannot read its failures: {e}", s.bot)),
+        }
+    }
+    if let Some(store) = store {
+        store.shutdown().await;
+    }
+    match too_many.as_slice() {
+        [] => ExitCode::SUCCESS,
+        lines => {
+            for line in &lines[..lines.len() - 1] {
+                eprintln!("seedlock: {line}");
+            }
+            fail(EXIT_FAILED, &lines[lines.len() - 1])
+        }
     }
 }
 

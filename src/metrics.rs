@@ -88,6 +88,8 @@ struct FlowMetrics {
 }
 
 impl FlowMetrics {
+    /// Creates the flow series and registers them: the database's, the pipeline stages', the
+    /// hosts', then the per-bot pressure series.
     fn register(registry: &mut Registry) -> Self {
         let m = Self {
             stage_depth: Default::default(),
@@ -110,87 +112,109 @@ impl FlowMetrics {
             last_commands: Default::default(),
             last: Default::default(),
         };
+        m.register_database(registry);
+        m.register_stages(registry);
+        m.register_hosts(registry);
+        m.register_pressure(registry);
+        m
+    }
+
+    /// Registers the database series: commands sent, pool waits and connections checked out.
+    fn register_database(&self, registry: &mut Registry) {
         registry.register(
             "db_commands",
             "Database commands (round trips) this instance sent, by command name",
-            m.db_commands.clone(),
+            self.db_commands.clone(),
         );
         registry.register(
             "db_pool_wait_seconds",
             "Time database operations waited for a pooled connection (counted toward mongo.op_timeout)",
-            m.pool_wait.clone(),
+            self.pool_wait.clone(),
         );
         registry.register(
             "db_pool_checkouts",
             "Connections checked out of the driver's pool (one per command sent)",
-            m.pool_checkouts.clone(),
+            self.pool_checkouts.clone(),
         );
+    }
+
+    /// Registers the crawl pipeline's series: items per stage and the age of each stage's oldest.
+    fn register_stages(&self, registry: &mut Registry) {
         registry.register(
             "crawl_stage_depth",
             "Items in each crawl pipeline stage (host_queue, fetch, parse, store)",
-            m.stage_depth.clone(),
+            self.stage_depth.clone(),
         );
         registry.register(
             "crawl_stage_oldest_seconds",
             "Age of the oldest item in each crawl pipeline stage",
-            m.stage_oldest.clone(),
+            self.stage_oldest.clone(),
         );
+    }
+
+    /// Registers the per-host limiter series: requests in flight, limit, pause, throttles,
+    /// timeouts, admissions blocked, requests by kind and retry ratio.
+    fn register_hosts(&self, registry: &mut Registry) {
         registry.register(
             "host_in_flight",
             "Requests in flight per host",
-            m.in_flight.clone(),
+            self.in_flight.clone(),
         );
         registry.register(
             "host_limit",
             "The adaptive (AIMD) concurrency limit per host",
-            m.limit.clone(),
+            self.limit.clone(),
         );
         registry.register(
             "host_paused_seconds",
             "Seconds until a paused host (Retry-After, robots.txt unavailable) admits again; 0 when not paused",
-            m.paused_seconds.clone(),
+            self.paused_seconds.clone(),
         );
         registry.register(
             "host_throttles",
             "429/503 answers per host",
-            m.throttles.clone(),
+            self.throttles.clone(),
         );
         registry.register(
             "host_timeouts",
             "Fetch timeouts per host",
-            m.timeouts.clone(),
+            self.timeouts.clone(),
         );
         registry.register(
             "host_admissions_blocked",
             "Times a host's limiter turned a request away (at its limit, paused, or spacing)",
-            m.blocked.clone(),
+            self.blocked.clone(),
         );
         registry.register(
             "host_requests",
             "Requests admitted per host, by kind (first, retry)",
-            m.requests.clone(),
+            self.requests.clone(),
         );
         registry.register(
             "host_retry_ratio",
             "Retries over first attempts per host within the retry window",
-            m.retry_ratio.clone(),
+            self.retry_ratio.clone(),
         );
+    }
+
+    /// Registers the per-bot pressure series: retries deferred, URLs shed and page requests per
+    /// record stored.
+    fn register_pressure(&self, registry: &mut Registry) {
         registry.register(
             "crawl_retries_deferred",
             "Retries pushed past the host's retry window because its retry budget was spent",
-            m.retry_deferred.clone(),
+            self.retry_deferred.clone(),
         );
         registry.register(
             "crawl_shed",
             "Lowest-priority URLs deferred at the frontier, unfetched, because their host was throttling",
-            m.shed.clone(),
+            self.shed.clone(),
         );
         registry.register(
             "crawl_requests_per_record",
             "Page requests sent per record stored by this instance (seed 000's health signal)",
-            m.requests_per_record.clone(),
+            self.requests_per_record.clone(),
         );
-        m
     }
 }
 
@@ -200,44 +224,19 @@ fn seconds_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.005, 2.0, 18))
 }
 
-pub struct Metrics {
-    registry: Registry,
+/// Per-bot state and the edit lock: state, pause, epoch, acquisitions, takeovers, locks lost.
+struct LockMetrics {
     bot_state: Family<StateLabels, Gauge>,
     bot_paused: Family<BotLabel, Gauge>,
     lock_epoch: Family<BotLabel, Gauge>,
     acquisitions: Family<BotLabel, Counter>,
     takeovers: Family<KindLabels, Counter>,
     edit_locks_lost: Family<BotLabel, Counter>,
-    refreshes: Family<KindLabels, Counter>,
-    repairs: Family<KindLabels, Counter>,
-    refresh_duration: Seconds,
-    wait_duration: Seconds,
-    db_errors: Counter,
-    pages: Family<KindLabels, Counter>,
-    requests: Family<BotLabel, Counter>,
-    records: Family<KindLabels, Counter>,
-    url_leases_lost: Family<BotLabel, Counter>,
-    lease_queries: Family<KindLabels, Counter>,
-    crawl_pass: Family<BotLabel, Gauge>,
-    passes_finished: Family<BotLabel, Counter>,
-    flow: FlowMetrics,
-    /// Called before every encode, to read gauges from their owners (hosts, stages).
-    sources: std::sync::Mutex<Vec<Source>>,
-    /// Milliseconds after `started` of the last successful database round trip (for `/healthz`);
-    /// monotonic, so a jumping wall clock cannot fake health.
-    last_db_ok: AtomicI64,
-    started: std::time::Instant,
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Metrics {
-    pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("seedlock");
+impl LockMetrics {
+    /// Creates the state and edit-lock series and registers them, in that order.
+    fn register(registry: &mut Registry) -> Self {
         let bot_state = Family::<StateLabels, Gauge>::default();
         registry.register(
             "bot_state",
@@ -274,6 +273,28 @@ impl Metrics {
             "Refreshes this instance stopped without writing: a fenced write (heartbeat or last write) matched nothing, or heartbeats went unconfirmed until the lock ran out",
             edit_locks_lost.clone(),
         );
+        Self {
+            bot_state,
+            bot_paused,
+            lock_epoch,
+            acquisitions,
+            takeovers,
+            edit_locks_lost,
+        }
+    }
+}
+
+/// Refresh outcomes, repairs, and the time refreshes and waits took.
+struct RefreshMetrics {
+    refreshes: Family<KindLabels, Counter>,
+    repairs: Family<KindLabels, Counter>,
+    refresh_duration: Seconds,
+    wait_duration: Seconds,
+}
+
+impl RefreshMetrics {
+    /// Creates the refresh series and registers them: outcomes, repairs, then the durations.
+    fn register(registry: &mut Registry) -> Self {
         let refreshes = Family::<KindLabels, Counter>::default();
         registry.register(
             "refreshes",
@@ -299,12 +320,30 @@ impl Metrics {
             "Time spent waiting for another instance's refresh",
             wait_duration.clone(),
         );
-        let db_errors = Counter::default();
-        registry.register(
-            "db_errors",
-            "Database operations that failed (transient ones are retried)",
-            db_errors.clone(),
-        );
+        Self {
+            refreshes,
+            repairs,
+            refresh_duration,
+            wait_duration,
+        }
+    }
+}
+
+/// The crawl's series: pages by result, requests, record writes, URL leases lost, lease
+/// attempts, the current pass and finished passes.
+struct CrawlMetrics {
+    pages: Family<KindLabels, Counter>,
+    requests: Family<BotLabel, Counter>,
+    records: Family<KindLabels, Counter>,
+    url_leases_lost: Family<BotLabel, Counter>,
+    lease_queries: Family<KindLabels, Counter>,
+    crawl_pass: Family<BotLabel, Gauge>,
+    passes_finished: Family<BotLabel, Counter>,
+}
+
+impl CrawlMetrics {
+    /// Creates the crawl series and registers them, pages first, finished passes last.
+    fn register(registry: &mut Registry) -> Self {
         let pages = Family::<KindLabels, Counter>::default();
         registry.register(
             "crawl_pages",
@@ -347,10 +386,7 @@ impl Metrics {
             "Crawl passes whose end this instance recorded",
             passes_finished.clone(),
         );
-        let flow = FlowMetrics::register(&mut registry);
         Self {
-            flow,
-            sources: Default::default(),
             pages,
             requests,
             records,
@@ -358,17 +394,53 @@ impl Metrics {
             lease_queries,
             crawl_pass,
             passes_finished,
+        }
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    lock: LockMetrics,
+    refresh: RefreshMetrics,
+    db_errors: Counter,
+    crawl: CrawlMetrics,
+    flow: FlowMetrics,
+    /// Called before every encode, to read gauges from their owners (hosts, stages).
+    sources: std::sync::Mutex<Vec<Source>>,
+    /// Milliseconds after `started` of the last successful database round trip (for `/healthz`);
+    /// monotonic, so a jumping wall clock cannot fake health.
+    last_db_ok: AtomicI64,
+    started: std::time::Instant,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates every series and registers them under the `seedlock` prefix, in exposition order:
+    /// state and edit lock, refreshes, database errors, crawl, then flow.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("seedlock");
+        let lock = LockMetrics::register(&mut registry);
+        let refresh = RefreshMetrics::register(&mut registry);
+        let db_errors = Counter::default();
+        registry.register(
+            "db_errors",
+            "Database operations that failed (transient ones are retried)",
+            db_errors.clone(),
+        );
+        let crawl = CrawlMetrics::register(&mut registry);
+        let flow = FlowMetrics::register(&mut registry);
+        Self {
+            flow,
+            sources: Default::default(),
+            crawl,
             registry,
-            bot_state,
-            bot_paused,
-            lock_epoch,
-            acquisitions,
-            takeovers,
-            edit_locks_lost,
-            refreshes,
-            repairs,
-            refresh_duration,
-            wait_duration,
+            lock,
+            refresh,
             db_errors,
             last_db_ok: AtomicI64::new(-1),
             started: std::time::Instant::now(),
@@ -389,37 +461,51 @@ impl Metrics {
     }
 
     pub fn page_requested(&self, bot: &BotId) {
-        self.requests.get_or_create(&Self::bot(bot)).inc();
+        self.crawl.requests.get_or_create(&Self::bot(bot)).inc();
     }
 
     pub fn page_crawled(&self, bot: &BotId, result: &str) {
-        self.pages.get_or_create(&Self::kind(bot, result)).inc();
+        self.crawl
+            .pages
+            .get_or_create(&Self::kind(bot, result))
+            .inc();
     }
 
     pub fn record_written(&self, bot: &BotId, kind: &str) {
-        self.records.get_or_create(&Self::kind(bot, kind)).inc();
+        self.crawl
+            .records
+            .get_or_create(&Self::kind(bot, kind))
+            .inc();
     }
 
     pub fn url_lease_lost(&self, bot: &BotId) {
-        self.url_leases_lost.get_or_create(&Self::bot(bot)).inc();
+        self.crawl
+            .url_leases_lost
+            .get_or_create(&Self::bot(bot))
+            .inc();
     }
 
     /// One lease attempt (a turn of the leaser, one or more queries): `leased` or `empty`.
     pub fn lease_query(&self, bot: &BotId, leased: bool) {
         let result = if leased { "leased" } else { "empty" };
-        self.lease_queries
+        self.crawl
+            .lease_queries
             .get_or_create(&Self::kind(bot, result))
             .inc();
     }
 
     pub fn crawling(&self, bot: &BotId, pass: PassNumber) {
-        self.crawl_pass
+        self.crawl
+            .crawl_pass
             .get_or_create(&Self::bot(bot))
             .set(pass.get());
     }
 
     pub fn pass_finished(&self, bot: &BotId) {
-        self.passes_finished.get_or_create(&Self::bot(bot)).inc();
+        self.crawl
+            .passes_finished
+            .get_or_create(&Self::bot(bot))
+            .inc();
     }
 
     pub fn set_state(&self, bot: &BotId, state: BotState) {
@@ -428,7 +514,8 @@ impl Metrics {
                 bot: bot.to_string(),
                 state: s.as_str().to_owned(),
             };
-            self.bot_state
+            self.lock
+                .bot_state
                 .get_or_create(&labels)
                 .set(i64::from(s == state));
         }
@@ -437,50 +524,66 @@ impl Metrics {
     /// Drops a bot's state and pause series (the bot was removed from this instance's fleet).
     pub fn forget_bot(&self, bot: &BotId) {
         for s in BotState::ALL {
-            self.bot_state.remove(&StateLabels {
+            self.lock.bot_state.remove(&StateLabels {
                 bot: bot.to_string(),
                 state: s.as_str().to_owned(),
             });
         }
-        self.bot_paused.remove(&Self::bot(bot));
+        self.lock.bot_paused.remove(&Self::bot(bot));
     }
 
     pub fn set_paused(&self, bot: &BotId, paused: bool) {
-        self.bot_paused
+        self.lock
+            .bot_paused
             .get_or_create(&Self::bot(bot))
             .set(i64::from(paused));
     }
 
     pub fn saw_epoch(&self, bot: &BotId, epoch: crate::ids::LockEpoch) {
-        self.lock_epoch
+        self.lock
+            .lock_epoch
             .get_or_create(&Self::bot(bot))
             .set(epoch.get());
     }
 
     pub fn acquired(&self, bot: &BotId, takeover: Option<&str>) {
-        self.acquisitions.get_or_create(&Self::bot(bot)).inc();
+        self.lock.acquisitions.get_or_create(&Self::bot(bot)).inc();
         if let Some(kind) = takeover {
-            self.takeovers.get_or_create(&Self::kind(bot, kind)).inc();
+            self.lock
+                .takeovers
+                .get_or_create(&Self::kind(bot, kind))
+                .inc();
         }
     }
 
     pub fn edit_lock_lost(&self, bot: &BotId) {
-        self.edit_locks_lost.get_or_create(&Self::bot(bot)).inc();
+        self.lock
+            .edit_locks_lost
+            .get_or_create(&Self::bot(bot))
+            .inc();
     }
 
     pub fn refresh_finished(&self, bot: &BotId, result: &str, took: Duration) {
-        self.refreshes.get_or_create(&Self::kind(bot, result)).inc();
-        self.refresh_duration
+        self.refresh
+            .refreshes
+            .get_or_create(&Self::kind(bot, result))
+            .inc();
+        self.refresh
+            .refresh_duration
             .get_or_create(&Self::bot(bot))
             .observe(took.as_secs_f64());
     }
 
     pub fn repaired(&self, bot: &BotId, kind: &str) {
-        self.repairs.get_or_create(&Self::kind(bot, kind)).inc();
+        self.refresh
+            .repairs
+            .get_or_create(&Self::kind(bot, kind))
+            .inc();
     }
 
     pub fn waited(&self, bot: &BotId, took: Duration) {
-        self.wait_duration
+        self.refresh
+            .wait_duration
             .get_or_create(&Self::bot(bot))
             .observe(took.as_secs_f64());
     }

@@ -23,7 +23,7 @@ use crate::lock::decide::{decide, ready_until, Decision, Me, Policy};
 use crate::lock::hub::{Beat, Hub, Permit};
 use crate::lock::seeds::{SeedError, SeedFetcher, Seeds};
 use crate::metrics::Metrics;
-use crate::store::document::{BotState, Claim, Observed};
+use crate::store::document::{BotDoc, BotState, Claim, Observed};
 use crate::store::{EditLock, NextPass, Store};
 
 /// What every bot runner of one instance shares.
@@ -166,6 +166,15 @@ enum Finish {
     Release,
 }
 
+/// The claim a step's decision asks for: the epoch it is fenced on, how the lock is taken, why,
+/// and when the document was read.
+struct ClaimRequest {
+    expected: LockEpoch,
+    claim: Claim,
+    reason: String,
+    now: DateTime<Utc>,
+}
+
 impl BotRunner {
     pub fn new(bot: BotSettings, ctx: Arc<Context>) -> Self {
         let policy = Policy {
@@ -301,16 +310,7 @@ impl BotRunner {
                 let Observed::Valid(doc) = observed else {
                     unreachable!("Ready comes from a valid document")
                 };
-                *self.ready_until.lock().expect("ready lock") =
-                    ready_until(&doc, now, &self.policy);
-                if let Some(note) = note {
-                    debug!(bot = %id, %note, "using the previous seeds");
-                }
-                Ok(StepOutcome::Ready {
-                    seeds: doc.seeds.len(),
-                    epoch: doc.lock_epoch,
-                    pass: self.crawler.as_ref().map(|_| PassState::of(&doc)),
-                })
+                Ok(self.ready(&doc, note, now))
             }
             Decision::Initialize => {
                 ctx.store.bots().initialize(id, &ctx.me, now).await?;
@@ -322,39 +322,13 @@ impl BotRunner {
                 Ok(StepOutcome::Wait { until, state })
             }
             Decision::RepairContradiction { expected } => {
-                let repaired = ctx
-                    .store
-                    .bots()
-                    .repair_contradiction(id, expected, &ctx.me, now)
-                    .await?;
-                if repaired {
-                    warn!(bot = %id, epoch = expected.get(), "repaired a contradictory document (ready and editing)");
-                    ctx.metrics.repaired(id, "contradictory");
-                }
-                Ok(if repaired {
-                    StepOutcome::Repaired
-                } else {
-                    StepOutcome::LostRace
-                })
+                self.repair_contradiction(expected, now).await
             }
             Decision::RepairMalformed { problems } => {
                 let Observed::Malformed { raw, .. } = &observed else {
                     unreachable!("RepairMalformed comes from a malformed document")
                 };
-                let repaired = ctx
-                    .store
-                    .bots()
-                    .repair_malformed(raw, &problems, &ctx.me, now)
-                    .await?;
-                if repaired {
-                    warn!(bot = %id, problems = %problems.join("; "), "repaired a malformed document");
-                    ctx.metrics.repaired(id, "malformed");
-                }
-                Ok(if repaired {
-                    StepOutcome::Repaired
-                } else {
-                    StepOutcome::LostRace
-                })
+                self.repair_malformed(raw, &problems, now).await
             }
             Decision::Claim {
                 expected,
@@ -362,47 +336,126 @@ impl BotRunner {
                 reason,
                 ..
             } => {
-                // A permit first: a bot this instance cannot refresh now is not locked.
-                let Some(permit) = reserved.or_else(|| ctx.hub.try_permit()) else {
-                    debug!(bot = %id, "every refresh permit is in use; waiting for one");
-                    return Ok(StepOutcome::Busy);
+                let request = ClaimRequest {
+                    expected,
+                    claim,
+                    reason,
+                    now,
                 };
-                // An instance that holds locks leaves a moment for those that hold fewer.
-                let delay = ctx.hub.claim_delay();
-                if !delay.is_zero() {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return Ok(StepOutcome::LostRace),
-                        _ = tokio::time::sleep(delay) => {}
-                    }
-                }
-                let now = if delay.is_zero() {
-                    now
-                } else {
-                    ctx.clock.now()
-                };
-                let held = ctx
-                    .store
-                    .bots()
-                    .claim(id, &ctx.me, expected, claim, now, ctx.lock.ttl, &reason)
-                    .await?;
-                let Some(held) = held else {
-                    debug!(bot = %id, epoch = expected.get(), "another instance claimed the lock first");
-                    return Ok(StepOutcome::LostRace);
-                };
-                let takeover = match claim {
-                    Claim::Free => None,
-                    Claim::Expired { .. } => Some("expired"),
-                    Claim::Stuck { .. } => Some("stuck"),
-                    Claim::Orphaned => Some("orphaned"),
-                };
-                ctx.metrics.acquired(id, takeover);
-                ctx.metrics.saw_epoch(id, held.epoch);
-                info!(bot = %id, epoch = held.epoch.get(), %reason, takeover = takeover.unwrap_or("no"), "won the edit lock");
-                let outcome = self.refresh(held, shutdown).await;
-                drop(permit);
-                outcome
+                self.claim_and_refresh(request, reserved, shutdown).await
             }
         }
+    }
+
+    /// The outcome of a step that found the bot Ready: notes when its refresh falls due (the
+    /// loop sleeps until then) and reports its seeds, epoch and — for a crawling bot — its pass.
+    fn ready(&self, doc: &BotDoc, note: Option<String>, now: DateTime<Utc>) -> StepOutcome {
+        *self.ready_until.lock().expect("ready lock") = ready_until(doc, now, &self.policy);
+        if let Some(note) = note {
+            debug!(bot = %self.bot.id, %note, "using the previous seeds");
+        }
+        StepOutcome::Ready {
+            seeds: doc.seeds.len(),
+            epoch: doc.lock_epoch,
+            pass: self.crawler.as_ref().map(|_| PassState::of(doc)),
+        }
+    }
+
+    /// Rewrites a document that is Ready and editing at once (fenced on the epoch `expected`):
+    /// `Repaired`, or `LostRace` when the document changed since it was read.
+    async fn repair_contradiction(
+        &self,
+        expected: LockEpoch,
+        now: DateTime<Utc>,
+    ) -> Result<StepOutcome> {
+        let ctx = &self.ctx;
+        let id = &self.bot.id;
+        let repaired = ctx
+            .store
+            .bots()
+            .repair_contradiction(id, expected, &ctx.me, now)
+            .await?;
+        if repaired {
+            warn!(bot = %id, epoch = expected.get(), "repaired a contradictory document (ready and editing)");
+            ctx.metrics.repaired(id, "contradictory");
+        }
+        Ok(repair_outcome(repaired))
+    }
+
+    /// Rewrites a malformed document (fenced on its exact content `raw`) into a sane, not-ready
+    /// one: `Repaired`, or `LostRace` when the document changed since it was read.
+    async fn repair_malformed(
+        &self,
+        raw: &bson::Document,
+        problems: &[String],
+        now: DateTime<Utc>,
+    ) -> Result<StepOutcome> {
+        let ctx = &self.ctx;
+        let id = &self.bot.id;
+        let repaired = ctx
+            .store
+            .bots()
+            .repair_malformed(raw, problems, &ctx.me, now)
+            .await?;
+        if repaired {
+            warn!(bot = %id, problems = %problems.join("; "), "repaired a malformed document");
+            ctx.metrics.repaired(id, "malformed");
+        }
+        Ok(repair_outcome(repaired))
+    }
+
+    /// Takes a refresh permit (the one the loop `reserved`, or a free one), claims the edit lock
+    /// and refreshes under it; the permit is given back after the refresh's last write. `Busy`
+    /// when no permit is free, `LostRace` when another instance claimed first (or shutdown
+    /// arrived while this instance left others a moment to claim).
+    async fn claim_and_refresh(
+        &self,
+        request: ClaimRequest,
+        reserved: Option<Permit>,
+        shutdown: &CancellationToken,
+    ) -> Result<StepOutcome> {
+        let ctx = &self.ctx;
+        let id = &self.bot.id;
+        let ClaimRequest {
+            expected,
+            claim,
+            reason,
+            now,
+        } = request;
+        // A permit first: a bot this instance cannot refresh now is not locked.
+        let Some(permit) = reserved.or_else(|| ctx.hub.try_permit()) else {
+            debug!(bot = %id, "every refresh permit is in use; waiting for one");
+            return Ok(StepOutcome::Busy);
+        };
+        // An instance that holds locks leaves a moment for those that hold fewer.
+        let delay = ctx.hub.claim_delay();
+        if !delay.is_zero() {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(StepOutcome::LostRace),
+                _ = tokio::time::sleep(delay) => {}
+            }
+        }
+        let now = if delay.is_zero() {
+            now
+        } else {
+            ctx.clock.now()
+        };
+        let held = ctx
+            .store
+            .bots()
+            .claim(id, &ctx.me, expected, claim, now, ctx.lock.ttl, &reason)
+            .await?;
+        let Some(held) = held else {
+            debug!(bot = %id, epoch = expected.get(), "another instance claimed the lock first");
+            return Ok(StepOutcome::LostRace);
+        };
+        let takeover = takeover_kind(claim);
+        ctx.metrics.acquired(id, takeover);
+        ctx.metrics.saw_epoch(id, held.epoch);
+        info!(bot = %id, epoch = held.epoch.get(), %reason, takeover = takeover.unwrap_or("no"), "won the edit lock");
+        let outcome = self.refresh(held, shutdown).await;
+        drop(permit);
+        outcome
     }
 
     /// Refreshes under `held`: fetch the seeds while heartbeating; stop the work when the lock is
@@ -543,65 +596,10 @@ impl BotRunner {
             // fence rejects it, and this holder has stopped.
             let runs_out =
                 Instant::now() + (confirmed_until - now).to_std().unwrap_or(Duration::ZERO);
-            let attempt_result = tokio::time::timeout_at(runs_out, async {
-                match &finish {
-                    Finish::Complete(seeds) => {
-                        // A pass that runs goes on to its end (the next one starts then, on these
-                        // seeds), unless it is older than `crawl.max_pass`: then it is cut short.
-                        let max_pass = ctx
-                            .crawl
-                            .as_ref()
-                            .map_or(Duration::MAX, |c| c.limits.max_pass);
-                        let young = held.crawl_pass_running_since.is_some_and(|since| {
-                            (now - since).to_std().unwrap_or_default() < max_pass
-                        });
-                        let next = match (&self.crawler, new_pass) {
-                            (None, _) => Ok(NextPass::None),
-                            (Some(_), _) if young => Ok(NextPass::AfterCurrent),
-                            (Some(_), Some(pass)) => Ok(NextPass::Start(pass)),
-                            (Some(crawler), None) => ctx
-                                .store
-                                .passes()
-                                .prepare(id, held.crawl_pass, &crawler.seed_urls(seeds), now)
-                                .await
-                                .map(NextPass::Start),
-                        };
-                        match next {
-                            Ok(next) => {
-                                if let NextPass::Start(pass) = next {
-                                    new_pass = Some(pass);
-                                }
-                                ctx.store
-                                    .bots()
-                                    .complete_with(&held, seeds, now, next, self.pass_fields())
-                                    .await
-                            }
-                            Err(e) => Err(e),
-                        }
-                    }
-                    Finish::Fail(error) => {
-                        let (base, cap) = ctx.refresh_backoff;
-                        let exponent =
-                            u32::try_from(held.failed_refreshes.clamp(0, 20)).unwrap_or(20);
-                        let backoff = jittered(base.saturating_mul(1 << exponent).min(cap), 0.2);
-                        let retry_after =
-                            now + chrono::Duration::from_std(backoff).unwrap_or_default();
-                        let stay_ready = self.bot.on_refresh_failure
-                            == OnRefreshFailure::KeepPrevious
-                            && !held.previous_seeds.is_empty();
-                        ctx.store
-                            .bots()
-                            .fail(&held, now, error, retry_after, stay_ready)
-                            .await
-                    }
-                    Finish::Release => {
-                        ctx.store
-                            .bots()
-                            .release(&held, now, "shutdown: work stopped, lock released")
-                            .await
-                    }
-                }
-            })
+            let attempt_result = tokio::time::timeout_at(
+                runs_out,
+                self.last_write(&held, &finish, now, &mut new_pass),
+            )
             .await;
             let Ok(result) = attempt_result else {
                 return Ok(self.lost(
@@ -637,8 +635,115 @@ impl BotRunner {
             }
         }
         ctx.metrics.db_ok();
-        let epoch = held.epoch;
-        Ok(match finish {
+        Ok(self.finished(held.epoch, finish, new_pass, timer))
+    }
+
+    /// One attempt at the holder's last write, at `now`: the new seeds (with the next pass of a
+    /// crawling bot), the failure and when to try again, or the lock's release at shutdown.
+    async fn last_write(
+        &self,
+        held: &EditLock,
+        finish: &Finish,
+        now: DateTime<Utc>,
+        new_pass: &mut Option<PassNumber>,
+    ) -> Result<()> {
+        match finish {
+            Finish::Complete(seeds) => self.write_complete(held, seeds, now, new_pass).await,
+            Finish::Fail(error) => self.write_failure(held, error, now).await,
+            Finish::Release => {
+                self.ctx
+                    .store
+                    .bots()
+                    .release(held, now, "shutdown: work stopped, lock released")
+                    .await
+            }
+        }
+    }
+
+    /// The last write of a successful refresh: stores `seeds` and marks the bot ready. For a
+    /// crawling bot it also starts the next pass — its seeds enqueued first, once: the pass's
+    /// number is kept in `new_pass` for a retry — or, while a young pass runs, marks the next one
+    /// to start when that pass ends.
+    async fn write_complete(
+        &self,
+        held: &EditLock,
+        seeds: &[String],
+        now: DateTime<Utc>,
+        new_pass: &mut Option<PassNumber>,
+    ) -> Result<()> {
+        let ctx = &self.ctx;
+        let young = self.pass_is_young(held, now);
+        let next = match (&self.crawler, *new_pass) {
+            (None, _) => Ok(NextPass::None),
+            (Some(_), _) if young => Ok(NextPass::AfterCurrent),
+            (Some(_), Some(pass)) => Ok(NextPass::Start(pass)),
+            (Some(crawler), None) => ctx
+                .store
+                .passes()
+                .prepare(
+                    &self.bot.id,
+                    held.crawl_pass,
+                    &crawler.seed_urls(seeds),
+                    now,
+                )
+                .await
+                .map(NextPass::Start),
+        };
+        match next {
+            Ok(next) => {
+                if let NextPass::Start(pass) = next {
+                    *new_pass = Some(pass);
+                }
+                ctx.store
+                    .bots()
+                    .complete_with(held, seeds, now, next, self.pass_fields())
+                    .await
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether the pass that ran when the lock was taken is, at `now`, younger than
+    /// `crawl.max_pass`: a refresh lets such a pass go on to its end (the next one starts then,
+    /// on the new seeds); an older one is cut short.
+    fn pass_is_young(&self, held: &EditLock, now: DateTime<Utc>) -> bool {
+        let max_pass = self
+            .ctx
+            .crawl
+            .as_ref()
+            .map_or(Duration::MAX, |c| c.limits.max_pass);
+        held.crawl_pass_running_since
+            .is_some_and(|since| (now - since).to_std().unwrap_or_default() < max_pass)
+    }
+
+    /// The last write of a failed refresh: records `error` and when to try again (the refresh
+    /// backoff, grown with the failures before this one); the bot stays Ready on its previous
+    /// seeds when `on_refresh_failure` keeps them and there are any.
+    async fn write_failure(&self, held: &EditLock, error: &str, now: DateTime<Utc>) -> Result<()> {
+        let ctx = &self.ctx;
+        let (base, cap) = ctx.refresh_backoff;
+        let exponent = u32::try_from(held.failed_refreshes.clamp(0, 20)).unwrap_or(20);
+        let backoff = jittered(base.saturating_mul(1 << exponent).min(cap), 0.2);
+        let retry_after = now + chrono::Duration::from_std(backoff).unwrap_or_default();
+        let stay_ready = self.bot.on_refresh_failure == OnRefreshFailure::KeepPrevious
+            && !held.previous_seeds.is_empty();
+        ctx.store
+            .bots()
+            .fail(held, now, error, retry_after, stay_ready)
+            .await
+    }
+
+    /// The outcome of a refresh whose last write (`finish`) landed at `epoch`, logged and counted.
+    fn finished(
+        &self,
+        epoch: LockEpoch,
+        finish: Finish,
+        new_pass: Option<PassNumber>,
+        timer: Instant,
+    ) -> StepOutcome {
+        let ctx = &self.ctx;
+        let id = &self.bot.id;
+        match finish {
             Finish::Complete(seeds) => {
                 info!(bot = %id, epoch = epoch.get(), seeds = seeds.len(), pass = new_pass.map(PassNumber::get), "seeds refreshed; bot is ready");
                 ctx.metrics.refresh_finished(id, "ok", timer.elapsed());
@@ -658,7 +763,7 @@ impl BotRunner {
                     .refresh_finished(id, "released", timer.elapsed());
                 StepOutcome::Released
             }
-        })
+        }
     }
 
     /// Loops over [`step`](Self::step) until `until` or shutdown. Every wait ends early when the
@@ -667,9 +772,7 @@ impl BotRunner {
     /// change (±20% jitter on the poll where one applies). Database errors back off
     /// exponentially with full jitter.
     pub async fn run(&self, until: Until, shutdown: &CancellationToken) -> RunEnd {
-        let ctx = &self.ctx;
-        let id = &self.bot.id;
-        let poll = ctx.lock.poll;
+        let poll = self.ctx.lock.poll;
         let mut db_failures: u32 = 0;
         let mut waiting_since: Option<Instant> = None;
         loop {
@@ -682,30 +785,15 @@ impl BotRunner {
                     epoch,
                     pass: Some(pass),
                 }) => {
-                    if let Some(since) = waiting_since.take() {
-                        ctx.metrics.waited(id, since.elapsed());
-                    }
+                    self.waited(&mut waiting_since);
                     match self.crawl_turn(pass, until, shutdown).await {
                         Ok(turn) => {
-                            if db_failures > 0 {
-                                info!(bot = %id, after = db_failures, "database reachable again");
-                            }
-                            db_failures = 0;
-                            let pause = match turn {
-                                CrawlTurn::Finished if until == Until::Done => {
-                                    return RunEnd::Ready { seeds, epoch };
-                                }
-                                CrawlTurn::Shutdown => return RunEnd::Shutdown,
-                                CrawlTurn::Started | CrawlTurn::TimeUp => None,
-                                // Others hold the rest of the pass: look again soon.
-                                CrawlTurn::Idle => Some(jittered(poll / 4, 0.2)),
-                                // Nothing to do until the document changes or a refresh is due.
-                                CrawlTurn::Finished => Some(self.idle_for()),
-                            };
-                            if let Some(delay) = pause {
-                                if self.pause(delay, shutdown).await {
-                                    return RunEnd::Shutdown;
-                                }
+                            self.reachable_again(&mut db_failures);
+                            if let Some(end) = self
+                                .after_crawl_turn(turn, until, seeds, epoch, shutdown)
+                                .await
+                            {
+                                return end;
                             }
                             continue;
                         }
@@ -716,23 +804,12 @@ impl BotRunner {
             };
             let outcome = match outcome {
                 Ok(outcome) => {
-                    if db_failures > 0 {
-                        info!(bot = %id, after = db_failures, "database reachable again");
-                    }
-                    db_failures = 0;
+                    self.reachable_again(&mut db_failures);
                     outcome
                 }
                 Err(e) => {
                     db_failures += 1;
-                    ctx.metrics.db_error();
-                    ctx.metrics.set_state(id, BotState::Error);
-                    if db_failures == 1 || db_failures % 10 == 0 {
-                        if e.is_transient() {
-                            warn!(bot = %id, error = %e, failures = db_failures, "database unavailable; retrying");
-                        } else {
-                            error!(bot = %id, error = %e, failures = db_failures, "step failed; retrying");
-                        }
-                    }
+                    self.step_failed(&e, db_failures);
                     let delay = full_jitter(poll / 4, poll * 8, db_failures);
                     if self.pause(delay, shutdown).await {
                         return RunEnd::Shutdown;
@@ -740,60 +817,146 @@ impl BotRunner {
                     continue;
                 }
             };
-            match outcome {
-                StepOutcome::Ready { seeds, epoch, .. }
-                | StepOutcome::Refreshed { seeds, epoch } => {
-                    if let Some(since) = waiting_since.take() {
-                        ctx.metrics.waited(id, since.elapsed());
-                    }
-                    if matches!(outcome, StepOutcome::Ready { .. }) {
-                        if until == Until::Done {
-                            return RunEnd::Ready { seeds, epoch };
-                        }
-                        if self.pause(self.idle_for(), shutdown).await {
-                            return RunEnd::Shutdown;
-                        }
-                    }
-                }
-                StepOutcome::Wait { until: wake_at, .. } => {
-                    waiting_since.get_or_insert_with(Instant::now);
-                    // Until the moment the situation can change, if the document names one:
-                    // any change before it wakes the loop.
-                    let delay = match wake_at {
-                        Some(at) => ((at - ctx.clock.now()).to_std().unwrap_or_default()
-                            + Duration::from_millis(20))
-                        .min(IDLE_CHECK),
-                        None => jittered(IDLE_CHECK, 0.2),
-                    };
-                    if self.pause(delay, shutdown).await {
-                        return RunEnd::Shutdown;
-                    }
-                }
-                StepOutcome::Busy => {
-                    waiting_since.get_or_insert_with(Instant::now);
-                    // A permit, or a change of the document (another instance refreshed it).
-                    let permit = tokio::select! {
-                        _ = shutdown.cancelled() => return RunEnd::Shutdown,
-                        permit = ctx.hub.permit() => Some(permit),
-                        _ = self.wake.notified() => None,
-                    };
-                    *self.reserved.lock().expect("permit lock") = permit;
-                }
-                StepOutcome::Initialized
-                | StepOutcome::Repaired
-                | StepOutcome::RefreshFailed { .. } => {}
-                StepOutcome::LostRace | StepOutcome::EditLockLost => {
-                    // Someone else moved first: read again soon, spread out.
-                    if self
-                        .pause(full_jitter(poll / 20, poll / 4, 1), shutdown)
-                        .await
-                    {
-                        return RunEnd::Shutdown;
-                    }
-                }
-                StepOutcome::Released => return RunEnd::Shutdown,
-                StepOutcome::Removed => return RunEnd::Removed,
+            if let Some(end) = self
+                .after_step(outcome, until, &mut waiting_since, shutdown)
+                .await
+            {
+                return end;
             }
+        }
+    }
+
+    /// Records how long the bot waited (for a permit, a lock, a backoff) once it is Ready, and
+    /// notes that it no longer waits.
+    fn waited(&self, waiting_since: &mut Option<Instant>) {
+        if let Some(since) = waiting_since.take() {
+            self.ctx.metrics.waited(&self.bot.id, since.elapsed());
+        }
+    }
+
+    /// After a step or crawl turn that reached the database: says so when the ones before
+    /// failed, and starts the count of failures over.
+    fn reachable_again(&self, db_failures: &mut u32) {
+        if *db_failures > 0 {
+            info!(bot = %self.bot.id, after = *db_failures, "database reachable again");
+        }
+        *db_failures = 0;
+    }
+
+    /// Counts a step (or crawl turn) that failed, the `failures`-th in a row: the bot is in
+    /// Error; the first failure and every tenth are logged.
+    fn step_failed(&self, e: &Error, failures: u32) {
+        let ctx = &self.ctx;
+        let id = &self.bot.id;
+        ctx.metrics.db_error();
+        ctx.metrics.set_state(id, BotState::Error);
+        if failures == 1 || failures % 10 == 0 {
+            if e.is_transient() {
+                warn!(bot = %id, error = %e, failures, "database unavailable; retrying");
+            } else {
+                error!(bot = %id, error = %e, failures, "step failed; retrying");
+            }
+        }
+    }
+
+    /// Carries out what a crawl turn of a Ready bot (on `seeds` seeds at `epoch`) leaves the loop
+    /// to do: end it (the pass finished for `run --once`, or shutdown), or pause as the turn asks
+    /// before the next step. `Some` when the run ends.
+    async fn after_crawl_turn(
+        &self,
+        turn: CrawlTurn,
+        until: Until,
+        seeds: usize,
+        epoch: LockEpoch,
+        shutdown: &CancellationToken,
+    ) -> Option<RunEnd> {
+        let pause = match turn {
+            CrawlTurn::Finished if until == Until::Done => {
+                return Some(RunEnd::Ready { seeds, epoch });
+            }
+            CrawlTurn::Shutdown => return Some(RunEnd::Shutdown),
+            CrawlTurn::Started | CrawlTurn::TimeUp => None,
+            // Others hold the rest of the pass: look again soon.
+            CrawlTurn::Idle => Some(jittered(self.ctx.lock.poll / 4, 0.2)),
+            // Nothing to do until the document changes or a refresh is due.
+            CrawlTurn::Finished => Some(self.idle_for()),
+        };
+        if let Some(delay) = pause {
+            if self.pause(delay, shutdown).await {
+                return Some(RunEnd::Shutdown);
+            }
+        }
+        None
+    }
+
+    /// Carries out what a step's `outcome` leaves the loop to do (a bot without a crawl pass to
+    /// take a turn on): end it, wait — for the moment the document names, a refresh permit, or a
+    /// moment when another instance moved first — or step again at once. `Some` when the run
+    /// ends.
+    async fn after_step(
+        &self,
+        outcome: StepOutcome,
+        until: Until,
+        waiting_since: &mut Option<Instant>,
+        shutdown: &CancellationToken,
+    ) -> Option<RunEnd> {
+        let ctx = &self.ctx;
+        let poll = ctx.lock.poll;
+        match outcome {
+            StepOutcome::Ready { seeds, epoch, .. } | StepOutcome::Refreshed { seeds, epoch } => {
+                self.waited(waiting_since);
+                if matches!(outcome, StepOutcome::Ready { .. }) {
+                    if until == Until::Done {
+                        return Some(RunEnd::Ready { seeds, epoch });
+                    }
+                    if self.pause(self.idle_for(), shutdown).await {
+                        return Some(RunEnd::Shutdown);
+                    }
+                }
+            }
+            StepOutcome::Wait { until: wake_at, .. } => {
+                waiting_since.get_or_insert_with(Instant::now);
+                if self.pause(self.wait_for(wake_at), shutdown).await {
+                    return Some(RunEnd::Shutdown);
+                }
+            }
+            StepOutcome::Busy => {
+                waiting_since.get_or_insert_with(Instant::now);
+                // A permit, or a change of the document (another instance refreshed it).
+                let permit = tokio::select! {
+                    _ = shutdown.cancelled() => return Some(RunEnd::Shutdown),
+                    permit = ctx.hub.permit() => Some(permit),
+                    _ = self.wake.notified() => None,
+                };
+                *self.reserved.lock().expect("permit lock") = permit;
+            }
+            StepOutcome::Initialized
+            | StepOutcome::Repaired
+            | StepOutcome::RefreshFailed { .. } => {}
+            StepOutcome::LostRace | StepOutcome::EditLockLost => {
+                // Someone else moved first: read again soon, spread out.
+                if self
+                    .pause(full_jitter(poll / 20, poll / 4, 1), shutdown)
+                    .await
+                {
+                    return Some(RunEnd::Shutdown);
+                }
+            }
+            StepOutcome::Released => return Some(RunEnd::Shutdown),
+            StepOutcome::Removed => return Some(RunEnd::Removed),
+        }
+        None
+    }
+
+    /// How long a waiting bot sleeps unless woken: until the moment its document says the
+    /// situation can change (`wake_at`), if it names one, at most [`IDLE_CHECK`] — any change
+    /// before it wakes the loop.
+    fn wait_for(&self, wake_at: Option<DateTime<Utc>>) -> Duration {
+        match wake_at {
+            Some(at) => ((at - self.ctx.clock.now()).to_std().unwrap_or_default()
+                + Duration::from_millis(20))
+            .min(IDLE_CHECK),
+            None => jittered(IDLE_CHECK, 0.2),
         }
     }
 
@@ -830,21 +993,7 @@ impl BotRunner {
                 next: Some(seeds),
                 ..
             } if until == Until::Shutdown => {
-                let seeds = crawler.seed_urls(&seeds);
-                if let Some(pass) = ctx
-                    .store
-                    .passes()
-                    .start_next(
-                        crawler.bot(),
-                        number,
-                        &seeds,
-                        ctx.clock.now(),
-                        self.pass_fields(),
-                    )
-                    .await?
-                {
-                    info!(bot = %crawler.bot(), pass = pass.get(), seeds = seeds.len(), "the pass is over; started the next, on the latest seeds");
-                }
+                self.start_next_pass(crawler, number, &seeds).await?;
                 Ok(CrawlTurn::Started)
             }
             PassState::Finished {
@@ -853,62 +1002,128 @@ impl BotRunner {
                 ..
             } if claimed_until <= ctx.clock.now() => {
                 // The instance that ended the pass stopped before its evaluation did.
-                ctx.store
-                    .passes()
-                    .resume_evaluation(
-                        crawler.bot(),
-                        number,
-                        claimed_until,
-                        &ctx.me,
-                        ctx.clock.now(),
-                    )
+                self.resume_evaluation(crawler, number, claimed_until)
                     .await?;
                 Ok(CrawlTurn::Finished)
             }
             PassState::Finished { .. } => Ok(CrawlTurn::Finished),
             PassState::NotStarted { seeds, current } => {
-                let seeds = crawler.seed_urls(&seeds);
-                if let Some(pass) = ctx
-                    .store
-                    .passes()
-                    .start(
-                        crawler.bot(),
-                        current,
-                        &seeds,
-                        ctx.clock.now(),
-                        self.pass_fields(),
-                    )
-                    .await?
-                {
-                    info!(bot = %crawler.bot(), pass = pass.get(), seeds = seeds.len(), "started the first crawl pass");
-                }
+                self.start_first_pass(crawler, current, &seeds).await?;
                 Ok(CrawlTurn::Started)
             }
             PassState::Running(pass) => {
                 let crawler = self.crawler_for(&pass).unwrap_or_else(|| crawler.clone());
-                ctx.metrics.crawling(crawler.bot(), pass.number);
-                let slice =
-                    (ctx.lock.poll * 10).clamp(Duration::from_secs(5), Duration::from_secs(60));
-                // A pause (or the bot's removal) ends the slice as shutdown would — in-flight
-                // pages settle and commit, unfetched leases go back — without ending the runner.
-                let stop_slice = shutdown.child_token();
-                let watch = tokio::spawn(watch_for_pause(
-                    ctx.store.clone(),
-                    self.bot.id.clone(),
-                    ctx.lock.poll,
-                    stop_slice.clone(),
-                ));
-                let end = crawler.crawl_for(&pass, slice, &stop_slice).await;
-                watch.abort();
-                Ok(match end? {
-                    SliceEnd::Finished(_) => CrawlTurn::Finished,
-                    SliceEnd::Idle => CrawlTurn::Idle,
-                    SliceEnd::TimeUp => CrawlTurn::TimeUp,
-                    SliceEnd::Shutdown if shutdown.is_cancelled() => CrawlTurn::Shutdown,
-                    SliceEnd::Shutdown => CrawlTurn::TimeUp,
-                })
+                self.crawl_slice(&crawler, &pass, shutdown).await
             }
         }
+    }
+
+    /// Starts the pass after `number`, which is over, on the `seeds` a refresh stored while it
+    /// ran (unless another instance started it first).
+    async fn start_next_pass(
+        &self,
+        crawler: &Crawler,
+        number: PassNumber,
+        seeds: &[String],
+    ) -> Result<()> {
+        let ctx = &self.ctx;
+        let seeds = crawler.seed_urls(seeds);
+        if let Some(pass) = ctx
+            .store
+            .passes()
+            .start_next(
+                crawler.bot(),
+                number,
+                &seeds,
+                ctx.clock.now(),
+                self.pass_fields(),
+            )
+            .await?
+        {
+            info!(bot = %crawler.bot(), pass = pass.get(), seeds = seeds.len(), "the pass is over; started the next, on the latest seeds");
+        }
+        Ok(())
+    }
+
+    /// Takes over the deletion evaluation of pass `number`, whose claim ran out at
+    /// `claimed_until`: the instance that ended the pass stopped before its evaluation did.
+    async fn resume_evaluation(
+        &self,
+        crawler: &Crawler,
+        number: PassNumber,
+        claimed_until: DateTime<Utc>,
+    ) -> Result<()> {
+        let ctx = &self.ctx;
+        ctx.store
+            .passes()
+            .resume_evaluation(
+                crawler.bot(),
+                number,
+                claimed_until,
+                &ctx.me,
+                ctx.clock.now(),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Starts the bot's first pass on its stored `seeds` (`current`: the bot's pass number, 0
+    /// when it has none yet), unless another instance started it first.
+    async fn start_first_pass(
+        &self,
+        crawler: &Crawler,
+        current: PassNumber,
+        seeds: &[String],
+    ) -> Result<()> {
+        let ctx = &self.ctx;
+        let seeds = crawler.seed_urls(seeds);
+        if let Some(pass) = ctx
+            .store
+            .passes()
+            .start(
+                crawler.bot(),
+                current,
+                &seeds,
+                ctx.clock.now(),
+                self.pass_fields(),
+            )
+            .await?
+        {
+            info!(bot = %crawler.bot(), pass = pass.get(), seeds = seeds.len(), "started the first crawl pass");
+        }
+        Ok(())
+    }
+
+    /// Crawls the running `pass` for one slice of 10 × `poll` (5–60 s), ended early by
+    /// shutdown, or — as shutdown would, without ending the runner — by the bot's pause or
+    /// removal.
+    async fn crawl_slice(
+        &self,
+        crawler: &Arc<Crawler>,
+        pass: &crate::crawl::Pass,
+        shutdown: &CancellationToken,
+    ) -> Result<CrawlTurn> {
+        let ctx = &self.ctx;
+        ctx.metrics.crawling(crawler.bot(), pass.number);
+        let slice = (ctx.lock.poll * 10).clamp(Duration::from_secs(5), Duration::from_secs(60));
+        // A pause (or the bot's removal) ends the slice as shutdown would — in-flight
+        // pages settle and commit, unfetched leases go back — without ending the runner.
+        let stop_slice = shutdown.child_token();
+        let watch = tokio::spawn(watch_for_pause(
+            ctx.store.clone(),
+            self.bot.id.clone(),
+            ctx.lock.poll,
+            stop_slice.clone(),
+        ));
+        let end = crawler.crawl_for(pass, slice, &stop_slice).await;
+        watch.abort();
+        Ok(match end? {
+            SliceEnd::Finished(_) => CrawlTurn::Finished,
+            SliceEnd::Idle => CrawlTurn::Idle,
+            SliceEnd::TimeUp => CrawlTurn::TimeUp,
+            SliceEnd::Shutdown if shutdown.is_cancelled() => CrawlTurn::Shutdown,
+            SliceEnd::Shutdown => CrawlTurn::TimeUp,
+        })
     }
 
     /// Sleeps up to `delay`, waking early on a change of the document. True if shutdown arrived.
@@ -918,6 +1133,27 @@ impl BotRunner {
             _ = tokio::time::sleep(delay) => false,
             _ = self.wake.notified() => false,
         }
+    }
+}
+
+/// The outcome of a repair's conditional write: `Repaired`, or `LostRace` when it matched
+/// nothing (the document changed since it was read).
+fn repair_outcome(repaired: bool) -> StepOutcome {
+    if repaired {
+        StepOutcome::Repaired
+    } else {
+        StepOutcome::LostRace
+    }
+}
+
+/// What taking the lock by `claim` is called in the metrics and the log: `None` for a free
+/// lock, else the kind of takeover.
+fn takeover_kind(claim: Claim) -> Option<&'static str> {
+    match claim {
+        Claim::Free => None,
+        Claim::Expired { .. } => Some("expired"),
+        Claim::Stuck { .. } => Some("stuck"),
+        Claim::Orphaned => Some("orphaned"),
     }
 }
 

@@ -7,7 +7,7 @@
 //! which the pass recorded); a spec that does not parse puts that bot alone into Error with
 //! `lastError` naming the key, until it is fixed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -87,94 +87,18 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
     // The hub wakes this loop when a bot is added, removed or replaced, or its spec version
     // changes; a spec edited by hand (same version) is read within `RECHECK`.
     let wake = ctx.hub.fleet_changes();
-    let mut running: HashMap<BotId, Running> = HashMap::new();
-    let mut reported: HashMap<BotId, i64> = HashMap::new();
+    let mut fleet = Fleet {
+        settings: &settings,
+        ctx: &ctx,
+        stop: &stop,
+        running: HashMap::new(),
+        reported: HashMap::new(),
+    };
     loop {
         match ctx.store.bots().spec_documents().await {
             Ok(docs) => {
-                let mut seen = std::collections::HashSet::new();
-                let mut stopping = Vec::new();
-                let mut starting = Vec::new();
-                let mut removed = Vec::new();
-                for raw in &docs {
-                    let Some(id) = spec_bot(raw).filter(|id| settings.runs(id)) else {
-                        continue;
-                    };
-                    let Some(want) = wanted(&id, raw, running.get(&id)) else {
-                        continue;
-                    };
-                    seen.insert(id.clone());
-                    match want {
-                        Wanted::Keep => {}
-                        Wanted::Run {
-                            spec,
-                            settings,
-                            marked_error,
-                        } => {
-                            if let Some(old) = running.remove(&id) {
-                                info!(bot = %id, from = old.spec.0, to = spec.0, "the bot's spec changed: restarting it on the new one");
-                                stopping.push(old);
-                            }
-                            if marked_error {
-                                if let Err(e) = ctx.store.bots().clear_spec_error(&id, spec.0).await
-                                {
-                                    warn!(bot = %id, error = %e, "could not clear the spec error");
-                                }
-                            }
-                            reported.remove(&id);
-                            starting.push((id, spec, settings));
-                        }
-                        Wanted::Bad { version, error } => {
-                            if let Some(old) = running.remove(&id) {
-                                stopping.push(old);
-                            }
-                            ctx.metrics.set_state(&id, BotState::Error);
-                            if reported.get(&id) != Some(&version) {
-                                error!(bot = %id, spec_version = version, %error, "the bot's spec cannot be run; it stays stopped until it is fixed");
-                                reported.insert(id.clone(), version);
-                            }
-                            if let Err(e) =
-                                ctx.store.bots().mark_spec_error(&id, version, &error).await
-                            {
-                                warn!(bot = %id, error = %e, "could not record the spec error");
-                            }
-                        }
-                    }
-                }
-                let gone: Vec<BotId> = running
-                    .keys()
-                    .filter(|id| !seen.contains(*id))
-                    .cloned()
-                    .collect();
-                for id in gone {
-                    if let Some(old) = running.remove(&id) {
-                        info!(bot = %id, "the bot was removed from the database: stopping it");
-                        stopping.push(old);
-                        removed.push(id);
-                    }
-                }
-                // Every stop at once (each waits for its in-flight pages), before any runner of
-                // the same bot starts again: one process never runs a bot twice.
-                futures_util::future::join_all(stopping.into_iter().map(stop_runner)).await;
-                for id in &removed {
-                    ctx.metrics.forget_bot(id);
-                }
-                for (id, spec, bot) in starting {
-                    info!(bot = %id, spec_version = spec.0, "running the bot (defined in the database)");
-                    let runner = BotRunner::from_spec(*bot, spec.0, spec.1.clone(), ctx.clone());
-                    let token = stop.child_token();
-                    let run_stop = token.clone();
-                    let handle =
-                        tokio::spawn(async move { runner.run(Until::Shutdown, &run_stop).await });
-                    running.insert(
-                        id,
-                        Running {
-                            spec,
-                            stop: token,
-                            handle,
-                        },
-                    );
-                }
+                let round = fleet.plan(&docs).await;
+                fleet.carry_out(round).await;
             }
             Err(e) => warn!(error = %e, "cannot read the bots' specs; retrying"),
         }
@@ -190,7 +114,160 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
             }
         }
     }
-    futures_util::future::join_all(running.drain().map(|(_, old)| stop_runner(old))).await;
+    fleet.stop_all().await;
+}
+
+/// The runners [`follow`] keeps for the database's bots, the spec errors it has logged (once
+/// per bot and spec version), and what it needs to start and stop runners.
+struct Fleet<'a> {
+    settings: &'a Settings,
+    ctx: &'a Arc<Context>,
+    /// Every runner's stop is a child of this token.
+    stop: &'a CancellationToken,
+    running: HashMap<BotId, Running>,
+    reported: HashMap<BotId, i64>,
+}
+
+/// What one reading of the specs asks of the runners: the ones to stop, the bots whose documents
+/// are gone, and the runners to start once every stop has ended.
+#[derive(Default)]
+struct Round {
+    stopping: Vec<Running>,
+    starting: Vec<(BotId, (i64, Document), Box<crate::config::BotSettings>)>,
+    removed: Vec<BotId>,
+}
+
+impl Fleet<'_> {
+    /// Reads `docs` (every `bots` document with a spec) against the running runners: which
+    /// stop, which start, which bots are gone. A spec's error is cleared or recorded on the way.
+    async fn plan(&mut self, docs: &[Document]) -> Round {
+        let mut seen = HashSet::new();
+        let mut round = Round::default();
+        for raw in docs {
+            let Some(id) = spec_bot(raw).filter(|id| self.settings.runs(id)) else {
+                continue;
+            };
+            let Some(want) = wanted(&id, raw, self.running.get(&id)) else {
+                continue;
+            };
+            seen.insert(id.clone());
+            match want {
+                Wanted::Keep => {}
+                Wanted::Run {
+                    spec,
+                    settings,
+                    marked_error,
+                } => {
+                    self.plan_start(&mut round, id, spec, settings, marked_error)
+                        .await;
+                }
+                Wanted::Bad { version, error } => {
+                    self.plan_error(&mut round, id, version, &error).await;
+                }
+            }
+        }
+        self.plan_removals(&seen, &mut round);
+        round
+    }
+
+    /// Plans bot `id`'s runner on `spec`: a runner on another spec stops first (the bot
+    /// restarts on the new one), and an error marked on the document (`marked_error`) is cleared.
+    async fn plan_start(
+        &mut self,
+        round: &mut Round,
+        id: BotId,
+        spec: (i64, Document),
+        settings: Box<crate::config::BotSettings>,
+        marked_error: bool,
+    ) {
+        if let Some(old) = self.running.remove(&id) {
+            info!(bot = %id, from = old.spec.0, to = spec.0, "the bot's spec changed: restarting it on the new one");
+            round.stopping.push(old);
+        }
+        if marked_error {
+            if let Err(e) = self.ctx.store.bots().clear_spec_error(&id, spec.0).await {
+                warn!(bot = %id, error = %e, "could not clear the spec error");
+            }
+        }
+        self.reported.remove(&id);
+        round.starting.push((id, spec, settings));
+    }
+
+    /// Plans the stop of bot `id`, whose spec at `version` cannot be run: the bot is in Error,
+    /// the `error` is logged once per version and recorded on its document.
+    async fn plan_error(&mut self, round: &mut Round, id: BotId, version: i64, error: &str) {
+        if let Some(old) = self.running.remove(&id) {
+            round.stopping.push(old);
+        }
+        self.ctx.metrics.set_state(&id, BotState::Error);
+        if self.reported.get(&id) != Some(&version) {
+            error!(bot = %id, spec_version = version, %error, "the bot's spec cannot be run; it stays stopped until it is fixed");
+            self.reported.insert(id.clone(), version);
+        }
+        if let Err(e) = self
+            .ctx
+            .store
+            .bots()
+            .mark_spec_error(&id, version, error)
+            .await
+        {
+            warn!(bot = %id, error = %e, "could not record the spec error");
+        }
+    }
+
+    /// Plans the stop of every runner whose bot was not `seen` among the documents with a spec:
+    /// its document is gone (or no longer has one).
+    fn plan_removals(&mut self, seen: &HashSet<BotId>, round: &mut Round) {
+        let gone: Vec<BotId> = self
+            .running
+            .keys()
+            .filter(|id| !seen.contains(*id))
+            .cloned()
+            .collect();
+        for id in gone {
+            if let Some(old) = self.running.remove(&id) {
+                info!(bot = %id, "the bot was removed from the database: stopping it");
+                round.stopping.push(old);
+                round.removed.push(id);
+            }
+        }
+    }
+
+    /// Carries out a `round`: its stops, then forgets the removed bots' metrics, then starts its
+    /// runners.
+    async fn carry_out(&mut self, round: Round) {
+        // Every stop at once (each waits for its in-flight pages), before any runner of
+        // the same bot starts again: one process never runs a bot twice.
+        futures_util::future::join_all(round.stopping.into_iter().map(stop_runner)).await;
+        for id in &round.removed {
+            self.ctx.metrics.forget_bot(id);
+        }
+        for (id, spec, bot) in round.starting {
+            self.start(id, spec, bot);
+        }
+    }
+
+    /// Starts bot `id`'s runner on `spec` (read into `bot`), until the bot's stop or the fleet's.
+    fn start(&mut self, id: BotId, spec: (i64, Document), bot: Box<crate::config::BotSettings>) {
+        info!(bot = %id, spec_version = spec.0, "running the bot (defined in the database)");
+        let runner = BotRunner::from_spec(*bot, spec.0, spec.1.clone(), self.ctx.clone());
+        let token = self.stop.child_token();
+        let run_stop = token.clone();
+        let handle = tokio::spawn(async move { runner.run(Until::Shutdown, &run_stop).await });
+        self.running.insert(
+            id,
+            Running {
+                spec,
+                stop: token,
+                handle,
+            },
+        );
+    }
+
+    /// Stops every runner as shutdown would, all at once, and waits for them.
+    async fn stop_all(mut self) {
+        futures_util::future::join_all(self.running.drain().map(|(_, old)| stop_runner(old))).await;
+    }
 }
 
 /// The longest the loop goes without reading the specs when nothing woke it.

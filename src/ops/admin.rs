@@ -235,99 +235,134 @@ pub fn status_rows(
 ) -> Vec<StatusRow> {
     let mut rows = Vec::new();
     for raw in docs {
-        // The schedule: the bot's spec's, else its config file entry's.
-        let schedule = raw
-            .get_document(field::SPEC)
-            .ok()
-            .and_then(|spec| spec.get_str("refresh").ok())
-            .and_then(|text| RefreshSchedule::parse(text).ok())
-            .or_else(|| {
-                let id = raw.get_str(field::ID).ok()?;
-                configured
-                    .iter()
-                    .find(|(bot, _)| bot.as_str() == id)
-                    .map(|(_, schedule)| *schedule)
-            });
-        let name = match raw.get(field::ID) {
-            Some(Bson::String(s)) => s.clone(),
-            Some(other) => other.to_string(),
-            None => "?".into(),
-        };
-        let last_evaluation = evaluation_text(&raw);
-        let observed = Observed::from_raw(Some(raw));
-        let state = state_of(&observed).as_str().to_owned();
-        let row = match observed {
-            Observed::Valid(doc) => {
-                let editing = doc.is_editing;
-                let attention = attention(&state, Some(&doc), schedule, now);
-                StatusRow {
-                    attention,
-                    bot: name,
-                    state,
-                    paused: doc.paused,
-                    holder: doc.editing_by.filter(|_| editing),
-                    epoch: Some(doc.lock_epoch),
-                    lock_age_seconds: doc
-                        .last_update_started_at
-                        .filter(|_| editing)
-                        .map(|t| (now - t).num_seconds()),
-                    expires_in_seconds: doc
-                        .lock_expires_at
-                        .filter(|_| editing)
-                        .map(|t| (t - now).num_seconds()),
-                    seeds: doc.seeds.len(),
-                    last_refresh: doc.last_seed_updated_at.map(iso),
-                    failed_refreshes: doc.failed_refreshes,
-                    last_error: doc.last_error,
-                    problems: Vec::new(),
-                    last_evaluation,
-                    crawl: None,
-                }
-            }
-            Observed::Malformed { problems, .. } => StatusRow {
-                attention: attention(&state, None, None, now),
-                bot: name,
-                state,
-                paused: false,
-                holder: None,
-                epoch: None,
-                lock_age_seconds: None,
-                expires_in_seconds: None,
-                seeds: 0,
-                last_refresh: None,
-                failed_refreshes: 0,
-                last_error: Some(format!("malformed: {}", problems.join("; "))),
-                problems,
-                last_evaluation,
-                crawl: None,
-            },
-            Observed::Missing => unreachable!("built from a document"),
-        };
-        rows.push(row);
+        rows.push(document_row(raw, configured, now));
     }
     let known: std::collections::HashSet<String> = rows.iter().map(|r| r.bot.clone()).collect();
     for (bot, _) in configured {
         if !known.contains(bot.as_str()) {
-            rows.push(StatusRow {
-                attention: None,
-                bot: bot.to_string(),
-                state: "missing".into(),
-                paused: false,
-                holder: None,
-                epoch: None,
-                lock_age_seconds: None,
-                expires_in_seconds: None,
-                seeds: 0,
-                last_refresh: None,
-                failed_refreshes: 0,
-                last_error: None,
-                problems: Vec::new(),
-                last_evaluation: None,
-                crawl: None,
-            });
+            rows.push(missing_row(bot));
         }
     }
     rows
+}
+
+/// The refresh schedule of the bot a document holds: the bot's spec's, else its config file
+/// entry's (none when neither says).
+fn schedule_of(raw: &Document, configured: &[(BotId, RefreshSchedule)]) -> Option<RefreshSchedule> {
+    raw.get_document(field::SPEC)
+        .ok()
+        .and_then(|spec| spec.get_str("refresh").ok())
+        .and_then(|text| RefreshSchedule::parse(text).ok())
+        .or_else(|| {
+            let id = raw.get_str(field::ID).ok()?;
+            configured
+                .iter()
+                .find(|(bot, _)| bot.as_str() == id)
+                .map(|(_, schedule)| *schedule)
+        })
+}
+
+/// The bot's name as a document spells its `_id` (`?` when it has none).
+fn bot_name(raw: &Document) -> String {
+    match raw.get(field::ID) {
+        Some(Bson::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+        None => "?".into(),
+    }
+}
+
+/// The row for one document read: a valid one's lock and refresh columns, or a malformed one's
+/// problems.
+fn document_row(
+    raw: Document,
+    configured: &[(BotId, RefreshSchedule)],
+    now: DateTime<Utc>,
+) -> StatusRow {
+    let schedule = schedule_of(&raw, configured);
+    let name = bot_name(&raw);
+    let last_evaluation = evaluation_text(&raw);
+    let observed = Observed::from_raw(Some(raw));
+    let state = state_of(&observed).as_str().to_owned();
+    match observed {
+        Observed::Valid(doc) => {
+            let attention = attention(&state, Some(&doc), schedule, now);
+            valid_row(name, state, doc, attention, last_evaluation, now)
+        }
+        Observed::Malformed { problems, .. } => StatusRow {
+            attention: attention(&state, None, None, now),
+            bot: name,
+            state,
+            paused: false,
+            holder: None,
+            epoch: None,
+            lock_age_seconds: None,
+            expires_in_seconds: None,
+            seeds: 0,
+            last_refresh: None,
+            failed_refreshes: 0,
+            last_error: Some(format!("malformed: {}", problems.join("; "))),
+            problems,
+            last_evaluation,
+            crawl: None,
+        },
+        Observed::Missing => unreachable!("built from a document"),
+    }
+}
+
+/// The row for a valid document: the holder, lock age and expiry only while it is being edited.
+fn valid_row(
+    name: String,
+    state: String,
+    doc: crate::store::document::BotDoc,
+    attention: Option<String>,
+    last_evaluation: Option<String>,
+    now: DateTime<Utc>,
+) -> StatusRow {
+    let editing = doc.is_editing;
+    StatusRow {
+        attention,
+        bot: name,
+        state,
+        paused: doc.paused,
+        holder: doc.editing_by.filter(|_| editing),
+        epoch: Some(doc.lock_epoch),
+        lock_age_seconds: doc
+            .last_update_started_at
+            .filter(|_| editing)
+            .map(|t| (now - t).num_seconds()),
+        expires_in_seconds: doc
+            .lock_expires_at
+            .filter(|_| editing)
+            .map(|t| (t - now).num_seconds()),
+        seeds: doc.seeds.len(),
+        last_refresh: doc.last_seed_updated_at.map(iso),
+        failed_refreshes: doc.failed_refreshes,
+        last_error: doc.last_error,
+        problems: Vec::new(),
+        last_evaluation,
+        crawl: None,
+    }
+}
+
+/// The row for a configured bot that has no document yet.
+fn missing_row(bot: &BotId) -> StatusRow {
+    StatusRow {
+        attention: None,
+        bot: bot.to_string(),
+        state: "missing".into(),
+        paused: false,
+        holder: None,
+        epoch: None,
+        lock_age_seconds: None,
+        expires_in_seconds: None,
+        seeds: 0,
+        last_refresh: None,
+        failed_refreshes: 0,
+        last_error: None,
+        problems: Vec::new(),
+        last_evaluation: None,
+        crawl: None,
+    }
 }
 
 /// The rows that need a look first; each group keeps its order (a stable sort).
@@ -415,6 +450,7 @@ pub fn render_hosts(rows: &[crate::store::hosts::HostRow], now: DateTime<Utc>) -
     out
 }
 
+/// `seedlock status` as a table: a header, one line per row, then the counts.
 pub fn render_table(rows: &[StatusRow]) -> String {
     let header = [
         "BOT",
@@ -435,91 +471,104 @@ pub fn render_table(rows: &[StatusRow]) -> String {
         "NEEDS A LOOK",
         "LAST ERROR",
     ];
-    let cells: Vec<Vec<String>> = rows
-        .iter()
-        .map(|r| {
-            vec![
-                r.bot.clone(),
-                if r.paused {
-                    format!("{} (paused)", r.state)
-                } else {
-                    r.state.clone()
-                },
-                r.holder.clone().unwrap_or_else(|| "-".into()),
-                r.epoch.map_or("-".into(), |e| e.to_string()),
-                seconds(r.lock_age_seconds),
-                seconds(r.expires_in_seconds),
-                r.seeds.to_string(),
-                r.last_refresh.clone().unwrap_or_else(|| "-".into()),
-                r.crawl.as_ref().map_or("-".into(), |c| {
-                    format!(
-                        "{}{}{}",
-                        c.pass,
-                        if c.finished { " (done)" } else { "" },
-                        if c.next_pass_waiting {
-                            " (next waiting)"
-                        } else {
-                            ""
-                        }
-                    )
-                }),
-                r.crawl.as_ref().map_or("-".into(), |c| {
-                    format!("{}/{}/{}/{}", c.done, c.pending, c.leased, c.failed)
-                }),
-                r.crawl
-                    .as_ref()
-                    .map_or("-".into(), |c| format!("{:.1}", c.pages_per_second)),
-                r.crawl.as_ref().map_or("-".into(), CrawlColumns::eta_text),
-                seconds(
-                    r.crawl
-                        .as_ref()
-                        .and_then(|c| c.oldest_pending_seconds.map(|s| -s)),
-                ),
-                r.crawl
-                    .as_ref()
-                    .and_then(|c| c.top_failure.as_ref())
-                    .map_or("-".into(), |f| one_line(&failure_text(f), 80)),
-                r.last_evaluation.clone().unwrap_or_else(|| "-".into()),
-                r.attention.clone().unwrap_or_else(|| "-".into()),
-                r.last_error
-                    .as_deref()
-                    .map(|e| one_line(e, 80))
-                    .map(|e| {
-                        if r.failed_refreshes > 0 {
-                            format!("({}x) {e}", r.failed_refreshes)
-                        } else {
-                            e
-                        }
-                    })
-                    .unwrap_or_else(|| "-".into()),
-            ]
-        })
-        .collect();
+    let cells: Vec<Vec<String>> = rows.iter().map(table_cells).collect();
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in &cells {
         for (w, c) in widths.iter_mut().zip(row) {
             *w = (*w).max(c.chars().count());
         }
     }
-    let line = |row: &[String]| {
-        let mut out = String::new();
-        for (i, (c, w)) in row.iter().zip(&widths).enumerate() {
-            if i + 1 == row.len() {
-                out.push_str(c);
-            } else {
-                out.push_str(&format!("{c:<w$}  "));
-            }
-        }
-        out.trim_end().to_owned() + "\n"
-    };
-    let mut out = line(&header.iter().map(|h| h.to_string()).collect::<Vec<_>>());
+    let mut out = table_line(
+        &header.iter().map(|h| h.to_string()).collect::<Vec<_>>(),
+        &widths,
+    );
     for row in &cells {
-        out.push_str(&line(row));
+        out.push_str(&table_line(row, &widths));
     }
     // The counts close the table: with a thousand bots they are what one reads first.
     out.push_str(&counts_line(rows));
     out.push('\n');
     out
+}
+
+/// One table line: each cell padded to its column's width, the last one as is.
+fn table_line(row: &[String], widths: &[usize]) -> String {
+    let mut out = String::new();
+    for (i, (c, w)) in row.iter().zip(widths).enumerate() {
+        if i + 1 == row.len() {
+            out.push_str(c);
+        } else {
+            out.push_str(&format!("{c:<w$}  "));
+        }
+    }
+    out.trim_end().to_owned() + "\n"
+}
+
+/// A row's cells in the table's column order: the bot and its lock, its crawl pass, then what
+/// needs a look.
+fn table_cells(r: &StatusRow) -> Vec<String> {
+    let mut cells = vec![
+        r.bot.clone(),
+        if r.paused {
+            format!("{} (paused)", r.state)
+        } else {
+            r.state.clone()
+        },
+        r.holder.clone().unwrap_or_else(|| "-".into()),
+        r.epoch.map_or("-".into(), |e| e.to_string()),
+        seconds(r.lock_age_seconds),
+        seconds(r.expires_in_seconds),
+        r.seeds.to_string(),
+        r.last_refresh.clone().unwrap_or_else(|| "-".into()),
+    ];
+    cells.extend(crawl_cells(r.crawl.as_ref()));
+    cells.push(r.last_evaluation.clone().unwrap_or_else(|| "-".into()));
+    cells.push(r.attention.clone().unwrap_or_else(|| "-".into()));
+    cells.push(last_error_cell(r));
+    cells
+}
+
+/// The crawl pass's cells (pass, counts, rate, ETA, oldest pending, top failure); dashes for a
+/// bot without a pass.
+fn crawl_cells(crawl: Option<&CrawlColumns>) -> [String; 6] {
+    [
+        crawl.map_or("-".into(), |c| {
+            format!(
+                "{}{}{}",
+                c.pass,
+                if c.finished { " (done)" } else { "" },
+                if c.next_pass_waiting {
+                    " (next waiting)"
+                } else {
+                    ""
+                }
+            )
+        }),
+        crawl.map_or("-".into(), |c| {
+            format!("{}/{}/{}/{}", c.done, c.pending, c.leased, c.failed)
+        }),
+        crawl.map_or("-".into(), |c| format!("{:.1}", c.pages_per_second)),
+        crawl.map_or("-".into(), CrawlColumns::eta_text),
+        seconds(crawl.and_then(|c| c.oldest_pending_seconds.map(|s| -s))),
+        crawl
+            .and_then(|c| c.top_failure.as_ref())
+            .map_or("-".into(), |f| one_line(&failure_text(f), 80)),
+    ]
+}
+
+/// The last error on one line, after how many refreshes in a row failed (`-` without one).
+fn last_error_cell(r: &StatusRow) -> String {
+    r.last_error
+        .as_deref()
+        .map(|e| one_line(e, 80))
+        .map(|e| {
+            if r.failed_refreshes > 0 {
+                format!("({}x) {e}", r.failed_refreshes)
+            } else {
+                e
+            }
+        })
+        .unwrap_or_else(|| "-".into())
 }
 
 /// A failure reason in a few words: `12× HTTP 500 (e.g. http://shop/product/7)`.

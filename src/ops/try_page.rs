@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{BotSettings, SeedSource, Settings};
+use crate::config::{BotSettings, CrawlLimits, CrawlSettings, SeedSource, Settings};
 use crate::crawl::probe::{self, Examined, Hop, Kind};
 use crate::fetch::PageFetcher;
 use crate::flow::robots::RobotsCache;
@@ -46,19 +46,9 @@ pub async fn command(settings: Settings, request: Request) -> ExitCode {
         Ok(id) => id,
         Err(code) => return code,
     };
-    let raw_url = match (&request.url, &request.file) {
-        (Some(url), _) => url.clone(),
-        (None, Some(_)) => {
-            return fail(
-                EXIT_USAGE,
-                "--file needs the URL the page was saved from (--url URL)",
-            )
-        }
-        (None, None) => return fail(EXIT_USAGE, "name the page to try: seedlock try BOT URL"),
-    };
-    let url = match NormalizedUrl::parse(&raw_url) {
+    let url = match page_url(&request) {
         Ok(u) => u,
-        Err(e) => return fail(EXIT_USAGE, format!("{raw_url:?}: {e}")),
+        Err(code) => return code,
     };
     let (bot, stored_seeds) = match find_bot(&settings, &id).await {
         Ok(found) => found,
@@ -74,32 +64,12 @@ pub async fn command(settings: Settings, request: Request) -> ExitCode {
         Some(seeds) => seeds,
         None => seeds_of(&settings, &bot).await,
     };
-    let limits = &settings.crawl;
     let headers = rules.headers.shown();
-    let (hops, page, source) = match &request.file {
-        Some(path) => match read_saved(path, limits.max_page_bytes) {
-            Ok(body) => (
-                Vec::new(),
-                Ok((url.clone(), body)),
-                path.display().to_string(),
-            ),
-            Err(e) => return fail(EXIT_USAGE, e),
-        },
-        None => {
-            let fetcher =
-                match PageFetcher::new(&limits.user_agent, limits.timeout, limits.max_page_bytes) {
-                    Ok(f) => f.with_headers(&rules.headers),
-                    Err(e) => return fail(EXIT_FAILED, e),
-                };
-            let robots = RobotsCache::new(
-                &limits.user_agent,
-                limits.robots_ttl,
-                limits.robots && !request.ignore_robots,
-            );
-            let (hops, page) = probe::fetch(&fetcher, &robots, &rules, &url).await;
-            (hops, page.map(|p| (p.url, p.body)), "fetched".to_owned())
-        }
-    };
+    let Obtained { hops, page, source } =
+        match obtain(&request, &settings.crawl, &rules, &url).await {
+            Ok(obtained) => obtained,
+            Err(code) => return code,
+        };
     let examined = page.as_ref().ok().map(|(at, body)| {
         let kind = probe::kind_of(&rules, at, &seeds);
         probe::examine(id.as_str(), &rules, kind, &at.to_url(), body)
@@ -114,13 +84,8 @@ pub async fn command(settings: Settings, request: Request) -> ExitCode {
         bytes: page.as_ref().ok().map(|(_, body)| body.len()),
         examined: examined.as_ref(),
     };
-    if request.json {
-        match serde_json::to_string_pretty(&report) {
-            Ok(text) => println!("{text}"),
-            Err(e) => return fail(EXIT_FAILED, format!("cannot write the report: {e}")),
-        }
-    } else {
-        print!("{}", render(&report));
+    if let Err(code) = print_report(&report, request.json) {
+        return code;
     }
     match (&page, &examined) {
         (Err(why), _) => fail(EXIT_FAILED, format!("{url}: no page: {why}")),
@@ -128,6 +93,85 @@ pub async fn command(settings: Settings, request: Request) -> ExitCode {
         (_, Some(e)) => fail(EXIT_FAILED, format!("{url}: {}", e.verdict)),
         (_, None) => ExitCode::from(EXIT_FAILED),
     }
+}
+
+/// The URL to try, normalized: `--url`'s (a saved page needs it too); bad usage without one.
+fn page_url(request: &Request) -> Result<NormalizedUrl, ExitCode> {
+    let raw_url = match (&request.url, &request.file) {
+        (Some(url), _) => url.clone(),
+        (None, Some(_)) => {
+            return Err(fail(
+                EXIT_USAGE,
+                "--file needs the URL the page was saved from (--url URL)",
+            ))
+        }
+        (None, None) => {
+            return Err(fail(
+                EXIT_USAGE,
+                "name the page to try: seedlock try BOT URL",
+            ))
+        }
+    };
+    NormalizedUrl::parse(&raw_url).map_err(|e| fail(EXIT_USAGE, format!("{raw_url:?}: {e}")))
+}
+
+/// The page as had: the redirects followed on the way, the page (its final URL and body) or why
+/// there is none, and where it came from (`fetched`, or the saved file's path).
+struct Obtained {
+    hops: Vec<Hop>,
+    page: Result<(NormalizedUrl, String), String>,
+    source: String,
+}
+
+/// Reads the saved page of `--file`, else fetches `url` as the crawl would (the bot's headers,
+/// robots.txt unless ignored, redirects); an error code when the file cannot be read or the
+/// fetcher cannot be built.
+async fn obtain(
+    request: &Request,
+    limits: &CrawlLimits,
+    rules: &CrawlSettings,
+    url: &NormalizedUrl,
+) -> Result<Obtained, ExitCode> {
+    if let Some(path) = &request.file {
+        return match read_saved(path, limits.max_page_bytes) {
+            Ok(body) => Ok(Obtained {
+                hops: Vec::new(),
+                page: Ok((url.clone(), body)),
+                source: path.display().to_string(),
+            }),
+            Err(e) => Err(fail(EXIT_USAGE, e)),
+        };
+    }
+    let fetcher = match PageFetcher::new(&limits.user_agent, limits.timeout, limits.max_page_bytes)
+    {
+        Ok(f) => f.with_headers(&rules.headers),
+        Err(e) => return Err(fail(EXIT_FAILED, e)),
+    };
+    let robots = RobotsCache::new(
+        &limits.user_agent,
+        limits.robots_ttl,
+        limits.robots && !request.ignore_robots,
+    );
+    let (hops, page) = probe::fetch(&fetcher, &robots, rules, url).await;
+    Ok(Obtained {
+        hops,
+        page: page.map(|p| (p.url, p.body)),
+        source: "fetched".to_owned(),
+    })
+}
+
+/// Prints the report: as JSON with `--json`, else for a person; an error code when the JSON
+/// cannot be written.
+fn print_report(report: &Report<'_>, json: bool) -> Result<(), ExitCode> {
+    if json {
+        match serde_json::to_string_pretty(report) {
+            Ok(text) => println!("{text}"),
+            Err(e) => return Err(fail(EXIT_FAILED, format!("cannot write the report: {e}"))),
+        }
+    } else {
+        print!("{}", render(report));
+    }
+    Ok(())
 }
 
 /// The bot `id` of the config file, else of the database (with the seeds its document holds).
@@ -213,6 +257,32 @@ fn read_saved(path: &std::path::Path, max: usize) -> Result<String, String> {
 /// The report for a person: one block per part, one line per thing.
 fn render(r: &Report<'_>) -> String {
     let mut out = String::new();
+    write_page(&mut out, r);
+    if let Some(why) = r.fetch_error {
+        let _ = writeln!(out, "result: FAILED: no page: {why}");
+        return out;
+    }
+    let Some(e) = r.examined else {
+        return out;
+    };
+    write_kind_and_items(&mut out, e);
+    write_record(&mut out, e);
+    write_links(&mut out, e);
+    for u in &e.unmatched {
+        let _ = writeln!(
+            out,
+            "nothing matched: {} ({}): {}",
+            u.key, u.selector, u.detail
+        );
+    }
+    let verdict = if e.ok { "ok" } else { "FAILED" };
+    let _ = writeln!(out, "result: {verdict}: {}", e.verdict);
+    out
+}
+
+/// The page's block: the bot, the URL, where the page came from and its size, the headers sent
+/// and the redirects followed.
+fn write_page(out: &mut String, r: &Report<'_>) {
     let _ = writeln!(out, "bot: {}", r.bot);
     let _ = writeln!(out, "url: {}", r.url);
     match r.bytes {
@@ -229,13 +299,11 @@ fn render(r: &Report<'_>) -> String {
     for hop in r.redirects {
         let _ = writeln!(out, "redirect: {} {} -> {}", hop.status, hop.from, hop.to);
     }
-    if let Some(why) = r.fetch_error {
-        let _ = writeln!(out, "result: FAILED: no page: {why}");
-        return out;
-    }
-    let Some(e) = r.examined else {
-        return out;
-    };
+}
+
+/// The page's kind and, unless it is a detail page, its items: each one's detail link,
+/// fingerprint (with the fields it is made of) and update time.
+fn write_kind_and_items(out: &mut String, e: &Examined) {
     let kind = match e.kind {
         Kind::Seed => "seed",
         Kind::Listing => "listing",
@@ -268,6 +336,10 @@ fn render(r: &Report<'_>) -> String {
             }
         }
     }
+}
+
+/// The record the page yields, one line per field, or why it yields none.
+fn write_record(out: &mut String, e: &Examined) {
     if let Some(record) = &e.record {
         let _ = writeln!(
             out,
@@ -288,6 +360,11 @@ fn render(r: &Report<'_>) -> String {
     if let Some(why) = &e.no_record {
         let _ = writeln!(out, "record: none: {why}");
     }
+}
+
+/// The links the crawl would follow, those it would not (with why), and how many were not read
+/// past `max_links`.
+fn write_links(out: &mut String, e: &Examined) {
     let _ = writeln!(out, "follows: {}", e.follows.len());
     for link in &e.follows {
         let _ = writeln!(out, "  {link}");
@@ -306,14 +383,4 @@ fn render(r: &Report<'_>) -> String {
             e.over_max_links
         );
     }
-    for u in &e.unmatched {
-        let _ = writeln!(
-            out,
-            "nothing matched: {} ({}): {}",
-            u.key, u.selector, u.detail
-        );
-    }
-    let verdict = if e.ok { "ok" } else { "FAILED" };
-    let _ = writeln!(out, "result: {verdict}: {}", e.verdict);
-    out
 }
