@@ -2,7 +2,7 @@
 //! regular expressions over HTML. Pure: a page's URL and body in, links, listing items and a
 //! record out; the crawl loop decides what to fetch and store.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use bson::{Bson, Document};
 use scraper::{ElementRef, Html, Selector};
@@ -55,9 +55,21 @@ impl ValueSpec {
             Some(attr) => element.value().attr(attr)?.to_owned(),
             None => element.text().collect::<String>(),
         };
-        let value = value.split_whitespace().collect::<Vec<_>>().join(" ");
+        let value = collapse_whitespace(&value);
         (!value.is_empty()).then_some(value)
     }
+}
+
+/// `text` trimmed, each run of white space inside it one space.
+fn collapse_whitespace(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for word in text.split_whitespace() {
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        out.push_str(word);
+    }
+    out
 }
 
 fn is_attr_name(s: &str) -> bool {
@@ -178,6 +190,14 @@ pub fn extract(
     let root = document.root_element();
     let mut data = PageData::default();
     let mut seen = std::collections::HashSet::new();
+    // Each link as the page wrote it, resolved and judged once: a listing item's link is
+    // usually one of the page's links too.
+    let mut resolved: HashMap<&str, Option<NormalizedUrl>> = HashMap::new();
+    let follow = |href: &str| {
+        NormalizedUrl::join_with(page_url, href, &links.strip)
+            .ok()
+            .filter(|u| links.admits(u))
+    };
     for a in root.select(&links.follow) {
         let Some(href) = a.value().attr("href") else {
             continue;
@@ -186,8 +206,13 @@ pub fn extract(
             data.dropped += 1;
             continue;
         }
-        if let Ok(url) = NormalizedUrl::join_with(page_url, href, &links.strip) {
-            if links.admits(&url) && seen.insert(url.clone()) {
+        if resolved.contains_key(href) {
+            continue; // the same link again
+        }
+        let url = follow(href);
+        resolved.insert(href, url.clone());
+        if let Some(url) = url {
+            if seen.insert(url.clone()) {
                 data.links.push(url);
             }
         }
@@ -201,11 +226,14 @@ pub fn extract(
             let Some(id) = rules.item_id.read(item) else {
                 continue;
             };
-            let url = rules
-                .item_link
-                .read(item)
-                .and_then(|href| NormalizedUrl::join_with(page_url, &href, &links.strip).ok())
-                .filter(|u| links.admits(u));
+            let url =
+                rules
+                    .item_link
+                    .read(item)
+                    .and_then(|href| match resolved.get(href.as_str()) {
+                        Some(url) => url.clone(),
+                        None => follow(&href),
+                    });
             let fingerprint = rules
                 .fingerprint
                 .iter()
