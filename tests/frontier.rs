@@ -1026,3 +1026,43 @@ async fn a_new_pass_numbers_above_every_pass_of_the_bot_in_the_frontier() {
         "nothing above the document's pass: the next one"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_pass_reports_the_counts_its_end_recorded_without_counting_the_frontier() {
+    let db = test_db("fr_recorded").await;
+    let store = db.store();
+    let pass = PassNumber::new(3);
+    // Three entries of pass 3 on the frontier, none done: what a count of the frontier says.
+    store
+        .frontier()
+        .enqueue(&bot(), pass, PageKind::Detail, &urls(3), Utc::now())
+        .await
+        .unwrap();
+    db.bots()
+        .insert_one(doc! {
+            "_id": "shop",
+            "crawlLastPass": { "pass": 3_i64, "pages": 12_i64, "done": 10_i64, "failed": 2_i64 },
+        })
+        .await
+        .unwrap();
+    let recorded = seedlock::ops::progress::failures(&store, &bot(), pass)
+        .await
+        .unwrap();
+    assert_eq!((recorded.pages, recorded.failed), (12, 2));
+    // Another pass than the one recorded: counted on the frontier.
+    let counted = seedlock::ops::progress::failures(&store, &bot(), PassNumber::new(2))
+        .await
+        .unwrap();
+    assert_eq!((counted.pages, counted.failed), (0, 0));
+    db.bots()
+        .update_one(
+            doc! { "_id": "shop" },
+            doc! { "$set": { "crawlLastPass.pass": 4_i64 } },
+        )
+        .await
+        .unwrap();
+    let counted = seedlock::ops::progress::failures(&store, &bot(), pass)
+        .await
+        .unwrap();
+    assert_eq!((counted.pages, counted.failed), (3, 0));
+}

@@ -305,9 +305,13 @@ pub struct Failures {
     pub reasons: Vec<crate::store::frontier::FailureReason>,
 }
 
-/// Reads pass `pass`'s failures (two aggregations on the frontier index).
+/// Reads pass `pass`'s failures: its counts as its end recorded them (else counted on the
+/// frontier), the reasons in one aggregation of its failed entries.
 pub async fn failures(store: &Store, bot: &BotId, pass: PassNumber) -> Result<Failures> {
-    let p = store.frontier().pass_progress(bot, pass).await?;
+    let p = match store.passes().recorded_progress(bot, pass).await? {
+        Some(recorded) => recorded,
+        None => store.frontier().pass_progress(bot, pass).await?,
+    };
     let reasons = if p.failed > 0 {
         store
             .frontier()

@@ -572,6 +572,44 @@ impl Passes<'_> {
         ))
     }
 
+    /// An ended pass's counts as its end recorded them (`crawlLastPass`: done and failed; nothing
+    /// was pending, waiting or leased when it ended) — `None` if the bot's last recorded pass is
+    /// another one. One read of the bot document, where counting the frontier again costs an
+    /// aggregation over every entry of the pass (seconds at a million pages).
+    pub async fn recorded_progress(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+    ) -> Result<Option<PassProgress>> {
+        let read = self.store.bots.find_one(doc! { field::ID: bot.as_str() });
+        let doc = self
+            .store
+            .bounded(
+                "read the last pass",
+                read.projection(doc! { field::CRAWL_LAST_PASS: 1 }),
+            )
+            .await?;
+        let last = doc
+            .as_ref()
+            .and_then(|d| d.get_document(field::CRAWL_LAST_PASS).ok());
+        let count = |last: &Document, key: &str| {
+            last.get(key)
+                .and_then(crate::store::document::integer)
+                .and_then(|n| u64::try_from(n).ok())
+        };
+        Ok(last
+            .filter(|l| {
+                l.get("pass").and_then(crate::store::document::integer) == Some(pass.get())
+            })
+            .and_then(|l| {
+                Some(PassProgress {
+                    done: count(l, "done")?,
+                    failed: count(l, "failed")?,
+                    ..PassProgress::default()
+                })
+            }))
+    }
+
     /// The current pass of a bot as `seedlock status` shows it.
     pub async fn report(
         self,
@@ -583,7 +621,14 @@ impl Passes<'_> {
         if pass == PassNumber::NONE {
             return Ok(PassReport::default());
         }
-        let progress = self.store.frontier().pass_progress(bot, pass).await?;
+        let recorded = match ended_at {
+            Some(_) => self.recorded_progress(bot, pass).await?,
+            None => None,
+        };
+        let progress = match recorded {
+            Some(progress) => progress,
+            None => self.store.frontier().pass_progress(bot, pass).await?,
+        };
         let oldest = self
             .store
             .bounded(
