@@ -773,9 +773,18 @@ async fn crawl_measured(config: &Path, db: &Database, instances: usize) -> Crawl
         })
     };
     let mut peak = 0;
-    for child in &mut children {
+    for (i, child) in children.iter_mut().enumerate() {
         let (ok, rss) = wait_with_rss(child).await;
-        assert!(ok, "an instance failed");
+        if !ok {
+            // Its log dies with the temporary directory: its last lines say why.
+            let log = std::fs::read_to_string(logs.path().join(format!("{i}.log")))
+                .unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(30).collect();
+            for line in tail.iter().rev() {
+                eprintln!("instance {i}: {line}");
+            }
+            panic!("instance {i} failed (its last log lines above)");
+        }
         peak = peak.max(rss);
     }
     let wall = started.elapsed();
