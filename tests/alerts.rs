@@ -39,9 +39,9 @@ const ALERTS: &[(&str, &str, &str)] = &[
         "every_takeover_is_counted_for_the_storm_alert",
     ),
     (
-        "SeedlockLockLeaseLost",
+        "SeedlockEditLockLost",
         "seedlock_edit_locks_lost_total",
-        "a_holder_fenced_by_an_unlock_counts_a_lost_lease",
+        "a_holder_fenced_by_an_unlock_counts_a_lost_edit_lock",
     ),
     (
         "SeedlockCrawlLeasesLost",
@@ -268,7 +268,7 @@ async fn every_takeover_is_counted_for_the_storm_alert() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_holder_fenced_by_an_unlock_counts_a_lost_lease() {
+async fn a_holder_fenced_by_an_unlock_counts_a_lost_edit_lock() {
     let i = std::sync::Arc::new(instance("alert_lease_lost").await);
     i.source.stall_first(2);
     let holder = {
