@@ -189,89 +189,115 @@ pub fn extract(
     let document = Html::parse_document(html);
     let root = document.root_element();
     let mut data = PageData::default();
-    let mut seen = std::collections::HashSet::new();
-    // Each link as the page wrote it, resolved and judged once: a listing item's link is
-    // usually one of the page's links too.
-    let mut resolved: HashMap<&str, Option<NormalizedUrl>> = HashMap::new();
-    let follow = |href: &str| {
-        NormalizedUrl::join_with(page_url, href, &links.strip)
-            .ok()
-            .filter(|u| links.admits(u))
+    let mut resolver = Resolver {
+        page_url,
+        rules: links,
+        resolved: HashMap::new(),
     };
-    for a in root.select(&links.follow) {
+    read_links(root, &mut resolver, &mut data);
+    if let Some(rules) = list {
+        read_items(root, rules, &resolver, &mut data);
+    }
+    if let Some(rules) = record.filter(|r| r.url_match.is_match(page_url.as_str())) {
+        data.record = Some(read_record(root, rules));
+    }
+    data
+}
+
+/// Each link as the page wrote it, resolved against the page and judged by the link rules once:
+/// a listing item's link is usually one of the page's links too.
+struct Resolver<'a> {
+    page_url: &'a Url,
+    rules: &'a LinkRules,
+    resolved: HashMap<&'a str, Option<NormalizedUrl>>,
+}
+
+impl Resolver<'_> {
+    /// `href` resolved, if it is followable.
+    fn follow(&self, href: &str) -> Option<NormalizedUrl> {
+        if let Some(url) = self.resolved.get(href) {
+            return url.clone();
+        }
+        NormalizedUrl::join_with(self.page_url, href, &self.rules.strip)
+            .ok()
+            .filter(|u| self.rules.admits(u))
+    }
+}
+
+/// The followable links, in page order, deduplicated, at most `max` of them.
+fn read_links<'a>(root: ElementRef<'a>, resolver: &mut Resolver<'a>, data: &mut PageData) {
+    let mut seen = std::collections::HashSet::new();
+    for a in root.select(&resolver.rules.follow) {
         let Some(href) = a.value().attr("href") else {
             continue;
         };
-        if data.links.len() >= links.max {
+        if data.links.len() >= resolver.rules.max {
             data.dropped += 1;
             continue;
         }
-        if resolved.contains_key(href) {
+        if resolver.resolved.contains_key(href) {
             continue; // the same link again
         }
-        let url = follow(href);
-        resolved.insert(href, url.clone());
+        let url = resolver.follow(href);
+        resolver.resolved.insert(href, url.clone());
         if let Some(url) = url {
             if seen.insert(url.clone()) {
                 data.links.push(url);
             }
         }
     }
-    if let Some(rules) = list {
-        for item in root.select(&rules.item) {
-            if data.items.len() >= links.max {
-                data.dropped += 1;
-                continue;
-            }
-            let Some(id) = rules.item_id.read(item) else {
-                continue;
-            };
-            let url =
-                rules
-                    .item_link
-                    .read(item)
-                    .and_then(|href| match resolved.get(href.as_str()) {
-                        Some(url) => url.clone(),
-                        None => follow(&href),
-                    });
-            let fingerprint = rules
-                .fingerprint
-                .iter()
-                .map(|spec| spec.read(item).unwrap_or_default())
-                .collect::<Vec<_>>()
-                .join("\u{1f}");
-            let updated_at = rules
-                .updated_at
-                .as_ref()
-                .and_then(|spec| spec.read(item))
-                .and_then(|raw| parse_time(&raw));
-            data.items.push(ListItem {
-                id,
-                url,
-                fingerprint,
-                updated_at,
-            });
+}
+
+/// A listing page's items, at most `max` of them.
+fn read_items(root: ElementRef<'_>, rules: &ListRules, resolver: &Resolver, data: &mut PageData) {
+    for item in root.select(&rules.item) {
+        if data.items.len() >= resolver.rules.max {
+            data.dropped += 1;
+            continue;
         }
-    }
-    if let Some(rules) = record.filter(|r| r.url_match.is_match(page_url.as_str())) {
-        data.record = Some(match rules.natural_key.read(root) {
-            None => Err(format!(
-                "no natural key ({}) on the page",
-                rules.natural_key.as_str()
-            )),
-            Some(key) => {
-                let mut fields = Document::new();
-                for (name, spec) in &rules.fields {
-                    fields.insert(
-                        name.clone(),
-                        spec.read(root).map_or(Bson::Null, Bson::String),
-                    );
-                }
-                Ok((key, fields))
-            }
+        let Some(id) = rules.item_id.read(item) else {
+            continue;
+        };
+        let url = rules
+            .item_link
+            .read(item)
+            .and_then(|href| resolver.follow(&href));
+        let fingerprint = rules
+            .fingerprint
+            .iter()
+            .map(|spec| spec.read(item).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\u{1f}");
+        let updated_at = rules
+            .updated_at
+            .as_ref()
+            .and_then(|spec| spec.read(item))
+            .and_then(|raw| parse_time(&raw));
+        data.items.push(ListItem {
+            id,
+            url,
+            fingerprint,
+            updated_at,
         });
     }
-    data
+}
+
+/// A detail page's natural key and fields, or why there is no record.
+fn read_record(root: ElementRef<'_>, rules: &RecordRules) -> Result<(String, Document), String> {
+    let Some(key) = rules.natural_key.read(root) else {
+        return Err(format!(
+            "no natural key ({}) on the page",
+            rules.natural_key.as_str()
+        ));
+    };
+    let mut fields = Document::new();
+    for (name, spec) in &rules.fields {
+        fields.insert(
+            name.clone(),
+            spec.read(root).map_or(Bson::Null, Bson::String),
+        );
+    }
+    Ok((key, fields))
 }
 
 #[cfg(test)]
