@@ -441,7 +441,7 @@ pub enum Claim {
     Expired { now: DateTime<Utc> },
     /// The refresh started before `started_before` (server time minus `max_refresh`).
     Stuck { started_before: DateTime<Utc> },
-    /// The holder is this very instance id, but this process holds no lease: a previous run of
+    /// The holder is this very instance id, but this process does not hold the lock: a previous run of
     /// this instance died holding it. Safe to claim, since the epoch fences the old run.
     Orphaned,
 }

@@ -1,8 +1,8 @@
 //! The only module that talks to MongoDB. Every write that depends on a lock is conditional:
 //! claims filter on the observed `lockEpoch` (and the expiry condition), holder writes filter on
 //! the [`EditLock`]'s fence `{_id, isEditing: true, editingBy: me, lockEpoch: mine}`, and repairs
-//! filter on exactly what was read. No write here is unconditional except the admin's `unlock`,
-//! which bumps the epoch so the old holder's writes fail.
+//! filter on exactly what was read — the admin's unlock too (on the epoch it read), which moves
+//! the epoch past the old holder's so its late writes fail.
 //!
 //! [`Store`] is the connection and what every operation shares (the bound, the raw commands, the
 //! counts); each collection is one small type reached through it, its `impl` in one file:
