@@ -777,8 +777,8 @@ async fn crawl_measured(config: &Path, db: &Database, instances: usize) -> Crawl
         let (ok, rss) = wait_with_rss(child).await;
         if !ok {
             // Its log dies with the temporary directory: its last lines say why.
-            let log = std::fs::read_to_string(logs.path().join(format!("{i}.log")))
-                .unwrap_or_default();
+            let log =
+                std::fs::read_to_string(logs.path().join(format!("{i}.log"))).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(30).collect();
             for line in tail.iter().rev() {
                 eprintln!("instance {i}: {line}");

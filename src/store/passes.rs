@@ -598,9 +598,7 @@ impl Passes<'_> {
                 .and_then(|n| u64::try_from(n).ok())
         };
         Ok(last
-            .filter(|l| {
-                l.get("pass").and_then(crate::store::document::integer) == Some(pass.get())
-            })
+            .filter(|l| l.get("pass").and_then(crate::store::document::integer) == Some(pass.get()))
             .and_then(|l| {
                 Some(PassProgress {
                     done: count(l, "done")?,
