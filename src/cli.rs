@@ -112,6 +112,8 @@ pub enum Command {
     /// Ask for a refresh of a bot's seeds at the next opportunity.
     Refresh { bot: String },
     /// Bot definitions kept in the database (for instances whose config has no [[bots]]).
+    // The help text names the TOML table as an operator writes it, not a doc link.
+    #[allow(rustdoc::broken_intra_doc_links)]
     Bots {
         #[command(subcommand)]
         command: BotsCommand,

@@ -328,7 +328,7 @@ impl Dispatcher {
     }
 }
 
-/// How many URLs each host's queue holds: enough for [`QUEUE_HORIZON`] of its pace plus two
+/// How many URLs each host's queue holds: enough for `QUEUE_HORIZON` of its pace plus two
 /// lease rounds as long as they take here (a moving average the lease stage feeds).
 pub struct QueueSizing {
     flow: Arc<Flow>,
@@ -365,7 +365,7 @@ impl QueueSizing {
         QUEUE_HORIZON + Duration::from_micros(round.saturating_mul(2)).min(MAX_ROUND_ALLOWANCE)
     }
 
-    /// Counts a lease round's duration into the moving average [`QueueSizing::horizon`] reads.
+    /// Counts a lease round's duration into the moving average `QueueSizing::horizon` reads.
     pub fn lease_round_took(&self, took: Duration) {
         let took = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
         let _ = self

@@ -1,7 +1,7 @@
 //! The lease stage: one [`Leaser::step`] is one batched lease round trip — the pending URLs of
 //! the hosts with room in this instance's queues, as many as there is room for, taken in one
 //! conditional `update` ([`Frontier::take_leases`](crate::store::Frontier::take_leases)) — and
-//! [`Rounds`] is when the dispatcher sends the next one.
+//! `Rounds` is when the dispatcher sends the next one.
 //!
 //! Lease queries are per host (`{botId, pass, status: pending, host, …}`), so a slow or paused
 //! host's URLs are never leased, read or skipped while another host has room: leasing cannot

@@ -13,7 +13,7 @@
 //! - [`commit`]: [`Committer`] — group commit of what waits in the store queue ([`Committed`]).
 //!
 //! [`Crawler`] is the wiring between them: it holds the stages, and a slice's queues and
-//! standing tasks ([`slice`]); [`shared`] is what the stages share.
+//! standing tasks ([`slice`](mod@slice)); [`shared`] is what the stages share.
 //!
 //! Database work is paid per batch, not per page: a lease round trip hands out many URLs, a
 //! listing page's links go into the frontier in one write (the ones this instance will fetch

@@ -1,7 +1,7 @@
-//! One crawl slice's shared state ([`Slice`]: the queues between the stages, the semaphores
-//! that bound what is in flight, the first failure) and its standing tasks ([`SliceTasks`]);
-//! what travels between the stages ([`Item`], [`Storing`]) and what an uncommitted page holds
-//! ([`Uncommitted`]: its page permit and its body's weight in the byte budget).
+//! One crawl slice's shared state (`Slice`: the queues between the stages, the semaphores
+//! that bound what is in flight, the first failure) and its standing tasks (`SliceTasks`);
+//! what travels between the stages (`Item`, `Storing`) and what an uncommitted page holds
+//! (`Uncommitted`: its page permit and its body's weight in the byte budget).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -20,6 +20,8 @@ use crate::store::{Applied, Pause};
 pub enum BotsCommand {
     /// Write the [[bots]] of FILE into the database (validated as at start-up; nothing is written
     /// if one is bad). Prints per bot: created, changed (with the keys), unchanged, removed.
+    // The help text names the TOML table as an operator writes it, not a doc link.
+    #[allow(rustdoc::broken_intra_doc_links)]
     Apply {
         file: PathBuf,
         /// Also remove the database's bots that FILE does not define.
