@@ -135,6 +135,15 @@ impl Drop for BotRunner {
 /// it: the hub's wake-ups and poll carry every change, so this only bounds a mistake.
 const IDLE_CHECK: Duration = Duration::from_secs(300);
 
+/// Which pass a crawl turn starts.
+#[derive(Clone, Copy)]
+enum Starting {
+    /// The bot's first.
+    First,
+    /// The next, after a pass that is over.
+    Next,
+}
+
 /// How one crawl turn of a ready bot ended.
 enum CrawlTurn {
     /// This instance started the bot's first pass (or lost that race): read the document again.
@@ -993,7 +1002,8 @@ impl BotRunner {
                 next: Some(seeds),
                 ..
             } if until == Until::Shutdown => {
-                self.start_next_pass(crawler, number, &seeds).await?;
+                self.start_pass(crawler, Starting::Next, number, &seeds)
+                    .await?;
                 Ok(CrawlTurn::Started)
             }
             PassState::Finished {
@@ -1008,7 +1018,8 @@ impl BotRunner {
             }
             PassState::Finished { .. } => Ok(CrawlTurn::Finished),
             PassState::NotStarted { seeds, current } => {
-                self.start_first_pass(crawler, current, &seeds).await?;
+                self.start_pass(crawler, Starting::First, current, &seeds)
+                    .await?;
                 Ok(CrawlTurn::Started)
             }
             PassState::Running(pass) => {
@@ -1018,29 +1029,32 @@ impl BotRunner {
         }
     }
 
-    /// Starts the pass after `number`, which is over, on the `seeds` a refresh stored while it
-    /// ran (unless another instance started it first).
-    async fn start_next_pass(
+    /// Starts a pass on the stored `seeds` unless another instance started it first: the bot's
+    /// first (`after`: its pass number, 0 when it has none yet), or the next after `after`,
+    /// which is over, on the seeds a refresh stored while it ran.
+    async fn start_pass(
         &self,
         crawler: &Crawler,
-        number: PassNumber,
+        which: Starting,
+        after: PassNumber,
         seeds: &[String],
     ) -> Result<()> {
         let ctx = &self.ctx;
         let seeds = crawler.seed_urls(seeds);
-        if let Some(pass) = ctx
-            .store
-            .passes()
-            .start_next(
-                crawler.bot(),
-                number,
-                &seeds,
-                ctx.clock.now(),
-                self.pass_fields(),
-            )
-            .await?
-        {
-            info!(bot = %crawler.bot(), pass = pass.get(), seeds = seeds.len(), "the pass is over; started the next, on the latest seeds");
+        let (bot, passes) = (crawler.bot(), ctx.store.passes());
+        let (now, fields) = (ctx.clock.now(), self.pass_fields());
+        let started = match which {
+            Starting::First => passes.start(bot, after, &seeds, now, fields).await?,
+            Starting::Next => passes.start_next(bot, after, &seeds, now, fields).await?,
+        };
+        match (started, which) {
+            (None, _) => {}
+            (Some(pass), Starting::First) => {
+                info!(%bot, pass = pass.get(), seeds = seeds.len(), "started the first crawl pass");
+            }
+            (Some(pass), Starting::Next) => {
+                info!(%bot, pass = pass.get(), seeds = seeds.len(), "the pass is over; started the next, on the latest seeds");
+            }
         }
         Ok(())
     }
@@ -1064,33 +1078,6 @@ impl BotRunner {
                 ctx.clock.now(),
             )
             .await?;
-        Ok(())
-    }
-
-    /// Starts the bot's first pass on its stored `seeds` (`current`: the bot's pass number, 0
-    /// when it has none yet), unless another instance started it first.
-    async fn start_first_pass(
-        &self,
-        crawler: &Crawler,
-        current: PassNumber,
-        seeds: &[String],
-    ) -> Result<()> {
-        let ctx = &self.ctx;
-        let seeds = crawler.seed_urls(seeds);
-        if let Some(pass) = ctx
-            .store
-            .passes()
-            .start(
-                crawler.bot(),
-                current,
-                &seeds,
-                ctx.clock.now(),
-                self.pass_fields(),
-            )
-            .await?
-        {
-            info!(bot = %crawler.bot(), pass = pass.get(), seeds = seeds.len(), "started the first crawl pass");
-        }
         Ok(())
     }
 

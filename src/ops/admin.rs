@@ -290,20 +290,10 @@ fn document_row(
         }
         Observed::Malformed { problems, .. } => StatusRow {
             attention: attention(&state, None, None, now),
-            bot: name,
-            state,
-            paused: false,
-            holder: None,
-            epoch: None,
-            lock_age_seconds: None,
-            expires_in_seconds: None,
-            seeds: 0,
-            last_refresh: None,
-            failed_refreshes: 0,
             last_error: Some(format!("malformed: {}", problems.join("; "))),
             problems,
             last_evaluation,
-            crawl: None,
+            ..bare_row(name, state)
         },
         Observed::Missing => unreachable!("built from a document"),
     }
@@ -346,10 +336,15 @@ fn valid_row(
 
 /// The row for a configured bot that has no document yet.
 fn missing_row(bot: &BotId) -> StatusRow {
+    bare_row(bot.to_string(), "missing".into())
+}
+
+/// A row that knows only the bot's name and state: no lock, no seeds, no error.
+fn bare_row(bot: String, state: String) -> StatusRow {
     StatusRow {
         attention: None,
-        bot: bot.to_string(),
-        state: "missing".into(),
+        bot,
+        state,
         paused: false,
         holder: None,
         epoch: None,
