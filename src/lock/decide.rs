@@ -378,6 +378,7 @@ mod tests {
             crawl_last_run_at: None,
             crawl_next_pass_at: None,
             crawl_last_pass_pages: None,
+            crawl_pass_recorded: None,
             crawl_evaluation_pending: None,
             crawl_evaluated_pass: crate::ids::PassNumber::NONE,
             paused: false,

@@ -42,15 +42,7 @@ pub async fn read(
         .collect();
     let mut rows = status_rows(docs, configured, now);
     for doc in crawling {
-        let report = store
-            .passes()
-            .report(
-                &doc.id,
-                doc.crawl_pass,
-                doc.crawl_pass_started_at,
-                doc.crawl_pass_ended_at,
-            )
-            .await?;
+        let report = store.passes().report(&doc).await?;
         if let Some(row) = rows.iter_mut().find(|r| r.bot == doc.id.as_str()) {
             with_pass(row, &report, doc.crawl_last_pass_pages, now);
             if let Some(crawl) = row.crawl.as_mut() {

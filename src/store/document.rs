@@ -85,6 +85,8 @@ pub struct BotDoc {
     /// The size (frontier entries) of the last completed pass, `crawlLastPass.pages`: what the
     /// progress displays expect of a running pass. Advisory: an unreadable value is ignored.
     pub crawl_last_pass_pages: Option<u64>,
+    /// The current pass's counts as its end recorded them (`crawlLastPass`), once it ended.
+    pub crawl_pass_recorded: Option<RecordedCounts>,
     /// The last completed pass's deletion evaluation while it is pending: the pass and until
     /// when its claim holds (`crawlLastPass.evaluation`, `evaluatingUntil`). Advisory.
     pub crawl_evaluation_pending: Option<(PassNumber, DateTime<Utc>)>,
@@ -192,14 +194,12 @@ impl BotDoc {
                     crawl_last_run_at,
                     crawl_next_pass_at,
                     crawl_last_pass_pages: last_pass_pages(raw),
+                    crawl_pass_recorded: recorded_counts(raw, crawl_pass),
                     crawl_evaluation_pending: evaluation_pending(raw),
-                    paused: matches!(raw.get(field::PAUSED), Some(Bson::Boolean(true))),
+                    paused: is_true(raw, field::PAUSED),
                     crawl_pass_spec: pass_spec(raw),
                     spec_error: raw.get_str(field::SPEC_ERROR).ok().map(str::to_owned),
-                    crawl_pass_refetch: matches!(
-                        raw.get(field::CRAWL_PASS_REFETCH),
-                        Some(Bson::Boolean(true))
-                    ),
+                    crawl_pass_refetch: is_true(raw, field::CRAWL_PASS_REFETCH),
                     crawl_evaluated_pass: raw
                         .get(field::CRAWL_EVALUATED_PASS)
                         .and_then(integer)
@@ -312,7 +312,36 @@ fn crawl_pass_of(raw: &Document, problems: &mut Vec<String>) -> PassNumber {
 fn last_pass_pages(raw: &Document) -> Option<u64> {
     raw.get_document(field::CRAWL_LAST_PASS)
         .ok()
-        .and_then(|last| last.get("pages"))
+        .and_then(|last| count(last, "pages"))
+}
+
+/// What a pass's end recorded of its pages in `crawlLastPass`: nothing was pending, waiting or
+/// leased then, so these are all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordedCounts {
+    pub done: u64,
+    pub failed: u64,
+}
+
+/// Pass `pass`'s counts as its end recorded them in `crawlLastPass` — `None` if that reports
+/// another pass, or its counts do not read as counts.
+pub fn recorded_counts(raw: &Document, pass: PassNumber) -> Option<RecordedCounts> {
+    let last = raw.get_document(field::CRAWL_LAST_PASS).ok()?;
+    (last.get("pass").and_then(integer) == Some(pass.get())).then_some(())?;
+    Some(RecordedCounts {
+        done: count(last, "done")?,
+        failed: count(last, "failed")?,
+    })
+}
+
+/// Whether field `name` is `true` (absent or anything else: false).
+fn is_true(raw: &Document, name: &str) -> bool {
+    matches!(raw.get(name), Some(Bson::Boolean(true)))
+}
+
+/// `key` of `doc` as a count (a non-negative integer).
+fn count(doc: &Document, key: &str) -> Option<u64> {
+    doc.get(key)
         .and_then(integer)
         .and_then(|n| u64::try_from(n).ok())
 }

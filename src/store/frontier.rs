@@ -277,6 +277,16 @@ pub struct PassProgress {
     pub failed: u64,
 }
 
+impl From<crate::store::document::RecordedCounts> for PassProgress {
+    fn from(c: crate::store::document::RecordedCounts) -> Self {
+        PassProgress {
+            done: c.done,
+            failed: c.failed,
+            ..PassProgress::default()
+        }
+    }
+}
+
 impl PassProgress {
     /// The pass is over only when nothing is pending or waiting and nothing is leased by anyone.
     pub fn is_finished(&self) -> bool {

@@ -29,7 +29,7 @@ use super::frontier::{
 use super::Store;
 use crate::error::Result;
 use crate::ids::{BotId, InstanceId};
-use crate::store::document::field;
+use crate::store::document::{field, BotDoc};
 use crate::urls::NormalizedUrl;
 
 /// The thresholds deletion detection runs under (`crawl.min_coverage`, `crawl.max_error_rate`).
@@ -572,10 +572,10 @@ impl Passes<'_> {
         ))
     }
 
-    /// An ended pass's counts as its end recorded them (`crawlLastPass`: done and failed; nothing
-    /// was pending, waiting or leased when it ended) — `None` if the bot's last recorded pass is
-    /// another one. One read of the bot document, where counting the frontier again costs an
-    /// aggregation over every entry of the pass (seconds at a million pages).
+    /// An ended pass's counts as its end recorded them (`crawlLastPass`) — `None` if the bot's
+    /// last recorded pass is another one. One read of the bot document, where counting the
+    /// frontier again costs an aggregation over every entry of the pass (seconds at a million
+    /// pages).
     pub async fn recorded_progress(
         self,
         bot: &BotId,
@@ -589,42 +589,23 @@ impl Passes<'_> {
                 read.projection(doc! { field::CRAWL_LAST_PASS: 1 }),
             )
             .await?;
-        let last = doc
-            .as_ref()
-            .and_then(|d| d.get_document(field::CRAWL_LAST_PASS).ok());
-        let count = |last: &Document, key: &str| {
-            last.get(key)
-                .and_then(crate::store::document::integer)
-                .and_then(|n| u64::try_from(n).ok())
-        };
-        Ok(last
-            .filter(|l| l.get("pass").and_then(crate::store::document::integer) == Some(pass.get()))
-            .and_then(|l| {
-                Some(PassProgress {
-                    done: count(l, "done")?,
-                    failed: count(l, "failed")?,
-                    ..PassProgress::default()
-                })
-            }))
+        Ok(doc
+            .and_then(|d| crate::store::document::recorded_counts(&d, pass))
+            .map(PassProgress::from))
     }
 
-    /// The current pass of a bot as `seedlock status` shows it.
-    pub async fn report(
-        self,
-        bot: &BotId,
-        pass: PassNumber,
-        started_at: Option<DateTime<Utc>>,
-        ended_at: Option<DateTime<Utc>>,
-    ) -> Result<PassReport> {
+    /// The current pass of a bot as `seedlock status` shows it: an ended pass with the counts
+    /// its end recorded, a running one counted on the frontier.
+    pub async fn report(self, doc: &BotDoc) -> Result<PassReport> {
+        let (bot, pass) = (&doc.id, doc.crawl_pass);
         if pass == PassNumber::NONE {
             return Ok(PassReport::default());
         }
-        let recorded = match ended_at {
-            Some(_) => self.recorded_progress(bot, pass).await?,
-            None => None,
-        };
-        let progress = match recorded {
-            Some(progress) => progress,
+        let progress = match doc
+            .crawl_pass_recorded
+            .filter(|_| doc.crawl_pass_ended_at.is_some())
+        {
+            Some(recorded) => recorded.into(),
             None => self.store.frontier().pass_progress(bot, pass).await?,
         };
         let oldest = self
@@ -657,8 +638,8 @@ impl Passes<'_> {
             pass,
             top_failure,
             progress,
-            started_at,
-            ended_at,
+            started_at: doc.crawl_pass_started_at,
+            ended_at: doc.crawl_pass_ended_at,
             oldest_pending: oldest.and_then(|d| match d.get(fr::ENQUEUED_AT) {
                 Some(Bson::DateTime(t)) => Some(t.to_chrono()),
                 _ => None,
