@@ -336,9 +336,16 @@ impl Follower {
             .known_items(&self.shared.store, &self.shared.bot, lease.pass)
             .await?;
         for (i, (item, url)) in items.iter().enumerate() {
-            let stored = match table.get(&url_id(&self.shared.bot, url)) {
-                Listed::Stored(fp) => Some(StoredAs::Hash(fp)),
-                _ => None,
+            let fp = fingerprint_hash(&item.fingerprint);
+            let stored = match table.get(&url_id(&self.shared.bot, url), fp) {
+                Listed::Stored => Some(StoredAs::Hash(fp)),
+                // Only a fetch can follow, and only `fingerprint` mode says so without a read
+                // (an upsert: right for a new item that shares the key bits, too).
+                Listed::Changed if mode == IncrementalMode::Fingerprint => {
+                    decided.insert(i, true);
+                    continue;
+                }
+                Listed::Changed | Listed::Unknown => None,
             };
             listed.stop_paginating |= mode == IncrementalMode::Watermark && stored.is_some();
             if let Some(fetch) = fetch_item(mode, item, stored, since) {

@@ -394,6 +394,19 @@ impl Crawler {
                 }
             });
         }
+        // The pass's table of listed items known stored, read while the first pages are
+        // enqueued, leased and fetched: the first listing page finds it ready instead of
+        // waiting for it. Once a pass (held until the pass ends); a failed read is read again
+        // by the first listing page that needs it.
+        if !self.memory.holds_known(pass.number) {
+            let (crawler, number) = (self.clone(), pass.number);
+            run.settling.spawn(async move {
+                let (store, bot) = (&crawler.shared.store, &crawler.shared.bot);
+                if let Err(e) = crawler.memory.known_items(store, bot, number).await {
+                    debug!(%bot, pass = number.get(), error = %e, "listed items not read ahead: the first listing page reads them");
+                }
+            });
+        }
         let mut writers = JoinSet::new();
         for _ in 0..limits.writers.max(1) {
             let (crawler, run) = (self.clone(), run.clone());

@@ -207,8 +207,8 @@ impl PassMemory {
         self.listings_in.store(pass.get(), Ordering::Relaxed);
     }
 
-    /// The table of listed items known stored ([`Known`]) for `pass`: read once per pass (the
-    /// first listing page waits for it), then shared.
+    /// The table of listed items known stored ([`Known`]) for `pass`: read once per pass (ahead,
+    /// when a slice opens; a listing page that comes first waits for it), then shared.
     pub async fn known_items(
         &self,
         store: &Store,
@@ -226,6 +226,15 @@ impl PassMemory {
         tracing::debug!(%bot, pass = pass.get(), items = table.len(), took = ?t0.elapsed(), "listed items read from the manifests");
         *held = Some(table.clone());
         Ok(table)
+    }
+
+    /// Whether the table of listed items of `pass` is read, or being read (its reader holds
+    /// the lock).
+    pub fn holds_known(&self, pass: PassNumber) -> bool {
+        match self.known.try_lock() {
+            Ok(held) => held.as_ref().is_some_and(|t| t.pass == pass),
+            Err(_) => true,
+        }
     }
 
     /// Drops the table of listed items of `pass` (its pass is over).

@@ -128,6 +128,10 @@ pub struct Deletions<'a> {
     pub(super) store: &'a Store,
 }
 
+/// Departures gathered between two comparisons with the present read so far (see
+/// [`Listings::depart`]): 1 MiB of them.
+const DEPARTURES_BETWEEN_CHECKS: usize = 65_536;
+
 /// What an evaluation reads of the listing pages.
 #[derive(Default)]
 struct Listings {
@@ -135,6 +139,8 @@ struct Listings {
     /// departure by key (its full id is read again only if it is a candidate).
     pages: Vec<String>,
     departures: Vec<(u64, usize)>,
+    /// The length of `departures` at which they are next compared with the present.
+    check_at: usize,
     /// What the pages read in the pass list (8 bytes an item).
     present: Vec<u64>,
     /// What the pages this pass could not read listed since the last evaluation: kept.
@@ -144,11 +150,26 @@ struct Listings {
 impl Listings {
     /// Page `id` (`None`: a page without a readable id, whose departures are still checked)
     /// shows `departed` no more.
+    ///
+    /// When the pagination shifts, every page's list changes and nearly every item departs
+    /// from one page to show up on another: held until the end, the departures would weigh
+    /// twice the present (16 bytes an item, 16 MiB at a million). So every
+    /// [`DEPARTURES_BETWEEN_CHECKS`] the departures already present on a page read so far are
+    /// dropped (the present only grows, so each drop is final); what is held is the items whose
+    /// new page is still to come, a quarter of the catalogue at the worst.
     fn depart(&mut self, id: Option<&str>, departed: Vec<u64>) {
         let at = self.pages.len();
         self.pages.extend(id.map(str::to_owned));
         self.departures
             .extend(departed.into_iter().map(|k| (k, at)));
+        if self.departures.len() >= self.check_at.max(DEPARTURES_BETWEEN_CHECKS) {
+            self.present.sort_unstable();
+            self.present.dedup();
+            let present = &self.present;
+            self.departures
+                .retain(|(k, _)| present.binary_search(k).is_err());
+            self.check_at = self.departures.len() + DEPARTURES_BETWEEN_CHECKS;
+        }
     }
 }
 
@@ -528,5 +549,33 @@ impl Deletions<'_> {
             super::reply::duplicates("clear listing baselines", &reply)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn departures_present_on_a_page_read_so_far_are_dropped_as_they_pile_up() {
+        let n = DEPARTURES_BETWEEN_CHECKS as u64;
+        let mut read = Listings::default();
+        // Page "a" shows 0..n no more, and a page read before it lists them now (the
+        // pagination shifted): dropped at the check, not held to the end.
+        read.present.extend(0..n);
+        read.depart(Some("a"), (0..n).collect());
+        assert!(read.departures.is_empty());
+        // Below the next check, held whatever they are; an item listed nowhere yet stays.
+        read.present.push(n + 1);
+        read.depart(Some("b"), vec![n + 1, n + 2]);
+        assert_eq!(read.departures, vec![(n + 1, 1), (n + 2, 1)]);
+        read.depart(Some("c"), (n + 3..2 * n + 3).collect());
+        assert_eq!(
+            read.departures.len() as u64,
+            n + 1,
+            "only n + 1 was present"
+        );
+        assert_eq!(read.departures[0], (n + 2, 1));
+        assert_eq!(read.pages, ["a", "b", "c"]);
     }
 }
