@@ -61,11 +61,11 @@ struct Listing {
     stop_paginating: bool,
 }
 
-/// How a listed item is known stored: by the fingerprint hash its manifests agree on, or by the
-/// fingerprint its frontier entry was stored with.
+/// How a listed item is known stored: with the fingerprint it is listed with now (its
+/// manifests agree on that one), or with the fingerprint its frontier entry was stored with.
 #[derive(Clone, Copy, Debug)]
 enum StoredAs<'a> {
-    Hash(i64),
+    AsListed,
     Text(Option<&'a str>),
 }
 
@@ -81,9 +81,7 @@ fn fetch_item(
 ) -> Option<bool> {
     match (mode, stored) {
         (IncrementalMode::Full, _) | (_, None) => None,
-        (IncrementalMode::Fingerprint, Some(StoredAs::Hash(fp))) => {
-            Some(fp != fingerprint_hash(&item.fingerprint))
-        }
+        (IncrementalMode::Fingerprint, Some(StoredAs::AsListed)) => Some(false),
         (IncrementalMode::Fingerprint, Some(StoredAs::Text(fp))) => {
             Some(fp != Some(item.fingerprint.as_str()))
         }
@@ -200,14 +198,22 @@ impl Follower {
         };
         // What the manifests of earlier passes say of the items: an item listed with the same
         // fingerprint and known stored needs no read and no fetch.
+        // Each item's frontier id and fingerprint hash, once for every decision below.
+        let hashed: Vec<(String, i64)> = items
+            .iter()
+            .map(|(item, url)| {
+                let id = url_id(&self.shared.bot, url);
+                (id, fingerprint_hash(&item.fingerprint))
+            })
+            .collect();
         let decided = self
-            .decide_from_manifests(lease, items, mode, since, &mut listed)
+            .decide_from_manifests(lease, items, &hashed, mode, since, &mut listed)
             .await?;
-        let to_read: Vec<String> = items
+        let to_read: Vec<String> = hashed
             .iter()
             .enumerate()
             .filter(|(i, _)| !decided.contains_key(i))
-            .map(|(_, (_, url))| url_id(&self.shared.bot, url))
+            .map(|(_, (id, _))| id.clone())
             .chain(plain.iter().map(|(_, id)| id.clone()))
             .collect();
         let known = if to_read.is_empty() {
@@ -219,7 +225,8 @@ impl Follower {
                 .known_by_id(&self.shared.bot, &to_read)
                 .await?
         };
-        self.decide_items(items, &decided, &known, mode, since, &mut listed);
+        let ids = items.iter().zip(hashed);
+        self.decide_items(ids, &decided, &known, mode, since, &mut listed);
         if !listed.changed.is_empty() {
             listed.changed.sort_by_key(|n| -n.priority);
             let (added, leased) = self
@@ -323,6 +330,7 @@ impl Follower {
         &self,
         lease: &UrlLease,
         items: &[(&ListItem, &NormalizedUrl)],
+        hashed: &[(String, i64)],
         mode: IncrementalMode,
         since: Option<DateTime<Utc>>,
         listed: &mut Listing,
@@ -335,10 +343,9 @@ impl Follower {
             .memory
             .known_items(&self.shared.store, &self.shared.bot, lease.pass)
             .await?;
-        for (i, (item, url)) in items.iter().enumerate() {
-            let fp = fingerprint_hash(&item.fingerprint);
-            let stored = match table.get(&url_id(&self.shared.bot, url), fp) {
-                Listed::Stored => Some(StoredAs::Hash(fp)),
+        for (i, ((item, _), (id, fp))) in items.iter().zip(hashed).enumerate() {
+            let stored = match table.get(id, *fp) {
+                Listed::Stored => Some(StoredAs::AsListed),
                 // Only a fetch can follow, and only `fingerprint` mode says so without a read
                 // (an upsert: right for a new item that shares the key bits, too).
                 Listed::Changed if mode == IncrementalMode::Fingerprint => {
@@ -358,18 +365,16 @@ impl Follower {
     /// Decides every item (those the manifests did not, from their frontier entries in `known`)
     /// into `listed`: the manifest, and the detail pages to fetch — new ones, and changed ones
     /// known stored (enqueued without a read of their entries).
-    fn decide_items(
+    fn decide_items<'i>(
         &self,
-        items: &[(&ListItem, &NormalizedUrl)],
+        items: impl Iterator<Item = (&'i (&'i ListItem, &'i NormalizedUrl), (String, i64))>,
         decided: &HashMap<usize, bool>,
         known: &HashMap<String, KnownPage>,
         mode: IncrementalMode,
         since: Option<DateTime<Utc>>,
         listed: &mut Listing,
     ) {
-        for (i, (item, url)) in items.iter().enumerate() {
-            let id = url_id(&self.shared.bot, url);
-            let fingerprint = fingerprint_hash(&item.fingerprint);
+        for (i, ((item, url), (id, fingerprint))) in items.enumerate() {
             let fetch = match decided.get(&i) {
                 Some(fetch) => *fetch,
                 None => {

@@ -36,6 +36,11 @@ pub fn key(url_id: &str) -> u64 {
     crate::store::frontier::id_key(url_id)
 }
 
+/// The first 32 bits of a table key: what the table keeps of an item's key beside its pair.
+fn key_bits(key: u64) -> u32 {
+    (key >> 32) as u32
+}
+
 /// The one 64-bit value of an item (its table key, `key`) listed with a fingerprint hash `fp`.
 /// For one item, two fingerprints never give the same value (`key ^ f(fp)` with `f` a
 /// bijection): a change is never taken for its item's old pair. Two different items collide
@@ -118,7 +123,7 @@ impl Known {
         let k = key(url_id);
         if self.pairs.binary_search(&pair(k, fp)).is_ok() {
             Listed::Stored
-        } else if self.keys.binary_search(&((k >> 32) as u32)).is_ok() {
+        } else if self.keys.binary_search(&key_bits(k)).is_ok() {
             Listed::Changed
         } else {
             Listed::Unknown
@@ -144,7 +149,7 @@ fn agreed(mut items: Vec<[u64; 2]>) -> (Vec<u64>, Vec<u32>) {
     let keys: Vec<u32> = items
         .iter()
         .filter(|[_, fp]| *fp != 0)
-        .map(|[k, _]| (k >> 32) as u32)
+        .map(|[k, _]| key_bits(*k))
         .collect();
     let mut flat = items.into_flattened();
     let mut kept = 0;
