@@ -42,9 +42,10 @@ async fn build(db: &common::TestDb, collection: &str, name: &str, keys: Document
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn yesterdays_indexes_are_rebuilt_as_defined_now_and_retired_ones_dropped() {
     let db = test_db("indexes_upgrade").await;
-    // Yesterday: the listing pages' index without its partial filter, a retired frontier index,
-    // a records index under today's name with other keys, the retired records indexes, and the
-    // hosts TTL index without its expiry; plus an operator's own index, which stays.
+    // Yesterday: the listing pages' index on other keys and without its partial filter, a retired
+    // frontier index, a records index under today's name with other keys, the retired records
+    // indexes, and the hosts TTL index without its expiry; plus an operator's own index, which
+    // stays.
     build(
         &db,
         "frontier",
@@ -92,11 +93,16 @@ async fn yesterdays_indexes_are_rebuilt_as_defined_now_and_retired_ones_dropped(
     let frontier = indexes(&db, "frontier").await;
     let listings = named(&frontier, "bot_pass_listings").expect("the listing pages' index");
     assert_eq!(
+        listings.keys,
+        doc! { "kind": 1, "botId": 1, "pass": 1 },
+        "rebuilt with its keys"
+    );
+    assert_eq!(
         listings
             .options
             .as_ref()
             .and_then(|o| o.partial_filter_expression.clone()),
-        Some(doc! { "kind": { "$in": ["list", "seed"] } }),
+        Some(doc! { "kind": { "$gt": "detail" } }),
         "rebuilt with its partial filter"
     );
     assert!(named(&frontier, "bot_pass_status_host_priority_slot").is_some());

@@ -44,11 +44,10 @@ use std::collections::HashSet;
 
 use bson::{doc, Bson, Document, RawDocumentBuf};
 use chrono::{DateTime, Utc};
-use mongodb::options::Hint;
 
 use super::frontier::{
-    baseline_lists, field as fr, raw_integer, url_id, Ids, PageKind, UrlStatus, FRONTIER, IN_CHUNK,
-    LISTINGS_INDEX,
+    baseline_lists, field as fr, listing_filters, raw_integer, url_id, Ids, UrlStatus, FRONTIER,
+    IN_CHUNK,
 };
 use super::records::field as rf;
 use super::{date, Store};
@@ -113,13 +112,6 @@ const PRESENT_PER_BATCH: u32 = 100;
 /// every removed record (dates sort after null).
 fn epoch() -> Bson {
     Bson::DateTime(bson::DateTime::from_millis(0))
-}
-
-fn listing_filter(bot: &BotId) -> Document {
-    doc! {
-        fr::BOT: bot.as_str(),
-        fr::KIND: { "$in": PageKind::LISTING.map(PageKind::as_str).to_vec() },
-    }
 }
 
 /// Deletion detection at a pass's end, reached through [`Store::deletions`].
@@ -237,41 +229,40 @@ impl Deletions<'_> {
     ) -> Result<Listings> {
         let mut read = Listings::default();
         let frontier = self.store.database().collection::<RawDocumentBuf>(FRONTIER);
-        let mut filter = listing_filter(bot);
-        filter.insert(fr::PASS, pass);
-        let find = frontier
-            .find(filter)
-            .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
-            .projection(doc! {
-                fr::LISTED: 1, fr::LISTED_SINCE: 1, fr::LISTED_PASS: 1, fr::STATUS: 1,
-                fr::LISTED_SINCE_MORE: 1,
-            })
-            .batch_size(PRESENT_PER_BATCH);
-        self.store
-            .each_raw("read this pass's listings", find, |page| {
-                let read_now = page.get_str(fr::STATUS).ok() == Some(UrlStatus::Done.as_str())
-                    && raw_integer(page, fr::LISTED_PASS).map(PassNumber::new) == Some(pass);
-                if !read_now {
-                    read.unknown.extend(baseline_keys(page));
-                    return Ok(());
-                }
-                outcome.pages += 1;
-                let listed: Vec<u64> = Ids::of(page, fr::LISTED).keys().collect();
-                read.present.extend(&listed);
-                if page.get_bool(fr::LISTED_SINCE_MORE).ok() == Some(true) {
-                    let listed: HashSet<u64> = listed.into_iter().collect();
-                    let departed: Vec<u64> = baseline_keys(page)
-                        .into_iter()
-                        .filter(|k| !listed.contains(k))
-                        .collect();
-                    if !departed.is_empty() {
-                        outcome.changed_pages += 1;
-                        read.depart(page.get_str(fr::ID).ok(), departed);
+        for filter in listing_filters(bot, doc! { "$eq": pass }) {
+            let find = frontier
+                .find(filter)
+                .projection(doc! {
+                    fr::LISTED: 1, fr::LISTED_SINCE: 1, fr::LISTED_PASS: 1, fr::STATUS: 1,
+                    fr::LISTED_SINCE_MORE: 1,
+                })
+                .batch_size(PRESENT_PER_BATCH);
+            self.store
+                .each_raw("read this pass's listings", find, |page| {
+                    let read_now = page.get_str(fr::STATUS).ok() == Some(UrlStatus::Done.as_str())
+                        && raw_integer(page, fr::LISTED_PASS).map(PassNumber::new) == Some(pass);
+                    if !read_now {
+                        read.unknown.extend(baseline_keys(page));
+                        return Ok(());
                     }
-                }
-                Ok(())
-            })
-            .await?;
+                    outcome.pages += 1;
+                    let listed: Vec<u64> = Ids::of(page, fr::LISTED).keys().collect();
+                    read.present.extend(&listed);
+                    if page.get_bool(fr::LISTED_SINCE_MORE).ok() == Some(true) {
+                        let listed: HashSet<u64> = listed.into_iter().collect();
+                        let departed: Vec<u64> = baseline_keys(page)
+                            .into_iter()
+                            .filter(|k| !listed.contains(k))
+                            .collect();
+                        if !departed.is_empty() {
+                            outcome.changed_pages += 1;
+                            read.depart(page.get_str(fr::ID).ok(), departed);
+                        }
+                    }
+                    Ok(())
+                })
+                .await?;
+        }
         read.present.sort_unstable();
         read.present.dedup();
         read.present.shrink_to_fit();
@@ -288,23 +279,22 @@ impl Deletions<'_> {
     ) -> Result<Vec<String>> {
         let mut unreached: Vec<String> = Vec::new();
         let frontier = self.store.database().collection::<RawDocumentBuf>(FRONTIER);
-        let mut filter = listing_filter(bot);
-        filter.insert(fr::PASS, doc! { "$lt": pass });
-        let find = frontier
-            .find(filter)
-            .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
-            .projection(doc! { fr::LISTED_SINCE: 1, fr::LISTED: 1 })
-            .batch_size(super::frontier::MANIFESTS_PER_BATCH);
-        self.store
-            .each_raw("read unreached listings", find, |page| {
-                let since = baseline_keys(page);
-                if let (false, Ok(id)) = (since.is_empty(), page.get_str(fr::ID)) {
-                    unreached.push(id.to_owned());
-                    read.depart(Some(id), since);
-                }
-                Ok(())
-            })
-            .await?;
+        for filter in listing_filters(bot, doc! { "$lt": pass }) {
+            let find = frontier
+                .find(filter)
+                .projection(doc! { fr::LISTED_SINCE: 1, fr::LISTED: 1 })
+                .batch_size(super::frontier::MANIFESTS_PER_BATCH);
+            self.store
+                .each_raw("read unreached listings", find, |page| {
+                    let since = baseline_keys(page);
+                    if let (false, Ok(id)) = (since.is_empty(), page.get_str(fr::ID)) {
+                        unreached.push(id.to_owned());
+                        read.depart(Some(id), since);
+                    }
+                    Ok(())
+                })
+                .await?;
+        }
         Ok(unreached)
     }
 

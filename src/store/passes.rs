@@ -20,11 +20,9 @@
 use crate::ids::PassNumber;
 use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
-use mongodb::options::Hint;
 
 use super::frontier::{
-    field as fr, unreached_listings_filter, NewUrl, PageKind, PassProgress, UrlStatus,
-    LISTINGS_INDEX,
+    field as fr, read_since, unreached_listings_filters, NewUrl, PageKind, PassProgress, UrlStatus,
 };
 use super::Store;
 use crate::error::Result;
@@ -428,25 +426,17 @@ impl Passes<'_> {
     }
 
     /// Listing pages (and seeds) read since `since` that pass `pass` did not enqueue: their
-    /// frontier entries still carry an earlier pass. One count, at the end of a pass.
+    /// frontier entries still carry an earlier pass. Counted at the end of a pass.
     pub async fn unreached_lists(
         self,
         bot: &BotId,
         pass: PassNumber,
         since: DateTime<Utc>,
     ) -> Result<u64> {
-        let n = self
-            .store
-            .bounded(
-                "count unreached listing pages",
-                self.store
-                    .frontier()
-                    .collection()
-                    .count_documents(unreached_listings_filter(bot, pass, since))
-                    .hint(Hint::Name(LISTINGS_INDEX.to_owned())),
-            )
+        let entries = self
+            .unreached_entries("count unreached listing pages", bot, pass, since)
             .await?;
-        Ok(n)
+        Ok(entries.len() as u64)
     }
 
     /// The listing pages counted by [`Passes::unreached_lists`], by URL (to enqueue them).
@@ -456,26 +446,45 @@ impl Passes<'_> {
         pass: PassNumber,
         since: DateTime<Utc>,
     ) -> Result<Vec<NormalizedUrl>> {
-        use futures_util::TryStreamExt;
-        let docs: Vec<Document> = self
-            .store
-            .bounded("read unreached listing pages", async {
-                self.store
-                    .frontier()
-                    .collection()
-                    .find(unreached_listings_filter(bot, pass, since))
-                    .hint(Hint::Name(LISTINGS_INDEX.to_owned()))
-                    .projection(doc! { fr::URL: 1 })
-                    .await?
-                    .try_collect()
-                    .await
-            })
+        let entries = self
+            .unreached_entries("read unreached listing pages", bot, pass, since)
             .await?;
-        Ok(docs
+        Ok(entries
             .iter()
             .filter_map(|d| d.get_str(fr::URL).ok())
             .filter_map(|u| NormalizedUrl::parse(u).ok())
             .collect())
+    }
+
+    /// The listing entries an earlier pass than `pass` read, done, since `since` (their URL, status
+    /// and time): one read per listing kind on the listing pages' index, the time and status
+    /// checked here (see [`listing_filters`](super::frontier::listing_filters)).
+    async fn unreached_entries(
+        self,
+        what: &'static str,
+        bot: &BotId,
+        pass: PassNumber,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<Document>> {
+        use futures_util::TryStreamExt;
+        let mut entries = Vec::new();
+        for filter in unreached_listings_filters(bot, pass) {
+            let found: Vec<Document> = self
+                .store
+                .bounded(what, async {
+                    self.store
+                        .frontier()
+                        .collection()
+                        .find(filter)
+                        .projection(doc! { fr::URL: 1, fr::STATUS: 1, fr::DONE_AT: 1 })
+                        .await?
+                        .try_collect()
+                        .await
+                })
+                .await?;
+            entries.extend(found.into_iter().filter(|d| read_since(d, since)));
+        }
+        Ok(entries)
     }
 
     /// How long an instance's claim on a pass's evaluation holds before another may take it over.
