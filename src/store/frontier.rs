@@ -45,8 +45,8 @@ pub const FRONTIER_INDEX: &str = "bot_pass_status_host_priority_slot";
 /// read: on [`FRONTIER_INDEX`] that query is bounded by every entry of the earlier passes (`kind`
 /// is not in it) and reads the whole frontier. Detail entries never enter it, so their writes do
 /// not pay for it. It is read without a hint, through [`listing_filters`]: the test server answers
-/// a hinted query by reading the whole collection (0.1–0.3 s at 200,000 entries, 0.5–1.5 s beside
-/// a running pass; 35–75 ms through the index). `kind` leads: the test server, given an equality
+/// a hinted query by reading the whole collection (0.2–0.5 s at 200,000 entries; 30–55 ms through
+/// the index: `scripts/bench/listing-reads`). `kind` leads: the test server, given an equality
 /// on `kind` alone, reads the index's first field with it.
 pub const LISTINGS_INDEX: &str = "bot_pass_listings";
 /// Indexes of earlier versions, dropped at start-up: every index is paid on every status change.
