@@ -196,8 +196,6 @@ impl Follower {
             }),
             ..Listing::default()
         };
-        // What the manifests of earlier passes say of the items: an item listed with the same
-        // fingerprint and known stored needs no read and no fetch.
         // Each item's frontier id and fingerprint hash, once for every decision below.
         let hashed: Vec<(String, i64)> = items
             .iter()
@@ -206,6 +204,8 @@ impl Follower {
                 (id, fingerprint_hash(&item.fingerprint))
             })
             .collect();
+        // What the manifests of earlier passes say of the items: an item listed with the same
+        // fingerprint and known stored needs no read and no fetch.
         let decided = self
             .decide_from_manifests(lease, items, &hashed, mode, since, &mut listed)
             .await?;

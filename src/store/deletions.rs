@@ -46,8 +46,8 @@ use bson::{doc, Bson, Document, RawDocumentBuf};
 use chrono::{DateTime, Utc};
 
 use super::frontier::{
-    baseline_lists, field as fr, listing_filters, raw_integer, url_id, Ids, UrlStatus, FRONTIER,
-    IN_CHUNK,
+    baseline_lists, field as fr, listing_filters, raw_integer, unreached_listings_filters, url_id,
+    Ids, UrlStatus, FRONTIER, IN_CHUNK,
 };
 use super::records::field as rf;
 use super::{date, Store};
@@ -228,17 +228,17 @@ impl Deletions<'_> {
         outcome: &mut Evaluation,
     ) -> Result<Listings> {
         let mut read = Listings::default();
-        let frontier = self.store.database().collection::<RawDocumentBuf>(FRONTIER);
-        for filter in listing_filters(bot, doc! { "$eq": pass }) {
-            let find = frontier
-                .find(filter)
-                .projection(doc! {
+        self.store
+            .frontier()
+            .each_listing(
+                "read this pass's listings",
+                listing_filters(bot, doc! { "$eq": pass }),
+                doc! {
                     fr::LISTED: 1, fr::LISTED_SINCE: 1, fr::LISTED_PASS: 1, fr::STATUS: 1,
                     fr::LISTED_SINCE_MORE: 1,
-                })
-                .batch_size(PRESENT_PER_BATCH);
-            self.store
-                .each_raw("read this pass's listings", find, |page| {
+                },
+                Some(PRESENT_PER_BATCH),
+                |page| {
                     let read_now = page.get_str(fr::STATUS).ok() == Some(UrlStatus::Done.as_str())
                         && raw_integer(page, fr::LISTED_PASS).map(PassNumber::new) == Some(pass);
                     if !read_now {
@@ -260,9 +260,9 @@ impl Deletions<'_> {
                         }
                     }
                     Ok(())
-                })
-                .await?;
-        }
+                },
+            )
+            .await?;
         read.present.sort_unstable();
         read.present.dedup();
         read.present.shrink_to_fit();
@@ -278,23 +278,23 @@ impl Deletions<'_> {
         read: &mut Listings,
     ) -> Result<Vec<String>> {
         let mut unreached: Vec<String> = Vec::new();
-        let frontier = self.store.database().collection::<RawDocumentBuf>(FRONTIER);
-        for filter in listing_filters(bot, doc! { "$lt": pass }) {
-            let find = frontier
-                .find(filter)
-                .projection(doc! { fr::LISTED_SINCE: 1, fr::LISTED: 1 })
-                .batch_size(super::frontier::MANIFESTS_PER_BATCH);
-            self.store
-                .each_raw("read unreached listings", find, |page| {
+        self.store
+            .frontier()
+            .each_listing(
+                "read unreached listings",
+                unreached_listings_filters(bot, pass),
+                doc! { fr::LISTED_SINCE: 1, fr::LISTED: 1 },
+                Some(super::frontier::MANIFESTS_PER_BATCH),
+                |page| {
                     let since = baseline_keys(page);
                     if let (false, Ok(id)) = (since.is_empty(), page.get_str(fr::ID)) {
                         unreached.push(id.to_owned());
                         read.depart(Some(id), since);
                     }
                     Ok(())
-                })
-                .await?;
-        }
+                },
+            )
+            .await?;
         Ok(unreached)
     }
 

@@ -593,9 +593,12 @@ pub fn unreached_listings_filters(bot: &BotId, pass: PassNumber) -> Vec<Document
 }
 
 /// Whether a listing entry (read with its `status` and `doneAt`) was read, done, since `since`.
-pub fn read_since(entry: &Document, since: DateTime<Utc>) -> bool {
+pub fn read_since(entry: &bson::RawDocument, since: DateTime<Utc>) -> bool {
     entry.get_str(f::STATUS).ok() == Some(UrlStatus::Done.as_str())
-        && get_date(entry, f::DONE_AT).is_some_and(|at| at >= since)
+        && entry
+            .get_datetime(f::DONE_AT)
+            .ok()
+            .is_some_and(|at| at.to_chrono() >= since)
 }
 
 /// [`LISTINGS_INDEX`]'s partial filter: the kinds that link to other pages, as the one bound
@@ -2202,6 +2205,34 @@ pub(super) fn raw_integer(doc: &bson::RawDocument, name: &str) -> Option<i64> {
 }
 
 impl Frontier<'_> {
+    /// Streams the seed and listing entries that `filters` (from [`listing_filters`], one per
+    /// listing kind) read to `visit`, raw, with `projection` (and `batch` entries to a batch).
+    pub(super) async fn each_listing(
+        self,
+        what: &'static str,
+        filters: Vec<Document>,
+        projection: Document,
+        batch: Option<u32>,
+        mut visit: impl FnMut(&bson::RawDocument) -> Result<()>,
+    ) -> Result<()> {
+        let frontier = self
+            .store
+            .database()
+            .collection::<bson::RawDocumentBuf>(FRONTIER);
+        for filter in filters {
+            let find = frontier.find(filter).projection(projection.clone());
+            match batch {
+                Some(n) => {
+                    self.store
+                        .each_raw(what, find.batch_size(n), &mut visit)
+                        .await?
+                }
+                None => self.store.each_raw(what, find, &mut visit).await?,
+            }
+        }
+        Ok(())
+    }
+
     /// Every manifest the bot's listing and seed pages carry (one per page, as its last read
     /// wrote it), streamed raw on [`LISTINGS_INDEX`] — what the next pass knows of the items
     /// without reading them one by one. `visit` gets the pass that read each manifest and its
@@ -2211,43 +2242,34 @@ impl Frontier<'_> {
         bot: &BotId,
         mut visit: impl FnMut(PassNumber, &[ListedItem]),
     ) -> Result<()> {
-        let frontier = self
-            .store
-            .database()
-            .collection::<bson::RawDocumentBuf>(FRONTIER);
         // Every listing entry: one never read yet carries no manifest and is passed over.
-        for filter in listing_filters(bot, doc! { "$gte": 0_i64 }) {
-            let find = frontier
-                .find(filter)
-                .projection(
-                    doc! { f::LISTED: 1, f::LISTED_FP: 1, f::LISTED_FETCH: 1, f::LISTED_PASS: 1 },
-                )
-                .batch_size(MANIFESTS_PER_BATCH);
-            self.store
-                .each_raw("read listing manifests", find, |doc| {
-                    let Some(pass) = raw_integer(doc, f::LISTED_PASS).map(PassNumber::new) else {
-                        return Ok(());
-                    };
-                    let listed = Ids::of(doc, f::LISTED);
-                    let fingerprints = raw_numbers(doc, f::LISTED_FP);
-                    let mut fetched = vec![false; listed.len()];
-                    for i in raw_numbers(doc, f::LISTED_FETCH) {
-                        if let Some(slot) = usize::try_from(i).ok().and_then(|i| fetched.get_mut(i))
-                        {
-                            *slot = true;
-                        }
+        self.each_listing(
+            "read listing manifests",
+            listing_filters(bot, doc! { "$gte": 0_i64 }),
+            doc! { f::LISTED: 1, f::LISTED_FP: 1, f::LISTED_FETCH: 1, f::LISTED_PASS: 1 },
+            Some(MANIFESTS_PER_BATCH),
+            |doc| {
+                let Some(pass) = raw_integer(doc, f::LISTED_PASS).map(PassNumber::new) else {
+                    return Ok(());
+                };
+                let listed = Ids::of(doc, f::LISTED);
+                let fingerprints = raw_numbers(doc, f::LISTED_FP);
+                let mut fetched = vec![false; listed.len()];
+                for i in raw_numbers(doc, f::LISTED_FETCH) {
+                    if let Some(slot) = usize::try_from(i).ok().and_then(|i| fetched.get_mut(i)) {
+                        *slot = true;
                     }
-                    let items: Vec<ListedItem> = listed
-                        .keys()
-                        .enumerate()
-                        .map(|(i, k)| (k, fingerprints.get(i).copied().unwrap_or(0), fetched[i]))
-                        .collect();
-                    visit(pass, &items);
-                    Ok(())
-                })
-                .await?;
-        }
-        Ok(())
+                }
+                let items: Vec<ListedItem> = listed
+                    .keys()
+                    .enumerate()
+                    .map(|(i, k)| (k, fingerprints.get(i).copied().unwrap_or(0), fetched[i]))
+                    .collect();
+                visit(pass, &items);
+                Ok(())
+            },
+        )
+        .await
     }
 
     /// The frontier ids of pass `pass`'s entries that did not end done (pending, waiting, leased,

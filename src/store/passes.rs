@@ -433,10 +433,10 @@ impl Passes<'_> {
         pass: PassNumber,
         since: DateTime<Utc>,
     ) -> Result<u64> {
-        let entries = self
-            .unreached_entries("count unreached listing pages", bot, pass, since)
+        let urls = self
+            .unreached_urls("count unreached listing pages", bot, pass, since)
             .await?;
-        Ok(entries.len() as u64)
+        Ok(urls.len() as u64)
     }
 
     /// The listing pages counted by [`Passes::unreached_lists`], by URL (to enqueue them).
@@ -446,45 +446,42 @@ impl Passes<'_> {
         pass: PassNumber,
         since: DateTime<Utc>,
     ) -> Result<Vec<NormalizedUrl>> {
-        let entries = self
-            .unreached_entries("read unreached listing pages", bot, pass, since)
+        let urls = self
+            .unreached_urls("read unreached listing pages", bot, pass, since)
             .await?;
-        Ok(entries
+        Ok(urls
             .iter()
-            .filter_map(|d| d.get_str(fr::URL).ok())
             .filter_map(|u| NormalizedUrl::parse(u).ok())
             .collect())
     }
 
-    /// The listing entries an earlier pass than `pass` read, done, since `since` (their URL, status
-    /// and time): one read per listing kind on the listing pages' index, the time and status
-    /// checked here (see [`listing_filters`](super::frontier::listing_filters)).
-    async fn unreached_entries(
+    /// The URLs of the listing entries an earlier pass than `pass` read, done, since `since`:
+    /// one read per listing kind on the listing pages' index, the time and status checked here
+    /// (see [`listing_filters`](super::frontier::listing_filters)).
+    async fn unreached_urls(
         self,
         what: &'static str,
         bot: &BotId,
         pass: PassNumber,
         since: DateTime<Utc>,
-    ) -> Result<Vec<Document>> {
-        use futures_util::TryStreamExt;
-        let mut entries = Vec::new();
-        for filter in unreached_listings_filters(bot, pass) {
-            let found: Vec<Document> = self
-                .store
-                .bounded(what, async {
-                    self.store
-                        .frontier()
-                        .collection()
-                        .find(filter)
-                        .projection(doc! { fr::URL: 1, fr::STATUS: 1, fr::DONE_AT: 1 })
-                        .await?
-                        .try_collect()
-                        .await
-                })
-                .await?;
-            entries.extend(found.into_iter().filter(|d| read_since(d, since)));
-        }
-        Ok(entries)
+    ) -> Result<Vec<String>> {
+        let mut urls = Vec::new();
+        self.store
+            .frontier()
+            .each_listing(
+                what,
+                unreached_listings_filters(bot, pass),
+                doc! { fr::URL: 1, fr::STATUS: 1, fr::DONE_AT: 1 },
+                None,
+                |entry| {
+                    if read_since(entry, since) {
+                        urls.push(entry.get_str(fr::URL).unwrap_or_default().to_owned());
+                    }
+                    Ok(())
+                },
+            )
+            .await?;
+        Ok(urls)
     }
 
     /// How long an instance's claim on a pass's evaluation holds before another may take it over.
