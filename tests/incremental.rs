@@ -367,10 +367,12 @@ async fn a_second_pass_writes_only_what_changed_however_the_pagination_shifted()
         .collect();
     let added = skus(&report, "added");
     let writes = WriteCount::start(&db, "records").await;
+    let frontier_writes = WriteCount::start(&db, "frontier").await;
     request_refresh(&db).await;
     let (store, sent) = monitored_store(&db.uri, &db.name).await;
     once_on(settings(&db, &base, &Setup::default(), "a"), store).await;
     let writes = writes.stop().await;
+    let frontier_writes = frontier_writes.stop().await;
     assert_eq!(live_records(&db).await, truth(&base).await);
     assert_eq!(
         removed_keys(&db).await,
@@ -415,6 +417,18 @@ async fn a_second_pass_writes_only_what_changed_however_the_pagination_shifted()
         })
         .sum();
     assert_eq!(listed, truth(&base).await.len());
+    // A listing page the last pass read is leased into this one straight from its entry: two
+    // frontier writes a pass (that lease and its done mark), never a pending reset first. (The
+    // new page 11 is inserted leased, then done: two as well.)
+    for page in pages.iter().filter(|p| p.get_str("kind") == Ok("list")) {
+        let id = Bson::String(page.get_str("_id").unwrap().to_owned()).to_string();
+        assert_eq!(
+            frontier_writes.get(&id),
+            Some(&2),
+            "frontier writes of {} in the second pass",
+            page.get_str("url").unwrap()
+        );
+    }
     let last = bot_doc(&db)
         .await
         .get_document("crawlLastPass")

@@ -27,12 +27,12 @@ use tracing::{debug, info, warn};
 
 use super::dispatch::{HostQueues, QueueSizing, Queued};
 use super::pass::Pass;
-use super::shared::{PassMemory, Shared};
+use super::shared::{PassMemory, Shared, WaitingListing};
 use crate::error::Result;
 use crate::ids::PassNumber;
 use crate::store::frontier::{
-    Candidate, CandidateQuery, LeasedEntry, Mark, NewUrl, PageKind, Priority, Takes, UrlLease,
-    SLOTS,
+    Candidate, CandidateQuery, KnownPage, LeaseTo, LeasedEntry, Mark, NewUrl, PageKind, Priority,
+    Takes, UrlLease, SLOTS,
 };
 use crate::store::passes::PassEnd;
 
@@ -484,6 +484,18 @@ impl Leaser {
         rooms: &[(String, usize)],
         takeovers: Takeovers,
     ) -> Result<usize> {
+        // The last pass's listing pages waiting here go first, each leased from its entry.
+        let mut rooms = rooms.to_vec();
+        let mut leased = 0;
+        for (host, room) in &mut rooms {
+            let n = self
+                .lease_waiting_listings(pass.number, host, *room, queues)
+                .await?;
+            *room -= n.min(*room);
+            leased += n;
+        }
+        rooms.retain(|(_, room)| *room > 0);
+        let rooms = &rooms[..];
         let server_now = self.shared.clock.now();
         let queries = self.queries(memory, rooms);
         let found = self
@@ -500,7 +512,7 @@ impl Leaser {
         let pending = pick_pending(found.into_iter().flatten(), rooms, &memory.busy);
         let (expired, reclaim) = fit_takeovers(&pending, takeovers, rooms, &memory.busy);
         if pending.is_empty() && expired.is_empty() && reclaim.is_empty() {
-            return Ok(0);
+            return Ok(leased);
         }
         let takes = Takes {
             pending: &pending,
@@ -531,7 +543,7 @@ impl Leaser {
         }
         let n = taken.leases.len();
         self.queue_leases(taken.leases, queues).await?;
-        Ok(n)
+        Ok(leased + n)
     }
 
     /// One query per host with room: levels above the lowest are few (seeds, listing pages):
@@ -595,49 +607,93 @@ impl Leaser {
         Ok(())
     }
 
-    /// Enqueues the listing pages the last complete pass read into `pass` at its start (where
-    /// the deletion rules apply): a pagination chain broken this time is mended at once, and
-    /// the pages are read side by side instead of one after the other.
-    pub async fn enqueue_known_listings(&self, pass: &Pass) -> Result<()> {
+    /// Reads the listing pages the last complete pass read, at `pass`'s start (where the
+    /// deletion rules apply), and leaves them waiting in this instance's memory: each lease
+    /// round takes as many as there is room for ([`Leaser::lease_waiting_listings`]) — a
+    /// pagination chain broken this time is mended at once, and the pages are read side by side
+    /// instead of one after the other. True when none waits (all are in the pass already).
+    pub async fn read_known_listings(&self, pass: &Pass) -> Result<bool> {
         let (true, Some(since)) = (self.shared.deletion_rules(pass).enabled, pass.last_run_at)
         else {
-            return Ok(());
+            return Ok(true);
         };
         let (bot, store) = (&self.shared.bot, &self.shared.store);
-        let known = store
+        let mut known = store
             .passes()
-            .unreached_list_urls(bot, pass.number, since)
+            .unreached_list_pages(bot, pass.number, since)
             .await?;
         if known.is_empty() {
-            return Ok(());
+            return Ok(true);
         }
-        for url in &known {
+        // Instances that start the pass together take the pages from different places.
+        let start = rand::random_range(0..known.len());
+        known.rotate_left(start);
+        let mut waiting = Vec::with_capacity(known.len());
+        for (url, id, page) in known {
             self.memory.note_host(pass.number, url.host_port());
+            waiting.push(WaitingListing {
+                url: NewUrl {
+                    priority: self.shared.priority_of(&url, PageKind::List),
+                    url,
+                    kind: PageKind::List,
+                    fingerprint: None,
+                },
+                id,
+                known: page,
+            });
         }
-        let links: Vec<NewUrl> = known
-            .into_iter()
-            .map(|url| NewUrl {
-                priority: self.shared.priority_of(&url, PageKind::List),
-                url,
-                kind: PageKind::List,
-                fingerprint: None,
-            })
-            .collect();
-        // In the pass once this write lands: a listing page that links to one of them (the next
-        // page of the chain) needs no round trip to enqueue it again — remembered before the
-        // write, so that the chain's hops while it is out do not race it with writes of their
-        // own that it makes duplicates. (Should the write fail, the slice fails and the next one
-        // enqueues them again.)
-        let ids = links
-            .iter()
-            .map(|l| crate::store::frontier::url_id(bot, &l.url));
-        self.memory.remember_enqueued(pass.number, ids.collect());
-        let added = store
-            .frontier()
-            .enqueue_urls(bot, pass.number, &links, self.shared.clock.now())
-            .await?;
-        debug!(%bot, pass = pass.number.get(), pages = links.len(), added, "the last pass's listing pages enqueued");
-        Ok(())
+        // In the pass once leased: a listing page that links to one of them (the next page of
+        // the chain) leaves it to the lease rounds instead of enqueuing it with a write of its
+        // own. (Should this process stop before it leases them all, the pass's end enqueues
+        // the rest: `mend_pagination`.)
+        let ids = waiting.iter().map(|w| w.id.clone()).collect();
+        self.memory.remember_enqueued(pass.number, ids);
+        debug!(%bot, pass = pass.number.get(), pages = waiting.len(), "the last pass's listing pages wait to be leased");
+        self.memory.wait_listings(pass.number, waiting);
+        Ok(false)
+    }
+
+    /// Leases up to `room` of the last pass's listing pages waiting for `host` into the pass,
+    /// each straight from its entry (one `update`: the entry moves into the pass leased here,
+    /// its validators kept; one another instance took first is left to it) and queues them.
+    /// Returns how many it leased.
+    async fn lease_waiting_listings(
+        &self,
+        pass: PassNumber,
+        host: &str,
+        room: usize,
+        queues: &HostQueues,
+    ) -> Result<usize> {
+        let (waiting, drained) = self.memory.take_listings(pass, host, room);
+        let mut leased = 0;
+        if !waiting.is_empty() {
+            let links: Vec<NewUrl> = waiting.iter().map(|w| w.url.clone()).collect();
+            let known: HashMap<String, KnownPage> =
+                waiting.into_iter().map(|w| (w.id, w.known)).collect();
+            let taken = self
+                .shared
+                .store
+                .frontier()
+                .enqueue_links(
+                    &self.shared.bot,
+                    pass,
+                    &links,
+                    &known,
+                    Some(LeaseTo {
+                        me: &self.shared.me,
+                        lease_for: self.shared.limits.url_lease,
+                        first: links.len(),
+                    }),
+                    self.shared.clock.now(),
+                )
+                .await?;
+            leased = taken.leased.len();
+            self.queue_leases(taken.leased, queues).await?;
+        }
+        if drained {
+            self.memory.set_listings_enqueued(pass);
+        }
+        Ok(leased)
     }
 
     /// Reads the hosts with pending work in `pass` (one `distinct`) and remembers them.

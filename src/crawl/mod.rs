@@ -360,8 +360,9 @@ impl Crawler {
     }
 
     /// A slice's shared state and its standing tasks: the parsers, the writers and (once a
-    /// pass) the last complete pass's listing pages enqueued into this one, beside the crawl
-    /// (see [`Leaser::enqueue_known_listings`]).
+    /// pass, until every one is leased) the read of the last complete pass's listing pages,
+    /// which then wait to be leased into this one, beside the crawl (see
+    /// [`Leaser::read_known_listings`]).
     fn open_slice(self: &Arc<Self>, pass: &Pass) -> SliceTasks {
         let (shared, limits) = (&self.shared, &self.shared.limits);
         let run = Arc::new(Slice {
@@ -385,9 +386,11 @@ impl Crawler {
         if !self.memory.listings_enqueued(pass.number) {
             let (crawler, run, pass) = (self.clone(), run.clone(), pass.clone());
             run.clone().settling.spawn(async move {
-                match crawler.leaser.enqueue_known_listings(&pass).await {
-                    Ok(()) => {
-                        crawler.memory.set_listings_enqueued(pass.number);
+                match crawler.leaser.read_known_listings(&pass).await {
+                    Ok(none_waits) => {
+                        if none_waits {
+                            crawler.memory.set_listings_enqueued(pass.number);
+                        }
                         run.progressed(true);
                     }
                     Err(e) => run.fail(e),

@@ -3,7 +3,7 @@
 //! ([`PassMemory`]: the hosts with work, the links it enqueued, the table of listed items) —
 //! written by the lease and follow stages, each through its own method here.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -19,7 +19,7 @@ use crate::error::Result;
 use crate::flow::Flow;
 use crate::ids::{BotId, InstanceId, PassNumber};
 use crate::metrics::Metrics;
-use crate::store::frontier::{PageKind, UrlLease};
+use crate::store::frontier::{KnownPage, NewUrl, PageKind, UrlLease};
 use crate::store::passes::DeletionRules;
 use crate::store::Store;
 use crate::urls::NormalizedUrl;
@@ -147,6 +147,15 @@ pub fn should_shed(
     has_higher && priority <= lowest && waited > shed_after && host_throttling
 }
 
+/// A listing page of the last complete pass waiting to be leased into the current one: the link,
+/// its frontier id, and what its entry held (its validators go with the lease).
+#[derive(Clone, Debug)]
+pub struct WaitingListing {
+    pub url: NewUrl,
+    pub id: String,
+    pub known: KnownPage,
+}
+
 /// What this instance remembers of the pass it crawls, across slices; each part belongs to one
 /// pass and starts empty in the next.
 #[derive(Default)]
@@ -157,6 +166,9 @@ pub struct PassMemory {
     enqueued: Mutex<(PassNumber, HashSet<String>)>,
     /// The pass into which this instance enqueued the last complete pass's listing pages.
     listings_in: AtomicI64,
+    /// The last complete pass's listing pages still to be leased into a pass, per host (see
+    /// [`PassMemory::wait_listings`]).
+    waiting: Mutex<(PassNumber, HashMap<String, VecDeque<WaitingListing>>)>,
     /// The listed items known stored, read from the manifests once per pass.
     known: tokio::sync::Mutex<Option<Arc<Known>>>,
 }
@@ -205,6 +217,44 @@ impl PassMemory {
 
     pub fn set_listings_enqueued(&self, pass: PassNumber) {
         self.listings_in.store(pass.get(), Ordering::Relaxed);
+    }
+
+    /// The last complete pass's listing pages, read at `pass`'s start, wait here to be leased
+    /// into it straight from their entries ([`PassMemory::take_listings`]): one write a page
+    /// moves it into the pass and leases it, where resetting every page pending first and
+    /// leasing it later took two. (Replaces what waited before: a slice reads them again.)
+    pub fn wait_listings(&self, pass: PassNumber, pages: Vec<WaitingListing>) {
+        let mut by_host: HashMap<String, VecDeque<WaitingListing>> = HashMap::new();
+        for page in pages {
+            by_host
+                .entry(page.url.url.host_port())
+                .or_default()
+                .push_back(page);
+        }
+        *self.waiting.lock().unwrap_or_else(|p| p.into_inner()) = (pass, by_host);
+    }
+
+    /// Up to `n` of the listing pages waiting for `pass` on `host`, taken out, and whether none
+    /// is left waiting on any host after them.
+    pub fn take_listings(
+        &self,
+        pass: PassNumber,
+        host: &str,
+        n: usize,
+    ) -> (Vec<WaitingListing>, bool) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        if waiting.0 != pass {
+            return (Vec::new(), false);
+        }
+        let taken = match waiting.1.get_mut(host) {
+            Some(queue) => {
+                let k = n.min(queue.len());
+                queue.drain(..k).collect()
+            }
+            None => Vec::new(),
+        };
+        waiting.1.retain(|_, queue| !queue.is_empty());
+        (taken, waiting.1.is_empty())
     }
 
     /// The table of listed items known stored ([`Known`]) for `pass`: read once per pass (ahead,
@@ -276,5 +326,55 @@ mod tests {
         assert!(memory.hosts(two).is_empty() && !memory.enqueued(two, "x"));
         memory.note_host(two, "b:80".into());
         assert!(memory.hosts(one).is_empty(), "a new pass starts afresh");
+    }
+
+    #[test]
+    fn waiting_listing_pages_are_taken_per_host_until_none_is_left() {
+        let page = |url: &str| WaitingListing {
+            url: NewUrl {
+                url: NormalizedUrl::parse(url).unwrap(),
+                kind: PageKind::List,
+                fingerprint: None,
+                priority: 1,
+            },
+            id: url.to_owned(),
+            known: KnownPage {
+                pass: PassNumber::new(1),
+                status: None,
+                fingerprint: None,
+                record_id: None,
+                validators: Default::default(),
+            },
+        };
+        let memory = PassMemory::default();
+        let (one, two) = (PassNumber::new(1), PassNumber::new(2));
+        let urls = [
+            "http://a.test/1",
+            "http://b.test/1",
+            "http://a.test/2",
+            "http://a.test/3",
+        ];
+        memory.wait_listings(two, urls.iter().map(|u| page(u)).collect());
+        let ids = |taken: Vec<WaitingListing>| taken.into_iter().map(|w| w.id).collect::<Vec<_>>();
+        let (taken, drained) = memory.take_listings(one, "a.test:80", 10);
+        assert!(
+            taken.is_empty() && !drained,
+            "another pass's pages are not this one's"
+        );
+        let (taken, drained) = memory.take_listings(two, "a.test:80", 2);
+        assert_eq!(
+            ids(taken),
+            ["http://a.test/1", "http://a.test/2"],
+            "in order, up to the room"
+        );
+        assert!(!drained);
+        let (taken, drained) = memory.take_listings(two, "a.test:80", 2);
+        assert_eq!(ids(taken), ["http://a.test/3"]);
+        assert!(!drained, "b.test's page still waits");
+        let (taken, drained) = memory.take_listings(two, "b.test:80", 0);
+        assert!(taken.is_empty() && !drained, "no room takes nothing");
+        let (taken, drained) = memory.take_listings(two, "b.test:80", 5);
+        assert_eq!(ids(taken), ["http://b.test/1"]);
+        assert!(drained, "none is left");
     }
 }

@@ -658,6 +658,29 @@ fn reset_statement(taking: &Taking<'_>, chunk: &[Reset<'_>]) -> Document {
         .iter()
         .map(|(_, id, _, _)| Bson::String(id.clone()))
         .collect();
+    let filter = doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str(), f::PASS: { "$lt": pass } };
+    // Links alike in everything the reset sets (the last pass's listing pages, leased into
+    // this one): a plain `$set` — a pipeline of per-link columns costs the server an
+    // evaluation of every column for every entry — and one random slot for the chunk.
+    let alike = |a: &Reset<'_>, b: &Reset<'_>| {
+        (a.0.kind, a.0.priority, &a.0.fingerprint, a.2)
+            == (b.0.kind, b.0.priority, &b.0.fingerprint, b.2)
+    };
+    if chunk.windows(2).all(|w| alike(&w[0], &w[1])) {
+        if let Some((link, _, leased, _)) = chunk.first() {
+            let mut set = doc! {
+                f::KIND: link.kind.as_str(), f::PASS: pass, f::ATTEMPTS: i64::from(*leased),
+                f::SHEDS: 0_i64, f::LAST_ERROR: Bson::Null, f::ENQUEUED_AT: date(taking.now),
+                f::NOT_BEFORE: date(taking.now),
+                f::SLOT: i64::from(rand::random_range(0..SLOTS)), f::PRIORITY: link.priority,
+                f::LIST_FINGERPRINT: text(link.fingerprint.as_deref()),
+            };
+            for (name, value) in taking.lease_fields(*leased) {
+                set.insert(name, value);
+            }
+            return doc! { "q": filter, "u": { "$set": set }, "multi": true };
+        }
+    }
     let column = |value: &dyn Fn(&Reset<'_>) -> Bson| pick(&ids, chunk.iter().map(value).collect());
     let mut set = doc! {
         f::KIND: column(&|(l, _, _, _)| Bson::String(l.kind.as_str().into())),
@@ -692,12 +715,7 @@ fn reset_statement(taking: &Taking<'_>, chunk: &[Reset<'_>]) -> Document {
             set.insert(name, value);
         }
     }
-    let statement = doc! {
-        "q": { f::ID: { "$in": &ids }, f::BOT: bot.as_str(), f::PASS: { "$lt": pass } },
-        "u": [ { "$set": set } ],
-        "multi": true,
-    };
-    statement
+    doc! { "q": filter, "u": [ { "$set": set } ], "multi": true }
 }
 
 /// A pipeline value that is literally `value` (a string starting with `$` stays a string).
@@ -728,6 +746,27 @@ pub struct Taken {
 const LEASE_WRITE_WAIT: Duration = Duration::from_secs(3);
 
 impl KnownPage {
+    /// The fields a read of known pages projects (with `extra`).
+    pub fn projection(extra: &[&str]) -> Document {
+        let mut projection = doc! {
+            f::PASS: 1, f::STATUS: 1, f::FINGERPRINT: 1, f::RECORD_ID: 1, f::ETAG: 1,
+            f::LAST_MODIFIED: 1,
+        };
+        for name in extra {
+            projection.insert(*name, 1);
+        }
+        projection
+    }
+
+    /// What an entry read raw with [`KnownPage::projection`] holds (a field that does not read
+    /// is missing).
+    pub fn from_raw(entry: &bson::RawDocument) -> KnownPage {
+        Document::try_from(entry).map_or_else(
+            |_| KnownPage::from_doc(&Document::new()),
+            |doc| KnownPage::from_doc(&doc),
+        )
+    }
+
     fn from_doc(doc: &Document) -> KnownPage {
         KnownPage {
             pass: get_int(doc, f::PASS).map_or(PassNumber::NONE, PassNumber::new),
@@ -1894,10 +1933,7 @@ impl Frontier<'_> {
                         .frontier()
                         .collection()
                         .find(doc! { f::ID: { "$in": chunk }, f::BOT: bot.as_str() })
-                        .projection(doc! {
-                            f::PASS: 1, f::STATUS: 1, f::FINGERPRINT: 1, f::RECORD_ID: 1,
-                            f::ETAG: 1, f::LAST_MODIFIED: 1,
-                        })
+                        .projection(KnownPage::projection(&[]))
                         .batch_size(whole_batch(chunk.len()))
                         .await?
                         .try_collect()

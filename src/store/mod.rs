@@ -586,12 +586,19 @@ impl Store {
                 .await?;
             return reply::checked(what, reply);
         }
+        // Encoded once: each attempt sends a copy of the bytes (a settle command carries the
+        // manifests of its listing pages, a deep clone of which cost more than its bytes).
+        let command =
+            bson::RawDocumentBuf::from_document(&command).map_err(|e| Error::Protocol {
+                what,
+                detail: format!("the command does not encode: {e}"),
+            })?;
         let deadline = std::time::Instant::now() + limit;
         let mut attempt: u32 = 0;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             let result = self
-                .bounded_for(what, left, self.db.run_command(command.clone()))
+                .bounded_for(what, left, self.db.run_raw_command(command.clone()))
                 .await
                 .and_then(|reply| reply::checked(what, reply));
             match result {

@@ -22,7 +22,8 @@ use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
 
 use super::frontier::{
-    field as fr, read_since, unreached_listings_filters, NewUrl, PageKind, PassProgress, UrlStatus,
+    field as fr, read_since, unreached_listings_filters, KnownPage, NewUrl, PageKind, PassProgress,
+    UrlStatus,
 };
 use super::Store;
 use crate::error::Result;
@@ -433,10 +434,10 @@ impl Passes<'_> {
         pass: PassNumber,
         since: DateTime<Utc>,
     ) -> Result<u64> {
-        let urls = self
-            .unreached_urls("count unreached listing pages", bot, pass, since)
+        let pages = self
+            .unreached_pages("count unreached listing pages", bot, pass, since)
             .await?;
-        Ok(urls.len() as u64)
+        Ok(pages.len() as u64)
     }
 
     /// The listing pages counted by [`Passes::unreached_lists`], by URL (to enqueue them).
@@ -446,42 +447,57 @@ impl Passes<'_> {
         pass: PassNumber,
         since: DateTime<Utc>,
     ) -> Result<Vec<NormalizedUrl>> {
-        let urls = self
-            .unreached_urls("read unreached listing pages", bot, pass, since)
+        let pages = self
+            .unreached_pages("read unreached listing pages", bot, pass, since)
             .await?;
-        Ok(urls
-            .iter()
-            .filter_map(|u| NormalizedUrl::parse(u).ok())
-            .collect())
+        Ok(pages.into_iter().map(|(url, _, _)| url).collect())
     }
 
-    /// The URLs of the listing entries an earlier pass than `pass` read, done, since `since`:
-    /// one read per listing kind on the listing pages' index, the time and status checked here
-    /// (see [`listing_filters`](super::frontier::listing_filters)).
-    async fn unreached_urls(
+    /// The listing pages counted by [`Passes::unreached_lists`], each with its frontier id and
+    /// what its entry holds (to lease them into the pass from their entries).
+    pub async fn unreached_list_pages(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<(NormalizedUrl, String, KnownPage)>> {
+        self.unreached_pages("read unreached listing pages", bot, pass, since)
+            .await
+    }
+
+    /// The listing entries an earlier pass than `pass` read, done, since `since`: one read per
+    /// listing kind on the listing pages' index, the time and status checked here (see
+    /// [`listing_filters`](super::frontier::listing_filters)). An entry whose URL does not parse
+    /// (written by hand) is passed over.
+    async fn unreached_pages(
         self,
         what: &'static str,
         bot: &BotId,
         pass: PassNumber,
         since: DateTime<Utc>,
-    ) -> Result<Vec<String>> {
-        let mut urls = Vec::new();
+    ) -> Result<Vec<(NormalizedUrl, String, KnownPage)>> {
+        let mut pages = Vec::new();
         self.store
             .frontier()
             .each_listing(
                 what,
                 unreached_listings_filters(bot, pass),
-                doc! { fr::URL: 1, fr::STATUS: 1, fr::DONE_AT: 1 },
+                KnownPage::projection(&[fr::URL, fr::DONE_AT]),
                 None,
                 |entry| {
-                    if read_since(entry, since) {
-                        urls.push(entry.get_str(fr::URL).unwrap_or_default().to_owned());
+                    if !read_since(entry, since) {
+                        return Ok(());
+                    }
+                    let url = entry.get_str(fr::URL).ok().map(NormalizedUrl::parse);
+                    let id = entry.get_str(fr::ID).ok().map(str::to_owned);
+                    if let (Some(Ok(url)), Some(id)) = (url, id) {
+                        pages.push((url, id, KnownPage::from_raw(entry)));
                     }
                     Ok(())
                 },
             )
             .await?;
-        Ok(urls)
+        Ok(pages)
     }
 
     /// How long an instance's claim on a pass's evaluation holds before another may take it over.
