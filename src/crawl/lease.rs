@@ -668,9 +668,11 @@ impl Leaser {
         let mut leased = 0;
         if !waiting.is_empty() {
             let links: Vec<NewUrl> = waiting.iter().map(|w| w.url.clone()).collect();
-            let known: HashMap<String, KnownPage> =
-                waiting.into_iter().map(|w| (w.id, w.known)).collect();
-            let taken = self
+            let known: HashMap<String, KnownPage> = waiting
+                .iter()
+                .map(|w| (w.id.clone(), w.known.clone()))
+                .collect();
+            let sent = self
                 .shared
                 .store
                 .frontier()
@@ -686,7 +688,16 @@ impl Leaser {
                     }),
                     self.shared.clock.now(),
                 )
-                .await?;
+                .await;
+            // Not lost on a failed write: the pages wait again (and none waiting means none
+            // left out of the pass).
+            let taken = match sent {
+                Ok(taken) => taken,
+                Err(e) => {
+                    self.memory.wait_again(pass, waiting);
+                    return Err(e);
+                }
+            };
             leased = taken.leased.len();
             self.queue_leases(taken.leased, queues).await?;
         }

@@ -234,6 +234,22 @@ impl PassMemory {
         *self.waiting.lock().unwrap_or_else(|p| p.into_inner()) = (pass, by_host);
     }
 
+    /// Listing pages taken from those waiting for `pass` whose lease write failed: they wait
+    /// again, first in line (unless a new read replaced what waits).
+    pub fn wait_again(&self, pass: PassNumber, pages: Vec<WaitingListing>) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        if waiting.0 != pass {
+            return;
+        }
+        for page in pages.into_iter().rev() {
+            waiting
+                .1
+                .entry(page.url.url.host_port())
+                .or_default()
+                .push_front(page);
+        }
+    }
+
     /// Up to `n` of the listing pages waiting for `pass` on `host`, taken out, and whether none
     /// is left waiting on any host after them.
     pub fn take_listings(
@@ -374,7 +390,12 @@ mod tests {
         let (taken, drained) = memory.take_listings(two, "b.test:80", 0);
         assert!(taken.is_empty() && !drained, "no room takes nothing");
         let (taken, drained) = memory.take_listings(two, "b.test:80", 5);
-        assert_eq!(ids(taken), ["http://b.test/1"]);
+        assert_eq!(ids(taken.clone()), ["http://b.test/1"]);
         assert!(drained, "none is left");
+        // A lease write that failed puts its pages back, first in line.
+        memory.wait_again(two, taken);
+        let (taken, drained) = memory.take_listings(two, "b.test:80", 5);
+        assert_eq!(ids(taken), ["http://b.test/1"]);
+        assert!(drained);
     }
 }
