@@ -659,14 +659,17 @@ fn reset_statement(taking: &Taking<'_>, chunk: &[Reset<'_>]) -> Document {
         .map(|(_, id, _, _)| Bson::String(id.clone()))
         .collect();
     let filter = doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str(), f::PASS: { "$lt": pass } };
-    // Links alike in everything the reset sets (the last pass's listing pages, leased into
-    // this one): a plain `$set` — a pipeline of per-link columns costs the server an
-    // evaluation of every column for every entry — and one random slot for the chunk.
+    // Links leased here and alike in everything else the reset sets (the last pass's listing
+    // pages, leased into this one): a plain `$set` — a pipeline of per-link columns costs the
+    // server an evaluation of every column for every entry — and one random slot for the
+    // chunk. (Not for pending links: the lease queries sample pending entries by slot, and
+    // a hundred in one slot would make that lumpy.)
     let alike = |a: &Reset<'_>, b: &Reset<'_>| {
-        (a.0.kind, a.0.priority, &a.0.fingerprint, a.2)
-            == (b.0.kind, b.0.priority, &b.0.fingerprint, b.2)
+        (a.0.kind, a.0.priority, &a.0.fingerprint) == (b.0.kind, b.0.priority, &b.0.fingerprint)
     };
-    if chunk.windows(2).all(|w| alike(&w[0], &w[1])) {
+    if chunk.iter().all(|(_, _, leased, _)| *leased)
+        && chunk.windows(2).all(|w| alike(&w[0], &w[1]))
+    {
         if let Some((link, _, leased, _)) = chunk.first() {
             let mut set = doc! {
                 f::KIND: link.kind.as_str(), f::PASS: pass, f::ATTEMPTS: i64::from(*leased),
@@ -2426,5 +2429,68 @@ mod tests {
             .map(|filter| filter.get_str(f::KIND).unwrap().to_owned())
             .collect();
         assert_eq!(kinds, ["list", "seed"]);
+    }
+
+    #[test]
+    fn leased_alike_resets_are_a_plain_set_and_pending_ones_keep_a_slot_each() {
+        let bot = BotId::parse("b").unwrap();
+        let me = InstanceId::parse("i").unwrap();
+        let now = Utc::now();
+        let lease = LeaseTo {
+            me: &me,
+            lease_for: Duration::from_secs(60),
+            first: 2,
+        };
+        let taking = Taking::new(&bot, PassNumber::new(3), Some(&lease), now);
+        let link = |path: &str| NewUrl {
+            url: NormalizedUrl::parse(&format!("http://shop.test/{path}")).unwrap(),
+            kind: PageKind::List,
+            fingerprint: None,
+            priority: 1,
+        };
+        let (one, two) = (link("list/1"), link("list/2"));
+        let known = KnownPage {
+            pass: PassNumber::new(2),
+            status: Some(UrlStatus::Done),
+            fingerprint: None,
+            record_id: None,
+            validators: Default::default(),
+        };
+        let leased: Vec<Reset<'_>> = vec![
+            (&one, "1".into(), true, &known),
+            (&two, "2".into(), true, &known),
+        ];
+        let statement = reset_statement(&taking, &leased);
+        let set = statement
+            .get_document("u")
+            .and_then(|u| u.get_document("$set"))
+            .expect("a plain $set");
+        assert_eq!(set.get_str(f::STATUS), Ok("leased"));
+        assert_eq!(set.get_str(f::LEASE_TOKEN), Ok(taking.token.as_str()));
+        assert_eq!(set.get_i64(f::PASS), Ok(3));
+        let filter = statement.get_document("q").unwrap();
+        assert_eq!(
+            filter.get_document(f::PASS).unwrap(),
+            &doc! { "$lt": 3_i64 },
+            "only an entry of an earlier pass"
+        );
+        // Pending links (or links unalike) keep the pipeline: a slot each.
+        let pending: Vec<Reset<'_>> = vec![
+            (&one, "1".into(), false, &known),
+            (&two, "2".into(), false, &known),
+        ];
+        let statement = reset_statement(&taking, &pending);
+        let stages = statement.get_array("u").expect("a pipeline");
+        let set = stages[0]
+            .as_document()
+            .unwrap()
+            .get_document("$set")
+            .unwrap();
+        assert!(set.get_document(f::SLOT).is_ok(), "a slot picked per link");
+        let mixed: Vec<Reset<'_>> = vec![
+            (&one, "1".into(), true, &known),
+            (&two, "2".into(), false, &known),
+        ];
+        assert!(reset_statement(&taking, &mixed).get_array("u").is_ok());
     }
 }
