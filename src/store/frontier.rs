@@ -660,26 +660,21 @@ fn reset_statement(taking: &Taking<'_>, chunk: &[Reset<'_>]) -> Document {
         .collect();
     let filter = doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str(), f::PASS: { "$lt": pass } };
     // Links leased here and alike in everything else the reset sets (the last pass's listing
-    // pages, leased into this one): a plain `$set` — a pipeline of per-link columns costs the
-    // server an evaluation of every column for every entry — and one random slot for the
-    // chunk. (Not for pending links: the lease queries sample pending entries by slot, and
-    // a hundred in one slot would make that lumpy.)
+    // pages, leased into this one): a plain `$set` of the entry as `Taking::entry` writes it —
+    // a pipeline of per-link columns costs the server an evaluation of every column for every
+    // entry — with one random slot for the chunk. (Not for pending links: the lease queries
+    // sample pending entries by slot, and a hundred in one slot would make that lumpy.)
     let alike = |a: &Reset<'_>, b: &Reset<'_>| {
         (a.0.kind, a.0.priority, &a.0.fingerprint) == (b.0.kind, b.0.priority, &b.0.fingerprint)
     };
     if chunk.iter().all(|(_, _, leased, _)| *leased)
         && chunk.windows(2).all(|w| alike(&w[0], &w[1]))
     {
-        if let Some((link, _, leased, _)) = chunk.first() {
-            let mut set = doc! {
-                f::KIND: link.kind.as_str(), f::PASS: pass, f::ATTEMPTS: i64::from(*leased),
-                f::SHEDS: 0_i64, f::LAST_ERROR: Bson::Null, f::ENQUEUED_AT: date(taking.now),
-                f::NOT_BEFORE: date(taking.now),
-                f::SLOT: i64::from(rand::random_range(0..SLOTS)), f::PRIORITY: link.priority,
-                f::LIST_FINGERPRINT: text(link.fingerprint.as_deref()),
-            };
-            for (name, value) in taking.lease_fields(*leased) {
-                set.insert(name, value);
+        if let Some((link, _, _, _)) = chunk.first() {
+            let mut set = taking.entry(link, true);
+            // Each link's own fields stay as its entry holds them.
+            for own in [f::URL, f::HOST] {
+                set.remove(own);
             }
             return doc! { "q": filter, "u": { "$set": set }, "multi": true };
         }
@@ -2468,6 +2463,10 @@ mod tests {
         assert_eq!(set.get_str(f::STATUS), Ok("leased"));
         assert_eq!(set.get_str(f::LEASE_TOKEN), Ok(taking.token.as_str()));
         assert_eq!(set.get_i64(f::PASS), Ok(3));
+        assert!(
+            set.get(f::URL).is_none() && set.get(f::HOST).is_none(),
+            "one statement for many links sets none of a link's own fields"
+        );
         let filter = statement.get_document("q").unwrap();
         assert_eq!(
             filter.get_document(f::PASS).unwrap(),

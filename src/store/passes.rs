@@ -112,6 +112,11 @@ pub struct PassReport {
 
 use super::date;
 
+/// A listing entry's URL, when it parses (one written by hand may not: passed over).
+fn url_of(entry: &bson::RawDocument) -> Option<NormalizedUrl> {
+    NormalizedUrl::parse(entry.get_str(fr::URL).ok()?).ok()
+}
+
 /// A bot's passes, reached through [`Store::passes`].
 #[derive(Clone, Copy, Debug)]
 pub struct Passes<'a> {
@@ -434,10 +439,17 @@ impl Passes<'_> {
         pass: PassNumber,
         since: DateTime<Utc>,
     ) -> Result<u64> {
-        let pages = self
-            .unreached_pages("count unreached listing pages", bot, pass, since)
-            .await?;
-        Ok(pages.len() as u64)
+        let mut n = 0;
+        self.each_unreached(
+            "count unreached listing pages",
+            bot,
+            pass,
+            since,
+            doc! { fr::STATUS: 1, fr::DONE_AT: 1 },
+            |_| n += 1,
+        )
+        .await?;
+        Ok(n)
     }
 
     /// The listing pages counted by [`Passes::unreached_lists`], by URL (to enqueue them).
@@ -447,10 +459,17 @@ impl Passes<'_> {
         pass: PassNumber,
         since: DateTime<Utc>,
     ) -> Result<Vec<NormalizedUrl>> {
-        let pages = self
-            .unreached_pages("read unreached listing pages", bot, pass, since)
-            .await?;
-        Ok(pages.into_iter().map(|(url, _, _)| url).collect())
+        let mut urls = Vec::new();
+        self.each_unreached(
+            "read unreached listing pages",
+            bot,
+            pass,
+            since,
+            doc! { fr::URL: 1, fr::STATUS: 1, fr::DONE_AT: 1 },
+            |entry| urls.extend(url_of(entry)),
+        )
+        .await?;
+        Ok(urls)
     }
 
     /// The listing pages counted by [`Passes::unreached_lists`], each with its frontier id and
@@ -461,43 +480,52 @@ impl Passes<'_> {
         pass: PassNumber,
         since: DateTime<Utc>,
     ) -> Result<Vec<(NormalizedUrl, String, KnownPage)>> {
-        self.unreached_pages("read unreached listing pages", bot, pass, since)
-            .await
+        let mut pages = Vec::new();
+        self.each_unreached(
+            "read unreached listing pages",
+            bot,
+            pass,
+            since,
+            KnownPage::projection(&[fr::URL, fr::DONE_AT]),
+            |entry| {
+                let id = entry.get_str(fr::ID).ok().map(str::to_owned);
+                if let (Some(url), Some(id)) = (url_of(entry), id) {
+                    pages.push((url, id, KnownPage::from_raw(entry)));
+                }
+            },
+        )
+        .await?;
+        Ok(pages)
     }
 
-    /// The listing entries an earlier pass than `pass` read, done, since `since`: one read per
-    /// listing kind on the listing pages' index, the time and status checked here (see
-    /// [`listing_filters`](super::frontier::listing_filters)). An entry whose URL does not parse
-    /// (written by hand) is passed over.
-    async fn unreached_pages(
+    /// Streams to `visit` the listing entries an earlier pass than `pass` read, done, since
+    /// `since` (read with `projection`, which holds `status` and `doneAt`): one read per listing
+    /// kind on the listing pages' index, the time and status checked here (see
+    /// [`listing_filters`](super::frontier::listing_filters)).
+    async fn each_unreached(
         self,
         what: &'static str,
         bot: &BotId,
         pass: PassNumber,
         since: DateTime<Utc>,
-    ) -> Result<Vec<(NormalizedUrl, String, KnownPage)>> {
-        let mut pages = Vec::new();
+        projection: Document,
+        mut visit: impl FnMut(&bson::RawDocument),
+    ) -> Result<()> {
         self.store
             .frontier()
             .each_listing(
                 what,
                 unreached_listings_filters(bot, pass),
-                KnownPage::projection(&[fr::URL, fr::DONE_AT]),
+                projection,
                 None,
                 |entry| {
-                    if !read_since(entry, since) {
-                        return Ok(());
-                    }
-                    let url = entry.get_str(fr::URL).ok().map(NormalizedUrl::parse);
-                    let id = entry.get_str(fr::ID).ok().map(str::to_owned);
-                    if let (Some(Ok(url)), Some(id)) = (url, id) {
-                        pages.push((url, id, KnownPage::from_raw(entry)));
+                    if read_since(entry, since) {
+                        visit(entry);
                     }
                     Ok(())
                 },
             )
-            .await?;
-        Ok(pages)
+            .await
     }
 
     /// How long an instance's claim on a pass's evaluation holds before another may take it over.
