@@ -1558,7 +1558,7 @@ impl Frontier<'_> {
 
 /// The `update` statements that settle `marks`: one per kind of mark and lease token (each
 /// filtered on the entries' `_id`s, `status: leased` and that token), per-URL values picked by
-/// `_id` in an update pipeline.
+/// `_id` in an update pipeline (a statement of one URL: its values as literals).
 pub(super) fn settle_statements(
     marks: &[(&UrlLease, Mark)],
     now: DateTime<Utc>,
@@ -1585,17 +1585,20 @@ pub(super) fn settle_statements(
                 .map(|i| Bson::String(marks[*i].0.id.clone()))
                 .collect();
             let bot = &marks[chunk[0]].0.bot;
-            let column = |value: &dyn Fn(&Mark) -> Bson| {
-                pick(&ids, chunk.iter().map(|i| value(&marks[*i].1)).collect())
+            // One URL: its values as literals (picking by `_id` would cost the server two
+            // array scans per field for nothing).
+            let column = |value: &dyn Fn(&Mark) -> Bson| match chunk {
+                [only] => literal(value(&marks[*only].1)),
+                _ => pick(&ids, chunk.iter().map(|i| value(&marks[*i].1)).collect()),
             };
             let mut set = doc! {
                 f::LEASE_OWNER: Bson::Null, f::LEASE_TOKEN: Bson::Null,
                 f::LEASE_EXPIRES_AT: Bson::Null, f::LAST_LEASE_TOKEN: literal(*token),
                 f::SETTLED_BY: literal(nonce),
             };
-            // Stages before the main `$set` (a listing page's baseline, read before its
-            // manifest is replaced) and after it.
-            let (mut stages, mut after) = mark_fields(*group, &mut set, &column, now);
+            // The main `$set`, then the stages after it (a listing page's baseline).
+            let mut stages = vec![];
+            let mut after = mark_fields(*group, &mut set, &column, now);
             stages.push(doc! { "$set": set });
             stages.append(&mut after);
             statements.push(doc! {
@@ -1612,20 +1615,19 @@ pub(super) fn settle_statements(
 }
 
 /// What a settle statement of marks of `group` ([`Mark::group`]) sets, per URL through
-/// `column`, into `set`; returns the update stages that go before and after that `$set`.
+/// `column`, into `set`; returns the update stages that go after that `$set`.
 fn mark_fields(
     group: u8,
     set: &mut Document,
     column: Column<'_>,
     now: DateTime<Utc>,
-) -> (Vec<Document>, Vec<Document>) {
-    let (mut before, mut after) = (Vec::new(), Vec::new());
+) -> Vec<Document> {
+    let mut after = Vec::new();
     match group {
         0 | 5 => {
             done_fields(set, column, now);
             if group == 5 {
                 manifest_stages(set, &mut after, column);
-                before.push(after.remove(0));
             }
         }
         1 => {
@@ -1656,7 +1658,7 @@ fn mark_fields(
             set.insert(f::SHEDS, doc! { "$add": [format!("${}", f::SHEDS), 1_i64] });
         }
     }
-    (before, after)
+    after
 }
 
 /// A done mark's fields: the page's validators and record id (an earlier one kept when the
@@ -1739,10 +1741,11 @@ fn give_back_fields(set: &mut Document, column: Column<'_>, now: DateTime<Utc>) 
 /// A settle statement's per-URL column: one value per mark, picked by `_id` (see [`pick`]).
 type Column<'a> = &'a dyn Fn(&dyn Fn(&Mark) -> Bson) -> Bson;
 
-/// A listing page's done mark: first — while `listed` and `listedPass` are still the previous
-/// read's — what the page listed since the last evaluation becomes that baseline (the previous
-/// read, if it was the evaluated pass's; else what it held) with this list added; then the
-/// manifest's fields (per URL, by `_id`); then whether the baseline holds pages this list lacks.
+/// A listing page's done mark, in the same `$set` as its other fields (every expression there
+/// still sees the previous read's `listed` and `listedPass`): the manifest's fields, and what the
+/// page listed since the last evaluation — that baseline (the previous read, if it was the
+/// evaluated pass's; else what it held) with this list added. Then, in one more stage, whether
+/// the baseline holds pages this list lacks.
 fn manifest_stages(set: &mut Document, stages: &mut Vec<Document>, column: Column<'_>) {
     fn of<T>(m: &Mark, value: impl Fn(&Manifest) -> T) -> Option<T> {
         match m {
@@ -1753,10 +1756,24 @@ fn manifest_stages(set: &mut Document, stages: &mut Vec<Document>, column: Colum
             _ => None,
         }
     }
+    let this_list = column(&|m| of(m, |x| pack_ids(&x.listed)).unwrap_or(Bson::Null));
+    let listed = format!("${}", f::LISTED);
+    let since = format!("${}", f::LISTED_SINCE);
+    let evaluated = column(&|m| of(m, |x| Bson::from(x.evaluated)).unwrap_or(Bson::Null));
+    // The previous read's list as a list of lists (none for a page never read); null in
+    // `listedSince` means the same as that list.
+    let previous = doc! { "$cond": [ { "$ifNull": [&listed, false] }, [&listed], [] ] };
+    let baseline = doc! { "$cond": [
+        { "$eq": [ format!("${}", f::LISTED_PASS), evaluated ] },
+        previous.clone(),
+        { "$ifNull": [&since, previous] },
+    ] };
+    // Lists compare as whole values: a list seen again adds nothing.
     set.insert(
-        f::LISTED,
-        column(&|m| of(m, |x| pack_ids(&x.listed)).unwrap_or(Bson::Null)),
+        f::LISTED_SINCE,
+        doc! { "$setUnion": [baseline, [this_list.clone()]] },
     );
+    set.insert(f::LISTED, this_list);
     set.insert(
         f::LISTED_FP,
         column(&|m| of(m, |x| pack_numbers(&x.fingerprints)).unwrap_or(Bson::Null)),
@@ -1777,29 +1794,12 @@ fn manifest_stages(set: &mut Document, stages: &mut Vec<Document>, column: Colum
         column(&|m| of(m, |x| Bson::String(x.hash())).unwrap_or(Bson::Null)),
     );
     set.insert(f::LISTED_PASS, format!("${}", f::PASS));
-    let listed = format!("${}", f::LISTED);
-    let since = format!("${}", f::LISTED_SINCE);
-    let evaluated = column(&|m| of(m, |x| Bson::from(x.evaluated)).unwrap_or(Bson::Null));
-    // Before the manifest's `$set` (it still sees the previous read): the baseline, as a list of
-    // lists — the previous read alone if it was the evaluated pass's, else what the page kept
-    // (null: the same as its previous list; none for a page never read).
-    let previous = doc! { "$cond": [ { "$ifNull": [&listed, false] }, [&listed], [] ] };
+    // Whether the baseline holds another list; if it does not, it is stored as null (the same
+    // as `listed`), so an unchanged page carries its list once.
+    let more = doc! { "$gt": [ { "$size": &since }, 1 ] };
     stages.push(doc! { "$set": {
-        f::LISTED_SINCE: { "$cond": [
-            { "$eq": [ format!("${}", f::LISTED_PASS), evaluated ] },
-            previous.clone(),
-            { "$ifNull": [&since, previous] },
-        ] },
-    } });
-    // After it: this read's list added (lists compare as whole values: a list seen again adds
-    // nothing), whether the baseline holds another list — and if it does not, it is stored as
-    // null (the same as `listed`), so an unchanged page carries its list once.
-    stages.push(doc! { "$set": { f::LISTED_SINCE: { "$setUnion": [&since, [&listed]] } } });
-    stages.push(doc! { "$set": {
-        f::LISTED_SINCE_MORE: { "$gt": [ { "$size": &since }, 1 ] },
-    } });
-    stages.push(doc! { "$set": {
-        f::LISTED_SINCE: { "$cond": [ format!("${}", f::LISTED_SINCE_MORE), &since, Bson::Null ] },
+        f::LISTED_SINCE_MORE: more.clone(),
+        f::LISTED_SINCE: { "$cond": [ more, &since, Bson::Null ] },
     } });
 }
 
@@ -2491,5 +2491,68 @@ mod tests {
             (&two, "2".into(), false, &known),
         ];
         assert!(reset_statement(&taking, &mixed).get_array("u").is_ok());
+    }
+
+    #[test]
+    fn a_listing_done_mark_is_one_statement_of_literals_in_two_stages() {
+        let bot = BotId::parse("b").unwrap();
+        let now = Utc::now();
+        let taking = Taking::new(&bot, PassNumber::new(3), None, now);
+        let link = |path: &str| NewUrl {
+            url: NormalizedUrl::parse(&format!("http://shop.test/{path}")).unwrap(),
+            kind: PageKind::List,
+            fingerprint: None,
+            priority: 1,
+        };
+        let (one, two) = (link("list/1"), link("list/2"));
+        let (lease_one, lease_two) = (taking.lease(&one, "1", None), taking.lease(&two, "2", None));
+        let listing = |ids: &[&str]| Mark::Done {
+            validators: Default::default(),
+            record_id: None,
+            manifest: Some(Box::new(Manifest {
+                listed: ids.iter().map(|id| id.repeat(32)).collect(),
+                fingerprints: vec![7; ids.len()],
+                fetched: vec![],
+                evaluated: PassNumber::new(2),
+            })),
+        };
+        let marks = [
+            (&lease_one, listing(&["a", "b"])),
+            (&lease_two, listing(&["c"])),
+        ];
+        let statements = settle_statements(&marks, now, "nonce");
+        assert_eq!(statements.len(), 2, "a statement per listing page");
+        for (statement, (lease, _)) in statements.iter().zip(&marks) {
+            let filter = statement.get_document("q").unwrap();
+            assert_eq!(
+                filter.get_document(f::ID).unwrap(),
+                &doc! { "$in": [lease.id.as_str()] }
+            );
+            let stages = statement.get_array("u").expect("a pipeline");
+            assert_eq!(stages.len(), 2, "the marks, then whether the baseline grew");
+            let text = format!("{stages:?}");
+            assert!(
+                !text.contains("$indexOfArray"),
+                "one page's values are literals, not picked by _id: {text}"
+            );
+            let set = stages[0]
+                .as_document()
+                .unwrap()
+                .get_document("$set")
+                .unwrap();
+            assert_eq!(
+                set.get_document(f::LISTED).unwrap().get("$literal"),
+                set.get_document(f::LISTED_SINCE)
+                    .unwrap()
+                    .get_array("$setUnion")
+                    .unwrap()[1]
+                    .as_array()
+                    .unwrap()[0]
+                    .as_document()
+                    .unwrap()
+                    .get("$literal"),
+                "the baseline gains this very list"
+            );
+        }
     }
 }
