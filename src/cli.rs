@@ -205,19 +205,59 @@ pub fn main(cli: Cli) -> ExitCode {
 
 fn init_tracing(format: LogFormat, level: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter = std::env::var("SEEDLOCK_LOG")
+    let spec = std::env::var("SEEDLOCK_LOG")
         .ok()
-        .and_then(|v| EnvFilter::try_new(v).ok())
-        .unwrap_or_else(|| EnvFilter::new(level));
+        .filter(|v| EnvFilter::try_new(v).is_ok())
+        .unwrap_or_else(|| level.to_owned());
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+        .with_env_filter(EnvFilter::new(&spec))
         .with_writer(crate::ops::progress::log_writer)
         .with_ansi(std::io::stderr().is_terminal());
-    let _ = match format {
+    let initialized = match format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder.try_init(),
     };
+    if initialized.is_ok() {
+        // The `log` records of the libraries (the HTML parser logs each token at `debug`) are
+        // bridged into the filter, which the bridge sizes by the most verbose directive, ours
+        // included: `seedlock::crawl=debug` would make every token of every page ask the filter.
+        // Seedlock logs only through `tracing`, so its own directives do not open the bridge.
+        log::set_max_level(log::max_level().min(bridged_log_level(&spec)));
+    }
+}
+
+/// The most verbose level a log filter (`EnvFilter` directives) lets through for targets other
+/// than seedlock's own: what the `log` records of the libraries may need.
+fn bridged_log_level(spec: &str) -> log::LevelFilter {
+    use std::str::FromStr;
+    use tracing_subscriber::filter::LevelFilter;
+    let as_log = |level: LevelFilter| match level.into_level() {
+        None => log::LevelFilter::Off,
+        Some(tracing::Level::ERROR) => log::LevelFilter::Error,
+        Some(tracing::Level::WARN) => log::LevelFilter::Warn,
+        Some(tracing::Level::INFO) => log::LevelFilter::Info,
+        Some(tracing::Level::DEBUG) => log::LevelFilter::Debug,
+        Some(tracing::Level::TRACE) => log::LevelFilter::Trace,
+    };
+    let mut most = log::LevelFilter::Off;
+    for directive in spec.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let (target, level) = match directive.rsplit_once('=') {
+            // `target[span{field=value}]` with no level of its own is a target: everything.
+            Some((target, level)) if !level.contains(']') => (Some(target), level),
+            _ => match LevelFilter::from_str(directive) {
+                Ok(_) => (None, directive),
+                Err(_) => (Some(directive), "trace"),
+            },
+        };
+        let ours = target.is_some_and(|t| t == "seedlock" || t.starts_with("seedlock::"));
+        if !ours {
+            most = most.max(as_log(
+                LevelFilter::from_str(level).unwrap_or(LevelFilter::TRACE),
+            ));
+        }
+    }
+    most
 }
 
 fn sku_prefix(raw: &str) -> Result<String, String> {
@@ -636,4 +676,28 @@ fn demo_site(addr: &str, options: crate::demo_site::SiteOptions) -> ExitCode {
             Err(e) => fail(EXIT_FAILED, format!("demo site failed: {e}")),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bridged_log_level;
+    use log::LevelFilter;
+
+    #[test]
+    fn the_libraries_log_records_are_let_through_only_as_far_as_a_directive_not_ours_asks() {
+        for (spec, level) in [
+            ("info", LevelFilter::Info),
+            ("info,seedlock::daemon=debug", LevelFilter::Info),
+            ("warn,seedlock=trace", LevelFilter::Warn),
+            ("seedlock::crawl=debug", LevelFilter::Off),
+            ("debug", LevelFilter::Debug),
+            ("info,html5ever=trace", LevelFilter::Trace),
+            ("info,reqwest", LevelFilter::Trace),
+            ("INFO, seedlockish=debug", LevelFilter::Debug),
+            ("error,hyper[conn{peer=x}]=debug", LevelFilter::Debug),
+            ("off", LevelFilter::Off),
+        ] {
+            assert_eq!(bridged_log_level(spec), level, "{spec}");
+        }
+    }
 }
