@@ -544,7 +544,7 @@ impl Follower {
     }
 
     /// Enqueues `links` in one write without reading what the frontier holds of them
-    /// ([`Frontier::enqueue_listing`]: an upsert per link, which inserts it, resets it when it was
+    /// ([`Frontier::upsert_links`]: an upsert per link, which inserts it, resets it when it was
     /// last crawled in an earlier pass, and leaves it alone when it is in this pass already),
     /// the ones this instance has room for leased here and queued for their host at once — with
     /// `always_first`, the first of each host whatever the room. The URLs added and leased.
@@ -580,7 +580,7 @@ impl Follower {
             .shared
             .store
             .frontier()
-            .enqueue_listing(
+            .upsert_links(
                 &self.shared.bot,
                 lease.pass,
                 links,

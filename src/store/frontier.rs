@@ -1067,13 +1067,15 @@ impl Frontier<'_> {
         Ok(())
     }
 
-    /// Enqueues a page's listing links (the next page of a pagination chain) in **one** round
-    /// trip, without reading what the frontier holds of them first: one upsert per link, which
+    /// Enqueues links in **one** round trip without reading what the frontier holds of them first
+    /// (a page's listing links — the next page of a pagination chain —, or the items a listing
+    /// shows changed, known stored): one upsert per link, which
     /// inserts it, or resets it when it was last crawled in an earlier pass, and leaves it alone
     /// when it is in this pass already (a duplicate `_id`, reported per link). The first `first`
     /// links are enqueued leased to `me` and returned as leases (those another instance
-    /// enqueued first are not). A listing page keeps no validators: it is read every pass.
-    pub async fn enqueue_listing(
+    /// enqueued first are not). No validators are kept: a listing page is read every pass, and a
+    /// changed item's page needs none.
+    pub async fn upsert_links(
         self,
         bot: &BotId,
         pass: PassNumber,
@@ -1105,13 +1107,13 @@ impl Frontier<'_> {
         let reply = self
             .store
             .command(
-                "enqueue listing pages",
+                "upsert links",
                 doc! { "update": FRONTIER, "updates": statements, "ordered": false },
                 None,
             )
             .await?;
         // A duplicate `_id`: the link is in this pass already (someone else's).
-        let duplicates = reply::duplicates("enqueue listing pages", &reply)?;
+        let duplicates = reply::duplicates("upsert links", &reply)?;
         out.added = reply::count(&reply) as u64;
         let ids: Vec<String> = links.iter().map(|l| url_id(bot, &l.url)).collect();
         let leased = links
