@@ -1599,10 +1599,9 @@ pub(super) fn settle_statements(
                 f::SETTLED_BY: literal(nonce),
             };
             // The main `$set`, then the stages after it (a listing page's baseline).
-            let mut stages = vec![];
-            let mut after = mark_fields(*group, &mut set, &column, now);
-            stages.push(doc! { "$set": set });
-            stages.append(&mut after);
+            let after = mark_fields(*group, &mut set, &column, now);
+            let mut stages = vec![doc! { "$set": set }];
+            stages.extend(after);
             statements.push(doc! {
                 "q": {
                     f::ID: { "$in": &ids }, f::BOT: bot.as_str(),
@@ -1740,7 +1739,8 @@ fn give_back_fields(set: &mut Document, column: Column<'_>, now: DateTime<Utc>) 
     );
 }
 
-/// A settle statement's per-URL column: one value per mark, picked by `_id` (see [`pick`]).
+/// A settle statement's per-URL column: one value per mark, picked by `_id` (see [`pick`]); a
+/// statement of one mark has its value as a literal.
 type Column<'a> = &'a dyn Fn(&dyn Fn(&Mark) -> Bson) -> Bson;
 
 /// A listing page's done mark, in the same `$set` as its other fields (every expression there
@@ -2542,8 +2542,13 @@ mod tests {
                 .unwrap()
                 .get_document("$set")
                 .unwrap();
+            let this_list = set.get_document(f::LISTED).unwrap().get("$literal");
+            assert!(
+                matches!(this_list, Some(Bson::Binary(_))),
+                "the manifest's list, packed, as a literal: {this_list:?}"
+            );
             assert_eq!(
-                set.get_document(f::LISTED).unwrap().get("$literal"),
+                this_list,
                 set.get_document(f::LISTED_SINCE)
                     .unwrap()
                     .get_array("$setUnion")
