@@ -462,44 +462,6 @@ async fn the_lease_query_uses_its_index() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_pass_counts_read_the_index_alone() {
-    let db = test_db("fr_count_explain").await;
-    let store = db.store();
-    store.frontier().ensure_indexes().await.unwrap();
-    let pass = PassNumber::new(1);
-    store
-        .frontier()
-        .enqueue(&bot(), pass, PageKind::Detail, &urls(20), Utc::now())
-        .await
-        .unwrap();
-    // The counts a pass's progress and end send, one per status: at a million entries, a read of
-    // every document (as a `$group` by kind and status was) takes seconds.
-    for status in UrlStatus::ALL {
-        let filter = status_filter(&bot(), pass, status);
-        let explain = db
-            .db
-            .run_command(doc! {
-                "explain": { "count": "frontier", "query": filter.clone() },
-                "verbosity": "queryPlanner",
-            })
-            .await
-            .expect("explain");
-        let plan = explain
-            .get_document("queryPlanner")
-            .and_then(|q| q.get_document("winningPlan"))
-            .expect("a winning plan")
-            .to_string();
-        eprintln!("winning plan for a count of {filter}: {plan}");
-        assert!(
-            plan.contains("COUNT_SCAN") && plan.contains(FRONTIER_INDEX) && !plan.contains("FETCH"),
-            "the count of {filter} should read only {FRONTIER_INDEX}: {plan}"
-        );
-    }
-    let progress = store.frontier().pass_progress(&bot(), pass).await.unwrap();
-    assert_eq!((progress.pending, progress.done), (20, 0));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_listing_pages_an_earlier_pass_read_come_from_their_own_index() {
     let db = test_db("fr_listings").await;
     let store = db.store();

@@ -22,8 +22,8 @@ use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
 
 use super::frontier::{
-    field as fr, listing_filters, read_since, status_filter, unreached_listings_filters, KnownPage,
-    NewUrl, PageKind, PassProgress, UrlStatus, FRONTIER,
+    field as fr, read_since, unreached_listings_filters, KnownPage, NewUrl, PageKind, PassProgress,
+    UrlStatus,
 };
 use super::Store;
 use crate::error::Result;
@@ -244,67 +244,64 @@ impl Passes<'_> {
         Ok((result.modified_count == 1).then_some(next))
     }
 
-    /// Counts a pass's URLs: its progress, and (listing pages, listing pages done, all pages,
-    /// failed pages). Each status is a `count` over the frontier index's `{botId, pass, status}`
-    /// prefix, which a server answers from the index alone; the listing pages' statuses are read
-    /// through their own index. (One `$group` by kind and status read every entry of the pass:
-    /// a million documents at the end of a million-item pass.) The reads go out together.
+    /// Counts a pass's URLs by kind and status, in one aggregation: its progress, and (listing
+    /// pages, listing pages done, all pages, failed pages).
     pub(super) async fn coverage(
         self,
         bot: &BotId,
         pass: PassNumber,
     ) -> Result<(PassProgress, (u64, u64, u64, u64))> {
-        let counts = UrlStatus::ALL.map(|status| async move {
-            let reply = self
-                .store
-                .command(
-                    "pass coverage",
-                    doc! { "count": FRONTIER, "query": status_filter(bot, pass, status) },
-                    None,
-                )
-                .await?;
-            let n = reply
+        use futures_util::TryStreamExt;
+        let pipeline = [
+            doc! { "$match": { fr::BOT: bot.as_str(), fr::PASS: pass } },
+            doc! { "$group": {
+                "_id": { "kind": format!("${}", fr::KIND), "status": format!("${}", fr::STATUS) },
+                "n": { "$sum": 1 },
+            } },
+        ];
+        let rows: Vec<Document> = self
+            .store
+            .bounded("pass coverage", async {
+                self.store
+                    .frontier()
+                    .collection()
+                    .aggregate(pipeline)
+                    .await?
+                    .try_collect()
+                    .await
+            })
+            .await?;
+        let mut progress = PassProgress::default();
+        let (mut lists, mut lists_done, mut all, mut failed) = (0, 0, 0, 0);
+        for row in rows {
+            let n = row
                 .get("n")
                 .and_then(crate::store::document::integer)
                 .unwrap_or(0)
                 .max(0) as u64;
-            Ok::<_, crate::error::Error>((status, n))
-        });
-        let listings = async {
-            let (mut lists, mut lists_done) = (0, 0);
-            self.store
-                .frontier()
-                .each_listing(
-                    "pass coverage",
-                    listing_filters(bot, doc! { "$eq": pass }),
-                    doc! { fr::ID: 0, fr::STATUS: 1 },
-                    None,
-                    |entry| {
-                        lists += 1;
-                        lists_done += u64::from(
-                            entry.get_str(fr::STATUS).ok() == Some(UrlStatus::Done.as_str()),
-                        );
-                        Ok(())
-                    },
-                )
-                .await?;
-            Ok::<_, crate::error::Error>((lists, lists_done))
-        };
-        let (counts, (lists, lists_done)) =
-            tokio::try_join!(futures_util::future::try_join_all(counts), listings)?;
-        let mut progress = PassProgress::default();
-        for (status, n) in counts {
-            *match status {
-                UrlStatus::Pending => &mut progress.pending,
-                UrlStatus::Waiting => &mut progress.waiting,
-                UrlStatus::Leased => &mut progress.leased,
-                UrlStatus::Done => &mut progress.done,
-                UrlStatus::Failed => &mut progress.failed,
-            } = n;
+            let key = row.get_document("_id").cloned().unwrap_or_default();
+            let kind = key.get_str("kind").ok().and_then(PageKind::parse);
+            let status = key.get_str("status").ok().and_then(UrlStatus::parse);
+            all += n;
+            match status {
+                Some(UrlStatus::Pending) => progress.pending += n,
+                Some(UrlStatus::Waiting) => progress.waiting += n,
+                Some(UrlStatus::Leased) => progress.leased += n,
+                Some(UrlStatus::Done) => progress.done += n,
+                Some(UrlStatus::Failed) => {
+                    progress.failed += n;
+                    failed += n;
+                }
+                None => {}
+            }
+            if kind.is_some_and(PageKind::is_listing) {
+                lists += n;
+                if status == Some(UrlStatus::Done) {
+                    lists_done += n;
+                }
+            }
         }
-        let all =
-            progress.pending + progress.waiting + progress.leased + progress.done + progress.failed;
-        Ok((progress, (lists, lists_done, all, progress.failed)))
+        Ok((progress, (lists, lists_done, all, failed)))
     }
 
     /// Ends pass `pass` (the caller saw nothing pending or leased): the conditional write that
