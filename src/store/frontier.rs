@@ -2428,6 +2428,16 @@ mod tests {
         assert_eq!(kinds, ["list", "seed"]);
     }
 
+    /// A listing page of `shop.test` at `path`, as a link to enqueue.
+    fn listing_link(path: &str) -> NewUrl {
+        NewUrl {
+            url: NormalizedUrl::parse(&format!("http://shop.test/{path}")).unwrap(),
+            kind: PageKind::List,
+            fingerprint: None,
+            priority: 1,
+        }
+    }
+
     #[test]
     fn leased_alike_resets_are_a_plain_set_and_pending_ones_keep_a_slot_each() {
         let bot = BotId::parse("b").unwrap();
@@ -2439,13 +2449,7 @@ mod tests {
             first: 2,
         };
         let taking = Taking::new(&bot, PassNumber::new(3), Some(&lease), now);
-        let link = |path: &str| NewUrl {
-            url: NormalizedUrl::parse(&format!("http://shop.test/{path}")).unwrap(),
-            kind: PageKind::List,
-            fingerprint: None,
-            priority: 1,
-        };
-        let (one, two) = (link("list/1"), link("list/2"));
+        let (one, two) = (listing_link("list/1"), listing_link("list/2"));
         let known = KnownPage {
             pass: PassNumber::new(2),
             status: Some(UrlStatus::Done),
@@ -2500,13 +2504,7 @@ mod tests {
         let bot = BotId::parse("b").unwrap();
         let now = Utc::now();
         let taking = Taking::new(&bot, PassNumber::new(3), None, now);
-        let link = |path: &str| NewUrl {
-            url: NormalizedUrl::parse(&format!("http://shop.test/{path}")).unwrap(),
-            kind: PageKind::List,
-            fingerprint: None,
-            priority: 1,
-        };
-        let (one, two) = (link("list/1"), link("list/2"));
+        let (one, two) = (listing_link("list/1"), listing_link("list/2"));
         let (lease_one, lease_two) = (taking.lease(&one, "1", None), taking.lease(&two, "2", None));
         let listing = |ids: &[&str]| Mark::Done {
             validators: Default::default(),
