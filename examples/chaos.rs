@@ -1,12 +1,12 @@
-//! `scripts/chaos`: the full chaos run (tests/common/chaos.rs), once per seed.
+//! `scripts/chaos`: the full chaos run (tests/suite/kit/chaos.rs), once per seed.
 //!   chaos [--seed N]… [--runs N] [--instances 5] [--products-per-shop 2500] [--per-list 100]
 //!         [--for 60] [--settle 300] [--transactions off]
 //! Needs SEEDLOCK_BIN (the seedlock binary) and SEEDLOCK_TEST_SERVER_BIN (a restartable
 //! database) or MONGODB_URI (then the database restart is skipped). Exit 1 if any run failed.
-#[path = "../tests/common/mod.rs"]
-mod common;
+#[path = "../tests/suite/kit/mod.rs"]
+mod kit;
 
-use common::chaos;
+use kit::chaos;
 
 use std::path::PathBuf;
 use std::time::Duration;

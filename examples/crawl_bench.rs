@@ -49,11 +49,11 @@ use serde_json::json;
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
-#[path = "../tests/common/mod.rs"]
-mod common;
+#[path = "../tests/suite/kit/mod.rs"]
+mod kit;
 
-use common::crawl::{free_addr, seeds_of};
-use common::shop::Shop;
+use kit::crawl::{free_addr, seeds_of};
+use kit::shop::Shop;
 
 fn under(stats: &BTreeMap<String, u64>, prefix: &str) -> u64 {
     stats
@@ -1082,7 +1082,7 @@ async fn throughput(uri: &str) {
 }
 
 /// One instance crawling 5,000 products with the database behind a proxy that adds a round-trip
-/// time (`tests/common/delay.rs`): pages/s at each RTT, and as a share of the 0 ms speed measured
+/// time (`tests/suite/kit/delay.rs`): pages/s at each RTT, and as a share of the 0 ms speed measured
 /// in the same run (runs interleaved, medians).
 async fn network(uri: &str, runs: usize) {
     // `BENCH_RTTS=0,10` runs only those (the first is the baseline of the share column).
@@ -1098,11 +1098,11 @@ async fn network(uri: &str, runs: usize) {
     println!();
     println!("| RTT (ms) | run | pages | pass (s) | pages/s | correct |");
     println!("|---|---|---|---|---|---|");
-    let upstream = common::blackhole::server_of(uri);
+    let upstream = kit::blackhole::server_of(uri);
     let mut rates: HashMap<u64, Vec<f64>> = HashMap::new();
     for run in 1..=runs {
         for &rtt in &rtts {
-            let proxy = common::delay::Delay::start(&upstream, Duration::from_millis(rtt));
+            let proxy = kit::delay::Delay::start(&upstream, Duration::from_millis(rtt));
             let through = proxy.uri(uri);
             let shop = Shop::start(50, 100).await;
             let db = fresh_db(uri, "network").await;

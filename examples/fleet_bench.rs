@@ -24,10 +24,10 @@ use bson::{doc, Document};
 use futures_util::TryStreamExt;
 use nix::sys::signal::Signal;
 
-#[path = "../tests/common/mod.rs"]
-mod common;
+#[path = "../tests/suite/kit/mod.rs"]
+mod kit;
 
-use common::{eventually, test_db_at, url_bot, Proc, ProcConfig, SeedSourceServer, TestDb};
+use kit::{eventually, test_db_at, url_bot, Proc, ProcConfig, SeedSourceServer, TestDb};
 
 const INSTANCES: [&str; 3] = ["fleet-a", "fleet-b", "fleet-c"];
 

@@ -339,43 +339,6 @@ impl Records<'_> {
         super::indexes::ensure(self.store, RECORDS, &wanted, &RETIRED_RECORD_INDEXES).await
     }
 
-    /// Stores the page's record (if any) and marks its URL done, together: a group commit of one
-    /// page (see [`Records::commit_batch`]). `UrlLeaseLost` when the lease went to another worker:
-    /// then nothing of this page was kept on the transaction path, and on the other path only a
-    /// record the newer worker's result supersedes.
-    pub async fn commit_page(
-        self,
-        lease: &UrlLease,
-        record: Option<&Extracted>,
-        now: DateTime<Utc>,
-        transaction: bool,
-    ) -> Result<Option<RecordWrite>> {
-        let page = PageCommit {
-            lease,
-            record,
-            removed: None,
-            mark: Mark::Done {
-                validators: lease.validators.clone(),
-                record_id: None,
-                manifest: None,
-            },
-        };
-        match self
-            .commit_batch(std::slice::from_ref(&page), now, transaction)
-            .await?
-            .remove(0)
-        {
-            Committed::Settled(write) => Ok(write),
-            Committed::UrlLeaseLost(_) => Err(Error::UrlLeaseLost {
-                url: lease.url.to_string(),
-            }),
-            Committed::Failed(detail) => Err(Error::Protocol {
-                what: "store record",
-                detail,
-            }),
-        }
-    }
-
     /// The group commit: every page's record, the records it shows seen or gone, and its URL's
     /// settle mark — fenced on its lease — for the whole batch at once. `transaction` chooses the
     /// path: one transaction for the batch (retried as a whole on a conflict, the pages kept;

@@ -1,0 +1,579 @@
+//! `[[bots]]`: each bot's seeds, refresh schedule and crawl rules (listing and detail
+//! selectors, incremental mode, priorities, headers), from a config file or a stored spec.
+
+use super::*;
+
+/// A bot's definition as kept in its document's `spec`: the `[[bots]]` entry as the file wrote
+/// it (defaults are filled in when it is read), without its `id` (the document's `_id`).
+#[derive(Clone, Debug)]
+pub struct BotSpec {
+    pub settings: BotSettings,
+    pub spec: bson::Document,
+}
+
+/// Reads the `[[bots]]` of a file (a whole config file, or one with only `[[bots]]`), validated
+/// exactly as at start-up: the first bad key is one line naming the bot and the key.
+pub fn specs_from_file(path: &Path) -> Result<Vec<BotSpec>, ConfigError> {
+    let error = |message: String| ConfigError {
+        path: path.display().to_string(),
+        message,
+    };
+    let text =
+        std::fs::read_to_string(path).map_err(|e| error(format!("cannot read the file: {e}")))?;
+    #[derive(Deserialize)]
+    struct BotsOnly<T> {
+        #[serde(default = "Vec::new")]
+        bots: Vec<T>,
+    }
+    let figment = Figment::from(Toml::string(&text));
+    let raw: BotsOnly<RawBot> = figment
+        .extract()
+        .map_err(|e| error(describe_figment_error(e)))?;
+    // The spec keeps the keys the file wrote, not the defaults filled in: a default that changes
+    // in a later version, or a key an older instance does not know, stays out of the stored spec.
+    let written: BotsOnly<figment::value::Value> = figment
+        .extract()
+        .map_err(|e| error(describe_figment_error(e)))?;
+    if raw.bots.is_empty() {
+        return Err(error("the file has no [[bots]]".into()));
+    }
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(raw.bots.len());
+    for (i, (bot, written)) in raw.bots.into_iter().zip(written.bots).enumerate() {
+        let mut spec =
+            bson::to_document(&written).map_err(|e| error(format!("key `bots[{i}]`: {e}")))?;
+        spec.remove("id");
+        let name = bot.id.clone();
+        let settings = bot
+            .validate(&format!("bots[{i}]"))
+            .map_err(|e| error(format!("bot {name:?}: {}", one_line(&e))))?;
+        if !seen.insert(settings.id.clone()) {
+            return Err(error(format!(
+                "key `bots[{i}].id`: bot {name:?} is defined twice"
+            )));
+        }
+        out.push(BotSpec { settings, spec });
+    }
+    Ok(out)
+}
+
+/// The settings of the database's bot `id` from its document's `spec`, validated as a file's
+/// `[[bots]]` entry is; an error names the key (`spec.crawl.list.item`, …) in one line.
+pub fn bot_from_spec(id: &BotId, spec: &bson::Document) -> Result<BotSettings, String> {
+    let mut with_id = spec.clone();
+    with_id.insert("id", id.as_str());
+    let deserializer = bson::Deserializer::new(bson::Bson::Document(with_id));
+    let raw: RawBot = serde_path_to_error::deserialize(deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        if path == "." || path.is_empty() {
+            format!("key `spec`: {}", one_line(&inner))
+        } else {
+            format!("key `spec.{path}`: {}", one_line(&inner))
+        }
+    })?;
+    raw.validate("spec").map_err(|e| one_line(&e))
+}
+
+pub(super) fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[derive(Clone, Debug)]
+pub struct BotSettings {
+    pub id: BotId,
+    pub seeds: SeedSource,
+    pub refresh: RefreshSchedule,
+    pub on_refresh_failure: OnRefreshFailure,
+    /// What to crawl from the seeds (`[bots.crawl]`); `None` keeps the bot to seed refreshes.
+    pub crawl: Option<CrawlSettings>,
+}
+
+/// `[bots.crawl]`, validated: selectors compiled, patterns compiled.
+#[derive(Clone, Debug)]
+pub struct CrawlSettings {
+    pub links: crate::extract::LinkRules,
+    pub list: Option<crate::extract::ListRules>,
+    pub record: Option<crate::extract::RecordRules>,
+    pub incremental: Incremental,
+    /// URL patterns with their priority (0–9, higher is leased first; the first match wins);
+    /// unmatched URLs get their kind's default (seeds 2, listing pages 1, detail pages 0).
+    pub priorities: Vec<(regex::Regex, i64)>,
+    /// Sent with every page request (`headers`); values from the environment are secrets.
+    pub headers: crate::fetch::RequestHeaders,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IncrementalMode {
+    Fingerprint,
+    Watermark,
+    UpdatedAt,
+    Full,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Incremental {
+    pub mode: IncrementalMode,
+    pub overlap: Duration,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum SeedSource {
+    Url {
+        url: NormalizedUrl,
+        format: SeedFormat,
+    },
+    Static(Vec<NormalizedUrl>),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SeedFormat {
+    Lines,
+    Json,
+    Sitemap,
+}
+
+/// When a ready bot's seeds are due for a refresh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RefreshSchedule {
+    /// When the UTC date (on the database server's clock) differs from the last refresh's.
+    Daily,
+    /// When this long has passed since the last refresh.
+    Every(Duration),
+}
+
+impl RefreshSchedule {
+    /// `"daily"`, or an interval such as `"6h"` (1 s to 7 days).
+    pub fn parse(text: &str) -> Result<RefreshSchedule, String> {
+        match text.trim() {
+            "daily" => Ok(RefreshSchedule::Daily),
+            other => {
+                let every = positive("refresh", other).map_err(|_| {
+                    format!("{other:?} is neither \"daily\" nor an interval such as \"6h\" (at most 7 days)")
+                })?;
+                if every < Duration::from_secs(1) {
+                    return Err("an interval must be at least 1s".into());
+                }
+                Ok(RefreshSchedule::Every(every))
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnRefreshFailure {
+    /// The bot goes back to Ready on its previous seeds (when it has any) while it retries.
+    KeepPrevious,
+    /// The bot stays not ready until a refresh succeeds.
+    Wait,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBot {
+    pub(super) id: String,
+    pub(super) seeds: RawSeeds,
+    #[serde(default = "default_refresh")]
+    pub(super) refresh: String,
+    #[serde(default = "default_on_failure")]
+    pub(super) on_refresh_failure: OnRefreshFailure,
+    pub(super) crawl: Option<RawCrawl>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCrawl {
+    pub(super) scope: Vec<String>,
+    #[serde(default = "default_follow")]
+    pub(super) follow: String,
+    #[serde(default)]
+    pub(super) allow: Vec<String>,
+    #[serde(default)]
+    pub(super) deny: Vec<String>,
+    #[serde(default)]
+    pub(super) strip_query: Vec<String>,
+    #[serde(default = "default_max_links")]
+    pub(super) max_links: u64,
+    pub(super) list: Option<RawList>,
+    pub(super) record: Option<RawRecord>,
+    #[serde(default)]
+    pub(super) incremental: RawIncremental,
+    #[serde(default)]
+    pub(super) priority: Vec<RawPriority>,
+    #[serde(default)]
+    pub(super) headers: std::collections::BTreeMap<String, RawHeader>,
+}
+
+/// `headers = { "Accept-Language" = "de", Authorization = { env = "SHOP_TOKEN" } }`: a value, or
+/// the environment variable to read it from on the instance (the stored spec keeps the name,
+/// never the value).
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(untagged)]
+pub(super) enum RawHeader {
+    Value(String),
+    Env { env: String },
+}
+
+/// `priority = [{ match = "/sale/", priority = 3 }]`
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPriority {
+    #[serde(rename = "match")]
+    pub(super) url_match: String,
+    pub(super) priority: i64,
+}
+
+/// Links (and listing items) read from one page at most: a hostile page with a million links
+/// must not become a million frontier writes.
+pub(super) fn default_max_links() -> u64 {
+    10_000
+}
+
+pub(super) fn default_follow() -> String {
+    "a[href]".into()
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawList {
+    pub(super) item: String,
+    pub(super) item_id: String,
+    pub(super) item_link: String,
+    #[serde(default)]
+    pub(super) fingerprint: Vec<String>,
+    pub(super) updated_at: Option<String>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRecord {
+    #[serde(rename = "match")]
+    pub(super) url_match: String,
+    pub(super) natural_key: String,
+    #[serde(default)]
+    pub(super) fields: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawIncremental {
+    pub(super) mode: String,
+    pub(super) overlap: String,
+}
+
+impl Default for RawIncremental {
+    fn default() -> Self {
+        Self {
+            mode: "fingerprint".into(),
+            overlap: "5m".into(),
+        }
+    }
+}
+
+/// The keys of one bot's `[bots.crawl]` section, for its errors: `key("scope")` is
+/// `bots[0].crawl.scope`, and `named("follow")` prefixes an error with that key.
+#[derive(Clone, Copy)]
+pub(super) struct CrawlKeys<'a>(&'a str);
+
+impl CrawlKeys<'_> {
+    fn key(self, k: &str) -> String {
+        format!("{}.crawl.{k}", self.0)
+    }
+
+    fn named(self, k: &str) -> impl Fn(String) -> String {
+        let k = self.key(k);
+        move |e: String| format!("key `{k}`: {e}")
+    }
+
+    fn regexes(self, k: &str, list: &[String]) -> Result<Vec<regex::Regex>, String> {
+        list.iter()
+            .map(|r| {
+                regex::Regex::new(r).map_err(|e| {
+                    format!(
+                        "key `{}`: {r:?} is not a regular expression ({e})",
+                        self.key(k)
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
+impl RawCrawl {
+    pub(super) fn validate(self, p: &str) -> Result<CrawlSettings, String> {
+        let keys = CrawlKeys(p);
+        let links = self.link_rules(keys)?;
+        let list = self.list.as_ref().map(|l| l.validate(keys)).transpose()?;
+        let record = self.record.as_ref().map(|r| r.validate(keys)).transpose()?;
+        let incremental = self.incremental.validate(keys, list.as_ref())?;
+        Ok(CrawlSettings {
+            links,
+            list,
+            record,
+            incremental,
+            priorities: priorities(keys, &self.priority)?,
+            headers: headers(keys, &self.headers)?,
+        })
+    }
+
+    /// `scope`, `follow`, `allow`, `deny`, `strip_query`, `max_links`.
+    fn link_rules(&self, keys: CrawlKeys<'_>) -> Result<crate::extract::LinkRules, String> {
+        if self.scope.is_empty() {
+            return Err(format!(
+                "key `{}`: name at least one host:port links may lead to",
+                keys.key("scope")
+            ));
+        }
+        for host in &self.scope {
+            let ok = url::Url::parse(&format!("http://{host}/"))
+                .is_ok_and(|u| u.host_str().is_some() && u.path() == "/");
+            if !ok || host.contains(['/', '?', '#', '@']) {
+                return Err(format!(
+                    "key `{}`: {host:?} is not a host or host:port",
+                    keys.key("scope")
+                ));
+            }
+        }
+        Ok(crate::extract::LinkRules {
+            scope: self
+                .scope
+                .iter()
+                .map(|s| s.trim().to_ascii_lowercase())
+                .collect(),
+            follow: crate::extract::selector(&self.follow).map_err(keys.named("follow"))?,
+            allow: keys.regexes("allow", &self.allow)?,
+            deny: keys.regexes("deny", &self.deny)?,
+            strip: crate::urls::StripQuery::parse(&self.strip_query)
+                .map_err(keys.named("strip_query"))?,
+            max: match usize::try_from(self.max_links) {
+                Ok(0) | Err(_) => {
+                    return Err(format!(
+                        "key `{}`: must be between 1 and {}",
+                        keys.key("max_links"),
+                        usize::MAX
+                    ))
+                }
+                Ok(n) => n,
+            },
+        })
+    }
+}
+
+impl RawList {
+    pub(super) fn validate(
+        &self,
+        keys: CrawlKeys<'_>,
+    ) -> Result<crate::extract::ListRules, String> {
+        use crate::extract::ValueSpec;
+        Ok(crate::extract::ListRules {
+            item: crate::extract::selector(&self.item).map_err(keys.named("list.item"))?,
+            item_id: ValueSpec::parse(&self.item_id).map_err(keys.named("list.item_id"))?,
+            item_link: ValueSpec::parse(&self.item_link).map_err(keys.named("list.item_link"))?,
+            fingerprint: self
+                .fingerprint
+                .iter()
+                .map(|f| ValueSpec::parse(f).map_err(keys.named("list.fingerprint")))
+                .collect::<Result<_, _>>()?,
+            updated_at: self
+                .updated_at
+                .as_deref()
+                .map(|u| ValueSpec::parse(u).map_err(keys.named("list.updated_at")))
+                .transpose()?,
+        })
+    }
+}
+
+impl RawRecord {
+    pub(super) fn validate(
+        &self,
+        keys: CrawlKeys<'_>,
+    ) -> Result<crate::extract::RecordRules, String> {
+        use crate::extract::ValueSpec;
+        let mut fields = std::collections::BTreeMap::new();
+        for (name, spec) in &self.fields {
+            if name.is_empty() || name.contains('.') || name.starts_with('$') {
+                return Err(format!(
+                    "key `{}`: {name:?} cannot be a field name (no '.', no leading '$')",
+                    keys.key("record.fields")
+                ));
+            }
+            let spec =
+                ValueSpec::parse(spec).map_err(keys.named(&format!("record.fields.{name}")))?;
+            fields.insert(name.clone(), spec);
+        }
+        Ok(crate::extract::RecordRules {
+            url_match: regex::Regex::new(&self.url_match).map_err(|e| {
+                format!(
+                    "key `{}`: {:?} is not a regular expression ({e})",
+                    keys.key("record.match"),
+                    self.url_match
+                )
+            })?,
+            natural_key: ValueSpec::parse(&self.natural_key)
+                .map_err(keys.named("record.natural_key"))?,
+            fields,
+        })
+    }
+}
+
+impl RawIncremental {
+    /// The mode and its overlap; the modes that decide from the listings need `list` (and
+    /// `updated_at` its `list.updated_at`).
+    pub(super) fn validate(
+        &self,
+        keys: CrawlKeys<'_>,
+        list: Option<&crate::extract::ListRules>,
+    ) -> Result<Incremental, String> {
+        let mode = match self.mode.as_str() {
+            "fingerprint" => IncrementalMode::Fingerprint,
+            "watermark" => IncrementalMode::Watermark,
+            "updated_at" => IncrementalMode::UpdatedAt,
+            "full" => IncrementalMode::Full,
+            other => {
+                return Err(format!(
+                    "key `{}`: {other:?} is not one of \"fingerprint\", \"watermark\", \"updated_at\", \"full\"",
+                    keys.key("incremental.mode")
+                ))
+            }
+        };
+        if mode != IncrementalMode::Full && list.is_none() {
+            return Err(format!(
+                "key `{}`: {:?} needs a [bots.crawl.list] section (or use \"full\")",
+                keys.key("incremental.mode"),
+                self.mode
+            ));
+        }
+        if mode == IncrementalMode::UpdatedAt && list.is_some_and(|l| l.updated_at.is_none()) {
+            return Err(format!(
+                "key `{}`: \"updated_at\" needs `list.updated_at` (where an item shows when it changed)",
+                keys.key("incremental.mode")
+            ));
+        }
+        let overlap = duration(&keys.key("incremental.overlap"), &self.overlap)?;
+        if overlap > MAX_DURATION {
+            return Err(format!(
+                "key `{}`: longer than the 7-day maximum",
+                keys.key("incremental.overlap")
+            ));
+        }
+        Ok(Incremental { mode, overlap })
+    }
+}
+
+/// `[[bots.crawl.priority]]`: each `match` a regular expression, each `priority` 0–9.
+pub(super) fn priorities(
+    keys: CrawlKeys<'_>,
+    raw: &[RawPriority],
+) -> Result<Vec<(regex::Regex, i64)>, String> {
+    let mut priorities = Vec::new();
+    for (j, p) in raw.iter().enumerate() {
+        let k = keys.key(&format!("priority[{j}]"));
+        let pattern = regex::Regex::new(&p.url_match).map_err(|e| {
+            format!(
+                "key `{k}.match`: {:?} is not a regular expression ({e})",
+                p.url_match
+            )
+        })?;
+        if !(0..=9).contains(&p.priority) {
+            return Err(format!(
+                "key `{k}.priority`: {} must be between 0 and 9",
+                p.priority
+            ));
+        }
+        priorities.push((pattern, p.priority));
+    }
+    Ok(priorities)
+}
+
+/// `headers`: each a value or the environment variable it is read from here.
+pub(super) fn headers(
+    keys: CrawlKeys<'_>,
+    raw: &std::collections::BTreeMap<String, RawHeader>,
+) -> Result<crate::fetch::RequestHeaders, String> {
+    let mut headers = crate::fetch::RequestHeaders::default();
+    for (name, raw) in raw {
+        let k = keys.key(&format!("headers.{name}"));
+        let pushed = match raw {
+            RawHeader::Value(value) => headers.push(name, value, None),
+            RawHeader::Env { env } => match std::env::var(env) {
+                Ok(value) => headers.push(name, &value, Some(env)),
+                Err(_) => Err(format!(
+                    "the environment variable {env} is not set (or not UTF-8)"
+                )),
+            },
+        };
+        pushed.map_err(|e| format!("key `{k}`: {e}"))?;
+    }
+    Ok(headers)
+}
+
+pub(super) fn default_refresh() -> String {
+    "daily".into()
+}
+
+pub(super) fn default_on_failure() -> OnRefreshFailure {
+    OnRefreshFailure::KeepPrevious
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(untagged)]
+pub(super) enum RawSeeds {
+    Static(Vec<String>),
+    Source(RawSeedSource),
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSeedSource {
+    pub(super) url: String,
+    #[serde(default = "default_format")]
+    pub(super) format: SeedFormat,
+}
+
+pub(super) fn default_format() -> SeedFormat {
+    SeedFormat::Lines
+}
+
+impl RawBot {
+    pub(super) fn validate(self, p: &str) -> Result<BotSettings, String> {
+        let id = BotId::parse(&self.id).map_err(|e| format!("key `{p}.id`: {e}"))?;
+        let seeds = match self.seeds {
+            RawSeeds::Static(list) => {
+                if list.is_empty() {
+                    return Err(format!(
+                        "key `{p}.seeds`: a static seed list must not be empty"
+                    ));
+                }
+                let mut urls = Vec::with_capacity(list.len());
+                for raw in &list {
+                    let url =
+                        NormalizedUrl::parse(raw).map_err(|e| format!("key `{p}.seeds`: {e}"))?;
+                    if !urls.contains(&url) {
+                        urls.push(url);
+                    }
+                }
+                SeedSource::Static(urls)
+            }
+            RawSeeds::Source(source) => SeedSource::Url {
+                url: NormalizedUrl::parse(&source.url)
+                    .map_err(|e| format!("key `{p}.seeds.url`: {e}"))?,
+                format: source.format,
+            },
+        };
+        let refresh = RefreshSchedule::parse(&self.refresh)
+            .map_err(|why| format!("key `{p}.refresh`: {why}"))?;
+        let crawl = match self.crawl {
+            Some(c) => Some(c.validate(p)?),
+            None => None,
+        };
+        Ok(BotSettings {
+            id,
+            seeds,
+            refresh,
+            on_refresh_failure: self.on_refresh_failure,
+            crawl,
+        })
+    }
+}

@@ -1,0 +1,209 @@
+//! Write and read concerns, checked on the wire: the driver's command monitoring sees every
+//! command a crawling instance sends, and each write must survive a primary's failover.
+
+use crate::kit;
+
+use std::time::Duration;
+
+use bson::{doc, Bson, Document};
+use kit::crawl::*;
+use kit::test_db;
+use mongodb::Client;
+use seedlock::daemon::{run_with_store, Mode};
+use seedlock::store::Store;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+const WRITES: [&str; 4] = ["insert", "update", "delete", "findAndModify"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_write_is_majority_journaled_and_lock_decisions_read_majority() {
+    for transactions in ["off", "on"] {
+        let db = test_db("durability").await;
+        let base = shop(2, 10).await;
+        // A seed source slower than a heartbeat (ttl 5 s / 3): the refresh heartbeats.
+        post(
+            &format!("{base}/__faults"),
+            json!([{"path": "/seeds.txt", "latency_ms": 2000}]),
+        )
+        .await;
+        let setup = Setup {
+            transactions,
+            ..Setup::default()
+        };
+        let (store, sent) = monitored_store(&db.uri, &db.name).await;
+        run_with_store(
+            settings(&db, &base, &setup, "a"),
+            store,
+            Mode::Once {
+                timeout: Duration::from_secs(60),
+            },
+            CancellationToken::new(),
+        )
+        .await
+        .expect("run --once finishes the pass");
+        assert_eq!(live_records(&db).await, truth(&base).await);
+
+        let sent = sent.lock().unwrap().clone();
+        let on = |name: &str, coll: &str| {
+            sent.iter()
+                .filter(|(n, c)| n == name && c.get_str(name) == Ok(coll))
+                .count()
+        };
+        // What this run must have sent, or the checks below prove nothing.
+        let heartbeats = sent
+            .iter()
+            .filter(|(n, c)| n == "update" && c.get_str("update") == Ok("bots"))
+            .flat_map(|(_, c)| c.get_array("updates").cloned().unwrap_or_default())
+            .filter(|u| {
+                let set = u.as_document().and_then(|u| u.get_document("u").ok());
+                let set = set.and_then(|u| u.get_document("$set").ok());
+                set.is_some_and(|s| s.keys().eq(["lockExpiresAt"]))
+            })
+            .count();
+        assert!(on("findAndModify", "bots") >= 1, "a claim");
+        assert!(heartbeats >= 1, "a heartbeat");
+        assert!(on("update", "frontier") >= 1 && on("find", "bots") >= 1);
+        let majority_j = doc! { "w": "majority", "j": true };
+        let mut in_transaction = 0;
+        for (name, command) in &sent {
+            let what = format!("{transactions}: {name} {command}");
+            if WRITES.contains(&name.as_str()) {
+                if command.get_bool("autocommit") == Ok(false) {
+                    // A statement of a transaction: its commit carries the concern.
+                    in_transaction += 1;
+                    assert!(command.get("writeConcern").is_none(), "{what}");
+                } else {
+                    assert_eq!(
+                        command.get_document("writeConcern"),
+                        Ok(&majority_j),
+                        "{what}"
+                    );
+                }
+            }
+            if name == "commitTransaction" {
+                assert_eq!(
+                    command.get_document("writeConcern"),
+                    Ok(&majority_j),
+                    "{what}"
+                );
+            }
+            // The change stream only wakes the loop, which then reads the document: the
+            // document reads are the decisions' reads.
+            let change_stream = command
+                .get_array("pipeline")
+                .ok()
+                .and_then(|p| p.first())
+                .and_then(|stage| stage.as_document())
+                .is_some_and(|stage| stage.contains_key("$changeStream"));
+            let reads_bots = ["find", "aggregate"]
+                .iter()
+                .any(|read| name == read && command.get_str(*read) == Ok("bots"))
+                && !change_stream;
+            if reads_bots {
+                assert_eq!(
+                    command
+                        .get_document("readConcern")
+                        .ok()
+                        .and_then(|c| c.get("level")),
+                    Some(&Bson::String("majority".into())),
+                    "{what}"
+                );
+            }
+        }
+        if transactions == "on" {
+            assert!(in_transaction > 0 && sent.iter().any(|(n, _)| n == "commitTransaction"));
+        }
+    }
+}
+
+/// Whether a plain write (setting `field`) to `{_id: 1}` of `things` goes through within
+/// `within`.
+async fn writes_within(db: &mongodb::Database, field: &str, within: Duration) -> bool {
+    let things = db.collection::<Document>("things");
+    matches!(
+        tokio::time::timeout(
+            within,
+            things.update_one(doc! { "_id": 1 }, doc! { "$set": { field: true } })
+        )
+        .await,
+        Ok(Ok(_))
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_a_dead_process_left_open_is_ended_when_its_id_is_taken_over() {
+    use seedlock::clock::{LocalClock, ServerClock};
+    use seedlock::ids::InstanceId;
+
+    let db = test_db("dead_txn").await;
+    let me = InstanceId::parse("mortal").unwrap();
+    let past = bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 60_000);
+    db.db
+        .collection::<Document>("instances")
+        .insert_one(doc! {
+            "_id": me.as_str(), "host": "elsewhere", "pid": 1_i64, "token": "old",
+            "heartbeatAt": past, "expiresAt": past,
+        })
+        .await
+        .unwrap();
+    db.db
+        .collection::<Document>("things")
+        .insert_one(doc! { "_id": 1, "v": 0 })
+        .await
+        .unwrap();
+
+    // A process (its own client) names its session, writes inside a transaction, and dies there:
+    // nothing ends the transaction (the session is never dropped, committed or aborted).
+    let mortal = Client::with_uri_str(&db.uri).await.unwrap();
+    let doomed = Store::new(mortal.database(&db.name));
+    doomed.instances().name_transaction_sessions(&me);
+    let mut session = mortal.start_session().await.unwrap();
+    doomed.instances().name_session(&session).await.unwrap();
+    session.start_transaction().await.unwrap();
+    mortal
+        .database(&db.name)
+        .collection::<Document>("things")
+        .update_one(doc! { "_id": 1 }, doc! { "$set": { "v": 1 } })
+        .session(&mut session)
+        .await
+        .unwrap();
+    std::mem::forget(session);
+    let named = db
+        .db
+        .collection::<Document>("instances")
+        .find_one(doc! { "_id": me.as_str() })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(named.get_array("txnSessions").unwrap().len(), 1, "{named}");
+    assert!(
+        !writes_within(&db.db, "before", Duration::from_secs(2)).await,
+        "the open transaction holds the document"
+    );
+
+    // The successor takes the id over and ends the dead process's transaction: the document is
+    // free at once, not when the server's transaction lifetime (60 s) runs out.
+    let successor = db.store();
+    let clock = ServerClock::new(LocalClock::default());
+    seedlock::lock::presence::register(&successor, &me, &clock, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(
+        writes_within(&db.db, "after", Duration::from_secs(10)).await,
+        "the document is free after the takeover"
+    );
+    let thing = db
+        .db
+        .collection::<Document>("things")
+        .find_one(doc! { "_id": 1 })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(thing.get_bool("after"), Ok(true), "{thing}");
+    assert_eq!(
+        thing.get_i32("v"),
+        Ok(0),
+        "the dead transaction's write was not kept: {thing}"
+    );
+}

@@ -1,0 +1,238 @@
+//! Writes the store sends itself (`run_command`), against replies a failing-over replica set gives:
+//! a `writeConcernError` in an `ok: 1` reply is an error, never a success; a write refused by a
+//! primary that stepped down, or lost with its connection, is sent again within `op_timeout`
+//! and applied once. The replies come from a wire-level proxy (`tests/suite/kit/faults.rs`): the
+//! test server has no `configureFailPoint`.
+
+use crate::kit;
+
+use std::time::Duration;
+
+use chrono::Utc;
+use kit::crawl::*;
+use kit::faults::{not_primary, write_concern_error, Fault, Faults, Rule};
+use kit::test_db;
+use seedlock::config::MongoSettings;
+use seedlock::daemon::{run_with_store, Mode};
+use seedlock::error::Error;
+use seedlock::ids::{BotId, InstanceId, LockEpoch};
+use seedlock::store::document::Claim;
+use seedlock::store::Store;
+use tokio_util::sync::CancellationToken;
+
+async fn through(faults: &Faults, db: &kit::TestDb) -> Store {
+    Store::connect(&MongoSettings {
+        uri: faults.uri(&db.uri),
+        database: db.name.clone(),
+        connect_timeout: Duration::from_secs(10),
+        op_timeout: Duration::from_secs(10),
+        max_pool_size: seedlock::config::DEFAULT_MAX_POOL_SIZE,
+    })
+    .await
+    .expect("connect through the proxy")
+}
+
+fn rule(command: &str, collection: &str, times: usize, fault: Fault) -> Rule {
+    Rule {
+        command: command.into(),
+        collection: collection.into(),
+        times,
+        fault,
+    }
+}
+
+/// Three locks held by `me`, for heartbeats.
+async fn held_locks(store: &Store) -> Vec<seedlock::store::EditLock> {
+    let me = InstanceId::parse("me").unwrap();
+    let now = Utc::now();
+    let mut held = Vec::new();
+    for i in 0..3 {
+        let bot = BotId::parse(&format!("f{i}")).unwrap();
+        store.bots().initialize(&bot, &me, now).await.unwrap();
+        held.push(
+            store
+                .bots()
+                .claim(
+                    &bot,
+                    &me,
+                    LockEpoch::ZERO,
+                    Claim::Free,
+                    now,
+                    Duration::from_secs(30),
+                    "t",
+                )
+                .await
+                .unwrap()
+                .expect("claimed"),
+        );
+    }
+    held
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_concern_error_in_an_ok_reply_is_an_error() {
+    let db = test_db("faults_wce").await;
+    let faults = Faults::start(&kit::blackhole::server_of(&db.uri)).await;
+    let store = through(&faults, &db).await;
+    let held = held_locks(&store).await;
+    let locks: Vec<_> = held.iter().collect();
+    // WriteConcernFailed (a `wtimeout`): applied on the primary, not acknowledged by a majority —
+    // not a failover, so not sent again: the caller hears it.
+    faults.add(rule(
+        "update",
+        "bots",
+        1,
+        Fault::AddToReply(write_concern_error(64, "WriteConcernFailed", &[])),
+    ));
+    let before = faults.seen("update", "bots");
+    let result = store
+        .bots()
+        .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
+        .await;
+    match result {
+        Err(Error::WriteConcern { code: 64, .. }) => {}
+        other => panic!("expected the write concern error, got {other:?}"),
+    }
+    assert_eq!(faults.seen("update", "bots") - before, 1, "not sent again");
+    assert_eq!(faults.applied("update", "bots"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_refused_or_lost_in_a_failover_is_sent_again_and_applied_once() {
+    let db = test_db("faults_retry").await;
+    let faults = Faults::start(&kit::blackhole::server_of(&db.uri)).await;
+    let store = through(&faults, &db).await;
+    let held = held_locks(&store).await;
+    let locks: Vec<_> = held.iter().collect();
+    // Refused twice (not primary), then applied with its acknowledgment failing as the primary
+    // steps down (a retryable write concern error), then lost with its connection: every time
+    // the store sends it again, and the fenced statements match the locks as before.
+    faults.add(rule("update", "bots", 2, Fault::Answer(not_primary())));
+    let before = faults.seen("update", "bots");
+    let (_, alive) = store
+        .bots()
+        .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
+        .await
+        .expect("sent again until it was applied");
+    assert_eq!(alive, [true; 3]);
+    assert_eq!(faults.seen("update", "bots") - before, 3);
+
+    faults.add(rule(
+        "update",
+        "bots",
+        1,
+        Fault::AddToReply(write_concern_error(
+            189,
+            "PrimarySteppedDown",
+            &["RetryableWriteError"],
+        )),
+    ));
+    let (_, alive) = store
+        .bots()
+        .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
+        .await
+        .expect("sent again after the write concern error");
+    assert_eq!(
+        alive, [true; 3],
+        "applied twice, fenced the same: still ours"
+    );
+
+    faults.add(rule("update", "bots", 1, Fault::Drop));
+    let before = faults.seen("update", "bots");
+    let (_, alive) = store
+        .bots()
+        .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
+        .await
+        .expect("sent again on a new connection");
+    assert_eq!(alive, [true; 3]);
+    assert_eq!(faults.seen("update", "bots") - before, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crawl_through_a_failing_over_primary_stores_every_record_exactly() {
+    // Leases, done marks, enqueues and record writes refused, unacknowledged or lost on the way:
+    // the pass ends with every record as the shop has it.
+    let db = test_db("faults_crawl").await;
+    let base = shop(3, 10).await;
+    let faults = Faults::start(&kit::blackhole::server_of(&db.uri)).await;
+    let stepped_down = || {
+        Fault::AddToReply(write_concern_error(
+            189,
+            "PrimarySteppedDown",
+            &["RetryableWriteError"],
+        ))
+    };
+    for (command, collection, times, fault) in [
+        ("update", "frontier", 3, Fault::Answer(not_primary())),
+        ("update", "frontier", 2, stepped_down()),
+        ("insert", "frontier", 1, Fault::Answer(not_primary())),
+        ("insert", "records", 2, stepped_down()),
+        ("insert", "records", 1, Fault::Drop),
+        ("update", "frontier", 1, Fault::Drop),
+    ] {
+        faults.add(rule(command, collection, times, fault));
+    }
+    let store = through(&faults, &db).await;
+    run_with_store(
+        settings(&db, &base, &Setup::default(), "a"),
+        store,
+        Mode::Once {
+            timeout: Duration::from_secs(60),
+        },
+        CancellationToken::new(),
+    )
+    .await
+    .expect("the pass finishes");
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    for (command, collection) in [
+        ("update", "frontier"),
+        ("insert", "frontier"),
+        ("insert", "records"),
+    ] {
+        assert!(
+            faults.applied(command, collection) > 0,
+            "no fault met {command} {collection}: the test proves nothing"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_real_mongodb_writes_refused_by_the_fail_point_are_sent_again() {
+    // Real MongoDB's own fault injection (`failCommand`, a test command the workflow's mongod
+    // enables), scoped to this test's client by its application name.
+    use bson::doc;
+    let db = test_db("faults_failpoint").await;
+    let mut options = mongodb::options::ClientOptions::parse(&db.uri)
+        .await
+        .unwrap();
+    options.app_name = Some("seedlock-failpoint".into());
+    options.heartbeat_freq = Some(Duration::from_millis(500));
+    let client = mongodb::Client::with_options(options).unwrap();
+    let admin = client.database("admin");
+    let set = admin
+        .run_command(doc! {
+            "configureFailPoint": "failCommand",
+            "mode": { "times": 2 },
+            "data": {
+                "failCommands": ["update"], "errorCode": 10107,
+                "errorLabels": ["RetryableWriteError"], "appName": "seedlock-failpoint",
+            },
+        })
+        .await;
+    if let Err(e) = set {
+        eprintln!("skipped: this server has no failCommand fail point ({e})");
+        return;
+    }
+    let store = Store::new(client.database(&db.name));
+    let held = held_locks(&store).await;
+    let locks: Vec<_> = held.iter().collect();
+    let result = store
+        .bots()
+        .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
+        .await;
+    let _ = admin
+        .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
+        .await;
+    let (_, alive) = result.expect("sent again past the fail point");
+    assert_eq!(alive, [true; 3]);
+}

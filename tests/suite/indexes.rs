@@ -1,0 +1,153 @@
+//! Upgrading in place: a database whose indexes an earlier version built — a definition that has
+//! changed under the same name, retired ones — gets this version's indexes at start-up (MongoDB
+//! refuses a changed definition under an existing name), and a second start changes nothing.
+
+use crate::kit;
+
+use bson::{doc, Document};
+use kit::test_db;
+use futures_util::TryStreamExt;
+use mongodb::options::IndexOptions;
+use mongodb::IndexModel;
+
+async fn indexes(db: &kit::TestDb, collection: &str) -> Vec<IndexModel> {
+    db.db
+        .collection::<Document>(collection)
+        .list_indexes()
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+fn named<'a>(all: &'a [IndexModel], name: &str) -> Option<&'a IndexModel> {
+    all.iter()
+        .find(|i| i.options.as_ref().and_then(|o| o.name.as_deref()) == Some(name))
+}
+
+async fn build(db: &kit::TestDb, collection: &str, name: &str, keys: Document) {
+    db.db
+        .collection::<Document>(collection)
+        .create_index(
+            IndexModel::builder()
+                .keys(keys)
+                .options(IndexOptions::builder().name(name.to_owned()).build())
+                .build(),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn yesterdays_indexes_are_rebuilt_as_defined_now_and_retired_ones_dropped() {
+    let db = test_db("indexes_upgrade").await;
+    // Yesterday: the listing pages' index on other keys and without its partial filter, a retired
+    // frontier index, a records index under today's name with other keys, the retired records
+    // indexes, and the hosts TTL index without its expiry; plus an operator's own index, which
+    // stays.
+    build(
+        &db,
+        "frontier",
+        "bot_pass_listings",
+        doc! { "botId": 1, "pass": 1 },
+    )
+    .await;
+    build(
+        &db,
+        "frontier",
+        "bot_pass_status_slot",
+        doc! { "botId": 1, "pass": 1, "status": 1, "slot": 1 },
+    )
+    .await;
+    build(&db, "frontier", "operators_own", doc! { "url": 1 }).await;
+    build(
+        &db,
+        "records",
+        "bot_last_changed",
+        doc! { "botId": 1, "lastSeen": 1 },
+    )
+    .await;
+    build(
+        &db,
+        "records",
+        "bot_last_seen_pass",
+        doc! { "botId": 1, "lastSeenPass": 1 },
+    )
+    .await;
+    build(
+        &db,
+        "records",
+        "bot_list_key",
+        doc! { "botId": 1, "listKey": 1 },
+    )
+    .await;
+    build(&db, "hosts", "updated_at_ttl", doc! { "updatedAt": 1 }).await;
+    let store = db.store();
+    for _ in 0..2 {
+        store.frontier().ensure_indexes().await.unwrap();
+        store.records().ensure_indexes().await.unwrap();
+        store.hosts().ensure_indexes().await.unwrap();
+        store.bots().ensure_indexes().await.unwrap();
+    }
+    let frontier = indexes(&db, "frontier").await;
+    let listings = named(&frontier, "bot_pass_listings").expect("the listing pages' index");
+    assert_eq!(
+        listings.keys,
+        doc! { "kind": 1, "botId": 1, "pass": 1 },
+        "rebuilt with its keys"
+    );
+    assert_eq!(
+        listings
+            .options
+            .as_ref()
+            .and_then(|o| o.partial_filter_expression.clone()),
+        Some(doc! { "kind": { "$gt": "detail" } }),
+        "rebuilt with its partial filter"
+    );
+    assert!(named(&frontier, "bot_pass_status_host_priority_slot").is_some());
+    assert!(
+        named(&frontier, "bot_pass_status_slot").is_none(),
+        "retired: dropped"
+    );
+    assert!(
+        named(&frontier, "operators_own").is_some(),
+        "an operator's index stays"
+    );
+    let records = indexes(&db, "records").await;
+    assert_eq!(
+        named(&records, "bot_last_changed").map(|i| i.keys.clone()),
+        Some(doc! { "botId": 1, "lastChanged": 1 })
+    );
+    for retired in seedlock::store::records::RETIRED_RECORD_INDEXES {
+        assert!(named(&records, retired).is_none(), "{retired} dropped");
+    }
+    let hosts = indexes(&db, "hosts").await;
+    assert_eq!(
+        named(&hosts, "updated_at_ttl")
+            .and_then(|i| i.options.as_ref())
+            .and_then(|o| o.expire_after),
+        Some(seedlock::store::hosts::HOSTS_EXPIRE_AFTER),
+        "the TTL index expires rows"
+    );
+    // Over both rounds: the three changed definitions dropped (and built again) once, the three
+    // retired indexes dropped once — the second round found every index as defined.
+    let counts = store.command_counts();
+    for op in ["drop a changed index", "drop a retired index"] {
+        assert_eq!(counts.get(op).copied(), Some(3), "{op}: {counts:?}");
+    }
+    let builds_after_first = counts.get("create indexes").copied().unwrap_or(0);
+    store.frontier().ensure_indexes().await.unwrap();
+    store.records().ensure_indexes().await.unwrap();
+    store.hosts().ensure_indexes().await.unwrap();
+    store.bots().ensure_indexes().await.unwrap();
+    assert_eq!(
+        store
+            .command_counts()
+            .get("create indexes")
+            .copied()
+            .unwrap_or(0),
+        builds_after_first,
+        "nothing built again"
+    );
+}

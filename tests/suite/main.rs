@@ -1,0 +1,33 @@
+//! The integration suite, one binary: every area's tests against a real MongoDB-compatible
+//! server (`MONGODB_URI`, or the test server `scripts/test` starts), real HTTP servers and real
+//! `seedlock` processes. `kit` is the test kit the areas share.
+
+mod kit;
+
+mod alerts;
+mod branches;
+mod chaos;
+mod cli;
+mod crawl;
+mod cursors;
+mod dashboard;
+mod demo_site;
+mod durability;
+mod faults;
+mod fetch;
+mod fleet;
+mod flow;
+mod frontier;
+mod hub;
+mod incremental;
+mod indexes;
+mod layers;
+mod lock;
+mod own_site;
+mod page_errors;
+mod partition;
+mod processes;
+mod records;
+mod seeds;
+mod status_page;
+mod try_page;
