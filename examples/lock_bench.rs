@@ -14,7 +14,7 @@ use bson::doc;
 use chrono::Utc;
 use mongodb::Client;
 use seedlock::ids::{BotId, InstanceId};
-use seedlock::store::document::Claim;
+use seedlock::lock::state::Claim;
 use seedlock::store::Store;
 use tokio::sync::Barrier;
 
@@ -49,7 +49,7 @@ async fn contention(uri: &str, n: usize) -> (usize, usize, Vec<Duration>, Vec<Du
     let mut rounds_with_one_winner = 0;
     for round in 0..ROUNDS {
         let epoch = match stores[0].bots().load(&bot).await.unwrap() {
-            seedlock::store::document::Observed::Valid(d) => d.lock_epoch,
+            seedlock::lock::bot::Observed::Valid(d) => d.lock_epoch,
             other => panic!("unexpected {other:?}"),
         };
         let barrier = Arc::new(Barrier::new(n));

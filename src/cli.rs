@@ -409,10 +409,11 @@ impl ProgressDisplay {
 async fn database_crawling_bots(store: &Store, settings: &Settings) -> Vec<BotId> {
     let mut crawling = Vec::new();
     for raw in store.bots().spec_documents().await.unwrap_or_default() {
-        let id = crate::lock::fleet::spec_bot(&raw);
-        let crawls = raw
-            .get_document("spec")
-            .is_ok_and(|spec| matches!(spec.get("crawl"), Some(bson::Bson::Document(_))));
+        let id = crate::store::document::bot_id(&raw);
+        let crawls = matches!(
+            crate::store::document::definition(&raw).spec,
+            Some(Ok(spec)) if spec.crawls()
+        );
         if let Some(id) = id.filter(|id| crawls && settings.runs(id)) {
             crawling.push(id);
         }

@@ -15,10 +15,10 @@ use crate::config::{BotSettings, Settings, Transactions};
 use crate::crawl::CrawlContext;
 use crate::fetch::PageFetcher;
 use crate::ids::BotId;
-use crate::lock::coordinator::{BotRunner, Context, RunEnd, Until};
-use crate::lock::seeds::SeedFetcher;
+use crate::lock::bot::{BotSpec, Observed};
 use crate::metrics::Metrics;
-use crate::store::document::Observed;
+use crate::runner::{BotRunner, Context, RunEnd, Until};
+use crate::seeds::SeedReader;
 use crate::store::startup::{server_clock, with_patience};
 use crate::store::Store;
 
@@ -69,7 +69,7 @@ pub struct BotSummary {
 }
 
 /// With no `[[bots]]` in its file, an instance runs the bots defined in the database
-/// ([`crate::lock::fleet`]); `run --once` runs those defined when it starts.
+/// ([`crate::runner::roster`]); `run --once` runs those defined when it starts.
 fn require_bots(_settings: &Settings) -> Result<(), RunError> {
     Ok(())
 }
@@ -79,7 +79,7 @@ fn require_bots(_settings: &Settings) -> Result<(), RunError> {
 async fn database_bots(
     settings: &Settings,
     store: &Store,
-) -> Result<Vec<(BotSettings, i64, bson::Document)>, RunError> {
+) -> Result<Vec<(BotSettings, BotSpec)>, RunError> {
     let docs = store
         .bots()
         .spec_documents()
@@ -87,28 +87,20 @@ async fn database_bots(
         .map_err(|e| RunError::Startup(e.to_string()))?;
     let mut out = Vec::new();
     for raw in docs {
-        let Some(id) = raw
-            .get_str(crate::store::document::field::ID)
-            .ok()
-            .and_then(|s| BotId::parse(s).ok())
-        else {
+        let Some(id) = crate::store::document::bot_id(&raw) else {
             continue;
         };
         if !settings.runs(&id) {
             continue;
         }
-        let Ok(spec) = raw.get_document(crate::store::document::field::SPEC) else {
-            return Err(RunError::Startup(format!(
-                "bot {id}: key `spec`: not a document"
-            )));
+        let spec = match crate::store::document::definition(&raw).spec {
+            Some(Ok(spec)) => spec,
+            Some(Err(e)) => return Err(RunError::Startup(format!("bot {id}: {e}"))),
+            None => continue,
         };
-        let version = raw
-            .get(crate::store::document::field::SPEC_VERSION)
-            .and_then(crate::store::document::integer)
-            .unwrap_or(0);
-        let bot = crate::config::bot_from_spec(&id, spec)
+        let bot = crate::config::bot_from_spec(&id, &spec.spec)
             .map_err(|e| RunError::Startup(format!("bot {id}: {e}")))?;
-        out.push((bot, version, spec.clone()));
+        out.push((bot, spec));
     }
     if out.is_empty() {
         return Err(RunError::Startup(
@@ -150,12 +142,12 @@ pub async fn run_with_store(
     let stop = shutdown.child_token();
     // The id first: a live process under the same id would take this one's locks as orphans.
     let registered =
-        crate::lock::presence::register(&store, &ctx.me, &ctx.clock, settings.lock.ttl)
+        crate::runner::presence::register(&store, &ctx.me, &ctx.clock, settings.lock.ttl)
             .await
             .map_err(RunError::Startup)?;
     store.instances().name_transaction_sessions(&ctx.me);
     let id_lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let presence = tokio::spawn(crate::lock::presence::keep_alive(
+    let presence = tokio::spawn(crate::runner::presence::keep_alive(
         store.clone(),
         ctx.me.clone(),
         registered,
@@ -202,7 +194,7 @@ async fn context(settings: &Settings, store: &Store) -> Result<Arc<Context>, Run
     })
     .await
     .map_err(|e| RunError::Startup(e.to_string()))?;
-    let fetcher = SeedFetcher::new(settings.refresh.clone()).map_err(RunError::Startup)?;
+    let fetcher = SeedReader::new(settings.refresh.clone()).map_err(RunError::Startup)?;
     let metrics = Arc::new(Metrics::new());
     {
         let store = store.clone();
@@ -230,7 +222,7 @@ async fn context(settings: &Settings, store: &Store) -> Result<Arc<Context>, Run
         metrics,
         refresh_backoff: (settings.refresh.backoff_base, settings.refresh.backoff_max),
         crawl,
-        hub: crate::lock::hub::Hub::new(
+        hub: crate::runner::hub::Hub::new(
             store.clone(),
             clock,
             settings.lock,
@@ -297,7 +289,7 @@ async fn start_services(
 fn start_bots(
     settings: &Settings,
     ctx: &Arc<Context>,
-    once_bots: Vec<(BotSettings, i64, bson::Document)>,
+    once_bots: Vec<(BotSettings, BotSpec)>,
     mode: &Mode,
     tracker: &TaskTracker,
     stop: &CancellationToken,
@@ -317,13 +309,13 @@ fn start_bots(
     for bot in &settings.bots {
         start(bot.id.clone(), BotRunner::new(bot.clone(), ctx.clone()));
     }
-    for (bot, version, spec) in once_bots {
+    for (bot, spec) in once_bots {
         let id = bot.id.clone();
-        start(id, BotRunner::from_spec(bot, version, spec, ctx.clone()));
+        start(id, BotRunner::from_spec(bot, spec, ctx.clone()));
     }
     if settings.bots_from_database() && matches!(mode, Mode::Daemon) {
         info!("no [[bots]] in the config file: running the bots defined in the database");
-        let fleet = tracker.spawn(crate::lock::fleet::follow(
+        let fleet = tracker.spawn(crate::runner::roster::follow(
             settings.clone(),
             ctx.clone(),
             stop.clone(),

@@ -34,5 +34,7 @@ pub mod lock;
 pub mod metrics;
 pub mod ops;
 pub mod redact;
+pub mod runner;
+pub mod seeds;
 pub mod store;
 pub mod urls;

@@ -15,7 +15,7 @@ use prometheus_client::registry::Registry;
 
 use crate::ids::BotId;
 use crate::ids::PassNumber;
-use crate::store::document::BotState;
+use crate::lock::state::BotState;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BotLabel {

@@ -17,7 +17,7 @@ pub struct Pass {
     pub seed_hosts: Vec<String>,
     /// The spec the pass started with (`crawlPassSpecVersion`, `crawlPassSpec`), for bots defined
     /// in the database: the pass ends on it whatever changes meanwhile.
-    pub spec: Option<std::sync::Arc<(i64, bson::Document)>>,
+    pub spec: Option<std::sync::Arc<crate::lock::bot::BotSpec>>,
     /// The pass started on another spec than the one before it (`crawlPassRefetch`): every
     /// detail page is fetched, unconditionally, so every record is extracted by the new rules.
     pub refetch: bool,
@@ -46,7 +46,7 @@ pub enum PassState {
 }
 
 impl PassState {
-    pub fn of(doc: &crate::store::document::BotDoc) -> PassState {
+    pub fn of(doc: &crate::lock::bot::BotDoc) -> PassState {
         if doc.crawl_pass == PassNumber::NONE || doc.crawl_pass_started_at.is_none() {
             PassState::NotStarted {
                 current: doc.crawl_pass,

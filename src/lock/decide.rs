@@ -11,7 +11,8 @@ use chrono::{DateTime, Utc};
 
 use crate::config::RefreshSchedule;
 use crate::ids::{InstanceId, LockEpoch};
-use crate::store::document::{BotDoc, BotState, Claim, Observed};
+use crate::lock::bot::{BotDoc, Observed};
+use crate::lock::state::{BotState, Claim};
 
 /// Which rule of `waitSeedReady` applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -336,7 +337,7 @@ pub fn scheduled_refresh(doc: &BotDoc, schedule: RefreshSchedule) -> Option<Date
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::document::state_of;
+    use crate::lock::state::state_of;
     use bson::doc;
     use chrono::TimeZone;
 

@@ -1,19 +1,11 @@
-//! The lock wing: the typed state machine over the bot documents (`bots` collection; the
-//! document itself, its fields and its strict parse are the store's: [`crate::store::document`]).
+//! The lock wing: the edit lock's vocabulary and its pure state machine over the bot documents.
+//! It sits below the store, so it cannot do I/O: the store decodes a `bots` document into these
+//! types and encodes their changes; the runner above carries the decisions out.
 //!
-//! - [`decide`]: the state machine, a pure function of (document, server time, me);
-//! - [`coordinator`]: one bot's loop — read, decide, carry out — refreshing under the edit lock;
-//! - [`seeds`]: fetching and parsing seed sources;
-//! - [`hub`]: what an instance does once for all its bots — one change stream, one poll, one
-//!   heartbeat round trip per tick, the refresh permits;
-//! - [`fleet`]: the bots defined in the database, followed at runtime;
-//! - [`presence`]: one live process per instance id (the orphan rule trusts ids).
-//!
-//! The writes themselves live in [`crate::store`].
+//! - [`bot`]: the bot document typed ([`bot::BotDoc`], [`bot::Observed`], [`bot::BotSpec`]);
+//! - [`state`]: [`state::BotState`], the lock's [`state::Claim`] conditions, [`state::state_of`];
+//! - [`decide`]: the state machine, a pure function of (document, server time, me, policy).
 
-pub mod coordinator;
+pub mod bot;
 pub mod decide;
-pub mod fleet;
-pub mod hub;
-pub mod presence;
-pub mod seeds;
+pub mod state;

@@ -9,8 +9,10 @@ use serde_json::{json, Value};
 
 use crate::config::RefreshSchedule;
 use crate::ids::BotId;
+use crate::lock::bot::Observed;
+use crate::lock::state::state_of;
 use crate::ops::progress::{Eta, PassSize};
-use crate::store::document::{field, state_of, Observed};
+use crate::store::document::bot_name;
 
 /// One row of `seedlock status`.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -45,7 +47,7 @@ pub const OVERDUE_AFTER: chrono::Duration = chrono::Duration::minutes(10);
 /// Why a bot in `state` needs a look: its error, a refresh overdue, or a pause.
 fn attention(
     state: &str,
-    doc: Option<&crate::store::document::BotDoc>,
+    doc: Option<&crate::lock::bot::BotDoc>,
     schedule: Option<RefreshSchedule>,
     now: DateTime<Utc>,
 ) -> Option<String> {
@@ -200,29 +202,22 @@ pub fn with_pass(
 /// 1 restored`, `pass 4: nothing removed (listing coverage 80.0% is under 95.0%), 0 restored`,
 /// `pass 4: evaluating`.
 pub fn evaluation_text(raw: &Document) -> Option<String> {
-    let last = raw.get_document(field::CRAWL_LAST_PASS).ok()?;
-    let pass = last.get("pass").and_then(crate::store::document::integer)?;
-    let count = |name: &str| {
-        last.get(name)
-            .and_then(crate::store::document::integer)
-            .unwrap_or(0)
-    };
-    let deletion = last.get_str("deletion").unwrap_or("applied");
-    Some(match last.get_str("evaluation") {
-        Ok("pending") => format!("pass {pass}: evaluating"),
-        Ok(_) => match deletion.strip_prefix("skipped: ") {
+    let last = crate::store::document::last_evaluation(raw)?;
+    let pass = last.pass;
+    Some(match last.evaluation.as_deref() {
+        Some("pending") => format!("pass {pass}: evaluating"),
+        Some(_) => match last.deletion.strip_prefix("skipped: ") {
             Some(why) => format!(
                 "pass {pass}: nothing removed ({why}), {} restored",
-                count("restored")
+                last.restored
             ),
             None => format!(
                 "pass {pass}: {} removed, {} restored",
-                count("removed"),
-                count("restored")
+                last.removed, last.restored
             ),
         },
         // A pass ended by a version without manifests.
-        Err(_) => format!("pass {pass}: deletion {deletion}"),
+        None => format!("pass {pass}: deletion {}", last.deletion),
     })
 }
 
@@ -249,26 +244,19 @@ pub fn status_rows(
 /// The refresh schedule of the bot a document holds: the bot's spec's, else its config file
 /// entry's (none when neither says).
 fn schedule_of(raw: &Document, configured: &[(BotId, RefreshSchedule)]) -> Option<RefreshSchedule> {
-    raw.get_document(field::SPEC)
-        .ok()
-        .and_then(|spec| spec.get_str("refresh").ok())
+    let spec = crate::store::document::definition(raw)
+        .spec
+        .and_then(Result::ok);
+    spec.as_ref()
+        .and_then(|spec| spec.refresh())
         .and_then(|text| RefreshSchedule::parse(text).ok())
         .or_else(|| {
-            let id = raw.get_str(field::ID).ok()?;
+            let id = bot_name(raw);
             configured
                 .iter()
                 .find(|(bot, _)| bot.as_str() == id)
                 .map(|(_, schedule)| *schedule)
         })
-}
-
-/// The bot's name as a document spells its `_id` (`?` when it has none).
-fn bot_name(raw: &Document) -> String {
-    match raw.get(field::ID) {
-        Some(Bson::String(s)) => s.clone(),
-        Some(other) => other.to_string(),
-        None => "?".into(),
-    }
 }
 
 /// The row for one document read: a valid one's lock and refresh columns, or a malformed one's
@@ -281,7 +269,7 @@ fn document_row(
     let schedule = schedule_of(&raw, configured);
     let name = bot_name(&raw);
     let last_evaluation = evaluation_text(&raw);
-    let observed = Observed::from_raw(Some(raw));
+    let observed = crate::store::document::observe(Some(raw));
     let state = state_of(&observed).as_str().to_owned();
     match observed {
         Observed::Valid(doc) => {
@@ -303,7 +291,7 @@ fn document_row(
 fn valid_row(
     name: String,
     state: String,
-    doc: crate::store::document::BotDoc,
+    doc: crate::lock::bot::BotDoc,
     attention: Option<String>,
     last_evaluation: Option<String>,
     now: DateTime<Utc>,
@@ -586,11 +574,10 @@ pub fn one_line(text: &str, max: usize) -> String {
 
 /// `seedlock inspect`: the document (without history) as JSON, then the history oldest first.
 pub fn render_inspect(raw: &Document) -> String {
-    let mut body = raw.clone();
-    let history = body.remove(field::HISTORY);
+    let (body, history) = crate::store::document::without_history(raw);
     let mut out =
         serde_json::to_string_pretty(&to_json(&Bson::Document(body))).expect("json") + "\n";
-    let observed = Observed::from_raw(Some(raw.clone()));
+    let observed = crate::store::document::observe(Some(raw.clone()));
     out.push_str(&format!("state: {}\n", state_of(&observed).as_str()));
     if let Observed::Malformed { problems, .. } = &observed {
         for p in problems {

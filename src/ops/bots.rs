@@ -4,15 +4,14 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use bson::Bson;
 use clap::Subcommand;
 use serde_json::json;
 
 use crate::config::Settings;
-use crate::ids::BotId;
+use crate::lock::state::state_of;
 use crate::ops::admin::iso;
 use crate::ops::{admin_name, bot_arg, fail, with_store, EXIT_FAILED, EXIT_USAGE};
-use crate::store::document::{field, integer, state_of, Observed};
+use crate::store::document;
 use crate::store::{Applied, Pause};
 
 /// `seedlock bots …`.
@@ -91,13 +90,12 @@ async fn apply(settings: Settings, file: &std::path::Path, prune: bool, dry_run:
                 Err(e) => return fail(EXIT_FAILED, e),
             };
             for raw in docs {
-                let Ok(id) = raw.get_str(field::ID).map(str::to_owned) else {
+                let Some(id) = document::bot_id(&raw) else {
                     continue;
                 };
-                if specs.iter().any(|b| b.settings.id.as_str() == id) {
+                if specs.iter().any(|b| b.settings.id == id) {
                     continue;
                 }
-                let Ok(id) = BotId::parse(&id) else { continue };
                 if !dry_run {
                     if let Err(e) = store.bots().remove(&id).await {
                         return fail(EXIT_FAILED, format!("{id}: {e}"));
@@ -132,23 +130,21 @@ async fn list(settings: Settings, json: bool) -> ExitCode {
         let mut docs = docs;
         docs.sort_by_key(|raw| {
             order
-                .get(raw.get_str(field::ID).unwrap_or("?"))
+                .get(&document::bot_name(raw))
                 .copied()
                 .unwrap_or(usize::MAX)
         });
         let rows: Vec<serde_json::Value> = docs
             .into_iter()
             .map(|raw| {
-                let id = raw.get_str(field::ID).unwrap_or("?").to_owned();
-                let version = raw.get(field::SPEC_VERSION).and_then(integer);
-                let paused = matches!(raw.get(field::PAUSED), Some(Bson::Boolean(true)));
-                let pass = raw.get(field::CRAWL_PASS).and_then(integer).unwrap_or(0);
-                let changed = raw
-                    .get_datetime(field::SPEC_UPDATED_AT)
-                    .ok()
-                    .map(|t| iso(t.to_chrono()));
-                let spec_error = raw.get_str(field::SPEC_ERROR).ok().map(str::to_owned);
-                let state = state_of(&Observed::from_raw(Some(raw))).as_str();
+                let id = document::bot_name(&raw);
+                let definition = document::definition(&raw);
+                let version = definition.version;
+                let paused = definition.paused;
+                let pass = definition.crawl_pass;
+                let changed = definition.spec_updated_at.map(iso);
+                let spec_error = definition.spec_error;
+                let state = state_of(&crate::store::document::observe(Some(raw))).as_str();
                 let attention = attention.get(&id).cloned().flatten();
                 json!({
                     "bot": id, "spec_version": version, "state": state, "paused": paused,
@@ -304,8 +300,9 @@ pub async fn export(
         }
         let spec_fields = doc
             .as_ref()
-            .and_then(|d| d.get_document(field::SPEC).ok())
-            .and_then(|spec| crate::config::bot_from_spec(&bot, spec).ok())
+            .and_then(|d| document::definition(d).spec)
+            .and_then(Result::ok)
+            .and_then(|spec| crate::config::bot_from_spec(&bot, &spec.spec).ok())
             .map(|b| record_fields(&b));
         let fields = match (spec_fields.or(file_fields), format) {
             (Some(f), _) => f,

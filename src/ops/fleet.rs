@@ -8,8 +8,8 @@ use crate::config::RefreshSchedule;
 use crate::error::Result;
 use crate::ids::BotId;
 use crate::ids::PassNumber;
+use crate::lock::bot::BotDoc;
 use crate::ops::admin::{problems_first, status_rows, with_pass, StatusRow};
-use crate::store::document::BotDoc;
 use crate::store::hosts::HostRow;
 use crate::store::Store;
 
@@ -37,7 +37,7 @@ pub async fn read(
     let docs = store.bots().load_all().await?;
     let crawling: Vec<BotDoc> = docs
         .iter()
-        .filter_map(|raw| BotDoc::parse(raw).ok())
+        .filter_map(|raw| crate::store::document::parse_bot(raw).ok())
         .filter(|doc| doc.crawl_pass > PassNumber::NONE)
         .collect();
     let mut rows = status_rows(docs, configured, now);

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
 use crate::ids::BotId;
-use crate::store::document::Observed;
+use crate::lock::bot::Observed;
 use crate::store::frontier::PassProgress;
 use crate::store::Store;
 

@@ -182,7 +182,6 @@ async fn find_bot(
     if let Some(bot) = settings.bots.iter().find(|b| &b.id == id) {
         return Ok((bot.clone(), None));
     }
-    use crate::store::document::field;
     let (store, _) = crate::store::startup::open(&settings.mongo)
         .await
         .map_err(|e| fail(EXIT_USAGE, e))?;
@@ -198,7 +197,7 @@ async fn find_bot(
         }
         Err(e) => return Err(fail(EXIT_FAILED, e)),
     };
-    let Ok(spec) = raw.get_document(field::SPEC) else {
+    let Some(Ok(spec)) = crate::store::document::definition(&raw).spec else {
         return Err(fail(
             EXIT_USAGE,
             format!(
@@ -206,18 +205,12 @@ async fn find_bot(
             ),
         ));
     };
-    let bot = crate::config::bot_from_spec(id, spec)
+    let bot = crate::config::bot_from_spec(id, &spec.spec)
         .map_err(|e| fail(EXIT_USAGE, format!("bot \"{id}\": {e}")))?;
-    let seeds = raw
-        .get_array(field::SEEDS)
-        .map(|seeds| {
-            seeds
-                .iter()
-                .filter_map(|s| s.as_str())
-                .filter_map(|s| NormalizedUrl::parse(s).ok())
-                .collect()
-        })
-        .unwrap_or_default();
+    let seeds = crate::store::document::seeds(&raw)
+        .iter()
+        .filter_map(|s| NormalizedUrl::parse(s).ok())
+        .collect();
     Ok((bot, Some(seeds)))
 }
 
@@ -227,7 +220,7 @@ async fn seeds_of(settings: &Settings, bot: &BotSettings) -> Vec<NormalizedUrl> 
     if let SeedSource::Static(urls) = &bot.seeds {
         return urls.clone();
     }
-    let Ok(fetcher) = crate::lock::seeds::SeedFetcher::new(settings.refresh.clone()) else {
+    let Ok(fetcher) = crate::seeds::SeedReader::new(settings.refresh.clone()) else {
         return Vec::new();
     };
     match fetcher.fetch(&bot.seeds, &CancellationToken::new()).await {

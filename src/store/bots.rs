@@ -14,7 +14,9 @@ use std::time::Duration;
 use super::{date, indexes, plus, Store, BOTS};
 use crate::error::{is_duplicate_key, Error, Result};
 use crate::ids::{BotId, InstanceId, LockEpoch};
-use crate::store::document::{field, integer, BotDoc, Claim, Observed, HISTORY_LEN};
+use crate::lock::bot::{Observed, PassSpec};
+use crate::lock::state::Claim;
+use crate::store::document::{field, integer, HISTORY_LEN};
 
 /// A lock this process holds: the fence for every write it makes while refreshing.
 #[derive(Clone, Debug)]
@@ -120,7 +122,7 @@ pub struct Bots<'a> {
 
 impl Bots<'_> {
     pub async fn load(self, bot: &BotId) -> Result<Observed> {
-        Ok(Observed::from_raw(self.load_raw(bot).await?))
+        Ok(crate::store::document::observe(self.load_raw(bot).await?))
     }
 
     pub async fn load_raw(self, bot: &BotId) -> Result<Option<Document>> {
@@ -241,7 +243,7 @@ impl Bots<'_> {
             )
             .await?;
         let Some(raw) = after else { return Ok(None) };
-        let doc = BotDoc::parse(&raw).map_err(|problems| Error::Protocol {
+        let doc = crate::store::document::parse_bot(&raw).map_err(|problems| Error::Protocol {
             what: "claim",
             detail: problems.join("; "),
         })?;
@@ -429,19 +431,17 @@ impl Bots<'_> {
         now: DateTime<Utc>,
         pass: NextPass,
     ) -> Result<()> {
-        self.complete_with(held, seeds, now, pass, Document::new())
-            .await
+        self.complete_with(held, seeds, now, pass, None).await
     }
 
-    /// [`complete`](Self::complete), also setting `pass_fields` when it starts a pass (the spec
-    /// the pass runs on, for bots defined in the database).
+    /// [`complete`](Self::complete), also recording the spec a pass it starts runs on (`spec`).
     pub async fn complete_with(
         self,
         held: &EditLock,
         seeds: &[String],
         now: DateTime<Utc>,
         pass: NextPass,
-        pass_fields: Document,
+        spec: Option<&PassSpec>,
     ) -> Result<()> {
         let mut reason = format!("{} seeds", seeds.len());
         let mut set = doc! {
@@ -458,7 +458,9 @@ impl Bots<'_> {
         match pass {
             NextPass::None => {}
             NextPass::Start(pass) => {
-                set.extend(pass_fields);
+                if let Some(spec) = spec {
+                    set.extend(super::document::pass_spec_fields(spec));
+                }
                 set.insert(field::CRAWL_PASS, pass);
                 set.insert(field::CRAWL_PASS_ENDED_AT, Bson::Null);
                 set.insert(field::CRAWL_NEXT_PASS_AT, Bson::Null);

@@ -1,12 +1,131 @@
-//! The bot document as stored in `bots`: its field names, and the strict parse from raw BSON into
-//! a typed [`BotDoc`]. A document that does not parse is [`Observed::Malformed`] with the reasons,
-//! which the state machine repairs instead of trusting.
+//! The bot document as stored in `bots`: its field names, and the strict decoding of raw BSON into
+//! the lock wing's typed [`BotDoc`]. A document that does not parse is [`Observed::Malformed`]
+//! with the reasons, which the state machine repairs instead of trusting.
 
 use crate::ids::PassNumber;
 use bson::{Bson, Document};
 use chrono::{DateTime, Utc};
 
 use crate::ids::{BotId, LockEpoch};
+use crate::lock::bot::{BotDoc, BotSpec, Observed, PassSpec, RecordedCounts};
+
+/// The fields that record the spec a pass starts on (`crawlPassSpecVersion`, `crawlPassSpec`,
+/// `crawlPassRefetch`), set in the write that starts the pass.
+pub fn pass_spec_fields(pass: &PassSpec) -> Document {
+    match &pass.spec {
+        Some(spec) => bson::doc! {
+            field::CRAWL_PASS_SPEC_VERSION: spec.version,
+            field::CRAWL_PASS_SPEC: spec.spec.clone(),
+            field::CRAWL_PASS_REFETCH: pass.refetch,
+        },
+        None => bson::doc! {
+            field::CRAWL_PASS_SPEC_VERSION: Bson::Null,
+            field::CRAWL_PASS_SPEC: Bson::Null,
+            field::CRAWL_PASS_REFETCH: false,
+        },
+    }
+}
+
+/// The bot's name as a document spells its `_id` (`?` when it has none).
+pub fn bot_name(raw: &Document) -> String {
+    match raw.get(field::ID) {
+        Some(Bson::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+        None => "?".into(),
+    }
+}
+
+/// The bot a document defines, when its `_id` is a valid bot id.
+pub fn bot_id(raw: &Document) -> Option<BotId> {
+    BotId::parse(raw.get_str(field::ID).ok()?).ok()
+}
+
+/// A bot document's definition, decoded leniently for the views and the roster: what its `spec`
+/// holds and the fields an operator lists beside it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Definition {
+    /// `None`: the document has no `spec` (its instances run it from their config file); an
+    /// error: `spec` is not a document.
+    pub spec: Option<Result<BotSpec, String>>,
+    /// `specVersion`, when it reads as an integer.
+    pub version: Option<i64>,
+    /// `specError`: why the instances cannot run the spec.
+    pub spec_error: Option<String>,
+    pub spec_updated_at: Option<DateTime<Utc>>,
+    pub paused: bool,
+    /// `crawlPass` (0: none yet).
+    pub crawl_pass: i64,
+}
+
+/// Decodes what a bot document says of its definition.
+pub fn definition(raw: &Document) -> Definition {
+    let version = raw.get(field::SPEC_VERSION).and_then(integer);
+    let spec = raw.get(field::SPEC).map(|spec| match spec {
+        Bson::Document(spec) => Ok(BotSpec {
+            version: version.unwrap_or(0),
+            spec: spec.clone(),
+        }),
+        other => Err(format!(
+            "key `spec`: must be a document, found {:?}",
+            other.element_type()
+        )),
+    });
+    Definition {
+        spec,
+        version,
+        spec_error: raw.get_str(field::SPEC_ERROR).ok().map(str::to_owned),
+        spec_updated_at: raw
+            .get_datetime(field::SPEC_UPDATED_AT)
+            .ok()
+            .map(|t| t.to_chrono()),
+        paused: is_true(raw, field::PAUSED),
+        crawl_pass: raw.get(field::CRAWL_PASS).and_then(integer).unwrap_or(0),
+    }
+}
+
+/// The seed URLs a bot document stores (strings only; anything else is skipped).
+pub fn seeds(raw: &Document) -> Vec<String> {
+    raw.get_array(field::SEEDS)
+        .map(|seeds| {
+            seeds
+                .iter()
+                .filter_map(|s| s.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// What the last completed pass's deletion evaluation did, as `crawlLastPass` records it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LastEvaluation {
+    pub pass: i64,
+    /// `applied`, or `skipped: why`.
+    pub deletion: String,
+    /// `pending`, `done`, or `None` for a pass ended by a version without manifests.
+    pub evaluation: Option<String>,
+    pub removed: i64,
+    pub restored: i64,
+}
+
+/// The last completed pass's evaluation (`None` before any pass completed).
+pub fn last_evaluation(raw: &Document) -> Option<LastEvaluation> {
+    let last = raw.get_document(field::CRAWL_LAST_PASS).ok()?;
+    let count = |name: &str| last.get(name).and_then(integer).unwrap_or(0);
+    Some(LastEvaluation {
+        pass: last.get("pass").and_then(integer)?,
+        deletion: last.get_str("deletion").unwrap_or("applied").to_owned(),
+        evaluation: last.get_str("evaluation").ok().map(str::to_owned),
+        removed: count("removed"),
+        restored: count("restored"),
+    })
+}
+
+/// A bot document split for `inspect`: the document without its history, and the history.
+pub fn without_history(raw: &Document) -> (Document, Option<Bson>) {
+    let mut body = raw.clone();
+    let history = body.remove(field::HISTORY);
+    (body, history)
+}
 
 /// Field names, camelCase as an admin sees them in mongosh.
 pub mod field {
@@ -55,73 +174,12 @@ pub mod field {
 /// How many transitions `history` keeps.
 pub const HISTORY_LEN: i32 = 50;
 
-/// A well-formed bot document.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BotDoc {
-    pub id: BotId,
-    pub is_ready: bool,
-    pub is_editing: bool,
-    pub seeds: Vec<String>,
-    pub last_update_started_at: Option<DateTime<Utc>>,
-    pub last_seed_updated_at: Option<DateTime<Utc>>,
-    pub editing_by: Option<String>,
-    pub lock_epoch: LockEpoch,
-    pub heartbeat_at: Option<DateTime<Utc>>,
-    pub lock_expires_at: Option<DateTime<Utc>>,
-    pub last_error: Option<String>,
-    pub failed_refreshes: i64,
-    pub refresh_requested_at: Option<DateTime<Utc>>,
-    /// After a failed refresh, no instance starts another before this (backoff shared by all).
-    pub retry_refresh_after: Option<DateTime<Utc>>,
-    /// The bot's current crawl pass (0: none started yet).
-    pub crawl_pass: PassNumber,
-    pub crawl_pass_started_at: Option<DateTime<Utc>>,
-    /// Set when the current pass finished; `None` while it runs.
-    pub crawl_pass_ended_at: Option<DateTime<Utc>>,
-    /// When the last completed pass started: `updated_at` mode re-reads from here − overlap.
-    pub crawl_last_run_at: Option<DateTime<Utc>>,
-    /// When a refresh succeeded while the current pass ran (the next pass waits for its end).
-    pub crawl_next_pass_at: Option<DateTime<Utc>>,
-    /// The size (frontier entries) of the last completed pass, `crawlLastPass.pages`: what the
-    /// progress displays expect of a running pass. Advisory: an unreadable value is ignored.
-    pub crawl_last_pass_pages: Option<u64>,
-    /// The current pass's counts as its end recorded them (`crawlLastPass`), once it ended.
-    pub crawl_pass_recorded: Option<RecordedCounts>,
-    /// The last completed pass's deletion evaluation while it is pending: the pass and until
-    /// when its claim holds (`crawlLastPass.evaluation`, `evaluatingUntil`). Advisory.
-    pub crawl_evaluation_pending: Option<(PassNumber, DateTime<Utc>)>,
-    /// Paused by an operator (`paused: true`): no lock is taken and no URL leased.
-    pub paused: bool,
-    /// The spec the current pass started with (`crawlPassSpecVersion`, `crawlPassSpec`), for bots
-    /// defined in the database.
-    pub crawl_pass_spec: Option<std::sync::Arc<(i64, Document)>>,
-    /// Why the instances cannot run the bot's spec (`specError`), until it is fixed.
-    pub spec_error: Option<String>,
-    /// `crawlPassRefetch`: the current pass re-extracts every record (its spec changed).
-    pub crawl_pass_refetch: bool,
-    /// `crawlEvaluatedPass`: the last pass whose deletion evaluation applied its removals (0:
-    /// none) — the listing pages' baselines are what they listed then.
-    pub crawl_evaluated_pass: PassNumber,
-}
-
-/// What one read of a bot's document found. (`Valid` is much larger than the others; an
-/// `Observed` lives for one decision, so it is not boxed.)
-#[derive(Clone, Debug, PartialEq)]
-#[allow(clippy::large_enum_variant)]
-pub enum Observed {
-    Missing,
-    Malformed {
-        raw: Document,
-        problems: Vec<String>,
-    },
-    Valid(BotDoc),
-}
-
-impl Observed {
-    pub fn from_raw(raw: Option<Document>) -> Observed {
+/// What one read of a bot's document found: missing, malformed (with the reasons) or valid.
+pub fn observe(raw: Option<Document>) -> Observed {
+    {
         match raw {
             None => Observed::Missing,
-            Some(raw) => match BotDoc::parse(&raw) {
+            Some(raw) => match parse_bot(&raw) {
                 Ok(doc) => Observed::Valid(doc),
                 Err(problems) => Observed::Malformed { raw, problems },
             },
@@ -129,9 +187,10 @@ impl Observed {
     }
 }
 
-impl BotDoc {
-    /// Parses strictly: wrong types and missing required fields are listed, not guessed at.
-    pub fn parse(raw: &Document) -> Result<BotDoc, Vec<String>> {
+/// Parses a bot document strictly: wrong types and missing required fields are listed, not
+/// guessed at.
+pub fn parse_bot(raw: &Document) -> Result<BotDoc, Vec<String>> {
+    {
         let mut problems = Vec::new();
         let id = id_of(raw, &mut problems);
         let is_ready = required_bool(raw, field::IS_READY, &mut problems);
@@ -315,14 +374,6 @@ fn last_pass_pages(raw: &Document) -> Option<u64> {
         .and_then(|last| count(last, "pages"))
 }
 
-/// What a pass's end recorded of its pages in `crawlLastPass`: nothing was pending, waiting or
-/// leased then, so these are all of them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RecordedCounts {
-    pub done: u64,
-    pub failed: u64,
-}
-
 /// Pass `pass`'s counts as its end recorded them in `crawlLastPass` — `None` if that reports
 /// another pass, or its counts do not read as counts.
 pub fn recorded_counts(raw: &Document, pass: PassNumber) -> Option<RecordedCounts> {
@@ -362,12 +413,15 @@ fn evaluation_pending(raw: &Document) -> Option<(PassNumber, DateTime<Utc>)> {
 }
 
 /// The spec the running pass crawls by, with its version (both present, or none).
-fn pass_spec(raw: &Document) -> Option<std::sync::Arc<(i64, Document)>> {
+fn pass_spec(raw: &Document) -> Option<std::sync::Arc<BotSpec>> {
     match (
         raw.get(field::CRAWL_PASS_SPEC_VERSION).and_then(integer),
         raw.get_document(field::CRAWL_PASS_SPEC),
     ) {
-        (Some(version), Ok(spec)) => Some(std::sync::Arc::new((version, spec.clone()))),
+        (Some(version), Ok(spec)) => Some(std::sync::Arc::new(BotSpec {
+            version,
+            spec: spec.clone(),
+        })),
         _ => None,
     }
 }
@@ -429,75 +483,6 @@ fn truncate(s: &str, max: usize) -> String {
     }
 }
 
-/// The state an instance is in for one bot.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BotState {
-    /// Seeds are usable: crawl.
-    Ready,
-    /// Another instance is refreshing (or a refresh is backing off): wait.
-    Waiting,
-    /// This instance holds (or is claiming) the edit lock and refreshes the seeds.
-    Updating,
-    /// The document is broken or the last refresh failed; the machine is repairing or retrying.
-    Error,
-}
-
-impl BotState {
-    pub const ALL: [BotState; 4] = [
-        BotState::Ready,
-        BotState::Waiting,
-        BotState::Updating,
-        BotState::Error,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            BotState::Ready => "ready",
-            BotState::Waiting => "waiting",
-            BotState::Updating => "updating",
-            BotState::Error => "error",
-        }
-    }
-}
-
-/// The condition under which a lock may be claimed; the store turns it into the update's filter,
-/// together with the observed epoch, so the claim fails if anything changed since the read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Claim {
-    /// Nobody holds the lock (`isEditing: false`).
-    Free,
-    /// The holder's `lockExpiresAt` is before `now` (server time).
-    Expired { now: DateTime<Utc> },
-    /// The refresh started before `started_before` (server time minus `max_refresh`).
-    Stuck { started_before: DateTime<Utc> },
-    /// The holder is this very instance id, but this process does not hold the lock: a previous run of
-    /// this instance died holding it. Safe to claim, since the epoch fences the old run.
-    Orphaned,
-}
-
-impl Claim {
-    pub fn is_takeover(self) -> bool {
-        !matches!(self, Claim::Free)
-    }
-}
-
-/// The state an admin sees for a document (status, metrics), independent of any instance.
-pub fn state_of(observed: &Observed) -> BotState {
-    match observed {
-        Observed::Missing => BotState::Waiting,
-        Observed::Malformed { .. } => BotState::Error,
-        // A spec the instances cannot run: the bot is stopped until it is fixed.
-        Observed::Valid(doc) if doc.spec_error.is_some() => BotState::Error,
-        Observed::Valid(doc) => match (doc.is_ready, doc.is_editing) {
-            (true, false) => BotState::Ready,
-            (false, true) => BotState::Updating,
-            (true, true) => BotState::Error,
-            (false, false) if doc.last_error.is_some() => BotState::Error,
-            (false, false) => BotState::Waiting,
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -513,7 +498,7 @@ mod tests {
 
     #[test]
     fn a_well_formed_document_parses() {
-        let doc = BotDoc::parse(&good()).unwrap();
+        let doc = parse_bot(&good()).unwrap();
         assert!(doc.is_ready && !doc.is_editing);
         assert_eq!(doc.lock_epoch.get(), 3);
         assert_eq!(doc.seeds, vec!["http://a/"]);
@@ -525,7 +510,7 @@ mod tests {
         let mut raw = good();
         raw.insert("lockEpoch", 7.0_f64);
         raw.insert("failedRefreshes", 2_i32);
-        let doc = BotDoc::parse(&raw).unwrap();
+        let doc = parse_bot(&raw).unwrap();
         assert_eq!((doc.lock_epoch.get(), doc.failed_refreshes), (7, 2));
     }
 
@@ -564,7 +549,7 @@ mod tests {
         for (name, value, expected) in cases {
             let mut raw = good();
             raw.insert(name, value);
-            let problems = BotDoc::parse(&raw).expect_err(name);
+            let problems = parse_bot(&raw).expect_err(name);
             assert!(
                 problems.iter().any(|p| p.contains(expected)),
                 "{name}: {problems:?}"
@@ -572,7 +557,7 @@ mod tests {
         }
         let mut raw = good();
         raw.remove("isReady");
-        let problems = BotDoc::parse(&raw).unwrap_err();
+        let problems = parse_bot(&raw).unwrap_err();
         assert!(problems[0].contains("missing"), "{problems:?}");
     }
 
@@ -581,7 +566,7 @@ mod tests {
         let mut raw = good();
         raw.insert("isEditing", true);
         raw.insert("isReady", false);
-        let problems = BotDoc::parse(&raw).unwrap_err();
+        let problems = parse_bot(&raw).unwrap_err();
         assert!(
             problems.iter().any(|p| p.contains("editingBy")),
             "{problems:?}"
@@ -594,13 +579,10 @@ mod tests {
 
     #[test]
     fn observed_distinguishes_missing_malformed_and_valid() {
-        assert_eq!(Observed::from_raw(None), Observed::Missing);
+        assert_eq!(observe(None), Observed::Missing);
+        assert!(matches!(observe(Some(good())), Observed::Valid(_)));
         assert!(matches!(
-            Observed::from_raw(Some(good())),
-            Observed::Valid(_)
-        ));
-        assert!(matches!(
-            Observed::from_raw(Some(doc! {"_id": "x"})),
+            observe(Some(doc! {"_id": "x"})),
             Observed::Malformed { .. }
         ));
     }

@@ -28,7 +28,8 @@ use super::frontier::{
 use super::Store;
 use crate::error::Result;
 use crate::ids::{BotId, InstanceId};
-use crate::store::document::{field, BotDoc};
+use crate::lock::bot::{BotDoc, PassSpec};
+use crate::store::document::field;
 use crate::urls::NormalizedUrl;
 
 /// The thresholds deletion detection runs under (`crawl.min_coverage`, `crawl.max_error_rate`).
@@ -165,8 +166,9 @@ impl Passes<'_> {
         current: PassNumber,
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
-        pass_fields: Document,
+        pass: &PassSpec,
     ) -> Result<Option<PassNumber>> {
+        let pass_fields = super::document::pass_spec_fields(pass);
         let mut filter = doc! { field::ID: bot.as_str(), field::IS_READY: true };
         if current == PassNumber::NONE {
             filter.insert(
@@ -194,8 +196,9 @@ impl Passes<'_> {
         current: PassNumber,
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
-        pass_fields: Document,
+        pass: &PassSpec,
     ) -> Result<Option<PassNumber>> {
+        let pass_fields = super::document::pass_spec_fields(pass);
         let filter = doc! {
             field::ID: bot.as_str(),
             field::CRAWL_PASS: current,

@@ -16,7 +16,7 @@ use seedlock::clock::LocalClock;
 use seedlock::config::{OnRefreshFailure, RefreshSchedule};
 use seedlock::daemon::{run, Mode};
 use seedlock::ids::BotId;
-use seedlock::lock::coordinator::StepOutcome;
+use seedlock::runner::StepOutcome;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -136,8 +136,8 @@ fn locked_doc(
 struct Instance {
     db: TestDb,
     source: SeedSourceServer,
-    runner: seedlock::lock::coordinator::BotRunner,
-    ctx: std::sync::Arc<seedlock::lock::coordinator::Context>,
+    runner: seedlock::runner::BotRunner,
+    ctx: std::sync::Arc<seedlock::runner::Context>,
 }
 
 /// ttl 3 s, max_refresh 10 s.

@@ -12,8 +12,8 @@ use chrono::Utc;
 use kit::*;
 use seedlock::clock::LocalClock;
 use seedlock::config::{OnRefreshFailure, RefreshSchedule};
-use seedlock::lock::coordinator::StepOutcome;
-use seedlock::store::document::BotState;
+use seedlock::lock::state::BotState;
+use seedlock::runner::StepOutcome;
 use tokio_util::sync::CancellationToken;
 
 use seedlock::store::date as bdate;
@@ -42,8 +42,8 @@ fn locked_doc(started: chrono::DateTime<Utc>, expires: chrono::DateTime<Utc>) ->
 struct Fixture {
     db: TestDb,
     source: SeedSourceServer,
-    runner: seedlock::lock::coordinator::BotRunner,
-    ctx: std::sync::Arc<seedlock::lock::coordinator::Context>,
+    runner: seedlock::runner::BotRunner,
+    ctx: std::sync::Arc<seedlock::runner::Context>,
 }
 
 async fn fixture(hint: &str, refresh: RefreshSchedule, on_failure: OnRefreshFailure) -> Fixture {
@@ -383,7 +383,7 @@ async fn e_malformed_documents_are_repaired_and_refreshed() {
         assert!(reason.starts_with("E: malformed"), "{name}: {reason}");
         let repaired = f.db.doc("shop").await.unwrap();
         assert!(
-            seedlock::store::document::BotDoc::parse(&repaired).is_ok(),
+            seedlock::store::document::parse_bot(&repaired).is_ok(),
             "{name}: repaired document parses"
         );
         assert_eq!(

@@ -7,9 +7,9 @@ use crate::kit;
 use std::time::Duration;
 
 use bson::{doc, Document};
+use futures_util::TryStreamExt;
 use kit::crawl::*;
 use kit::{eventually, test_db_at, OwnServer};
-use futures_util::TryStreamExt;
 use seedlock::daemon::{run_with_store, Mode};
 use seedlock::store::Store;
 use tokio_util::sync::CancellationToken;

@@ -186,7 +186,7 @@ async fn a_transaction_a_dead_process_left_open_is_ended_when_its_id_is_taken_ov
     // free at once, not when the server's transaction lifetime (60 s) runs out.
     let successor = db.store();
     let clock = ServerClock::new(LocalClock::default());
-    seedlock::lock::presence::register(&successor, &me, &clock, Duration::from_secs(5))
+    seedlock::runner::presence::register(&successor, &me, &clock, Duration::from_secs(5))
         .await
         .unwrap();
     assert!(

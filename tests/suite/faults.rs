@@ -16,7 +16,7 @@ use seedlock::config::MongoSettings;
 use seedlock::daemon::{run_with_store, Mode};
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId, LockEpoch};
-use seedlock::store::document::Claim;
+use seedlock::lock::state::Claim;
 use seedlock::store::Store;
 use tokio_util::sync::CancellationToken;
 

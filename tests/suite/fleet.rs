@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use bson::{doc, Bson, Document};
+use futures_util::TryStreamExt;
 use kit::crawl::*;
 use kit::*;
-use futures_util::TryStreamExt;
 use nix::sys::signal::Signal;
 use serde_json::json;
 

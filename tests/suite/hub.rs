@@ -13,8 +13,8 @@ use kit::*;
 use seedlock::clock::LocalClock;
 use seedlock::config::{OnRefreshFailure, RefreshSchedule};
 use seedlock::ids::{BotId, InstanceId, LockEpoch};
-use seedlock::lock::coordinator::{RunEnd, Until};
-use seedlock::store::document::Claim;
+use seedlock::lock::state::Claim;
+use seedlock::runner::{RunEnd, Until};
 use tokio_util::sync::CancellationToken;
 
 fn id(s: &str) -> BotId {

@@ -5,8 +5,8 @@
 use crate::kit;
 
 use bson::{doc, Document};
-use kit::test_db;
 use futures_util::TryStreamExt;
+use kit::test_db;
 use mongodb::options::IndexOptions;
 use mongodb::IndexModel;
 

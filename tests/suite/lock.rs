@@ -12,7 +12,7 @@ use chrono::Utc;
 use kit::*;
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId, LockEpoch};
-use seedlock::store::document::Claim;
+use seedlock::lock::state::Claim;
 use seedlock::store::{NextPass, UnlockOutcome};
 
 fn id(s: &str) -> BotId {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use axum::routing::get;
 use seedlock::config::{RefreshLimits, SeedFormat, SeedSource};
-use seedlock::lock::seeds::{SeedError, SeedFetcher};
+use seedlock::seeds::{SeedError, SeedReader};
 use seedlock::urls::NormalizedUrl;
 use tokio_util::sync::CancellationToken;
 
@@ -94,7 +94,7 @@ async fn fetch(
         url: NormalizedUrl::parse(&format!("{}{path}", site.base)).unwrap(),
         format,
     };
-    let fetcher = SeedFetcher::new(limits).unwrap();
+    let fetcher = SeedReader::new(limits).unwrap();
     fetcher
         .fetch(&source, &CancellationToken::new())
         .await
@@ -212,7 +212,7 @@ async fn an_unreachable_source_fails_promptly_and_cancellation_is_prompt() {
         url: NormalizedUrl::parse("http://127.0.0.1:1/seeds.txt").unwrap(),
         format: SeedFormat::Lines,
     };
-    let fetcher = SeedFetcher::new(limits(1 << 20, 1, 2)).unwrap();
+    let fetcher = SeedReader::new(limits(1 << 20, 1, 2)).unwrap();
     let err = fetcher
         .fetch(&source, &CancellationToken::new())
         .await
@@ -220,7 +220,7 @@ async fn an_unreachable_source_fails_promptly_and_cancellation_is_prompt() {
     assert!(matches!(err, SeedError::Transport { .. }), "{err}");
     let cancel = CancellationToken::new();
     cancel.cancel();
-    let fetcher = SeedFetcher::new(limits(1 << 20, 20, 2)).unwrap();
+    let fetcher = SeedReader::new(limits(1 << 20, 20, 2)).unwrap();
     assert!(matches!(
         fetcher.fetch(&source, &cancel).await,
         Err(SeedError::Cancelled)

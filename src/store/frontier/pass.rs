@@ -14,8 +14,8 @@ pub struct PassProgress {
     pub failed: u64,
 }
 
-impl From<crate::store::document::RecordedCounts> for PassProgress {
-    fn from(c: crate::store::document::RecordedCounts) -> Self {
+impl From<crate::lock::bot::RecordedCounts> for PassProgress {
+    fn from(c: crate::lock::bot::RecordedCounts) -> Self {
         PassProgress {
             done: c.done,
             failed: c.failed,

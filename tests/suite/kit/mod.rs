@@ -28,10 +28,10 @@ use seedlock::config::{
     SeedSource,
 };
 use seedlock::ids::{BotId, InstanceId};
-use seedlock::lock::coordinator::{BotRunner, Context};
-use seedlock::lock::hub::Hub;
-use seedlock::lock::seeds::SeedFetcher;
 use seedlock::metrics::Metrics;
+use seedlock::runner::hub::Hub;
+use seedlock::runner::{BotRunner, Context};
+use seedlock::seeds::SeedReader;
 use seedlock::store::Store;
 use seedlock::urls::NormalizedUrl;
 
@@ -338,7 +338,7 @@ pub async fn context_with_permits(
         me: InstanceId::parse(me).unwrap(),
         started_at: clock.now(),
         lock,
-        fetcher: SeedFetcher::new(limits()).unwrap(),
+        fetcher: SeedReader::new(limits()).unwrap(),
         metrics: Arc::new(Metrics::new()),
         refresh_backoff: (limits().backoff_base, limits().backoff_max),
         crawl: None,

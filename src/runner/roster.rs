@@ -11,20 +11,22 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bson::{Bson, Document};
+use bson::Document;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::backoff::jittered;
 
-use crate::config::{bot_from_spec, Settings};
+use crate::config::{bot_from_spec, BotSettings, Settings};
 use crate::ids::BotId;
-use crate::lock::coordinator::{BotRunner, Context, RunEnd, Until};
-use crate::store::document::{field, integer, BotState};
+use crate::lock::bot::BotSpec;
+use crate::lock::state::BotState;
+use crate::runner::{BotRunner, Context, RunEnd, Until};
+use crate::store::document::{bot_id, definition};
 
 struct Running {
     /// The spec it runs (`specVersion`, `spec`): a different one restarts it.
-    spec: (i64, Document),
+    spec: BotSpec,
     stop: CancellationToken,
     handle: tokio::task::JoinHandle<RunEnd>,
 }
@@ -34,8 +36,8 @@ enum Wanted {
     /// Keep the runner that runs exactly this spec.
     Keep,
     Run {
-        spec: (i64, Document),
-        settings: Box<crate::config::BotSettings>,
+        spec: BotSpec,
+        settings: Box<BotSettings>,
         marked_error: bool,
     },
     Bad {
@@ -44,39 +46,26 @@ enum Wanted {
     },
 }
 
-/// The bot a document with a spec defines, when its `_id` is a valid bot id.
-pub(crate) fn spec_bot(raw: &Document) -> Option<BotId> {
-    BotId::parse(raw.get_str(field::ID).ok()?).ok()
-}
-
 /// What bot `id`'s document asks; a spec equal to the running one is not parsed again.
 fn wanted(id: &BotId, raw: &Document, running: Option<&Running>) -> Option<Wanted> {
-    let version = raw.get(field::SPEC_VERSION).and_then(integer).unwrap_or(0);
-    let wanted = match raw.get(field::SPEC) {
-        Some(Bson::Document(spec)) => {
-            if running.is_some_and(|r| {
-                r.spec.0 == version && r.spec.1 == *spec && !r.handle.is_finished()
-            }) {
+    let definition = definition(raw);
+    let version = definition.version.unwrap_or(0);
+    let wanted = match definition.spec? {
+        Ok(spec) => {
+            if running.is_some_and(|r| r.spec == spec && !r.handle.is_finished()) {
                 Wanted::Keep
             } else {
-                match bot_from_spec(id, spec) {
+                match bot_from_spec(id, &spec.spec) {
                     Ok(settings) => Wanted::Run {
-                        spec: (version, spec.clone()),
+                        spec,
                         settings: Box::new(settings),
-                        marked_error: matches!(raw.get(field::SPEC_ERROR), Some(Bson::String(_))),
+                        marked_error: definition.spec_error.is_some(),
                     },
                     Err(error) => Wanted::Bad { version, error },
                 }
             }
         }
-        Some(other) => Wanted::Bad {
-            version,
-            error: format!(
-                "key `spec`: must be a document, found {:?}",
-                other.element_type()
-            ),
-        },
-        None => return None,
+        Err(error) => Wanted::Bad { version, error },
     };
     Some(wanted)
 }
@@ -87,7 +76,7 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
     // The hub wakes this loop when a bot is added, removed or replaced, or its spec version
     // changes; a spec edited by hand (same version) is read within `RECHECK`.
     let wake = ctx.hub.fleet_changes();
-    let mut fleet = Fleet {
+    let mut roster = Roster {
         settings: &settings,
         ctx: &ctx,
         stop: &stop,
@@ -97,8 +86,8 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
     loop {
         match ctx.store.bots().spec_documents().await {
             Ok(docs) => {
-                let round = fleet.plan(&docs).await;
-                fleet.carry_out(round).await;
+                let round = roster.plan(&docs).await;
+                roster.carry_out(round).await;
             }
             Err(e) => warn!(error = %e, "cannot read the bots' specs; retrying"),
         }
@@ -114,12 +103,12 @@ pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationTok
             }
         }
     }
-    fleet.stop_all().await;
+    roster.stop_all().await;
 }
 
 /// The runners [`follow`] keeps for the database's bots, the spec errors it has logged (once
 /// per bot and spec version), and what it needs to start and stop runners.
-struct Fleet<'a> {
+struct Roster<'a> {
     settings: &'a Settings,
     ctx: &'a Arc<Context>,
     /// Every runner's stop is a child of this token.
@@ -130,21 +119,28 @@ struct Fleet<'a> {
 
 /// What one reading of the specs asks of the runners: the ones to stop, the bots whose documents
 /// are gone, and the runners to start once every stop has ended.
+/// A runner to start: the bot, the spec it runs, and its settings read from that spec.
+struct Start {
+    id: BotId,
+    spec: BotSpec,
+    settings: Box<BotSettings>,
+}
+
 #[derive(Default)]
 struct Round {
     stopping: Vec<Running>,
-    starting: Vec<(BotId, (i64, Document), Box<crate::config::BotSettings>)>,
+    starting: Vec<Start>,
     removed: Vec<BotId>,
 }
 
-impl Fleet<'_> {
+impl Roster<'_> {
     /// Reads `docs` (every `bots` document with a spec) against the running runners: which
     /// stop, which start, which bots are gone. A spec's error is cleared or recorded on the way.
     async fn plan(&mut self, docs: &[Document]) -> Round {
         let mut seen = HashSet::new();
         let mut round = Round::default();
         for raw in docs {
-            let Some(id) = spec_bot(raw).filter(|id| self.settings.runs(id)) else {
+            let Some(id) = bot_id(raw).filter(|id| self.settings.runs(id)) else {
                 continue;
             };
             let Some(want) = wanted(&id, raw, self.running.get(&id)) else {
@@ -176,21 +172,27 @@ impl Fleet<'_> {
         &mut self,
         round: &mut Round,
         id: BotId,
-        spec: (i64, Document),
-        settings: Box<crate::config::BotSettings>,
+        spec: BotSpec,
+        settings: Box<BotSettings>,
         marked_error: bool,
     ) {
         if let Some(old) = self.running.remove(&id) {
-            info!(bot = %id, from = old.spec.0, to = spec.0, "the bot's spec changed: restarting it on the new one");
+            info!(bot = %id, from = old.spec.version, to = spec.version, "the bot's spec changed: restarting it on the new one");
             round.stopping.push(old);
         }
         if marked_error {
-            if let Err(e) = self.ctx.store.bots().clear_spec_error(&id, spec.0).await {
+            if let Err(e) = self
+                .ctx
+                .store
+                .bots()
+                .clear_spec_error(&id, spec.version)
+                .await
+            {
                 warn!(bot = %id, error = %e, "could not clear the spec error");
             }
         }
         self.reported.remove(&id);
-        round.starting.push((id, spec, settings));
+        round.starting.push(Start { id, spec, settings });
     }
 
     /// Plans the stop of bot `id`, whose spec at `version` cannot be run: the bot is in Error,
@@ -242,15 +244,15 @@ impl Fleet<'_> {
         for id in &round.removed {
             self.ctx.metrics.forget_bot(id);
         }
-        for (id, spec, bot) in round.starting {
-            self.start(id, spec, bot);
+        for Start { id, spec, settings } in round.starting {
+            self.start(id, spec, settings);
         }
     }
 
     /// Starts bot `id`'s runner on `spec` (read into `bot`), until the bot's stop or the fleet's.
-    fn start(&mut self, id: BotId, spec: (i64, Document), bot: Box<crate::config::BotSettings>) {
-        info!(bot = %id, spec_version = spec.0, "running the bot (defined in the database)");
-        let runner = BotRunner::from_spec(*bot, spec.0, spec.1.clone(), self.ctx.clone());
+    fn start(&mut self, id: BotId, spec: BotSpec, bot: Box<BotSettings>) {
+        info!(bot = %id, spec_version = spec.version, "running the bot (defined in the database)");
+        let runner = BotRunner::from_spec(*bot, spec.clone(), self.ctx.clone());
         let token = self.stop.child_token();
         let run_stop = token.clone();
         let handle = tokio::spawn(async move { runner.run(Until::Shutdown, &run_stop).await });

@@ -64,12 +64,12 @@ pub struct Seeds {
 }
 
 #[derive(Clone, Debug)]
-pub struct SeedFetcher {
+pub struct SeedReader {
     http: reqwest::Client,
     limits: RefreshLimits,
 }
 
-impl SeedFetcher {
+impl SeedReader {
     pub fn new(limits: RefreshLimits) -> Result<Self, String> {
         let http = reqwest::Client::builder()
             .user_agent(limits.user_agent.clone())
