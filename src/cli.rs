@@ -562,7 +562,7 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
         .map(|b| (b.id.clone(), b.refresh))
         .collect();
     with_store(&settings, |store, clock| async move {
-        match crate::ops::fleet::read(&store, &configured, clock.now()).await {
+        match crate::ops::overview::read(&store, &configured, clock.now()).await {
             Err(e) => fail(EXIT_FAILED, e),
             Ok(fleet) if json => {
                 print!("{}", crate::ops::admin::render_json(&fleet.rows));

@@ -13,7 +13,7 @@ use tracing::{debug, info, warn};
 use crate::clock::ServerClock;
 use crate::config::{BotSettings, Settings, Transactions};
 use crate::crawl::CrawlContext;
-use crate::fetch::PageFetcher;
+use crate::http_client::HttpClient;
 use crate::ids::BotId;
 use crate::lock::bot::{BotSpec, Observed};
 use crate::metrics::Metrics;
@@ -242,7 +242,7 @@ async fn start_services(
 ) -> Result<(), RunError> {
     if let Some(listen) = &settings.http_listen {
         let stale_after = (settings.lock.poll * 3).max(settings.lock.ttl);
-        let status = crate::ops::http::StatusSource {
+        let status = crate::ops::server::StatusSource {
             store: ctx.store.clone(),
             clock: ctx.clock.clone(),
             configured: settings
@@ -254,7 +254,7 @@ async fn start_services(
             started: std::time::Instant::now(),
             cache: Default::default(),
         };
-        let (addr, server) = crate::ops::http::bind(
+        let (addr, server) = crate::ops::server::bind(
             listen,
             ctx.metrics.clone(),
             stale_after,
@@ -403,7 +403,7 @@ async fn crawl_context(
     metrics: &Arc<Metrics>,
 ) -> Result<CrawlContext, RunError> {
     let limits = settings.crawl.clone();
-    let fetcher = PageFetcher::new(&limits.user_agent, limits.timeout, limits.max_page_bytes)
+    let fetcher = HttpClient::new(&limits.user_agent, limits.timeout, limits.max_page_bytes)
         .map_err(RunError::Startup)?;
     let startup = |e: crate::error::Error| RunError::Startup(e.to_string());
     info!("ensuring the frontier and records indexes (building one on a large collection takes a while)");

@@ -12,7 +12,7 @@
 //! - [`store`]: every MongoDB operation and the database's vocabulary (the bot document);
 //! - [`config`]: the validated settings;
 //! - [`flow`]: per-host admission (AIMD limits, pauses, spacing, retry budgets) and robots.txt;
-//! - [`fetch`], [`extract`]: one page requested, one page read;
+//! - [`http_client`], [`extract`]: one page requested, one page read;
 //! - [`demo_site`]: the deterministic shop of the demo, the tests and the benchmarks;
 //! - the ground: [`ids`], [`urls`], [`clock`], [`redact`], [`backoff`], [`error`].
 //!
@@ -27,8 +27,8 @@ pub mod daemon;
 pub mod demo_site;
 pub mod error;
 pub mod extract;
-pub mod fetch;
 pub mod flow;
+pub mod http_client;
 pub mod ids;
 pub mod lock;
 pub mod metrics;

@@ -100,7 +100,7 @@ pub struct CrawlSettings {
     /// unmatched URLs get their kind's default (seeds 2, listing pages 1, detail pages 0).
     pub priorities: Vec<(regex::Regex, i64)>,
     /// Sent with every page request (`headers`); values from the environment are secrets.
-    pub headers: crate::fetch::RequestHeaders,
+    pub headers: crate::http_client::RequestHeaders,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -491,8 +491,8 @@ pub(super) fn priorities(
 pub(super) fn headers(
     keys: CrawlKeys<'_>,
     raw: &std::collections::BTreeMap<String, RawHeader>,
-) -> Result<crate::fetch::RequestHeaders, String> {
-    let mut headers = crate::fetch::RequestHeaders::default();
+) -> Result<crate::http_client::RequestHeaders, String> {
+    let mut headers = crate::http_client::RequestHeaders::default();
     for (name, raw) in raw {
         let k = keys.key(&format!("headers.{name}"));
         let pushed = match raw {

@@ -137,7 +137,7 @@ impl Default for RawCrawlLimits {
             hosts: Default::default(),
             lease: "60s".into(),
             timeout: "30s".into(),
-            max_page_bytes: crate::fetch::DEFAULT_MAX_PAGE_BYTES as u64,
+            max_page_bytes: crate::http_client::DEFAULT_MAX_PAGE_BYTES as u64,
             attempts: 3,
             backoff_base: "1s".into(),
             backoff_max: "5m".into(),

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tracing::{debug, warn};
 
-use super::settle::{PageResult, Settled};
+use super::resolve::{PageResult, Settled};
 use super::shared::Shared;
 use crate::error::Result;
 use crate::store::records::{Committed, PageCommit, RecordWrite};

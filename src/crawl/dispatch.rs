@@ -61,20 +61,25 @@ pub struct HostQueues {
     arrived: tokio::sync::Notify,
 }
 
+/// A URL admitted to a fetch, with what it holds until its page is committed.
+#[derive(Debug)]
+pub struct Admitted {
+    /// The URL and its place in the host queue.
+    pub queued: Queued,
+    /// Its host's admission (the host's limiter counts it in flight).
+    pub host: HostPermit,
+    /// A fetch slot (`crawl.workers`).
+    pub slot: OwnedSemaphorePermit,
+    /// An uncommitted-page permit (`crawl.max_uncommitted`).
+    pub uncommitted: OwnedSemaphorePermit,
+}
+
 /// What one dispatch turn did.
-/// A URL admitted to a fetch: its place in the host queue, its host's permit, a fetch slot and an
-/// uncommitted-page permit.
-pub type Started = (
-    Queued,
-    HostPermit,
-    OwnedSemaphorePermit,
-    OwnedSemaphorePermit,
-);
 
 #[derive(Debug, Default)]
 pub struct DispatchStep {
     /// URLs admitted and handed to fetch tasks.
-    pub started: Vec<Started>,
+    pub started: Vec<Admitted>,
     /// URLs whose lease ran out while they waited: dropped unfetched.
     pub expired: usize,
     /// Paused hosts' queued URLs, to give back until the pause ends.
@@ -304,10 +309,15 @@ impl Dispatcher {
             };
             let retry = front.lease.attempt > 1;
             match self.shared.flow.try_admit(host, retry, turn.now, share) {
-                Admission::Admitted(admitted) => {
-                    let item = queue.items.pop_front().expect("front exists");
+                Admission::Admitted(host) => {
+                    let queued = queue.items.pop_front().expect("front exists");
                     removed += 1;
-                    step.started.push((item, admitted, slot, permit));
+                    step.started.push(Admitted {
+                        queued,
+                        host,
+                        slot,
+                        uncommitted: permit,
+                    });
                 }
                 Admission::Wait { why, until } => {
                     if why == Busy::Paused {
@@ -380,7 +390,7 @@ impl QueueSizing {
 mod tests {
     use super::*;
     use crate::crawl::stages::Stages;
-    use crate::fetch::Validators;
+    use crate::http_client::Validators;
     use crate::ids::BotId;
     use crate::store::frontier::PageKind;
     use crate::urls::NormalizedUrl;

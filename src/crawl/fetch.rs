@@ -12,9 +12,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::shared::Shared;
-use crate::fetch::{next_hop, FetchOutcome, PageFetcher, Validators};
 use crate::flow::robots::{RobotsCache, Verdict};
 use crate::flow::{Admission, Busy, HostPermit, Signal};
+use crate::http_client::{next_hop, FetchOutcome, HttpClient, Validators};
 use crate::store::frontier::{PageKind, UrlLease};
 use crate::urls::NormalizedUrl;
 
@@ -38,14 +38,14 @@ pub enum Fetched {
 /// it sent.
 pub struct Fetcher {
     shared: Arc<Shared>,
-    client: PageFetcher,
+    client: HttpClient,
     robots: Arc<RobotsCache>,
     /// Page requests sent (requests per stored record is seed 000's health signal).
     requests: AtomicU64,
 }
 
 impl Fetcher {
-    pub fn new(shared: Arc<Shared>, client: PageFetcher, robots: Arc<RobotsCache>) -> Self {
+    pub fn new(shared: Arc<Shared>, client: HttpClient, robots: Arc<RobotsCache>) -> Self {
         Self {
             shared,
             client,

@@ -94,14 +94,15 @@ impl Known {
         store
             .frontier()
             .listing_manifests(bot, |read_in, listed| {
-                for (k, fp, fetch) in listed {
-                    if *fp == 0 {
+                for item in listed {
+                    if item.fingerprint == 0 {
                         continue; // a plain link: nothing to decide from
                     }
-                    let k = *k;
+                    let k = item.key;
                     // Enqueued to fetch in `read_in`: stored only if that pass finished it.
-                    let stored = !fetch || (checked.contains(&read_in) && !unfinished.contains(&k));
-                    items.push([k, if stored { *fp as u64 } else { 0 }]);
+                    let stored =
+                        !item.fetch || (checked.contains(&read_in) && !unfinished.contains(&k));
+                    items.push([k, if stored { item.fingerprint as u64 } else { 0 }]);
                 }
             })
             .await?;

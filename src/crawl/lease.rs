@@ -629,7 +629,8 @@ impl Leaser {
         let start = rand::random_range(0..known.len());
         known.rotate_left(start);
         let mut waiting = Vec::with_capacity(known.len());
-        for (url, id, page) in known {
+        for page in known {
+            let url = page.url;
             self.memory.note_host(pass.number, url.host_port());
             waiting.push(WaitingListing {
                 url: NewUrl {
@@ -638,8 +639,8 @@ impl Leaser {
                     kind: PageKind::List,
                     fingerprint: None,
                 },
-                id,
-                known: page,
+                id: page.id,
+                known: page.known,
             });
         }
         // In the pass once leased: a listing page that links to one of them (the next page of

@@ -9,7 +9,7 @@
 //! - [`parse`]: [`Parser`] — HTML read off the async runtime ([`Parsed`]);
 //! - [`follow`]: [`Follower`] — the page's links enqueued at once, leased to this instance where
 //!   it has room ([`Followed`]);
-//! - [`settle`]: [`Settler`] — what the page came to ([`Settled`]);
+//! - [`resolve`]: [`Resolver`] — what the page came to ([`Settled`]);
 //! - [`commit`]: [`Committer`] — group commit of what waits in the store queue ([`Committed`]).
 //!
 //! [`Crawler`] is the wiring between them: it holds the stages, and a slice's queues and
@@ -40,9 +40,9 @@ use tracing::{debug, info, warn};
 use crate::clock::ServerClock;
 use crate::config::{CrawlLimits, CrawlSettings};
 use crate::error::Result;
-use crate::fetch::PageFetcher;
 use crate::flow::robots::RobotsCache;
 use crate::flow::Flow;
+use crate::http_client::HttpClient;
 use crate::ids::{BotId, InstanceId};
 use crate::metrics::Metrics;
 use crate::store::frontier::{Mark, UrlLease};
@@ -59,7 +59,7 @@ pub mod parse;
 pub mod pass;
 pub mod probe;
 pub mod queue;
-pub mod settle;
+pub mod resolve;
 pub mod shared;
 pub mod slice;
 pub mod stages;
@@ -72,9 +72,9 @@ pub use follow::{Followed, Follower};
 pub use lease::{LeaseStep, Leaser};
 pub use parse::{Parsed, Parser};
 pub use pass::{Pass, PassState};
-pub use settle::{PageResult, Settled, Settler};
+pub use resolve::{PageResult, Resolver, Settled};
 
-use dispatch::{QueueSizing, Started};
+use dispatch::{Admitted, QueueSizing};
 use lease::Rounds;
 use queue::Queue;
 use shared::{PassMemory, Shared};
@@ -98,7 +98,7 @@ pub struct CrawlContext {
     pub me: InstanceId,
     pub started_at: DateTime<Utc>,
     pub limits: CrawlLimits,
-    pub fetcher: PageFetcher,
+    pub fetcher: HttpClient,
     /// Resolved `crawl.transactions`.
     pub transactions: bool,
     pub metrics: Arc<Metrics>,
@@ -118,7 +118,7 @@ pub struct Crawler {
     dispatcher: Dispatcher,
     fetcher: Fetcher,
     parser: Parser,
-    settler: Settler,
+    settler: Resolver,
     committer: Committer,
     /// No fetch starts while the database has left an operation unanswered longer than this
     /// (the lock's ttl): cut off from it, this instance could neither confirm its leases nor
@@ -171,7 +171,7 @@ impl Crawler {
             dispatcher: Dispatcher::new(shared.clone(), ctx.robots.clone()),
             fetcher: Fetcher::new(shared.clone(), client, ctx.robots.clone()),
             parser: Parser::new(rules),
-            settler: Settler::new(shared.clone(), follower),
+            settler: Resolver::new(shared.clone(), follower),
             committer: Committer::new(shared.clone(), ctx.transactions),
             cut_off_after: ctx.cut_off_after,
             memory,
@@ -447,9 +447,15 @@ impl Crawler {
         run: &Arc<Slice>,
         fetches: &mut JoinSet<()>,
         pass: &Pass,
-        (queued, admitted, slot, uncommitted): Started,
+        started: Admitted,
         shutdown: &CancellationToken,
     ) {
+        let Admitted {
+            queued,
+            host: admitted,
+            slot,
+            uncommitted,
+        } = started;
         let (crawler, run, shutdown) = (self.clone(), run.clone(), shutdown.clone());
         let stages = &self.shared.stages;
         let fetching = stages.fetch.enter();

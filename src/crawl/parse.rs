@@ -8,7 +8,7 @@ use super::fetch::Fetched;
 use crate::config::CrawlSettings;
 use crate::error::{Error, Result};
 use crate::extract::{extract, PageData};
-use crate::fetch::{FetchOutcome, Validators};
+use crate::http_client::{FetchOutcome, Validators};
 
 /// What the settle stage receives: an extracted page, or any other answer as it came.
 #[derive(Debug)]

@@ -11,8 +11,8 @@ use url::Url;
 
 use crate::config::CrawlSettings;
 use crate::extract::{extract, ValueSpec};
-use crate::fetch::{next_hop, FetchOutcome, Page, PageFetcher, Validators};
 use crate::flow::robots::{RobotsCache, Verdict};
+use crate::http_client::{next_hop, FetchOutcome, HttpClient, Page, Validators};
 use crate::store::frontier::fingerprint_hash;
 use crate::store::records::{content_hash, record_id};
 use crate::urls::NormalizedUrl;
@@ -29,7 +29,7 @@ pub struct Hop {
 /// every redirect checked against the bot's scope before it is requested. `Err` is why the
 /// crawl would get no page (the reason the frontier would record).
 pub async fn fetch(
-    fetcher: &PageFetcher,
+    fetcher: &HttpClient,
     robots: &RobotsCache,
     rules: &CrawlSettings,
     url: &NormalizedUrl,

@@ -14,7 +14,7 @@ use tokio_util::task::TaskTracker;
 use super::dispatch::HostQueues;
 use super::fetch::Fetched;
 use super::queue::Queue;
-use super::settle::Settled;
+use super::resolve::Settled;
 use super::stages::Ticket;
 use crate::error::Error;
 use crate::store::frontier::UrlLease;
@@ -47,7 +47,7 @@ pub(super) struct Storing {
 /// until nothing else is uncommitted, then goes alone).
 pub(super) fn body_weight(fetched: &Fetched, budget_kib: u32) -> u32 {
     let bytes = match fetched {
-        Fetched::Outcome(crate::fetch::FetchOutcome::Ok(page)) => page.body.len(),
+        Fetched::Outcome(crate::http_client::FetchOutcome::Ok(page)) => page.body.len(),
         _ => 0,
     };
     u32::try_from(bytes.div_ceil(1024))
@@ -130,12 +130,14 @@ mod tests {
     #[test]
     fn a_page_weighs_its_body_in_kib_rounded_up_within_the_budget() {
         let page = |len: usize| {
-            Fetched::Outcome(crate::fetch::FetchOutcome::Ok(crate::fetch::Page {
-                url: NormalizedUrl::parse("http://shop/").unwrap(),
-                body: "x".repeat(len),
-                etag: None,
-                last_modified: None,
-            }))
+            Fetched::Outcome(crate::http_client::FetchOutcome::Ok(
+                crate::http_client::Page {
+                    url: NormalizedUrl::parse("http://shop/").unwrap(),
+                    body: "x".repeat(len),
+                    etag: None,
+                    last_modified: None,
+                },
+            ))
         };
         assert_eq!(body_weight(&page(0), 4096), 1, "an empty page still counts");
         assert_eq!(body_weight(&page(1024), 4096), 1);

@@ -12,7 +12,7 @@ use std::time::Duration;
 use texting_robots::Robot;
 use tokio::time::Instant;
 
-use crate::fetch::{PageFetcher, RobotsFetch};
+use crate::http_client::{HttpClient, RobotsFetch};
 use crate::urls::NormalizedUrl;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -117,7 +117,7 @@ impl RobotsCache {
 
     /// Whether `url` may be fetched, reading the host's robots.txt first if it is not cached.
     /// Concurrent checks on one host wait for a single fetch.
-    pub async fn check(&self, fetcher: &PageFetcher, url: &NormalizedUrl) -> Verdict {
+    pub async fn check(&self, fetcher: &HttpClient, url: &NormalizedUrl) -> Verdict {
         if !self.enabled {
             return Verdict::Allowed { crawl_delay: None };
         }

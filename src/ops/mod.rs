@@ -11,10 +11,10 @@
 pub mod admin;
 pub mod bots;
 pub mod export;
-pub mod fleet;
-pub mod http;
+pub mod overview;
 pub mod page;
 pub mod progress;
+pub mod server;
 pub mod try_page;
 
 use std::process::ExitCode;

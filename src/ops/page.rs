@@ -1,5 +1,5 @@
 //! The status page served at `/` of each instance: the whole fleet as the database shows it
-//! ([`Fleet`]: every bot with its lock and pass, the hosts pushing back) in one self-contained
+//! ([`Overview`]: every bot with its lock and pass, the hosts pushing back) in one self-contained
 //! HTML document — inline CSS, no script, no external asset (a fleet may have no internet) — that
 //! reloads itself with a `<meta http-equiv="refresh">`. Every value that comes from outside (bot
 //! ids, holders, hosts, error texts of hostile pages and seed sources) goes through [`escape`].
@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use crate::ops::admin::{one_line, seconds, troubled_hosts, CrawlColumns, StatusRow};
-use crate::ops::fleet::Fleet;
+use crate::ops::overview::Overview;
 
 /// How often the page reloads itself, in seconds.
 pub const REFRESH_SECONDS: u32 = 5;
@@ -202,7 +202,7 @@ fn serving_line(serving: &Serving<'_>, extra: &str) -> String {
 }
 
 /// The page for `fleet`.
-pub fn render(fleet: &Fleet, serving: &Serving<'_>) -> String {
+pub fn render(fleet: &Overview, serving: &Serving<'_>) -> String {
     let mut out = head("seedlock — fleet status");
     out.push_str("<h1>seedlock — fleet status</h1>\n");
     out.push_str(&serving_line(
@@ -325,7 +325,7 @@ mod tests {
             }),
         };
         with_pass(&mut rows[0], &report, Some(200), now);
-        let fleet = Fleet {
+        let fleet = Overview {
             now,
             rows,
             hosts: vec![HostRow {

@@ -11,8 +11,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{BotSettings, CrawlLimits, CrawlSettings, SeedSource, Settings};
 use crate::crawl::probe::{self, Examined, Hop, Kind};
-use crate::fetch::PageFetcher;
 use crate::flow::robots::RobotsCache;
+use crate::http_client::HttpClient;
 use crate::ops::{bot_arg, fail, EXIT_FAILED, EXIT_USAGE};
 use crate::urls::NormalizedUrl;
 
@@ -142,8 +142,7 @@ async fn obtain(
             Err(e) => Err(fail(EXIT_USAGE, e)),
         };
     }
-    let fetcher = match PageFetcher::new(&limits.user_agent, limits.timeout, limits.max_page_bytes)
-    {
+    let fetcher = match HttpClient::new(&limits.user_agent, limits.timeout, limits.max_page_bytes) {
         Ok(f) => f.with_headers(&rules.headers),
         Err(e) => return Err(fail(EXIT_FAILED, e)),
     };

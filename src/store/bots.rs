@@ -138,7 +138,7 @@ impl Bots<'_> {
     /// reads of bots by state — ready, locked, failing, stuck (the README's mongosh recipes) —
     /// select on `isEditing` and `isReady`.
     pub async fn ensure_indexes(self) -> Result<()> {
-        let state = indexes::Wanted::new(
+        let state = indexes::IndexDef::new(
             "editing_ready",
             doc! { field::IS_EDITING: 1, field::IS_READY: 1 },
         );

@@ -50,9 +50,9 @@ impl Hosts<'_> {
     /// The `hosts` TTL index on `updatedAt` (idempotent; rebuilt if its definition changed); it
     /// also serves "published lately".
     pub async fn ensure_indexes(self) -> Result<()> {
-        let ttl = super::indexes::Wanted {
+        let ttl = super::indexes::IndexDef {
             expire_after: Some(HOSTS_EXPIRE_AFTER),
-            ..super::indexes::Wanted::new("updated_at_ttl", doc! { "updatedAt": 1 })
+            ..super::indexes::IndexDef::new("updated_at_ttl", doc! { "updatedAt": 1 })
         };
         super::indexes::ensure(self.store, HOSTS, &[ttl], &[]).await
     }

@@ -17,7 +17,7 @@ use crate::error::Result;
 
 /// One index as this version wants it.
 #[derive(Clone, Debug)]
-pub struct Wanted {
+pub struct IndexDef {
     pub name: &'static str,
     pub keys: Document,
     /// Only the documents this filter matches are in the index.
@@ -26,9 +26,9 @@ pub struct Wanted {
     pub expire_after: Option<Duration>,
 }
 
-impl Wanted {
-    pub fn new(name: &'static str, keys: Document) -> Wanted {
-        Wanted {
+impl IndexDef {
+    pub fn new(name: &'static str, keys: Document) -> IndexDef {
+        IndexDef {
             name,
             keys,
             partial: None,
@@ -78,7 +78,7 @@ fn same_keys(a: &Document, b: &Document) -> bool {
 pub(crate) async fn ensure(
     store: &Store,
     collection: &str,
-    wanted: &[Wanted],
+    wanted: &[IndexDef],
     retired: &[&str],
 ) -> Result<()> {
     let coll = store.database().collection::<Document>(collection);

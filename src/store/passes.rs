@@ -118,6 +118,16 @@ fn url_of(entry: &bson::RawDocument) -> Option<NormalizedUrl> {
     NormalizedUrl::parse(entry.get_str(fr::URL).ok()?).ok()
 }
 
+/// A listing page an earlier pass read and this one has not reached yet.
+#[derive(Clone, Debug)]
+pub struct UnreachedPage {
+    pub url: NormalizedUrl,
+    /// Its frontier id.
+    pub id: String,
+    /// What its entry holds (validators, pass, status), to lease it from its entry.
+    pub known: KnownPage,
+}
+
 /// A bot's passes, reached through [`Store::passes`].
 #[derive(Clone, Copy, Debug)]
 pub struct Passes<'a> {
@@ -482,7 +492,7 @@ impl Passes<'_> {
         bot: &BotId,
         pass: PassNumber,
         since: DateTime<Utc>,
-    ) -> Result<Vec<(NormalizedUrl, String, KnownPage)>> {
+    ) -> Result<Vec<UnreachedPage>> {
         let mut pages = Vec::new();
         self.each_unreached(
             "read unreached listing pages",
@@ -493,7 +503,11 @@ impl Passes<'_> {
             |entry| {
                 let id = entry.get_str(fr::ID).ok().map(str::to_owned);
                 if let (Some(url), Some(id)) = (url_of(entry), id) {
-                    pages.push((url, id, KnownPage::from_raw(entry)));
+                    pages.push(UnreachedPage {
+                        url,
+                        id,
+                        known: KnownPage::from_raw(entry),
+                    });
                 }
             },
         )

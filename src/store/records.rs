@@ -25,7 +25,7 @@ use chrono::{DateTime, Utc};
 use futures_util::TryStreamExt;
 use mongodb::{ClientSession, Collection};
 
-use super::indexes::Wanted;
+use super::indexes::IndexDef;
 
 use super::frontier::{field as fr, settle_statements, Mark, UrlLease, UrlStatus, FRONTIER};
 use super::{reply, Store};
@@ -332,9 +332,9 @@ impl Records<'_> {
     /// those of earlier versions (idempotent; see `store::indexes`).
     pub async fn ensure_indexes(self) -> Result<()> {
         let wanted = [
-            Wanted::new("bot_natural_key", doc! { f::BOT: 1, f::NATURAL_KEY: 1 }),
-            Wanted::new("bot_last_changed", doc! { f::BOT: 1, f::LAST_CHANGED: 1 }),
-            Wanted::new("bot_removed_at", doc! { f::BOT: 1, f::REMOVED_AT: 1 }),
+            IndexDef::new("bot_natural_key", doc! { f::BOT: 1, f::NATURAL_KEY: 1 }),
+            IndexDef::new("bot_last_changed", doc! { f::BOT: 1, f::LAST_CHANGED: 1 }),
+            IndexDef::new("bot_removed_at", doc! { f::BOT: 1, f::REMOVED_AT: 1 }),
         ];
         super::indexes::ensure(self.store, RECORDS, &wanted, &RETIRED_RECORD_INDEXES).await
     }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use seedlock::demo_site::{serve, SiteOptions};
-use seedlock::fetch::{FetchOutcome, PageFetcher, Validators, DEFAULT_MAX_PAGE_BYTES};
+use seedlock::http_client::{FetchOutcome, HttpClient, Validators, DEFAULT_MAX_PAGE_BYTES};
 use seedlock::urls::NormalizedUrl;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -42,8 +42,8 @@ fn url(s: &str) -> NormalizedUrl {
     NormalizedUrl::parse(s).unwrap()
 }
 
-fn fetcher(timeout: Duration) -> PageFetcher {
-    PageFetcher::new("seedlock-test", timeout, DEFAULT_MAX_PAGE_BYTES).unwrap()
+fn fetcher(timeout: Duration) -> HttpClient {
+    HttpClient::new("seedlock-test", timeout, DEFAULT_MAX_PAGE_BYTES).unwrap()
 }
 
 #[tokio::test]

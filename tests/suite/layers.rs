@@ -16,7 +16,7 @@ const FLOORS: &[&str] = &[
     "error",
     "demo_site",
     "extract",
-    "fetch",
+    "http_client",
     "flow",
     "config",
     "seeds",

@@ -13,9 +13,25 @@ pub struct Takes<'a> {
     pub reclaim: &'a [(String, String)],
 }
 
-/// A link of an earlier pass being enqueued again: the link, its frontier id, whether it is
-/// leased on enqueue, what the frontier knew of it.
-pub(super) type Reset<'a> = (&'a NewUrl, String, bool, &'a KnownPage);
+/// A link new to the frontier, being inserted.
+pub(super) struct Insert<'a> {
+    pub(super) link: &'a NewUrl,
+    /// Its frontier id.
+    pub(super) id: String,
+    /// Whether it is leased to the taker on enqueue.
+    pub(super) leased: bool,
+}
+
+/// A link of an earlier pass being enqueued again.
+pub(super) struct Reset<'a> {
+    pub(super) link: &'a NewUrl,
+    /// Its frontier id.
+    pub(super) id: String,
+    /// Whether it is leased to the taker on enqueue.
+    pub(super) leased: bool,
+    /// What the frontier knew of it.
+    pub(super) known: &'a KnownPage,
+}
 
 /// An enqueue's writer and what it takes: the bot, the pass and the time, and — when the write
 /// leases links as it enqueues them — their owner, a fresh token and the expiry. It writes every
@@ -107,10 +123,7 @@ impl<'a> Taking<'a> {
 /// owner. Filtered on `pass < current`: sent twice, the second matches nothing.
 pub(super) fn reset_statement(taking: &Taking<'_>, chunk: &[Reset<'_>]) -> Document {
     let (bot, pass) = (taking.bot, taking.pass);
-    let ids: Vec<Bson> = chunk
-        .iter()
-        .map(|(_, id, _, _)| Bson::String(id.clone()))
-        .collect();
+    let ids: Vec<Bson> = chunk.iter().map(|r| Bson::String(r.id.clone())).collect();
     let filter = doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str(), f::PASS: { "$lt": pass } };
     // Links leased here and alike in everything else the reset sets (the last pass's listing
     // pages, leased into this one): a plain `$set` of the entry as `Taking::entry` writes it —
@@ -118,13 +131,12 @@ pub(super) fn reset_statement(taking: &Taking<'_>, chunk: &[Reset<'_>]) -> Docum
     // entry — with one random slot for the chunk. (Not for pending links: the lease queries
     // sample pending entries by slot, and a hundred in one slot would make that lumpy.)
     let alike = |a: &Reset<'_>, b: &Reset<'_>| {
-        (a.0.kind, a.0.priority, &a.0.fingerprint) == (b.0.kind, b.0.priority, &b.0.fingerprint)
+        (a.link.kind, a.link.priority, &a.link.fingerprint)
+            == (b.link.kind, b.link.priority, &b.link.fingerprint)
     };
-    if chunk.iter().all(|(_, _, leased, _)| *leased)
-        && chunk.windows(2).all(|w| alike(&w[0], &w[1]))
-    {
-        if let Some((link, _, _, _)) = chunk.first() {
-            let mut set = taking.entry(link, true);
+    if chunk.iter().all(|r| r.leased) && chunk.windows(2).all(|w| alike(&w[0], &w[1])) {
+        if let Some(first) = chunk.first() {
+            let mut set = taking.entry(first.link, true);
             // Each link's own fields stay as its entry holds them.
             for own in [f::URL, f::HOST] {
                 set.remove(own);
@@ -134,18 +146,18 @@ pub(super) fn reset_statement(taking: &Taking<'_>, chunk: &[Reset<'_>]) -> Docum
     }
     let column = |value: &dyn Fn(&Reset<'_>) -> Bson| pick(&ids, chunk.iter().map(value).collect());
     let mut set = doc! {
-        f::KIND: column(&|(l, _, _, _)| Bson::String(l.kind.as_str().into())),
+        f::KIND: column(&|r| Bson::String(r.link.kind.as_str().into())),
         f::PASS: pass,
-        f::ATTEMPTS: column(&|(_, _, leased, _)| Bson::Int64(i64::from(*leased))),
+        f::ATTEMPTS: column(&|r| Bson::Int64(i64::from(r.leased))),
         f::SHEDS: 0_i64,
         f::LAST_ERROR: Bson::Null,
         f::ENQUEUED_AT: date(taking.now),
         f::NOT_BEFORE: date(taking.now),
         f::SLOT: column(&|_| Bson::Int64(i64::from(rand::random_range(0..SLOTS)))),
-        f::PRIORITY: column(&|(l, _, _, _)| Bson::Int64(l.priority)),
-        f::LIST_FINGERPRINT: column(&|(l, _, _, _)| text(l.fingerprint.as_deref())),
+        f::PRIORITY: column(&|r| Bson::Int64(r.link.priority)),
+        f::LIST_FINGERPRINT: column(&|r| text(r.link.fingerprint.as_deref())),
     };
-    if chunk.iter().any(|(_, _, leased, _)| *leased) {
+    if chunk.iter().any(|r| r.leased) {
         for name in [
             f::STATUS,
             f::LEASE_OWNER,
@@ -153,9 +165,9 @@ pub(super) fn reset_statement(taking: &Taking<'_>, chunk: &[Reset<'_>]) -> Docum
             f::LEASE_EXPIRES_AT,
             f::LEASED_AT,
         ] {
-            let value = column(&|(_, _, leased, _)| {
+            let value = column(&|r| {
                 taking
-                    .lease_fields(*leased)
+                    .lease_fields(r.leased)
                     .remove(name)
                     .unwrap_or(Bson::Null)
             });
@@ -229,7 +241,7 @@ impl Frontier<'_> {
         let taking = Taking::new(bot, pass, lease.as_ref(), now);
         let first = lease.as_ref().map_or(0, |l| l.first);
         let mut seen = HashSet::with_capacity(links.len());
-        let mut inserts: Vec<(&NewUrl, String, bool)> = Vec::new();
+        let mut inserts: Vec<Insert<'_>> = Vec::new();
         let mut resets: Vec<Reset<'_>> = Vec::new();
         for (i, link) in links.iter().enumerate() {
             let id = url_id(bot, &link.url);
@@ -239,8 +251,13 @@ impl Frontier<'_> {
             let leased = i < first && taking.owner.is_some();
             match known.get(&id) {
                 Some(k) if k.pass >= pass => {}
-                Some(k) => resets.push((link, id, leased, k)),
-                None => inserts.push((link, id, leased)),
+                Some(known) => resets.push(Reset {
+                    link,
+                    id,
+                    leased,
+                    known,
+                }),
+                None => inserts.push(Insert { link, id, leased }),
             }
         }
         let mut out = Enqueued::default();
@@ -257,15 +274,15 @@ impl Frontier<'_> {
     async fn insert_new(
         self,
         taking: &Taking<'_>,
-        chunk: &[(&NewUrl, String, bool)],
+        chunk: &[Insert<'_>],
         out: &mut Enqueued,
     ) -> Result<()> {
         let docs: Vec<Document> = chunk
             .iter()
-            .map(|(link, id, leased)| {
-                let mut entry = taking.entry(link, *leased);
-                entry.insert(f::ID, id.as_str());
-                if !*leased {
+            .map(|new| {
+                let mut entry = taking.entry(new.link, new.leased);
+                entry.insert(f::ID, new.id.as_str());
+                if !new.leased {
                     entry.insert(f::LEASED_AT, Bson::Null);
                 }
                 entry.insert(f::DISCOVERED_AT, date(taking.now));
@@ -287,8 +304,8 @@ impl Frontier<'_> {
         let leased = chunk
             .iter()
             .enumerate()
-            .filter(|(_, (_, _, leased))| *leased)
-            .map(|(i, (link, id, _))| (i, *link, id.as_str()));
+            .filter(|(_, new)| new.leased)
+            .map(|(i, new)| (i, new.link, new.id.as_str()));
         out.leased
             .extend(self.leases_taken(taking, leased, &duplicates).await?);
         Ok(())
@@ -343,7 +360,7 @@ impl Frontier<'_> {
         reply::duplicates("enqueue again", &reply)?;
         let matched = reply::count(&reply);
         out.added += matched as u64;
-        let leased: Vec<&Reset<'_>> = chunk.iter().filter(|(_, _, leased, _)| *leased).collect();
+        let leased: Vec<&Reset<'_>> = chunk.iter().filter(|r| r.leased).collect();
         if leased.is_empty() {
             return Ok(());
         }
@@ -352,12 +369,12 @@ impl Frontier<'_> {
         let ours = if matched == chunk.len() {
             None
         } else {
-            let ids = leased.iter().map(|(_, id, _, _)| id.as_str());
+            let ids = leased.iter().map(|r| r.id.as_str());
             Some(self.ours_after_all(bot, ids, &taking.token).await?)
         };
-        for (link, id, _, k) in leased {
-            if ours.as_ref().is_none_or(|o| o.contains(id)) {
-                out.leased.push(taking.lease(link, id, Some(k)));
+        for r in leased {
+            if ours.as_ref().is_none_or(|o| o.contains(&r.id)) {
+                out.leased.push(taking.lease(r.link, &r.id, Some(r.known)));
             }
         }
         Ok(())
@@ -530,8 +547,18 @@ mod tests {
             validators: Default::default(),
         };
         let leased: Vec<Reset<'_>> = vec![
-            (&one, "1".into(), true, &known),
-            (&two, "2".into(), true, &known),
+            Reset {
+                link: &one,
+                id: "1".into(),
+                leased: true,
+                known: &known,
+            },
+            Reset {
+                link: &two,
+                id: "2".into(),
+                leased: true,
+                known: &known,
+            },
         ];
         let statement = reset_statement(&taking, &leased);
         let set = statement
@@ -553,8 +580,18 @@ mod tests {
         );
         // Pending links (or links unalike) keep the pipeline: a slot each.
         let pending: Vec<Reset<'_>> = vec![
-            (&one, "1".into(), false, &known),
-            (&two, "2".into(), false, &known),
+            Reset {
+                link: &one,
+                id: "1".into(),
+                leased: false,
+                known: &known,
+            },
+            Reset {
+                link: &two,
+                id: "2".into(),
+                leased: false,
+                known: &known,
+            },
         ];
         let statement = reset_statement(&taking, &pending);
         let stages = statement.get_array("u").expect("a pipeline");
@@ -565,8 +602,18 @@ mod tests {
             .unwrap();
         assert!(set.get_document(f::SLOT).is_ok(), "a slot picked per link");
         let mixed: Vec<Reset<'_>> = vec![
-            (&one, "1".into(), true, &known),
-            (&two, "2".into(), false, &known),
+            Reset {
+                link: &one,
+                id: "1".into(),
+                leased: true,
+                known: &known,
+            },
+            Reset {
+                link: &two,
+                id: "2".into(),
+                leased: false,
+                known: &known,
+            },
         ];
         assert!(reset_statement(&taking, &mixed).get_array("u").is_ok());
     }

@@ -93,10 +93,16 @@ pub(super) fn listing_partial() -> Document {
     doc! { f::KIND: { "$gt": PageKind::Detail.as_str() } }
 }
 
-/// One item of a stored manifest, as [`Frontier::listing_manifests`] hands it out: the key of the
-/// detail page's frontier id ([`id_key`]), its fingerprint hash (0: a plain link) and whether the
-/// pass that read the manifest enqueued it to fetch.
-pub type ListedItem = (u64, i64, bool);
+/// One item of a stored manifest, as [`Frontier::listing_manifests`] hands it out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ListedItem {
+    /// The key of the detail page's frontier id ([`id_key`]).
+    pub key: u64,
+    /// Its fingerprint hash (0: a plain link, no item).
+    pub fingerprint: i64,
+    /// Whether the pass that read the manifest enqueued it to fetch.
+    pub fetch: bool,
+}
 
 /// Bytes of a frontier id as a manifest packs it (`url_id` is 32 hex digits: 16 bytes).
 pub(super) const ID_BYTES: usize = 16;
@@ -319,7 +325,11 @@ impl Frontier<'_> {
                 let items: Vec<ListedItem> = listed
                     .keys()
                     .enumerate()
-                    .map(|(i, k)| (k, fingerprints.get(i).copied().unwrap_or(0), fetched[i]))
+                    .map(|(i, key)| ListedItem {
+                        key,
+                        fingerprint: fingerprints.get(i).copied().unwrap_or(0),
+                        fetch: fetched[i],
+                    })
                     .collect();
                 visit(pass, &items);
                 Ok(())

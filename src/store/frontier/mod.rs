@@ -25,11 +25,11 @@ use chrono::{DateTime, Utc};
 use futures_util::TryStreamExt;
 use mongodb::Collection;
 
-use super::indexes::Wanted;
+use super::indexes::IndexDef;
 
 use super::{date, reply, Store};
 use crate::error::{Error, Result};
-use crate::fetch::Validators;
+use crate::http_client::Validators;
 use crate::ids::{BotId, InstanceId};
 use crate::urls::NormalizedUrl;
 
@@ -329,13 +329,13 @@ impl Frontier<'_> {
     /// Creates the frontier's indexes, rebuilds one whose definition changed, drops those of
     /// earlier versions (idempotent; see `store::indexes`).
     pub async fn ensure_indexes(self) -> Result<()> {
-        let main = Wanted::new(
+        let main = IndexDef::new(
             FRONTIER_INDEX,
             doc! { f::BOT: 1, f::PASS: 1, f::STATUS: 1, f::HOST: 1, f::PRIORITY: 1, f::SLOT: 1 },
         );
-        let listings = Wanted {
+        let listings = IndexDef {
             partial: Some(listing_partial()),
-            ..Wanted::new(LISTINGS_INDEX, doc! { f::KIND: 1, f::BOT: 1, f::PASS: 1 })
+            ..IndexDef::new(LISTINGS_INDEX, doc! { f::KIND: 1, f::BOT: 1, f::PASS: 1 })
         };
         super::indexes::ensure(self.store, FRONTIER, &[main, listings], &RETIRED_INDEXES).await
     }

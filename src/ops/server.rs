@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::ServerClock;
 use crate::ids::{BotId, InstanceId};
 use crate::metrics::Metrics;
-use crate::ops::fleet::Fleet;
+use crate::ops::overview::Overview;
 use crate::ops::page::{self, Serving};
 use crate::store::Store;
 
@@ -31,14 +31,14 @@ pub struct StatusSource {
     pub started: std::time::Instant,
     /// The last read, shared for `FRESH_FOR` by every page and JSON request (many open tabs
     /// reloading every 5 s cost the database one read, not one each); one read at a time.
-    pub cache: Arc<tokio::sync::Mutex<Option<(std::time::Instant, Fleet)>>>,
+    pub cache: Arc<tokio::sync::Mutex<Option<(std::time::Instant, Overview)>>>,
 }
 
 /// How long one read of the fleet serves the status views.
 const FRESH_FOR: Duration = Duration::from_secs(2);
 
 impl StatusSource {
-    async fn read(&self) -> crate::error::Result<Fleet> {
+    async fn read(&self) -> crate::error::Result<Overview> {
         let mut cached = self.cache.lock().await;
         if let Some((at, fleet)) = cached.as_ref() {
             if at.elapsed() < FRESH_FOR {
@@ -46,7 +46,7 @@ impl StatusSource {
             }
         }
         let fleet =
-            crate::ops::fleet::read(&self.store, &self.configured, self.clock.now()).await?;
+            crate::ops::overview::read(&self.store, &self.configured, self.clock.now()).await?;
         *cached = Some((std::time::Instant::now(), fleet.clone()));
         Ok(fleet)
     }

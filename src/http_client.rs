@@ -157,7 +157,7 @@ impl std::fmt::Debug for RequestHeaders {
 }
 
 #[derive(Clone, Debug)]
-pub struct PageFetcher {
+pub struct HttpClient {
     /// Follows no redirect: each hop is a fetch of its own ([`FetchOutcome::Redirect`]).
     http: reqwest::Client,
     /// The bot's request headers, sent with every page request (not with robots.txt, which is
@@ -191,7 +191,7 @@ pub const DEFAULT_MAX_PAGE_BYTES: usize = 5 * 1024 * 1024;
 /// Redirects followed before a fetch fails.
 pub const MAX_REDIRECTS: usize = 5;
 
-impl PageFetcher {
+impl HttpClient {
     pub fn new(user_agent: &str, timeout: Duration, max_bytes: usize) -> Result<Self, String> {
         let client = |redirect| {
             reqwest::Client::builder()
@@ -231,7 +231,7 @@ impl PageFetcher {
 
     /// Fetches `url`, following redirects that stay on its host and port (at most
     /// [`MAX_REDIRECTS`]); a redirect elsewhere comes back as [`FetchOutcome::Redirect`],
-    /// unfollowed. (The crawl judges every hop itself: [`PageFetcher::fetch_one`].)
+    /// unfollowed. (The crawl judges every hop itself: [`HttpClient::fetch_one`].)
     pub async fn fetch(&self, url: &NormalizedUrl, validators: &Validators) -> FetchOutcome {
         let mut at = url.clone();
         let mut validators = validators.clone();
@@ -306,7 +306,7 @@ impl PageFetcher {
         })
     }
 
-    /// A page's body, at most [`PageFetcher`]'s size cap (past it: the page is too large).
+    /// A page's body, at most [`HttpClient`]'s size cap (past it: the page is too large).
     async fn read_body(&self, response: &mut reqwest::Response) -> Result<Vec<u8>, FetchOutcome> {
         let mut body = Vec::new();
         loop {

@@ -19,7 +19,7 @@ pub const HOSTS_FRESH_FOR: chrono::Duration = chrono::Duration::seconds(30);
 
 /// Everything the status views show, read at `now`.
 #[derive(Debug, Clone)]
-pub struct Fleet {
+pub struct Overview {
     pub now: DateTime<Utc>,
     pub rows: Vec<StatusRow>,
     /// Rows published lately; the views show those throttled in the last minute or paused.
@@ -33,7 +33,7 @@ pub async fn read(
     store: &Store,
     configured: &[(BotId, RefreshSchedule)],
     now: DateTime<Utc>,
-) -> Result<Fleet> {
+) -> Result<Overview> {
     let docs = store.bots().load_all().await?;
     let crawling: Vec<BotDoc> = docs
         .iter()
@@ -52,5 +52,5 @@ pub async fn read(
     }
     problems_first(&mut rows);
     let hosts = store.hosts().recent(now - HOSTS_FRESH_FOR).await?;
-    Ok(Fleet { now, rows, hosts })
+    Ok(Overview { now, rows, hosts })
 }

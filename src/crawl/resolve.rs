@@ -1,4 +1,4 @@
-//! The settle stage: what a page came to. [`Settler::step`] follows a parsed page first (its
+//! The settle stage: what a page came to. [`Resolver::step`] follows a parsed page first (its
 //! links enqueued: [`Follower::step`]), then turns it into a [`Settled`] for the group commit:
 //! its record, the record it shows gone, and how its URL's lease ends ([`Mark`]) — done (with
 //! the manifest), failed with the reason, or back to the frontier for a retry after
@@ -20,7 +20,7 @@ use super::shared::Shared;
 use crate::backoff::full_jitter;
 use crate::error::Result;
 use crate::extract::PageData;
-use crate::fetch::{FetchOutcome, Validators};
+use crate::http_client::{FetchOutcome, Validators};
 use crate::store::frontier::{Mark, PageKind, UrlLease};
 use crate::store::records::{Extracted, RecordWrite};
 
@@ -81,17 +81,17 @@ fn done(lease: &UrlLease) -> Mark {
 }
 
 /// The settle stage: the follow stage it runs first, and the bot's retry rules.
-pub struct Settler {
+pub struct Resolver {
     shared: Arc<Shared>,
     follower: Follower,
 }
 
-impl Settler {
+impl Resolver {
     pub fn new(shared: Arc<Shared>, follower: Follower) -> Self {
         Self { shared, follower }
     }
 
-    /// [`Settler::step`], again after a transient database failure (following is idempotent),
+    /// [`Resolver::step`], again after a transient database failure (following is idempotent),
     /// up to three times.
     pub async fn step_retrying(
         &self,
