@@ -566,7 +566,7 @@ async fn kill(uri: &str, runs: usize) {
     }
 }
 
-/// The kill test with a new instance id for every restart (issue 27): 520 products, two
+/// The kill test with a new instance id for every restart: 520 products, two
 /// instances, 8 SIGKILLs, `crawl.lease` at its default (60 s). The dead processes' URL leases
 /// must be taken when their registrations expire (`lock.ttl`, 5 s here), so the pass ends at
 /// most 15 s after the last kill.
@@ -1363,7 +1363,7 @@ async fn incremental(uri: &str, items: u32, change: u32, add: u32, delete: u32) 
     let expect_writes = (changed.len() + added.len() + deleted.len()) as u64;
     // Every document written in the second pass, as the collections' change streams see them:
     // opened after the pass from the operation time before it (BENCH_LIVE_STREAMS=1: open
-    // during the pass, as before 2026-12-04).
+    // during the pass: the earlier way of counting).
     let live = std::env::var("BENCH_LIVE_STREAMS").as_deref() == Ok("1");
     let since = if live {
         None

@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use rand::Rng;
 
-pub fn full_jitter(base: Duration, cap: Duration, attempt: u32) -> Duration {
+pub(crate) fn full_jitter(base: Duration, cap: Duration, attempt: u32) -> Duration {
     let ceiling = base.saturating_mul(1_u32 << attempt.min(20)).min(cap);
     rand::rng().random_range(Duration::ZERO..=ceiling)
 }
 
 /// `d` scaled by a random factor in `[1 - spread, 1 + spread]` (the waiters' ±20% poll jitter).
-pub fn jittered(d: Duration, spread: f64) -> Duration {
+pub(crate) fn jittered(d: Duration, spread: f64) -> Duration {
     let factor = rand::rng().random_range((1.0 - spread)..=(1.0 + spread));
     d.mul_f64(factor.max(0.0))
 }

@@ -15,20 +15,20 @@ pub struct LocalClock {
 }
 
 impl LocalClock {
-    pub fn skewed(skew: chrono::Duration) -> Self {
+    pub(crate) fn skewed(skew: chrono::Duration) -> Self {
         Self { skew }
     }
 
     /// Reads `SEEDLOCK_FAKE_CLOCK_SKEW` (such as `+2h` or `-90m`): a test knob that makes this
     /// instance's local clock wrong on purpose, to show that nothing depends on it.
-    pub fn from_env() -> Result<Self, String> {
+    pub(crate) fn from_env() -> Result<Self, String> {
         match std::env::var("SEEDLOCK_FAKE_CLOCK_SKEW") {
             Ok(raw) if !raw.trim().is_empty() => parse_skew(&raw).map(Self::skewed),
             _ => Ok(Self::default()),
         }
     }
 
-    pub fn now(&self) -> DateTime<Utc> {
+    pub(crate) fn now(&self) -> DateTime<Utc> {
         Utc::now() + self.skew
     }
 }
@@ -78,7 +78,12 @@ impl ServerClock {
 
     /// Records one exchange: the monotonic instant before sending, the server's reported time, and
     /// the instant the answer arrived. Returns the estimate of the server's time now.
-    pub fn record(&self, sent: Instant, server: DateTime<Utc>, received: Instant) -> DateTime<Utc> {
+    pub(crate) fn record(
+        &self,
+        sent: Instant,
+        server: DateTime<Utc>,
+        received: Instant,
+    ) -> DateTime<Utc> {
         let rtt = received.saturating_duration_since(sent);
         // The server read its clock, on average, half a round trip before the answer arrived.
         let half = chrono::Duration::from_std(rtt / 2).unwrap_or_default();
@@ -102,10 +107,6 @@ impl ServerClock {
         }
         drop(best);
         self.now()
-    }
-
-    pub fn is_synced(&self) -> bool {
-        self.best.lock().map(|b| b.is_some()).unwrap_or(false)
     }
 
     /// Server time now. Before the first sample, the local clock (every command syncs first).

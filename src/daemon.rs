@@ -529,7 +529,7 @@ async fn once(
     Ok(out)
 }
 
-pub fn digest(seeds: &[String]) -> String {
+pub(crate) fn digest(seeds: &[String]) -> String {
     let mut chunks: Vec<&[u8]> = Vec::with_capacity(seeds.len() * 2);
     for seed in seeds {
         chunks.push(seed.as_bytes());

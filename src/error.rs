@@ -72,7 +72,7 @@ const TRANSIENT_CODES: &[i32] = &[
 impl Error {
     /// True when the same operation may succeed later (network trouble, a restarting server):
     /// callers back off and retry instead of giving up.
-    pub fn is_transient(&self) -> bool {
+    pub(crate) fn is_transient(&self) -> bool {
         match self {
             Error::Db(e) => is_transient_db(e),
             Error::Timeout { .. } => true,
@@ -92,7 +92,7 @@ impl Error {
     }
 }
 
-pub fn is_transient_db(e: &mongodb::error::Error) -> bool {
+pub(crate) fn is_transient_db(e: &mongodb::error::Error) -> bool {
     if e.contains_label("RetryableWriteError")
         || e.contains_label("TransientTransactionError")
         || e.contains_label("ResumableChangeStreamError")
@@ -112,7 +112,7 @@ pub fn is_transient_db(e: &mongodb::error::Error) -> bool {
 
 /// WriteConflict (112): the document is being written by another transaction — for instance one
 /// a killed process left open, which the server ends at its transaction lifetime limit.
-pub fn is_write_conflict(e: &Error) -> bool {
+pub(crate) fn is_write_conflict(e: &Error) -> bool {
     match e {
         Error::Db(e) => match e.kind.as_ref() {
             ErrorKind::Command(c) => c.code == 112,
@@ -125,7 +125,7 @@ pub fn is_write_conflict(e: &Error) -> bool {
 
 /// MaxTimeMSExpired (50): the command ran past its `maxTimeMS` — for a write, one that waited
 /// for documents an open transaction holds.
-pub fn is_max_time_expired(e: &Error) -> bool {
+pub(crate) fn is_max_time_expired(e: &Error) -> bool {
     match e {
         Error::Db(e) => matches!(e.kind.as_ref(), ErrorKind::Command(c) if c.code == 50),
         _ => false,
@@ -133,7 +133,7 @@ pub fn is_max_time_expired(e: &Error) -> bool {
 }
 
 /// E11000: two instances upserted the same `_id` at once; the loser's write is a no-op by design.
-pub fn is_duplicate_key(e: &mongodb::error::Error) -> bool {
+pub(crate) fn is_duplicate_key(e: &mongodb::error::Error) -> bool {
     match e.kind.as_ref() {
         ErrorKind::Write(WriteFailure::WriteError(w)) => w.code == 11000,
         ErrorKind::Command(c) => c.code == 11000,

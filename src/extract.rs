@@ -20,7 +20,7 @@ pub struct ValueSpec {
 }
 
 impl ValueSpec {
-    pub fn parse(raw: &str) -> Result<Self, String> {
+    pub(crate) fn parse(raw: &str) -> Result<Self, String> {
         let raw = raw.trim();
         let (css, attr) = match raw.rsplit_once('@') {
             Some((css, attr)) if is_attr_name(attr) => (css.trim(), Some(attr.to_owned())),
@@ -41,12 +41,12 @@ impl ValueSpec {
         })
     }
 
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         &self.raw
     }
 
     /// The value inside `scope`: trimmed, inner white space collapsed; `None` when absent or empty.
-    pub fn read(&self, scope: ElementRef<'_>) -> Option<String> {
+    pub(crate) fn read(&self, scope: ElementRef<'_>) -> Option<String> {
         let element = match &self.selector {
             Some(selector) => scope.select(selector).next()?,
             None => scope,
@@ -81,7 +81,7 @@ fn is_attr_name(s: &str) -> bool {
 }
 
 /// A CSS selector, with the parser's complaint as the error.
-pub fn selector(css: &str) -> Result<Selector, String> {
+pub(crate) fn selector(css: &str) -> Result<Selector, String> {
     Selector::parse(css).map_err(|e| format!("{css:?} is not a CSS selector ({e})"))
 }
 
@@ -120,13 +120,13 @@ pub struct LinkRules {
 
 impl LinkRules {
     /// True when `url` is on an in-scope host and passes the allow/deny patterns.
-    pub fn admits(&self, url: &NormalizedUrl) -> bool {
+    pub(crate) fn admits(&self, url: &NormalizedUrl) -> bool {
         self.refusal(url).is_none()
     }
 
     /// Why `url` is not followed: out of scope (its `host:port`), not matched by `allow`, or
     /// matched by a `deny` pattern; `None` when it is followed.
-    pub fn refusal(&self, url: &NormalizedUrl) -> Option<String> {
+    pub(crate) fn refusal(&self, url: &NormalizedUrl) -> Option<String> {
         let (host, port) = url.host_and_port();
         let here = format!("{host}:{port}");
         let in_scope = self
@@ -148,7 +148,7 @@ impl LinkRules {
 
 /// One item of a listing page.
 #[derive(Clone, Debug, PartialEq)]
-pub struct ListItem {
+pub(crate) struct ListItem {
     pub id: String,
     pub url: Option<NormalizedUrl>,
     /// The values the fingerprint names, joined: a change means the detail page changed.
@@ -168,7 +168,7 @@ pub fn parse_time(raw: &str) -> Option<chrono::DateTime<chrono::Utc>> {
 
 /// Everything read from one page.
 #[derive(Clone, Debug, Default)]
-pub struct PageData {
+pub(crate) struct PageData {
     /// Followable links, in scope, normalized, deduplicated, in page order.
     pub links: Vec<NormalizedUrl>,
     pub items: Vec<ListItem>,
@@ -179,7 +179,7 @@ pub struct PageData {
 }
 
 /// Reads a page. `record` applies only when the page's URL matches `record.url_match`.
-pub fn extract(
+pub(crate) fn extract(
     page_url: &Url,
     html: &str,
     links: &LinkRules,

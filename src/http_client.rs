@@ -55,7 +55,7 @@ pub enum FetchOutcome {
 
 /// What fetching a host's robots.txt came to.
 #[derive(Clone, Debug, PartialEq)]
-pub enum RobotsFetch {
+pub(crate) enum RobotsFetch {
     Found(Vec<u8>),
     /// A 4xx: there are no rules, everything is allowed.
     Missing {
@@ -66,7 +66,7 @@ pub enum RobotsFetch {
 }
 
 /// robots.txt bytes read; the rest is ignored (Google's limit is 500 KiB).
-pub const MAX_ROBOTS_BYTES: usize = 512 * 1024;
+pub(crate) const MAX_ROBOTS_BYTES: usize = 512 * 1024;
 
 /// Validators from an earlier fetch, for a conditional GET.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -107,7 +107,12 @@ const RESERVED_HEADERS: [&str; 9] = [
 impl RequestHeaders {
     /// Adds `name: value`; `env` names the variable `value` came from (a secret). The error
     /// says what is wrong without the value.
-    pub fn push(&mut self, name: &str, value: &str, env: Option<&str>) -> Result<(), String> {
+    pub(crate) fn push(
+        &mut self,
+        name: &str,
+        value: &str,
+        env: Option<&str>,
+    ) -> Result<(), String> {
         let header = reqwest::header::HeaderName::from_bytes(name.as_bytes())
             .map_err(|_| format!("{name:?} is not a header name"))?;
         if RESERVED_HEADERS.contains(&header.as_str()) {
@@ -131,12 +136,8 @@ impl RequestHeaders {
         Ok(())
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
     /// Each header as it may be shown: a secret's value is `<from $NAME>`.
-    pub fn shown(&self) -> Vec<(String, String)> {
+    pub(crate) fn shown(&self) -> Vec<(String, String)> {
         self.entries
             .iter()
             .map(|e| {
@@ -172,7 +173,7 @@ pub struct HttpClient {
 /// Whether a fetch follows its redirect to `to`, as its hop `hop` (from 0): `Err` is why the
 /// page fails — past [`MAX_REDIRECTS`], or out of the bot's scope or allow/deny patterns
 /// (`redirect out of scope: HOST`; that host gets no request).
-pub fn next_hop(
+pub(crate) fn next_hop(
     links: &crate::extract::LinkRules,
     hop: usize,
     to: &NormalizedUrl,
@@ -189,7 +190,7 @@ pub fn next_hop(
 /// The default page body cap.
 pub const DEFAULT_MAX_PAGE_BYTES: usize = 5 * 1024 * 1024;
 /// Redirects followed before a fetch fails.
-pub const MAX_REDIRECTS: usize = 5;
+pub(crate) const MAX_REDIRECTS: usize = 5;
 
 impl HttpClient {
     pub fn new(user_agent: &str, timeout: Duration, max_bytes: usize) -> Result<Self, String> {
@@ -222,7 +223,7 @@ impl HttpClient {
     }
 
     /// The same client (and connection pool), sending `headers` with every page request.
-    pub fn with_headers(&self, headers: &RequestHeaders) -> Self {
+    pub(crate) fn with_headers(&self, headers: &RequestHeaders) -> Self {
         Self {
             headers: std::sync::Arc::new(headers.clone()),
             ..self.clone()
@@ -251,7 +252,11 @@ impl HttpClient {
 
     /// One request: a redirect comes back as [`FetchOutcome::Redirect`], for the caller to judge
     /// (scope, robots.txt, the target host's flow control) before it asks for the next hop.
-    pub async fn fetch_one(&self, url: &NormalizedUrl, validators: &Validators) -> FetchOutcome {
+    pub(crate) async fn fetch_one(
+        &self,
+        url: &NormalizedUrl,
+        validators: &Validators,
+    ) -> FetchOutcome {
         let mut request = self.http.get(url.as_str());
         for e in &self.headers.entries {
             request = request.header(&e.name, &e.value);
@@ -324,7 +329,7 @@ impl HttpClient {
     }
 
     /// Fetches `origin/robots.txt` (at most [`MAX_ROBOTS_BYTES`]; the rest is ignored).
-    pub async fn fetch_robots(&self, origin: &str) -> RobotsFetch {
+    pub(crate) async fn fetch_robots(&self, origin: &str) -> RobotsFetch {
         let response = match self
             .robots_http
             .get(format!("{origin}/robots.txt"))
@@ -404,7 +409,7 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 }
 
 /// `Retry-After`: delay-seconds or an HTTP date (RFC 9110 §10.2.3).
-pub fn parse_retry_after(value: &str, now: DateTime<Utc>) -> Option<Duration> {
+pub(crate) fn parse_retry_after(value: &str, now: DateTime<Utc>) -> Option<Duration> {
     let value = value.trim();
     if let Ok(seconds) = value.parse::<u64>() {
         return Some(Duration::from_secs(seconds.min(24 * 3600)));

@@ -24,7 +24,7 @@ impl BotId {
         Ok(Self(raw.to_owned()))
     }
 
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         &self.0
     }
 }
@@ -54,7 +54,7 @@ impl InstanceId {
     }
 
     /// `hostname:pid:random`, unique enough that two processes never share one by accident.
-    pub fn generate() -> Self {
+    pub(crate) fn generate() -> Self {
         let host = gethostname::gethostname().to_string_lossy().into_owned();
         let host = if host.is_empty() {
             "host".to_owned()
@@ -99,7 +99,7 @@ impl LockEpoch {
 
     /// The epoch after this one; `None` at the Int64 maximum (an epoch is never handed out twice,
     /// so it does not wrap or saturate).
-    pub fn next(self) -> Option<Self> {
+    pub(crate) fn next(self) -> Option<Self> {
         self.0.checked_add(1).map(Self)
     }
 }
@@ -120,7 +120,7 @@ pub struct PassNumber(i64);
 
 impl PassNumber {
     /// No pass yet.
-    pub const NONE: PassNumber = PassNumber(0);
+    pub(crate) const NONE: PassNumber = PassNumber(0);
 
     /// The pass numbered `value`; a negative one is no pass ([`PassNumber::NONE`]).
     pub const fn new(value: i64) -> Self {
@@ -131,18 +131,13 @@ impl PassNumber {
         }
     }
 
-    pub const fn get(self) -> i64 {
+    pub(crate) const fn get(self) -> i64 {
         self.0
     }
 
     /// The pass after this one (saturating at the Int64 maximum, which no bot reaches).
-    pub const fn next(self) -> Self {
+    pub(crate) const fn next(self) -> Self {
         Self(self.0.saturating_add(1))
-    }
-
-    /// The pass before this one; none before the first.
-    pub const fn previous(self) -> Self {
-        Self::new(self.0 - 1)
     }
 }
 
@@ -161,7 +156,7 @@ impl From<PassNumber> for bson::Bson {
 /// The first `bytes` bytes of the SHA-256 of `chunks` (concatenated), as lower-case hex: the one
 /// way seedlock derives ids, content hashes and digests from data.
 /// The first 8 bytes of the SHA-256 of `chunks`, as a number (big-endian).
-pub fn sha256_u64(chunks: &[&[u8]]) -> u64 {
+pub(crate) fn sha256_u64(chunks: &[&[u8]]) -> u64 {
     use sha2::{Digest, Sha256};
     let mut hasher = Sha256::new();
     for chunk in chunks {
@@ -173,7 +168,7 @@ pub fn sha256_u64(chunks: &[&[u8]]) -> u64 {
     u64::from_be_bytes(first)
 }
 
-pub fn sha256_hex(chunks: &[&[u8]], bytes: usize) -> String {
+pub(crate) fn sha256_hex(chunks: &[&[u8]], bytes: usize) -> String {
     use sha2::{Digest, Sha256};
     let mut hasher = Sha256::new();
     for chunk in chunks {

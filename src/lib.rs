@@ -1,40 +1,45 @@
 //! seedlock: always-on crawler bots that coordinate through MongoDB documents.
 //!
-//! Start at [`daemon::run`]. The source is grouped in wings on floors; each names only what
-//! stands below it (`tests/layers.rs` holds the order, ARCHITECTURE.md draws it):
+//! The binary's entry is [`cli::main`]; one instance is [`daemon::run`]. The modules below are
+//! listed in the order a page travels: a bot's runner takes its turn, the crawl leases a URL
+//! from the frontier, requests and reads the page, and commits the record with the URL's mark.
+//! Each module names only modules listed further down (`tests/suite/layers.rs` holds the
+//! order; ARCHITECTURE.md draws it).
 //!
-//! - [`cli`], [`daemon`]: the command line and one instance's tasks;
-//! - [`ops`]: what operators see and type — `status`/`inspect`, the HTTP endpoint, progress;
-//! - [`lock`]: the pure state machine ([`lock::decide::decide`]), the coordinator that carries
-//!   its decisions out, the instance's shared upkeep, and seed sources;
-//! - [`crawl`]: the crawl pipeline, one file per stage;
-//! - [`metrics`]: the Prometheus registry the wings above feed;
-//! - [`store`]: every MongoDB operation and the database's vocabulary (the bot document);
-//! - [`config`]: the validated settings;
-//! - [`flow`]: per-host admission (AIMD limits, pauses, spacing, retry budgets) and robots.txt;
-//! - [`http_client`], [`extract`]: one page requested, one page read;
-//! - [`demo_site`]: the deterministic shop of the demo, the tests and the benchmarks;
-//! - the ground: [`ids`], [`urls`], [`clock`], [`redact`], [`backoff`], [`error`].
-//!
-//! ARCHITECTURE.md has the code map and the invariants.
+//! Most items are crate-private. What stays `pub` is the surface the integration tests, the
+//! benchmarks and the examples drive: the daemon's `run`, the settings, the store's calls, the
+//! ids and the demo shop.
 
-pub mod backoff;
+// The command line and one instance's tasks.
 pub mod cli;
-pub mod clock;
-pub mod config;
-pub mod crawl;
 pub mod daemon;
-pub mod demo_site;
-pub mod error;
-pub mod extract;
-pub mod flow;
-pub mod http_client;
-pub mod ids;
-pub mod lock;
-pub mod metrics;
+// What operators see and type: status, the HTTP endpoint, `try`, `bots apply`, export.
 pub mod ops;
-pub mod redact;
+// One bot's loop: decide, then the refresh turn or the crawl turn; the instance's hub.
 pub mod runner;
-pub mod seeds;
+// The crawl pipeline: lease, dispatch, fetch, parse, follow, resolve, commit.
+pub mod crawl;
+// The Prometheus registry the wings above feed.
+pub mod metrics;
+// Every MongoDB operation and the documents' field names.
 pub mod store;
+// The edit lock's vocabulary and its pure state machine (no I/O: below the store).
+pub mod lock;
+// Seed sources: a list, a URL file, a sitemap.
+pub mod seeds;
+// The validated settings, by section.
+pub mod config;
+// Per-host admission and robots.txt.
+pub mod flow;
+// One page requested; one page read.
+pub mod extract;
+pub mod http_client;
+// The deterministic shop of the demo, the tests and the benchmarks.
+pub mod demo_site;
+// The ground: ids, URLs, the server clock, redaction, backoff, errors.
+mod backoff;
+pub mod clock;
+pub mod error;
+pub mod ids;
+mod redact;
 pub mod urls;

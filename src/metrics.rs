@@ -18,41 +18,41 @@ use crate::ids::PassNumber;
 use crate::lock::state::BotState;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct BotLabel {
+pub(crate) struct BotLabel {
     pub bot: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StateLabels {
+pub(crate) struct StateLabels {
     pub bot: String,
     pub state: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KindLabels {
+pub(crate) struct KindLabels {
     pub bot: String,
     pub kind: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct HostLabel {
+pub(crate) struct HostLabel {
     pub host: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct HostKindLabels {
+pub(crate) struct HostKindLabels {
     pub host: String,
     pub kind: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StageLabels {
+pub(crate) struct StageLabels {
     pub bot: String,
     pub stage: String,
 }
 
 /// A reader of gauges owned elsewhere (see [`Metrics::add_source`]).
-pub type Source = Box<dyn Fn(&Metrics) -> bool + Send + Sync>;
+pub(crate) type Source = Box<dyn Fn(&Metrics) -> bool + Send + Sync>;
 
 type Ratio = Gauge<f64, std::sync::atomic::AtomicU64>;
 
@@ -460,25 +460,25 @@ impl Metrics {
         }
     }
 
-    pub fn page_requested(&self, bot: &BotId) {
+    pub(crate) fn page_requested(&self, bot: &BotId) {
         self.crawl.requests.get_or_create(&Self::bot(bot)).inc();
     }
 
-    pub fn page_crawled(&self, bot: &BotId, result: &str) {
+    pub(crate) fn page_crawled(&self, bot: &BotId, result: &str) {
         self.crawl
             .pages
             .get_or_create(&Self::kind(bot, result))
             .inc();
     }
 
-    pub fn record_written(&self, bot: &BotId, kind: &str) {
+    pub(crate) fn record_written(&self, bot: &BotId, kind: &str) {
         self.crawl
             .records
             .get_or_create(&Self::kind(bot, kind))
             .inc();
     }
 
-    pub fn url_lease_lost(&self, bot: &BotId) {
+    pub(crate) fn url_lease_lost(&self, bot: &BotId) {
         self.crawl
             .url_leases_lost
             .get_or_create(&Self::bot(bot))
@@ -486,7 +486,7 @@ impl Metrics {
     }
 
     /// One lease attempt (a turn of the leaser, one or more queries): `leased` or `empty`.
-    pub fn lease_query(&self, bot: &BotId, leased: bool) {
+    pub(crate) fn lease_query(&self, bot: &BotId, leased: bool) {
         let result = if leased { "leased" } else { "empty" };
         self.crawl
             .lease_queries
@@ -494,21 +494,21 @@ impl Metrics {
             .inc();
     }
 
-    pub fn crawling(&self, bot: &BotId, pass: PassNumber) {
+    pub(crate) fn crawling(&self, bot: &BotId, pass: PassNumber) {
         self.crawl
             .crawl_pass
             .get_or_create(&Self::bot(bot))
             .set(pass.get());
     }
 
-    pub fn pass_finished(&self, bot: &BotId) {
+    pub(crate) fn pass_finished(&self, bot: &BotId) {
         self.crawl
             .passes_finished
             .get_or_create(&Self::bot(bot))
             .inc();
     }
 
-    pub fn set_state(&self, bot: &BotId, state: BotState) {
+    pub(crate) fn set_state(&self, bot: &BotId, state: BotState) {
         for s in BotState::ALL {
             let labels = StateLabels {
                 bot: bot.to_string(),
@@ -522,7 +522,7 @@ impl Metrics {
     }
 
     /// Drops a bot's state and pause series (the bot was removed from this instance's fleet).
-    pub fn forget_bot(&self, bot: &BotId) {
+    pub(crate) fn forget_bot(&self, bot: &BotId) {
         for s in BotState::ALL {
             self.lock.bot_state.remove(&StateLabels {
                 bot: bot.to_string(),
@@ -532,21 +532,21 @@ impl Metrics {
         self.lock.bot_paused.remove(&Self::bot(bot));
     }
 
-    pub fn set_paused(&self, bot: &BotId, paused: bool) {
+    pub(crate) fn set_paused(&self, bot: &BotId, paused: bool) {
         self.lock
             .bot_paused
             .get_or_create(&Self::bot(bot))
             .set(i64::from(paused));
     }
 
-    pub fn saw_epoch(&self, bot: &BotId, epoch: crate::ids::LockEpoch) {
+    pub(crate) fn saw_epoch(&self, bot: &BotId, epoch: crate::ids::LockEpoch) {
         self.lock
             .lock_epoch
             .get_or_create(&Self::bot(bot))
             .set(epoch.get());
     }
 
-    pub fn acquired(&self, bot: &BotId, takeover: Option<&str>) {
+    pub(crate) fn acquired(&self, bot: &BotId, takeover: Option<&str>) {
         self.lock.acquisitions.get_or_create(&Self::bot(bot)).inc();
         if let Some(kind) = takeover {
             self.lock
@@ -556,14 +556,14 @@ impl Metrics {
         }
     }
 
-    pub fn edit_lock_lost(&self, bot: &BotId) {
+    pub(crate) fn edit_lock_lost(&self, bot: &BotId) {
         self.lock
             .edit_locks_lost
             .get_or_create(&Self::bot(bot))
             .inc();
     }
 
-    pub fn refresh_finished(&self, bot: &BotId, result: &str, took: Duration) {
+    pub(crate) fn refresh_finished(&self, bot: &BotId, result: &str, took: Duration) {
         self.refresh
             .refreshes
             .get_or_create(&Self::kind(bot, result))
@@ -574,31 +574,31 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    pub fn repaired(&self, bot: &BotId, kind: &str) {
+    pub(crate) fn repaired(&self, bot: &BotId, kind: &str) {
         self.refresh
             .repairs
             .get_or_create(&Self::kind(bot, kind))
             .inc();
     }
 
-    pub fn waited(&self, bot: &BotId, took: Duration) {
+    pub(crate) fn waited(&self, bot: &BotId, took: Duration) {
         self.refresh
             .wait_duration
             .get_or_create(&Self::bot(bot))
             .observe(took.as_secs_f64());
     }
 
-    pub fn db_error(&self) {
+    pub(crate) fn db_error(&self) {
         self.db_errors.inc();
     }
 
-    pub fn db_ok(&self) {
+    pub(crate) fn db_ok(&self) {
         let at = i64::try_from(self.started.elapsed().as_millis()).unwrap_or(i64::MAX);
         self.last_db_ok.store(at, Ordering::Relaxed);
     }
 
     /// How long ago the database last answered, if it ever did.
-    pub fn since_db_ok(&self) -> Option<Duration> {
+    pub(crate) fn since_db_ok(&self) -> Option<Duration> {
         let at = u64::try_from(self.last_db_ok.load(Ordering::Relaxed)).ok()?;
         Some(
             self.started
@@ -609,18 +609,18 @@ impl Metrics {
 
     /// Registers a reader of gauges owned elsewhere; it runs before every encode and is dropped
     /// once it returns `false` (its owner is gone).
-    pub fn add_source(&self, source: Source) {
+    pub(crate) fn add_source(&self, source: Source) {
         self.sources
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(source);
     }
 
-    pub fn shed(&self, bot: &BotId) {
+    pub(crate) fn shed(&self, bot: &BotId) {
         self.flow.shed.get_or_create(&Self::bot(bot)).inc();
     }
 
-    pub fn retry_deferred(&self, bot: &BotId) {
+    pub(crate) fn retry_deferred(&self, bot: &BotId) {
         self.flow
             .retry_deferred
             .get_or_create(&Self::bot(bot))
@@ -628,7 +628,7 @@ impl Metrics {
     }
 
     /// Per-host flow figures (from [`crate::flow::Flow::snapshot`]).
-    pub fn observe_hosts(&self, hosts: &[crate::flow::HostSnapshot]) {
+    pub(crate) fn observe_hosts(&self, hosts: &[crate::flow::HostSnapshot]) {
         let f = &self.flow;
         let mut last = f.last.lock().unwrap_or_else(|p| p.into_inner());
         for h in hosts {
@@ -671,7 +671,7 @@ impl Metrics {
     }
 
     /// The database commands sent so far, by name (from [`crate::store::Store::command_counts`]).
-    pub fn observe_db_commands(&self, counts: &std::collections::BTreeMap<String, u64>) {
+    pub(crate) fn observe_db_commands(&self, counts: &std::collections::BTreeMap<String, u64>) {
         let mut last = self
             .flow
             .last_commands
@@ -690,7 +690,7 @@ impl Metrics {
     }
 
     /// The pool's waits so far (from [`crate::store::Store::pool_wait`]).
-    pub fn observe_pool_wait(&self, waited: Duration, checkouts: u64) {
+    pub(crate) fn observe_pool_wait(&self, waited: Duration, checkouts: u64) {
         let mut last = self
             .flow
             .last_pool
@@ -706,7 +706,13 @@ impl Metrics {
     }
 
     /// One stage of one bot's pipeline: the items it holds and the age of its oldest.
-    pub fn observe_stage(&self, bot: &BotId, stage: &str, depth: usize, oldest: Option<Duration>) {
+    pub(crate) fn observe_stage(
+        &self,
+        bot: &BotId,
+        stage: &str,
+        depth: usize,
+        oldest: Option<Duration>,
+    ) {
         let label = StageLabels {
             bot: bot.to_string(),
             stage: stage.to_owned(),
@@ -721,7 +727,7 @@ impl Metrics {
             .set(oldest.map_or(0.0, |d| d.as_secs_f64()));
     }
 
-    pub fn requests_per_record(&self, bot: &BotId, ratio: f64) {
+    pub(crate) fn requests_per_record(&self, bot: &BotId, ratio: f64) {
         self.flow
             .requests_per_record
             .get_or_create(&Self::bot(bot))

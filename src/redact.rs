@@ -2,7 +2,7 @@
 
 /// `mongodb://user:secret@host/db` → `mongodb://user:***@host/db`. Works on multi-host URIs and on
 /// strings that are not URIs at all (they come back unchanged).
-pub fn redact_uri(uri: &str) -> String {
+pub(crate) fn redact_uri(uri: &str) -> String {
     let Some(scheme_end) = uri.find("://") else {
         return uri.to_owned();
     };
@@ -23,7 +23,7 @@ pub fn redact_uri(uri: &str) -> String {
 }
 
 /// Removes the password of `uri` from any text (a driver error may echo parts of the URI).
-pub fn scrub(text: &str, uri: &str) -> String {
+pub(crate) fn scrub(text: &str, uri: &str) -> String {
     match password_of(uri) {
         Some(password) if !password.is_empty() => text.replace(password, "***"),
         _ => text.to_owned(),

@@ -38,7 +38,7 @@ impl StripQuery {
         Ok(strip)
     }
 
-    pub fn matches(&self, name: &str) -> bool {
+    pub(crate) fn matches(&self, name: &str) -> bool {
         self.exact.iter().any(|e| e == name)
             || self.prefixes.iter().any(|p| name.starts_with(p.as_str()))
     }
@@ -50,14 +50,14 @@ impl NormalizedUrl {
     }
 
     /// Parses and normalizes, removing the query parameters `strip` names.
-    pub fn parse_with(raw: &str, strip: &StripQuery) -> Result<Self, String> {
+    pub(crate) fn parse_with(raw: &str, strip: &StripQuery) -> Result<Self, String> {
         let trimmed = raw.trim();
         let mut url = Url::parse(trimmed).map_err(|e| format!("{trimmed:?} is not a URL ({e})"))?;
         Self::from_url(&mut url, strip).map_err(|why| format!("{trimmed:?} {why}"))
     }
 
     /// Resolves `raw` against `base` (for relative links in a sitemap), then normalizes it.
-    pub fn parse_relative(base: &Url, raw: &str) -> Result<Self, String> {
+    pub(crate) fn parse_relative(base: &Url, raw: &str) -> Result<Self, String> {
         Self::join_with(base, raw, &StripQuery::default())
     }
 
@@ -102,13 +102,13 @@ impl NormalizedUrl {
         &self.0
     }
 
-    pub fn to_url(&self) -> Url {
+    pub(crate) fn to_url(&self) -> Url {
         Url::parse(&self.0).expect("a NormalizedUrl is always a valid URL")
     }
 
     /// `host:port`, the port spelled out even when it is the scheme's default: the unit that
     /// flow control limits and robots.txt covers.
-    pub fn host_port(&self) -> String {
+    pub(crate) fn host_port(&self) -> String {
         let (host, port) = self.host_and_port();
         format!("{host}:{port}")
     }
@@ -117,7 +117,7 @@ impl NormalizedUrl {
     /// scheme's default when none is written — read off the normalized text, which is
     /// `scheme://host[:port]/…` with no credentials (see [`NormalizedUrl::parse_with`]), without
     /// parsing it again.
-    pub fn host_and_port(&self) -> (&str, u16) {
+    pub(crate) fn host_and_port(&self) -> (&str, u16) {
         let (scheme, rest) = self.0.split_once("://").unwrap_or(("http", &self.0));
         let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
         let authority = &rest[..end];
@@ -132,7 +132,7 @@ impl NormalizedUrl {
     }
 
     /// `scheme://host[:port]` (where robots.txt lives).
-    pub fn origin(&self) -> String {
+    pub(crate) fn origin(&self) -> String {
         self.to_url().origin().ascii_serialization()
     }
 }

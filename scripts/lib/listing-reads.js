@@ -1,6 +1,6 @@
 // The listing reads of a pass's start and end, as the frontier's two index designs answer them:
 // `before`, `bot_pass_listings` = {botId, pass} with the partial filter `kind: {$in: [...]}`, read
-// with a hint (the design until 2026-12-04); `now`, {kind, botId, pass} with `kind: {$gt: "detail"}`,
+// with a hint (the earlier design); `now`, {kind, botId, pass} with `kind: {$gt: "detail"}`,
 // read with no hint, one query per listing kind. ENTRIES detail entries and LISTINGS listing
 // entries of one bot, in one pass. Called by scripts/bench/listing-reads.
 const entries = Number(process.env.ENTRIES || 200000), listings = Number(process.env.LISTINGS || 2000);

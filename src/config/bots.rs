@@ -13,7 +13,7 @@ pub struct BotSpec {
 
 /// Reads the `[[bots]]` of a file (a whole config file, or one with only `[[bots]]`), validated
 /// exactly as at start-up: the first bad key is one line naming the bot and the key.
-pub fn specs_from_file(path: &Path) -> Result<Vec<BotSpec>, ConfigError> {
+pub(crate) fn specs_from_file(path: &Path) -> Result<Vec<BotSpec>, ConfigError> {
     let error = |message: String| ConfigError {
         path: path.display().to_string(),
         message,
@@ -59,7 +59,7 @@ pub fn specs_from_file(path: &Path) -> Result<Vec<BotSpec>, ConfigError> {
 
 /// The settings of the database's bot `id` from its document's `spec`, validated as a file's
 /// `[[bots]]` entry is; an error names the key (`spec.crawl.list.item`, …) in one line.
-pub fn bot_from_spec(id: &BotId, spec: &bson::Document) -> Result<BotSettings, String> {
+pub(crate) fn bot_from_spec(id: &BotId, spec: &bson::Document) -> Result<BotSettings, String> {
     let mut with_id = spec.clone();
     with_id.insert("id", id.as_str());
     let deserializer = bson::Deserializer::new(bson::Bson::Document(with_id));
@@ -145,7 +145,7 @@ pub enum RefreshSchedule {
 
 impl RefreshSchedule {
     /// `"daily"`, or an interval such as `"6h"` (1 s to 7 days).
-    pub fn parse(text: &str) -> Result<RefreshSchedule, String> {
+    pub(crate) fn parse(text: &str) -> Result<RefreshSchedule, String> {
         match text.trim() {
             "daily" => Ok(RefreshSchedule::Daily),
             other => {

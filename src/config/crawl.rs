@@ -5,7 +5,7 @@ use super::*;
 
 /// `crawl.max_uncommitted_bytes` by default: 2 MiB of page bodies fetched and not yet committed
 /// (a page in flight holds a few times its body while it is parsed and settled).
-pub const DEFAULT_MAX_UNCOMMITTED_BYTES: u64 = 2 << 20;
+pub(crate) const DEFAULT_MAX_UNCOMMITTED_BYTES: u64 = 2 << 20;
 
 /// `[crawl]`: how every bot's crawl runs on this instance.
 #[derive(Clone, Debug, PartialEq)]

@@ -28,14 +28,14 @@ pub use mongo::*;
 pub use refresh::*;
 
 /// Environment variables that override the file (the names are part of the user-facing contract).
-pub const ENV_URI: &str = "MONGODB_URI";
-pub const ENV_DATABASE: &str = "SEEDLOCK_DATABASE";
-pub const ENV_INSTANCE_ID: &str = "SEEDLOCK_INSTANCE_ID";
-pub const ENV_HTTP_LISTEN: &str = "SEEDLOCK_HTTP_LISTEN";
+pub(crate) const ENV_URI: &str = "MONGODB_URI";
+pub(crate) const ENV_DATABASE: &str = "SEEDLOCK_DATABASE";
+pub(crate) const ENV_INSTANCE_ID: &str = "SEEDLOCK_INSTANCE_ID";
+pub(crate) const ENV_HTTP_LISTEN: &str = "SEEDLOCK_HTTP_LISTEN";
 
 #[derive(Debug, thiserror::Error)]
 #[error("config {path}: {message}")]
-pub struct ConfigError {
+pub(crate) struct ConfigError {
     path: String,
     message: String,
 }
@@ -58,18 +58,18 @@ pub struct Settings {
 
 impl Settings {
     /// True when the bots come from the database (the file has no `[[bots]]`).
-    pub fn bots_from_database(&self) -> bool {
+    pub(crate) fn bots_from_database(&self) -> bool {
         self.bots.is_empty()
     }
 
     /// Whether this instance runs the database's bot `id` (`[instance] bots`).
-    pub fn runs(&self, id: &BotId) -> bool {
+    pub(crate) fn runs(&self, id: &BotId) -> bool {
         self.bot_filter.is_empty() || self.bot_filter.iter().any(|g| glob_match(g, id.as_str()))
     }
 }
 
 /// `*` matches any run of characters, `?` one character; everything else itself.
-pub fn glob_match(pattern: &str, text: &str) -> bool {
+pub(crate) fn glob_match(pattern: &str, text: &str) -> bool {
     let (p, t): (Vec<char>, Vec<char>) = (pattern.chars().collect(), text.chars().collect());
     let (mut pi, mut ti, mut star, mut mark) = (0, 0, None, 0);
     while ti < t.len() {
@@ -171,7 +171,7 @@ impl Default for RawLog {
 impl Settings {
     /// Reads `path`, applies the environment overrides (`MONGODB_URI`, `SEEDLOCK_DATABASE`,
     /// `SEEDLOCK_INSTANCE_ID`, `SEEDLOCK_HTTP_LISTEN`) and validates everything.
-    pub fn load(path: &Path) -> Result<Settings, ConfigError> {
+    pub(crate) fn load(path: &Path) -> Result<Settings, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
             path: path.display().to_string(),
             message: format!("cannot read the file: {e}"),
@@ -231,7 +231,7 @@ fn duration(key: &str, raw: &str) -> Result<Duration, String> {
 
 /// Longest duration any setting accepts: a week. Longer values are typos, and bounding them
 /// keeps every timestamp computation far from overflow.
-pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
+pub(crate) const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// A duration that may be zero, at most [`MAX_DURATION`].
 fn bounded(key: &str, raw: &str) -> Result<Duration, String> {

@@ -20,7 +20,7 @@ use crate::store::records::{Committed, PageCommit, RecordWrite};
 const COMMIT_ATTEMPTS: u32 = 5;
 
 /// The commit stage: how the group commit is sent, and the records it stored.
-pub struct Committer {
+pub(crate) struct Committer {
     shared: Arc<Shared>,
     /// Resolved `crawl.transactions`: each batch is one transaction.
     transactions: bool,
@@ -29,7 +29,7 @@ pub struct Committer {
 }
 
 impl Committer {
-    pub fn new(shared: Arc<Shared>, transactions: bool) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, transactions: bool) -> Self {
         Self {
             shared,
             transactions,
@@ -38,13 +38,13 @@ impl Committer {
     }
 
     /// Records stored so far.
-    pub fn records(&self) -> u64 {
+    pub(crate) fn records(&self) -> u64 {
         self.records.load(Ordering::Relaxed)
     }
 
     /// The commit step: one group commit of `batch`. Returns what became of each page, in
     /// order.
-    pub async fn step(&self, batch: &[&Settled]) -> Result<Vec<Committed>> {
+    pub(crate) async fn step(&self, batch: &[&Settled]) -> Result<Vec<Committed>> {
         if !self.shared.limits.store_delay.is_zero() {
             // A slow database, for tests: as slow per page as the setting says.
             let pages = u32::try_from(batch.len()).unwrap_or(u32::MAX);
@@ -92,7 +92,7 @@ impl Committer {
     }
 
     /// Counts a committed page in the metrics (and the log).
-    pub fn account(&self, settled: &Settled, committed: &Committed) {
+    pub(crate) fn account(&self, settled: &Settled, committed: &Committed) {
         match committed {
             Committed::Settled(write) => {
                 let Some(result) = &settled.result else {

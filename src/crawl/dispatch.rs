@@ -32,7 +32,7 @@ const MAX_ROUND_ALLOWANCE: Duration = Duration::from_millis(400);
 
 /// A leased URL waiting for its host.
 #[derive(Debug)]
-pub struct Queued {
+pub(crate) struct Queued {
     pub lease: UrlLease,
     pub ticket: Ticket,
 }
@@ -53,7 +53,7 @@ struct Inner {
 
 /// The per-host queues of one crawl slice.
 #[derive(Debug)]
-pub struct HostQueues {
+pub(crate) struct HostQueues {
     inner: Mutex<Inner>,
     /// At most this many URLs wait for their hosts (`crawl.host_queue`).
     capacity: usize,
@@ -63,7 +63,7 @@ pub struct HostQueues {
 
 /// A URL admitted to a fetch, with what it holds until its page is committed.
 #[derive(Debug)]
-pub struct Admitted {
+pub(crate) struct Admitted {
     /// The URL and its place in the host queue.
     pub queued: Queued,
     /// Its host's admission (the host's limiter counts it in flight).
@@ -77,7 +77,7 @@ pub struct Admitted {
 /// What one dispatch turn did.
 
 #[derive(Debug, Default)]
-pub struct DispatchStep {
+pub(crate) struct DispatchStep {
     /// URLs admitted and handed to fetch tasks.
     pub started: Vec<Admitted>,
     /// URLs whose lease ran out while they waited: dropped unfetched.
@@ -89,7 +89,7 @@ pub struct DispatchStep {
 }
 
 impl HostQueues {
-    pub fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize) -> Self {
         Self {
             inner: Mutex::new(Inner::default()),
             capacity: capacity.max(1),
@@ -98,7 +98,7 @@ impl HostQueues {
     }
 
     /// Resolves when a URL was queued since the last call (or spuriously).
-    pub async fn arrived(&self) {
+    pub(crate) async fn arrived(&self) {
         self.arrived.notified().await;
     }
 
@@ -107,16 +107,12 @@ impl HostQueues {
     }
 
     /// URLs waiting for their hosts.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.lock().queued
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Hosts with URLs waiting.
-    pub fn hosts(&self) -> Vec<String> {
+    pub(crate) fn hosts(&self) -> Vec<String> {
         self.lock()
             .hosts
             .iter()
@@ -127,20 +123,21 @@ impl HostQueues {
 
     /// Whether a lease round is worth its round trips: the queues are empty, or at least a
     /// quarter of them is free (a round per freed slot would cost three round trips a URL).
-    pub fn wants_more(&self) -> bool {
+    pub(crate) fn wants_more(&self) -> bool {
         let inner = self.lock();
         let free = self.capacity.saturating_sub(inner.queued + inner.reserved);
         free > 0 && (inner.queued == 0 || free * 4 >= self.capacity)
     }
 
     /// Room for more URLs in all (`crawl.host_queue` minus those waiting or on their way).
-    pub fn room(&self) -> usize {
+    pub(crate) fn room(&self) -> usize {
         let inner = self.lock();
         self.capacity.saturating_sub(inner.queued + inner.reserved)
     }
 
     /// Room for `host`, given its target queue length (and the room in all).
-    pub fn room_for(&self, host: &str, target: usize) -> usize {
+    #[cfg(test)]
+    pub(crate) fn room_for(&self, host: &str, target: usize) -> usize {
         let inner = self.lock();
         let all = self.capacity.saturating_sub(inner.queued + inner.reserved);
         let mine = inner
@@ -152,7 +149,7 @@ impl HostQueues {
 
     /// Reserves room for up to `want` URLs of `host` (target queue length `target`); returns how
     /// many were granted. Give back what did not arrive with [`HostQueues::unreserve`].
-    pub fn reserve(&self, host: &str, want: usize, target: usize) -> usize {
+    pub(crate) fn reserve(&self, host: &str, want: usize, target: usize) -> usize {
         let mut inner = self.lock();
         let all = self.capacity.saturating_sub(inner.queued + inner.reserved);
         let q = inner.hosts.entry(host.to_owned()).or_default();
@@ -165,14 +162,14 @@ impl HostQueues {
 
     /// Reserves room for `n` URLs of `host` whatever the room (the next listing page is always
     /// leased on enqueue).
-    pub fn reserve_beyond_room(&self, host: &str, n: usize) -> usize {
+    pub(crate) fn reserve_beyond_room(&self, host: &str, n: usize) -> usize {
         let mut inner = self.lock();
         inner.hosts.entry(host.to_owned()).or_default().reserved += n;
         inner.reserved += n;
         n
     }
 
-    pub fn unreserve(&self, host: &str, n: usize) {
+    pub(crate) fn unreserve(&self, host: &str, n: usize) {
         let mut inner = self.lock();
         let n = match inner.hosts.get_mut(host) {
             Some(q) => {
@@ -190,7 +187,7 @@ impl HostQueues {
     /// of pending detail pages behind it that cost lease rounds instead of being leased on
     /// enqueue (measured: a 200,000-item pass took 93 s this way, 128–178 s with listing pages
     /// first).
-    pub fn push(&self, queued: Queued) {
+    pub(crate) fn push(&self, queued: Queued) {
         let mut inner = self.lock();
         let q = inner.hosts.entry(queued.lease.host()).or_default();
         q.items.push_back(queued);
@@ -200,7 +197,7 @@ impl HostQueues {
     }
 
     /// Everything still queued (the slice is ending).
-    pub fn drain(&self) -> Vec<Queued> {
+    pub(crate) fn drain(&self) -> Vec<Queued> {
         let mut inner = self.lock();
         inner.queued = 0;
         inner
@@ -212,7 +209,7 @@ impl HostQueues {
 }
 
 /// The dispatch stage: which queued URLs go to a fetch now.
-pub struct Dispatcher {
+pub(crate) struct Dispatcher {
     shared: Arc<Shared>,
     /// Whose rules are read: until a host's are, it gets one request at a time.
     robots: Arc<RobotsCache>,
@@ -221,7 +218,7 @@ pub struct Dispatcher {
 /// What a dispatch turn works with: the fetch slots and uncommitted-page permits it takes
 /// from, the time (the server's, for lease expiry), and whether the database has cut this
 /// instance off (then nothing starts).
-pub struct Turn<'a> {
+pub(crate) struct Turn<'a> {
     pub slots: &'a Arc<Semaphore>,
     pub uncommitted: &'a Arc<Semaphore>,
     pub server_now: DateTime<Utc>,
@@ -230,7 +227,7 @@ pub struct Turn<'a> {
 }
 
 impl Dispatcher {
-    pub fn new(shared: Arc<Shared>, robots: Arc<RobotsCache>) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, robots: Arc<RobotsCache>) -> Self {
         Self { shared, robots }
     }
 
@@ -240,7 +237,7 @@ impl Dispatcher {
     /// process, a long Crawl-delay) is dropped unfetched before it takes a slot — it may be
     /// another worker's already; whoever leases it next fetches it. A paused host's URLs are
     /// taken out, to be given back until the pause ends.
-    pub fn step(&self, queues: &HostQueues, turn: Turn<'_>) -> DispatchStep {
+    pub(crate) fn step(&self, queues: &HostQueues, turn: Turn<'_>) -> DispatchStep {
         let mut step = DispatchStep::default();
         let hosts = queues.hosts();
         let share = self
@@ -340,7 +337,7 @@ impl Dispatcher {
 
 /// How many URLs each host's queue holds: enough for `QUEUE_HORIZON` of its pace plus two
 /// lease rounds as long as they take here (a moving average the lease stage feeds).
-pub struct QueueSizing {
+pub(crate) struct QueueSizing {
     flow: Arc<Flow>,
     /// `crawl.workers`: the fetch slots the hosts share.
     workers: usize,
@@ -349,7 +346,7 @@ pub struct QueueSizing {
 }
 
 impl QueueSizing {
-    pub fn new(flow: Arc<Flow>, workers: usize) -> Self {
+    pub(crate) fn new(flow: Arc<Flow>, workers: usize) -> Self {
         Self {
             flow,
             workers,
@@ -358,7 +355,7 @@ impl QueueSizing {
     }
 
     /// The target queue length of `host` (see [`Flow::queue_target`]).
-    pub fn target(&self, host: &str, queues: &HostQueues) -> usize {
+    pub(crate) fn target(&self, host: &str, queues: &HostQueues) -> usize {
         let share = self.flow.fair_share(
             self.workers,
             queues.hosts().iter().map(String::as_str).chain([host]),
@@ -376,7 +373,7 @@ impl QueueSizing {
     }
 
     /// Counts a lease round's duration into the moving average `QueueSizing::horizon` reads.
-    pub fn lease_round_took(&self, took: Duration) {
+    pub(crate) fn lease_round_took(&self, took: Duration) {
         let took = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
         let _ = self
             .lease_round_us

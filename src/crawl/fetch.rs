@@ -20,7 +20,7 @@ use crate::urls::NormalizedUrl;
 
 /// A fetch stage's answer for one leased URL.
 #[derive(Debug)]
-pub enum Fetched {
+pub(crate) enum Fetched {
     Outcome(FetchOutcome),
     /// robots.txt disallows the URL.
     Disallowed,
@@ -36,7 +36,7 @@ pub enum Fetched {
 
 /// The fetch stage: the page client with the bot's headers, robots.txt, and how many requests
 /// it sent.
-pub struct Fetcher {
+pub(crate) struct Fetcher {
     shared: Arc<Shared>,
     client: HttpClient,
     robots: Arc<RobotsCache>,
@@ -45,7 +45,7 @@ pub struct Fetcher {
 }
 
 impl Fetcher {
-    pub fn new(shared: Arc<Shared>, client: HttpClient, robots: Arc<RobotsCache>) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, client: HttpClient, robots: Arc<RobotsCache>) -> Self {
         Self {
             shared,
             client,
@@ -55,7 +55,7 @@ impl Fetcher {
     }
 
     /// Page requests sent so far.
-    pub fn requests(&self) -> u64 {
+    pub(crate) fn requests(&self) -> u64 {
         self.requests.load(Ordering::Relaxed)
     }
 
@@ -64,7 +64,7 @@ impl Fetcher {
     /// each hop judged before it is requested: out of the bot's scope (or its allow/deny
     /// patterns) the page fails (`redirect out of scope: HOST`) and that host hears nothing; an
     /// in-scope hop goes through its host's robots.txt and flow control like any page.
-    pub async fn step(
+    pub(crate) async fn step(
         &self,
         lease: &UrlLease,
         permit: HostPermit,

@@ -28,7 +28,7 @@ use crate::urls::NormalizedUrl;
 
 /// What following a page's links did.
 #[derive(Debug, Default, PartialEq)]
-pub struct Followed {
+pub(crate) struct Followed {
     /// What a listing or seed page listed (for its done mark).
     pub manifest: Option<Box<Manifest>>,
     /// Links added to the pass (new, or back from an earlier pass).
@@ -95,14 +95,18 @@ fn fetch_item(
 
 /// The follow stage: what this instance remembers of the pass (the hosts with work, the links
 /// it enqueued, the table of listed items) and how much each host's queue holds.
-pub struct Follower {
+pub(crate) struct Follower {
     shared: Arc<Shared>,
     memory: Arc<PassMemory>,
     sizing: Arc<QueueSizing>,
 }
 
 impl Follower {
-    pub fn new(shared: Arc<Shared>, memory: Arc<PassMemory>, sizing: Arc<QueueSizing>) -> Self {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        memory: Arc<PassMemory>,
+        sizing: Arc<QueueSizing>,
+    ) -> Self {
         Self {
             shared,
             memory,
@@ -113,7 +117,7 @@ impl Follower {
     /// The follow step: enqueues what a fetched page leads to, leasing to this instance the
     /// links it has room for (see the module comment), and — for a listing or seed page — what
     /// it listed: its [`Manifest`] for the page's done mark.
-    pub async fn step(
+    pub(crate) async fn step(
         &self,
         lease: &UrlLease,
         pass: &Pass,

@@ -32,7 +32,7 @@ const CHECKED_PASSES: i64 = 3;
 /// The table key of a detail page's frontier id: its first 64 bits. Two ids that share them are
 /// one key; if their fingerprints differ the key is unknown (read), so a collision costs a read,
 /// never a missed change.
-pub fn key(url_id: &str) -> u64 {
+pub(crate) fn key(url_id: &str) -> u64 {
     crate::store::frontier::id_key(url_id)
 }
 
@@ -56,7 +56,7 @@ fn pair(key: u64, fp: i64) -> u64 {
 /// The listed items of a bot known stored, with their fingerprint hashes, as of the start of
 /// `pass`.
 #[derive(Debug, Default)]
-pub struct Known {
+pub(crate) struct Known {
     pub pass: PassNumber,
     /// The [`pair`]s of the items known stored, sorted.
     pairs: Vec<u64>,
@@ -66,7 +66,7 @@ pub struct Known {
 
 /// What the table says of an item listed now with a fingerprint hash.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Listed {
+pub(crate) enum Listed {
     /// Known stored, listed last with this fingerprint.
     Stored,
     /// Known stored, listed last with another fingerprint — or a new item whose key shares the
@@ -79,7 +79,7 @@ pub enum Listed {
 impl Known {
     /// Reads every manifest of the bot's listing pages and the not-done entries of the passes
     /// that enqueued their unconfirmed fetches, for `pass`.
-    pub async fn read(store: &Store, bot: &BotId, pass: PassNumber) -> Result<Known> {
+    pub(crate) async fn read(store: &Store, bot: &BotId, pass: PassNumber) -> Result<Known> {
         // The entries the last few passes did not finish, first: then each manifest's items are
         // decided as they stream by, and memory holds the table alone.
         let mut unfinished: HashSet<u64> = HashSet::new();
@@ -110,17 +110,13 @@ impl Known {
         Ok(Known { pass, pairs, keys })
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.pairs.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.pairs.is_empty()
     }
 
     /// What the table says of the detail page with frontier id `url_id`, listed now with the
     /// fingerprint hash `fp`.
-    pub fn get(&self, url_id: &str, fp: i64) -> Listed {
+    pub(crate) fn get(&self, url_id: &str, fp: i64) -> Listed {
         let k = key(url_id);
         if self.pairs.binary_search(&pair(k, fp)).is_ok() {
             Listed::Stored

@@ -56,9 +56,9 @@ const BUSY_FOR: Duration = Duration::from_secs(10);
 
 /// What one lease round found.
 #[derive(Debug)]
-pub enum LeaseStep {
+pub(crate) enum LeaseStep {
     /// URLs leased to this instance (already in its host queues).
-    Leased(usize),
+    Leased,
     /// Nothing to lease now, but pages are in the pipeline or their hosts are busy: wait for
     /// one of them.
     Busy,
@@ -232,7 +232,7 @@ impl Rounds {
     /// found may be stale already); an idle pass waits the longest.
     pub(super) fn landed(&mut self, step: &LeaseStep, new_work: u64) {
         match step {
-            LeaseStep::Leased(_) => {
+            LeaseStep::Leased => {
                 self.dry = None;
                 self.dry_spell = Duration::ZERO;
                 self.idle_since = None;
@@ -254,7 +254,7 @@ impl Rounds {
 
 /// The lease stage: what the leaser remembers between rounds, what this instance remembers of
 /// the pass (shared with the follow stage), and the end of the pass, which the leaser finds.
-pub struct Leaser {
+pub(crate) struct Leaser {
     shared: Arc<Shared>,
     memory: Arc<PassMemory>,
     sizing: Arc<QueueSizing>,
@@ -271,7 +271,7 @@ pub struct Leaser {
 type Takeovers = Vec<(LeasedEntry, bool)>;
 
 impl Leaser {
-    pub fn new(
+    pub(crate) fn new(
         shared: Arc<Shared>,
         memory: Arc<PassMemory>,
         sizing: Arc<QueueSizing>,
@@ -290,7 +290,7 @@ impl Leaser {
     /// One lease round: up to the room in this instance's host queues, per host, highest
     /// priority first, leased in one round trip and put into `queues`. Finds the pipeline busy,
     /// the pass idle, or the pass over when there is nothing to lease.
-    pub async fn step(
+    pub(crate) async fn step(
         &self,
         pass: &Pass,
         queues: &HostQueues,
@@ -333,7 +333,7 @@ impl Leaser {
             .metrics
             .lease_query(&self.shared.bot, leased > 0);
         if leased > 0 {
-            return Ok(LeaseStep::Leased(leased));
+            return Ok(LeaseStep::Leased);
         }
         let refresh = Memory::due(&mut memory.last_hosts_refresh, HOSTS_REFRESH, now);
         drop(memory);
@@ -612,7 +612,7 @@ impl Leaser {
     /// round takes as many as there is room for ([`Leaser::lease_waiting_listings`]) — a
     /// pagination chain broken this time is mended at once, and the pages are read side by side
     /// instead of one after the other. True when none waits (all are in the pass already).
-    pub async fn read_known_listings(&self, pass: &Pass) -> Result<bool> {
+    pub(crate) async fn read_known_listings(&self, pass: &Pass) -> Result<bool> {
         let (true, Some(since)) = (self.shared.deletion_rules(pass).enabled, pass.last_run_at)
         else {
             return Ok(true);

@@ -49,30 +49,29 @@ use crate::store::frontier::{Mark, UrlLease};
 use crate::store::Store;
 use crate::urls::NormalizedUrl;
 
-pub mod commit;
-pub mod dispatch;
-pub mod fetch;
-pub mod follow;
-pub mod known;
-pub mod lease;
-pub mod parse;
-pub mod pass;
+pub(crate) mod commit;
+pub(crate) mod dispatch;
+pub(crate) mod fetch;
+pub(crate) mod follow;
+pub(crate) mod known;
+pub(crate) mod lease;
+pub(crate) mod parse;
+pub(crate) mod pass;
 pub mod probe;
-pub mod queue;
-pub mod resolve;
-pub mod shared;
-pub mod slice;
-pub mod stages;
+pub(crate) mod queue;
+pub(crate) mod resolve;
+pub(crate) mod shared;
+pub(crate) mod slice;
+pub(crate) mod stages;
 
-pub use crate::store::records::Committed;
-pub use commit::Committer;
-pub use dispatch::{DispatchStep, Dispatcher, HostQueues};
-pub use fetch::{Fetched, Fetcher};
-pub use follow::{Followed, Follower};
-pub use lease::{LeaseStep, Leaser};
-pub use parse::{Parsed, Parser};
-pub use pass::{Pass, PassState};
-pub use resolve::{PageResult, Resolver, Settled};
+pub(crate) use commit::Committer;
+pub(crate) use dispatch::{Dispatcher, HostQueues};
+pub(crate) use fetch::Fetcher;
+pub(crate) use follow::Follower;
+pub(crate) use lease::{LeaseStep, Leaser};
+pub(crate) use parse::Parser;
+pub(crate) use pass::{Pass, PassState};
+pub(crate) use resolve::{Resolver, Settled};
 
 use dispatch::{Admitted, QueueSizing};
 use lease::Rounds;
@@ -83,7 +82,7 @@ use stages::Stages;
 
 /// How a [`Crawler::crawl_for`] slice ended.
 #[derive(Clone, Debug, PartialEq)]
-pub enum SliceEnd {
+pub(crate) enum SliceEnd {
     Finished(crate::store::passes::PassEnd),
     Idle,
     TimeUp,
@@ -111,7 +110,7 @@ pub struct CrawlContext {
 }
 
 /// One bot's crawl on this instance: its stages, wired together by [`Crawler::crawl_for`].
-pub struct Crawler {
+pub(crate) struct Crawler {
     shared: Arc<Shared>,
     memory: Arc<PassMemory>,
     leaser: Leaser,
@@ -127,7 +126,7 @@ pub struct Crawler {
 }
 
 impl Crawler {
-    pub fn new(bot: BotId, rules: CrawlSettings, ctx: &CrawlContext) -> Arc<Self> {
+    pub(crate) fn new(bot: BotId, rules: CrawlSettings, ctx: &CrawlContext) -> Arc<Self> {
         let crawler = Arc::new(Self::build(bot, rules, ctx));
         let weak = Arc::downgrade(&crawler);
         ctx.metrics
@@ -179,33 +178,23 @@ impl Crawler {
         }
     }
 
-    pub fn stages(&self) -> &Arc<Stages> {
-        &self.shared.stages
-    }
-
     /// Page requests sent per record stored, so far (`None` before the first record).
-    pub fn requests_per_record(&self) -> Option<f64> {
+    pub(crate) fn requests_per_record(&self) -> Option<f64> {
         let records = self.committer.records();
         (records > 0).then(|| self.fetcher.requests() as f64 / records as f64)
     }
 
-    pub fn bot(&self) -> &BotId {
+    pub(crate) fn bot(&self) -> &BotId {
         &self.shared.bot
     }
 
     /// Parses stored seed strings for a pass; the unparsable are skipped (refresh stored only
     /// valid URLs, so this drops nothing in practice).
-    pub fn seed_urls(&self, seeds: &[String]) -> Vec<NormalizedUrl> {
+    pub(crate) fn seed_urls(&self, seeds: &[String]) -> Vec<NormalizedUrl> {
         seeds
             .iter()
             .filter_map(|s| NormalizedUrl::parse_with(s, &self.shared.rules.links.strip).ok())
             .collect()
-    }
-
-    /// At most this many pages are fetched (or being fetched) and not yet committed here at
-    /// once (see [`Shared::uncommitted_cap`]).
-    pub fn uncommitted_cap(&self) -> usize {
-        self.shared.uncommitted_cap()
     }
 
     /// Crawls `pass` through the pipeline until the pass is over, there is nothing to lease,
@@ -224,7 +213,7 @@ impl Crawler {
     /// slice the pages in flight are finished (fetched pages are committed); URLs still
     /// waiting for their host are given back. Only `shutdown` interrupts fetches (their URLs
     /// are given back too).
-    pub async fn crawl_for(
+    pub(crate) async fn crawl_for(
         self: &Arc<Self>,
         pass: &Pass,
         slice: Duration,

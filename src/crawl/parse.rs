@@ -12,7 +12,7 @@ use crate::http_client::{FetchOutcome, Validators};
 
 /// What the settle stage receives: an extracted page, or any other answer as it came.
 #[derive(Debug)]
-pub enum Parsed {
+pub(crate) enum Parsed {
     Page {
         data: Box<PageData>,
         validators: Validators,
@@ -21,17 +21,17 @@ pub enum Parsed {
 }
 
 /// The parse stage: the bot's rules for reading a page.
-pub struct Parser {
+pub(crate) struct Parser {
     rules: Arc<CrawlSettings>,
 }
 
 impl Parser {
-    pub fn new(rules: Arc<CrawlSettings>) -> Self {
+    pub(crate) fn new(rules: Arc<CrawlSettings>) -> Self {
         Self { rules }
     }
 
     /// The parse step for one fetched URL.
-    pub async fn step(&self, fetched: Fetched) -> Result<Parsed> {
+    pub(crate) async fn step(&self, fetched: Fetched) -> Result<Parsed> {
         let Fetched::Outcome(FetchOutcome::Ok(page)) = fetched else {
             return Ok(Parsed::Other(fetched));
         };

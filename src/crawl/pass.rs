@@ -46,7 +46,7 @@ pub enum PassState {
 }
 
 impl PassState {
-    pub fn of(doc: &crate::lock::bot::BotDoc) -> PassState {
+    pub(crate) fn of(doc: &crate::lock::bot::BotDoc) -> PassState {
         if doc.crawl_pass == PassNumber::NONE || doc.crawl_pass_started_at.is_none() {
             PassState::NotStarted {
                 current: doc.crawl_pass,

@@ -19,7 +19,7 @@ use crate::urls::NormalizedUrl;
 
 /// A redirect followed on the way to the page.
 #[derive(Clone, Debug, Serialize)]
-pub struct Hop {
+pub(crate) struct Hop {
     pub status: u16,
     pub from: String,
     pub to: String,
@@ -28,7 +28,7 @@ pub struct Hop {
 /// Fetches `url` as the crawl would: robots.txt on every hop (unless `robots` is disabled),
 /// every redirect checked against the bot's scope before it is requested. `Err` is why the
 /// crawl would get no page (the reason the frontier would record).
-pub async fn fetch(
+pub(crate) async fn fetch(
     fetcher: &HttpClient,
     robots: &RobotsCache,
     rules: &CrawlSettings,
@@ -78,7 +78,7 @@ pub async fn fetch(
 /// Which kind of page this is by the bot's rules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Kind {
+pub(crate) enum Kind {
     Seed,
     Listing,
     Detail,
@@ -86,7 +86,7 @@ pub enum Kind {
 
 /// One listing item as the crawl reads it.
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct ItemView {
+pub(crate) struct ItemView {
     pub id: String,
     /// Its detail page, when `list.item_link` gave an in-scope URL.
     pub link: Option<String>,
@@ -101,21 +101,21 @@ pub struct ItemView {
 
 /// One value of an item's fingerprint.
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct FingerprintField {
+pub(crate) struct FingerprintField {
     pub spec: String,
     pub value: String,
 }
 
 /// A link the crawl would not follow, and why.
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct Refused {
+pub(crate) struct Refused {
     pub link: String,
     pub why: String,
 }
 
 /// The record of a detail page.
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct RecordView {
+pub(crate) struct RecordView {
     pub natural_key: String,
     /// `records._id`.
     pub id: String,
@@ -126,7 +126,7 @@ pub struct RecordView {
 
 /// A selector that found nothing: its config key, the spec, and where it was looked for.
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct Unmatched {
+pub(crate) struct Unmatched {
     pub key: String,
     pub selector: String,
     pub detail: String,
@@ -137,7 +137,7 @@ pub const MAX_REFUSED_SHOWN: usize = 200;
 
 /// What the crawl would take from a page, and what it would leave.
 #[derive(Clone, Debug, Serialize)]
-pub struct Examined {
+pub(crate) struct Examined {
     pub kind: Kind,
     /// Listing items (listing and seed pages with `[bots.crawl.list]`).
     pub items: Vec<ItemView>,
@@ -160,7 +160,7 @@ pub struct Examined {
 
 /// The page's kind: a detail page when `record.match` matches its URL, a seed when it is one
 /// of `seeds`, else a listing page (as the crawl decides for a followed link).
-pub fn kind_of(rules: &CrawlSettings, url: &NormalizedUrl, seeds: &[NormalizedUrl]) -> Kind {
+pub(crate) fn kind_of(rules: &CrawlSettings, url: &NormalizedUrl, seeds: &[NormalizedUrl]) -> Kind {
     match &rules.record {
         Some(r) if r.url_match.is_match(url.as_str()) => Kind::Detail,
         _ if seeds.contains(url) => Kind::Seed,
@@ -169,7 +169,7 @@ pub fn kind_of(rules: &CrawlSettings, url: &NormalizedUrl, seeds: &[NormalizedUr
 }
 
 /// Reads `html` (fetched from `page_url`) as the crawl would a page of `kind`.
-pub fn examine(
+pub(crate) fn examine(
     bot: &str,
     rules: &CrawlSettings,
     kind: Kind,

@@ -11,7 +11,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 /// An item taken from a [`Queue`], with the room it holds.
 #[derive(Debug)]
-pub struct Slot<T> {
+pub(crate) struct Slot<T> {
     pub item: T,
     pub room: OwnedSemaphorePermit,
 }
@@ -24,14 +24,14 @@ struct Lanes<T> {
 }
 
 #[derive(Debug)]
-pub struct Queue<T> {
+pub(crate) struct Queue<T> {
     lanes: Mutex<Lanes<T>>,
     room: Arc<Semaphore>,
     ready: Notify,
 }
 
 impl<T> Queue<T> {
-    pub fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize) -> Self {
         Self {
             lanes: Mutex::new(Lanes {
                 fast: VecDeque::new(),
@@ -49,7 +49,7 @@ impl<T> Queue<T> {
 
     /// Waits for room, then queues `item` (in the fast lane if `fast`). `Err(item)` once the
     /// queue is closed.
-    pub async fn push(&self, item: T, fast: bool) -> Result<(), T> {
+    pub(crate) async fn push(&self, item: T, fast: bool) -> Result<(), T> {
         let Ok(room) = self.room.clone().acquire_owned().await else {
             return Err(item);
         };
@@ -69,13 +69,13 @@ impl<T> Queue<T> {
     }
 
     /// The next item (fast lane first); `None` once the queue is closed and empty.
-    pub async fn pop(&self) -> Option<Slot<T>> {
+    pub(crate) async fn pop(&self) -> Option<Slot<T>> {
         self.pop_up_to(1).await.pop()
     }
 
     /// What is waiting, up to `max` items (fast lane first), without lingering for more: waits
     /// only while nothing waits. Empty once the queue is closed and empty.
-    pub async fn pop_up_to(&self, max: usize) -> Vec<Slot<T>> {
+    pub(crate) async fn pop_up_to(&self, max: usize) -> Vec<Slot<T>> {
         loop {
             let notified = self.ready.notified();
             tokio::pin!(notified);
@@ -108,19 +108,10 @@ impl<T> Queue<T> {
     }
 
     /// No more pushes; takers drain what is queued, then get nothing.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.lock().closed = true;
         self.room.close();
         self.ready.notify_waiters();
-    }
-
-    pub fn len(&self) -> usize {
-        let lanes = self.lock();
-        lanes.fast.len() + lanes.slow.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

@@ -26,7 +26,7 @@ use crate::store::records::{Extracted, RecordWrite};
 
 /// What one page came to.
 #[derive(Clone, Debug, PartialEq)]
-pub enum PageResult {
+pub(crate) enum PageResult {
     /// A detail page's record was stored (or found unchanged).
     Stored(RecordWrite),
     /// A page without a record (a listing page), done.
@@ -45,7 +45,7 @@ pub enum PageResult {
 
 /// A page ready for the group commit.
 #[derive(Debug)]
-pub struct Settled {
+pub(crate) struct Settled {
     pub lease: UrlLease,
     pub record: Option<Extracted>,
     /// A record whose detail page is gone (marked removed).
@@ -81,19 +81,19 @@ fn done(lease: &UrlLease) -> Mark {
 }
 
 /// The settle stage: the follow stage it runs first, and the bot's retry rules.
-pub struct Resolver {
+pub(crate) struct Resolver {
     shared: Arc<Shared>,
     follower: Follower,
 }
 
 impl Resolver {
-    pub fn new(shared: Arc<Shared>, follower: Follower) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, follower: Follower) -> Self {
         Self { shared, follower }
     }
 
     /// [`Resolver::step`], again after a transient database failure (following is idempotent),
     /// up to three times.
-    pub async fn step_retrying(
+    pub(crate) async fn step_retrying(
         &self,
         lease: UrlLease,
         parsed: Parsed,
@@ -126,7 +126,7 @@ impl Resolver {
 
     /// The settle step: what the page came to, as the group commit will store it. A parsed page
     /// is followed first (its links enqueued).
-    pub async fn step(
+    pub(crate) async fn step(
         &self,
         lease: UrlLease,
         parsed: Parsed,

@@ -28,7 +28,7 @@ use crate::urls::NormalizedUrl;
 const ENQUEUED_CACHE: usize = 100_000;
 
 /// The bot a crawler crawls, its rules, and the instance's handles every stage reads.
-pub struct Shared {
+pub(crate) struct Shared {
     pub bot: BotId,
     pub rules: Arc<CrawlSettings>,
     pub limits: CrawlLimits,
@@ -47,7 +47,7 @@ pub struct Shared {
 
 impl Shared {
     /// The priority levels of `rules`: those above the lowest (highest first) and the lowest.
-    pub fn levels(rules: &CrawlSettings) -> (Vec<i64>, i64) {
+    pub(crate) fn levels(rules: &CrawlSettings) -> (Vec<i64>, i64) {
         let mut all: Vec<i64> = [PageKind::Seed, PageKind::List, PageKind::Detail]
             .iter()
             .map(|k| k.default_priority())
@@ -60,7 +60,7 @@ impl Shared {
     }
 
     /// The first `[bots.crawl] priority` pattern that matches, else the kind's default.
-    pub fn priority_of(&self, url: &NormalizedUrl, kind: PageKind) -> i64 {
+    pub(crate) fn priority_of(&self, url: &NormalizedUrl, kind: PageKind) -> i64 {
         self.rules
             .priorities
             .iter()
@@ -70,7 +70,7 @@ impl Shared {
 
     /// A followed link's kind: a detail page when the record rules match it, else a listing
     /// page.
-    pub fn kind_of(&self, link: &NormalizedUrl) -> PageKind {
+    pub(crate) fn kind_of(&self, link: &NormalizedUrl) -> PageKind {
         match &self.rules.record {
             Some(r) if r.url_match.is_match(link.as_str()) => PageKind::Detail,
             _ => PageKind::List,
@@ -79,7 +79,7 @@ impl Shared {
 
     /// The incremental mode a pass crawls in: `full` for a pass that refetches everything (its
     /// spec changed), else the bot's.
-    pub fn mode(&self, pass: &Pass) -> IncrementalMode {
+    pub(crate) fn mode(&self, pass: &Pass) -> IncrementalMode {
         if pass.refetch {
             IncrementalMode::Full
         } else {
@@ -90,7 +90,7 @@ impl Shared {
     /// Load shedding: a lowest-priority URL that waited longer than `crawl.shed_after` for a
     /// host that throttled us within the last minute is deferred (once a pass), before it costs
     /// a fetch.
-    pub fn should_shed(&self, lease: &UrlLease, now: DateTime<Utc>) -> bool {
+    pub(crate) fn should_shed(&self, lease: &UrlLease, now: DateTime<Utc>) -> bool {
         lease.sheds == 0
             && should_shed(
                 lease.priority,
@@ -107,7 +107,7 @@ impl Shared {
     }
 
     /// What a pass's end may remove, by the bot's rules and the pass.
-    pub fn deletion_rules(&self, pass: &Pass) -> DeletionRules {
+    pub(crate) fn deletion_rules(&self, pass: &Pass) -> DeletionRules {
         DeletionRules {
             known_since: pass.last_run_at,
             enabled: self.rules.incremental.mode != IncrementalMode::Watermark,
@@ -118,7 +118,7 @@ impl Shared {
 
     /// At most this many pages are fetched (or being fetched) and not yet committed here at
     /// once: `crawl.max_uncommitted`, and never more than the stages can hold.
-    pub fn uncommitted_cap(&self) -> usize {
+    pub(crate) fn uncommitted_cap(&self) -> usize {
         let l = &self.limits;
         l.max_uncommitted
             .min(l.workers + l.parse_queue + l.parsers + l.store_queue)
@@ -126,7 +126,7 @@ impl Shared {
     }
 
     /// `crawl.max_uncommitted_bytes` in KiB (the byte budget's unit).
-    pub fn bytes_kib(&self) -> u32 {
+    pub(crate) fn bytes_kib(&self) -> u32 {
         u32::try_from(self.limits.max_uncommitted_bytes / 1024)
             .unwrap_or(u32::MAX)
             .max(1)
@@ -136,7 +136,7 @@ impl Shared {
 /// Whether to defer a leased URL rather than fetch it: only the lowest priority class (and only
 /// when there is a higher one), only once it has waited past `shed_after`, and only for a host
 /// that is pushing back.
-pub fn should_shed(
+pub(crate) fn should_shed(
     priority: i64,
     lowest: i64,
     has_higher: bool,
@@ -150,7 +150,7 @@ pub fn should_shed(
 /// A listing page of the last complete pass waiting to be leased into the current one: the link,
 /// its frontier id, and what its entry held (its validators go with the lease).
 #[derive(Clone, Debug)]
-pub struct WaitingListing {
+pub(crate) struct WaitingListing {
     pub url: NewUrl,
     pub id: String,
     pub known: KnownPage,
@@ -159,7 +159,7 @@ pub struct WaitingListing {
 /// What this instance remembers of the pass it crawls, across slices; each part belongs to one
 /// pass and starts empty in the next.
 #[derive(Default)]
-pub struct PassMemory {
+pub(crate) struct PassMemory {
     /// Hosts with work in a pass, as far as this instance knows.
     hosts: Mutex<(PassNumber, BTreeSet<String>)>,
     /// Frontier ids of links this instance enqueued in a pass (bounded; cleared when full).
@@ -175,7 +175,7 @@ pub struct PassMemory {
 
 impl PassMemory {
     /// The hosts this instance knows to have work in `pass`.
-    pub fn hosts(&self, pass: PassNumber) -> BTreeSet<String> {
+    pub(crate) fn hosts(&self, pass: PassNumber) -> BTreeSet<String> {
         let hosts = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
         if hosts.0 == pass {
             hosts.1.clone()
@@ -185,7 +185,7 @@ impl PassMemory {
     }
 
     /// Adds `host` to the hosts with work in `pass`.
-    pub fn note_host(&self, pass: PassNumber, host: String) {
+    pub(crate) fn note_host(&self, pass: PassNumber, host: String) {
         let mut hosts = self.hosts.lock().unwrap_or_else(|p| p.into_inner());
         if hosts.0 != pass {
             *hosts = (pass, BTreeSet::new());
@@ -194,7 +194,7 @@ impl PassMemory {
     }
 
     /// Remembers frontier ids this instance put into `pass` (bounded: cleared when full).
-    pub fn remember_enqueued(&self, pass: PassNumber, ids: Vec<String>) {
+    pub(crate) fn remember_enqueued(&self, pass: PassNumber, ids: Vec<String>) {
         let mut cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
         if cache.0 != pass || cache.1.len() + ids.len() > ENQUEUED_CACHE {
             *cache = (pass, HashSet::new());
@@ -204,18 +204,18 @@ impl PassMemory {
 
     /// Whether this instance put the link with frontier id `id` into `pass` (as far as it
     /// remembers).
-    pub fn enqueued(&self, pass: PassNumber, id: &str) -> bool {
+    pub(crate) fn enqueued(&self, pass: PassNumber, id: &str) -> bool {
         let cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
         cache.0 == pass && cache.1.contains(id)
     }
 
     /// Whether this instance enqueued the last pass's listing pages into `pass` (then none can
     /// be unreached at its end).
-    pub fn listings_enqueued(&self, pass: PassNumber) -> bool {
+    pub(crate) fn listings_enqueued(&self, pass: PassNumber) -> bool {
         self.listings_in.load(Ordering::Relaxed) == pass.get()
     }
 
-    pub fn set_listings_enqueued(&self, pass: PassNumber) {
+    pub(crate) fn set_listings_enqueued(&self, pass: PassNumber) {
         self.listings_in.store(pass.get(), Ordering::Relaxed);
     }
 
@@ -223,7 +223,7 @@ impl PassMemory {
     /// into it straight from their entries ([`PassMemory::take_listings`]): one write a page
     /// moves it into the pass and leases it, where resetting every page pending first and
     /// leasing it later took two. (Replaces what waited before: a slice reads them again.)
-    pub fn wait_listings(&self, pass: PassNumber, pages: Vec<WaitingListing>) {
+    pub(crate) fn wait_listings(&self, pass: PassNumber, pages: Vec<WaitingListing>) {
         let mut by_host: HashMap<String, VecDeque<WaitingListing>> = HashMap::new();
         for page in pages {
             by_host
@@ -236,7 +236,7 @@ impl PassMemory {
 
     /// Listing pages taken from those waiting for `pass` whose lease write failed: they wait
     /// again, first in line (unless a new read replaced what waits).
-    pub fn wait_again(&self, pass: PassNumber, pages: Vec<WaitingListing>) {
+    pub(crate) fn wait_again(&self, pass: PassNumber, pages: Vec<WaitingListing>) {
         let mut waiting = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
         if waiting.0 != pass {
             return;
@@ -252,7 +252,7 @@ impl PassMemory {
 
     /// Up to `n` of the listing pages waiting for `pass` on `host`, taken out, and whether none
     /// is left waiting on any host after them.
-    pub fn take_listings(
+    pub(crate) fn take_listings(
         &self,
         pass: PassNumber,
         host: &str,
@@ -275,7 +275,7 @@ impl PassMemory {
 
     /// The table of listed items known stored ([`Known`]) for `pass`: read once per pass (ahead,
     /// when a slice opens; a listing page that comes first waits for it), then shared.
-    pub async fn known_items(
+    pub(crate) async fn known_items(
         &self,
         store: &Store,
         bot: &BotId,
@@ -296,7 +296,7 @@ impl PassMemory {
 
     /// Whether the table of listed items of `pass` is read, or being read (its reader holds
     /// the lock).
-    pub fn holds_known(&self, pass: PassNumber) -> bool {
+    pub(crate) fn holds_known(&self, pass: PassNumber) -> bool {
         match self.known.try_lock() {
             Ok(held) => held.as_ref().is_some_and(|t| t.pass == pass),
             Err(_) => true,
@@ -304,7 +304,7 @@ impl PassMemory {
     }
 
     /// Drops the table of listed items of `pass` (its pass is over).
-    pub async fn forget_known(&self, pass: PassNumber) {
+    pub(crate) async fn forget_known(&self, pass: PassNumber) {
         let mut held = self.known.lock().await;
         if held.as_ref().is_some_and(|t| t.pass == pass) {
             *held = None;

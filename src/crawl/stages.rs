@@ -11,13 +11,13 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 #[derive(Debug, Default)]
-pub struct Stage {
+pub(crate) struct Stage {
     items: Mutex<BTreeMap<u64, Instant>>,
     next: AtomicU64,
 }
 
 #[derive(Debug)]
-pub struct Ticket {
+pub(crate) struct Ticket {
     stage: Arc<Stage>,
     id: u64,
 }
@@ -27,7 +27,7 @@ impl Stage {
         self.items.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn enter(self: &Arc<Self>) -> Ticket {
+    pub(crate) fn enter(self: &Arc<Self>) -> Ticket {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         self.lock().insert(id, Instant::now());
         Ticket {
@@ -36,12 +36,12 @@ impl Stage {
         }
     }
 
-    pub fn depth(&self) -> usize {
+    pub(crate) fn depth(&self) -> usize {
         self.lock().len()
     }
 
     /// How long the item that entered first (of those still here) has been here.
-    pub fn oldest(&self) -> Option<Duration> {
+    pub(crate) fn oldest(&self) -> Option<Duration> {
         self.lock().values().min().map(|t| t.elapsed())
     }
 }
@@ -55,7 +55,7 @@ impl Drop for Ticket {
 /// One bot's crawl pipeline on this instance: leased URLs waiting for their host, fetches in
 /// flight, fetched pages waiting for or in a parser, parsed pages waiting for or in a writer.
 #[derive(Debug, Default)]
-pub struct Stages {
+pub(crate) struct Stages {
     pub host_queue: Arc<Stage>,
     pub fetch: Arc<Stage>,
     pub parse: Arc<Stage>,
@@ -63,7 +63,7 @@ pub struct Stages {
 }
 
 impl Stages {
-    pub fn all(&self) -> [(&'static str, &Arc<Stage>); 4] {
+    pub(crate) fn all(&self) -> [(&'static str, &Arc<Stage>); 4] {
         [
             ("host_queue", &self.host_queue),
             ("fetch", &self.fetch),
@@ -73,7 +73,7 @@ impl Stages {
     }
 
     /// Items leased and not yet settled, in every stage.
-    pub fn in_pipeline(&self) -> usize {
+    pub(crate) fn in_pipeline(&self) -> usize {
         self.all().iter().map(|(_, s)| s.depth()).sum()
     }
 }

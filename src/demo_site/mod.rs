@@ -80,7 +80,7 @@ fields = {{ title = "h1", price = ".price", status = ".status" }}
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct Product {
+pub(crate) struct Product {
     pub sku: String,
     pub title: String,
     pub price: String,
@@ -270,7 +270,7 @@ impl Catalog {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct Mutation {
+pub(crate) struct Mutation {
     pub change: usize,
     pub add: usize,
     pub delete: usize,
@@ -288,7 +288,7 @@ pub struct MutationReport {
 /// One fault rule: applies to requests whose path contains `path`, to every `every`-th of them.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct FaultRule {
+pub(crate) struct FaultRule {
     pub path: String,
     #[serde(default)]
     pub latency_ms: u64,

@@ -22,7 +22,7 @@
 //! **Invariant:** every signal from a site goes to that site's limiter only; nothing here slows
 //! a host for another host's trouble.
 
-pub mod robots;
+pub(crate) mod robots;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -70,7 +70,7 @@ impl Default for FlowSettings {
 
 /// What one fetch told us about its host's capacity.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Signal {
+pub(crate) enum Signal {
     /// An answer (any status the site chose to send, other than a throttle).
     Answered {
         latency: Duration,
@@ -86,7 +86,7 @@ pub enum Signal {
 
 /// Why a host admits nothing now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Busy {
+pub(crate) enum Busy {
     /// Paused until `until` (`Retry-After`, robots.txt unreachable).
     Paused,
     /// Its in-flight requests are at its current limit.
@@ -98,14 +98,14 @@ pub enum Busy {
 }
 
 #[derive(Debug)]
-pub enum Admission {
+pub(crate) enum Admission {
     Admitted(HostPermit),
     Wait { why: Busy, until: Option<Instant> },
 }
 
 /// A host's figures for metrics and `status`.
 #[derive(Clone, Debug, PartialEq)]
-pub struct HostSnapshot {
+pub(crate) struct HostSnapshot {
     pub host: String,
     pub in_flight: u32,
     pub limit: f64,
@@ -214,14 +214,13 @@ pub struct Flow {
 /// The right to one request on one host. Return it with [`HostPermit::finish`]; dropped
 /// unfinished, it counts as [`Signal::Neutral`].
 #[derive(Debug)]
-pub struct HostPermit {
+pub(crate) struct HostPermit {
     flow: Arc<Flow>,
     host: String,
     generation: u64,
     /// Admitted with the host at its limit: only such a request's success shows the limit is
     /// too low (a host we do not keep busy teaches nothing about its capacity).
     saturated: bool,
-    started: Instant,
     finished: bool,
 }
 
@@ -232,7 +231,7 @@ impl std::fmt::Debug for Flow {
 }
 
 impl Flow {
-    pub fn new(settings: FlowSettings) -> Arc<Self> {
+    pub(crate) fn new(settings: FlowSettings) -> Arc<Self> {
         Arc::new(Self {
             settings,
             hosts: Mutex::new(HashMap::new()),
@@ -241,7 +240,7 @@ impl Flow {
         })
     }
 
-    pub fn settings(&self) -> &FlowSettings {
+    pub(crate) fn settings(&self) -> &FlowSettings {
         &self.settings
     }
 
@@ -287,7 +286,11 @@ impl Flow {
     /// The fair share of `slots` fetch slots for each host, when `queued` hosts have work
     /// waiting and others have requests in flight: a slow host may not hold them all
     /// (head-of-line blocking at the global cap).
-    pub fn fair_share<'a>(&self, slots: usize, queued: impl IntoIterator<Item = &'a str>) -> usize {
+    pub(crate) fn fair_share<'a>(
+        &self,
+        slots: usize,
+        queued: impl IntoIterator<Item = &'a str>,
+    ) -> usize {
         let mut active: std::collections::HashSet<String> =
             queued.into_iter().map(str::to_owned).collect();
         active.extend(
@@ -303,7 +306,7 @@ impl Flow {
     /// `horizon` at its current limit and latency (a fast host needs many; a slow one, one
     /// round of its limit), at least its limit within `share` (four rounds of it while its
     /// latency is unknown).
-    pub fn queue_target(&self, host: &str, share: usize, horizon: Duration) -> usize {
+    pub(crate) fn queue_target(&self, host: &str, share: usize, horizon: Duration) -> usize {
         let mut hosts = self.lock();
         let h = self.host(&mut hosts, host);
         let round = (h.limit.floor() as usize).min(share).max(1);
@@ -320,7 +323,7 @@ impl Flow {
     /// Admits one request on `host` now, or says why not and until when (if known). `retry`
     /// counts the request against the host's retry budget window; `share` is the most requests
     /// the host may have in flight (see [`Flow::fair_share`]).
-    pub fn try_admit(
+    pub(crate) fn try_admit(
         self: &Arc<Self>,
         host: &str,
         retry: bool,
@@ -362,24 +365,18 @@ impl Flow {
             host: host.to_owned(),
             generation: h.generation,
             saturated,
-            started: now,
             finished: false,
         })
     }
 
     /// Requests in flight to `host` now.
-    pub fn in_flight(&self, host: &str) -> u32 {
+    pub(crate) fn in_flight(&self, host: &str) -> u32 {
         self.lock().get(host).map_or(0, |h| h.in_flight)
     }
 
-    /// `host`'s current limit, as a whole number of requests.
-    pub fn limit(&self, host: &str) -> usize {
-        let mut hosts = self.lock();
-        self.host(&mut hosts, host).limit.floor() as usize
-    }
-
     /// Whether `host` would admit a request now (for choosing what to lease).
-    pub fn is_busy(&self, host: &str, now: Instant) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_busy(&self, host: &str, now: Instant) -> bool {
         let mut hosts = self.lock();
         let h = self.host(&mut hosts, host);
         h.paused_until.is_some_and(|u| u > now)
@@ -388,7 +385,8 @@ impl Flow {
     }
 
     /// Hosts that admit nothing now: paused, at their limit, or waiting out their spacing.
-    pub fn busy_hosts(&self, now: Instant) -> Vec<String> {
+    #[cfg(test)]
+    pub(crate) fn busy_hosts(&self, now: Instant) -> Vec<String> {
         self.lock()
             .iter()
             .filter(|(_, h)| {
@@ -401,7 +399,7 @@ impl Flow {
     }
 
     /// Hosts paused now, with how long they stay paused.
-    pub fn paused_hosts(&self, now: Instant) -> Vec<(String, Duration)> {
+    pub(crate) fn paused_hosts(&self, now: Instant) -> Vec<(String, Duration)> {
         self.lock()
             .iter()
             .filter_map(|(name, h)| {
@@ -413,7 +411,7 @@ impl Flow {
     }
 
     /// Whether `host` throttled us (429/503) within `recent`.
-    pub fn throttled_within(&self, host: &str, recent: Duration) -> bool {
+    pub(crate) fn throttled_within(&self, host: &str, recent: Duration) -> bool {
         let mut hosts = self.lock();
         self.host(&mut hosts, host)
             .last_throttle
@@ -421,7 +419,7 @@ impl Flow {
     }
 
     /// Pauses `host` until `until` (later pauses win).
-    pub fn pause(&self, host: &str, until: Instant) {
+    pub(crate) fn pause(&self, host: &str, until: Instant) {
         let mut hosts = self.lock();
         let h = self.host(&mut hosts, host);
         if h.paused_until.is_none_or(|u| u < until) {
@@ -430,7 +428,7 @@ impl Flow {
     }
 
     /// robots.txt's `Crawl-delay` for `host`.
-    pub fn set_crawl_delay(&self, host: &str, delay: Duration) {
+    pub(crate) fn set_crawl_delay(&self, host: &str, delay: Duration) {
         let mut hosts = self.lock();
         let h = self.host(&mut hosts, host);
         h.crawl_delay = delay;
@@ -443,7 +441,7 @@ impl Flow {
     /// The admitted request to `host` goes out now (robots.txt read, if it had to be): the
     /// spacing counts from here, so time spent between admission and sending (a robots.txt
     /// fetch, a busy runtime) does not shorten the gap the host sees.
-    pub fn sending(&self, host: &str, now: Instant) {
+    pub(crate) fn sending(&self, host: &str, now: Instant) {
         let mut hosts = self.lock();
         let h = self.host(&mut hosts, host);
         h.last_start = Some(now);
@@ -451,7 +449,7 @@ impl Flow {
     }
 
     /// Whether `host`'s retry budget has room for one more retry now.
-    pub fn may_retry(&self, host: &str, now: Instant) -> bool {
+    pub(crate) fn may_retry(&self, host: &str, now: Instant) -> bool {
         let second = self.second(now);
         let window = self.settings.retry_window.as_secs().max(1);
         let mut hosts = self.lock();
@@ -465,11 +463,11 @@ impl Flow {
     }
 
     /// Resolves when some permit was returned or a host changed (or spuriously).
-    pub async fn changed(&self) {
+    pub(crate) async fn changed(&self) {
         self.changed.notified().await;
     }
 
-    pub fn snapshot(&self, now: Instant) -> Vec<HostSnapshot> {
+    pub(crate) fn snapshot(&self, now: Instant) -> Vec<HostSnapshot> {
         let second = self.second(now);
         let window = self.settings.retry_window.as_secs().max(1);
         let mut hosts = self.lock();
@@ -544,16 +542,12 @@ impl Flow {
 }
 
 impl HostPermit {
-    pub fn host(&self) -> &str {
+    pub(crate) fn host(&self) -> &str {
         &self.host
     }
 
-    pub fn started(&self) -> Instant {
-        self.started
-    }
-
     /// Returns the permit with what the request taught about the host.
-    pub fn finish(mut self, signal: Signal) {
+    pub(crate) fn finish(mut self, signal: Signal) {
         self.finished = true;
         self.flow
             .release(&self.host, self.generation, self.saturated, signal);

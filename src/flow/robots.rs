@@ -16,7 +16,7 @@ use crate::http_client::{HttpClient, RobotsFetch};
 use crate::urls::NormalizedUrl;
 
 #[derive(Clone, Debug, PartialEq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     Allowed {
         crawl_delay: Option<Duration>,
     },
@@ -61,7 +61,7 @@ impl std::fmt::Debug for RobotsCache {
 
 /// The product token of a user agent (`seedlock/0.1 (+https://…)` → `seedlock`): what
 /// robots.txt `User-agent` lines name.
-pub fn product_token(user_agent: &str) -> &str {
+pub(crate) fn product_token(user_agent: &str) -> &str {
     user_agent
         .split(|c: char| c == '/' || c.is_whitespace())
         .next()
@@ -70,7 +70,7 @@ pub fn product_token(user_agent: &str) -> &str {
 }
 
 impl RobotsCache {
-    pub fn new(user_agent: &str, ttl: Duration, enabled: bool) -> Self {
+    pub(crate) fn new(user_agent: &str, ttl: Duration, enabled: bool) -> Self {
         Self {
             agent: product_token(user_agent).to_owned(),
             ttl,
@@ -82,7 +82,7 @@ impl RobotsCache {
     /// Whether the rules for `url`'s host are read (or not needed): until they are, the
     /// dispatcher admits one request to the host at a time, so a `Crawl-delay` applies from the
     /// first requests on, not after a burst.
-    pub fn known(&self, url: &NormalizedUrl) -> bool {
+    pub(crate) fn known(&self, url: &NormalizedUrl) -> bool {
         if !self.enabled {
             return true;
         }
@@ -117,7 +117,7 @@ impl RobotsCache {
 
     /// Whether `url` may be fetched, reading the host's robots.txt first if it is not cached.
     /// Concurrent checks on one host wait for a single fetch.
-    pub async fn check(&self, fetcher: &HttpClient, url: &NormalizedUrl) -> Verdict {
+    pub(crate) async fn check(&self, fetcher: &HttpClient, url: &NormalizedUrl) -> Verdict {
         if !self.enabled {
             return Verdict::Allowed { crawl_delay: None };
         }

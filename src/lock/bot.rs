@@ -68,12 +68,12 @@ pub struct BotSpec {
 
 impl BotSpec {
     /// The spec's refresh schedule as written (`refresh`), unparsed.
-    pub fn refresh(&self) -> Option<&str> {
+    pub(crate) fn refresh(&self) -> Option<&str> {
         self.spec.get_str("refresh").ok()
     }
 
     /// Whether the spec crawls (it has a `[bots.crawl]` table), not only keeps its seeds fresh.
-    pub fn crawls(&self) -> bool {
+    pub(crate) fn crawls(&self) -> bool {
         matches!(self.spec.get("crawl"), Some(bson::Bson::Document(_)))
     }
 }
@@ -82,7 +82,7 @@ impl BotSpec {
 /// a config file, which clears an earlier pass's) and whether the pass fetches every detail page
 /// anew because the pass before it ran on another spec.
 #[derive(Clone, Debug, PartialEq)]
-pub struct PassSpec {
+pub(crate) struct PassSpec {
     pub spec: Option<BotSpec>,
     pub refetch: bool,
 }

@@ -16,7 +16,7 @@ use crate::lock::state::{BotState, Claim};
 
 /// Which rule of `waitSeedReady` applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Branch {
+pub(crate) enum Branch {
     /// Ready but the seed list is empty.
     A1,
     /// Ready, and a refresh is due (date change, interval, or an admin's request).
@@ -38,7 +38,7 @@ pub enum Branch {
 }
 
 impl Branch {
-    pub fn code(self) -> &'static str {
+    pub(crate) fn code(self) -> &'static str {
         match self {
             Branch::A1 => "A-1",
             Branch::A2 => "A-2",
@@ -55,7 +55,7 @@ impl Branch {
 
 /// What to do next for one bot.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Decision {
+pub(crate) enum Decision {
     /// Crawl on the stored seeds.
     Ready {
         branch: Branch,
@@ -84,7 +84,7 @@ pub enum Decision {
 
 impl Decision {
     /// The instance's state while it carries out this decision.
-    pub fn state(&self) -> BotState {
+    pub(crate) fn state(&self) -> BotState {
         match self {
             Decision::Ready { .. } => BotState::Ready,
             Decision::Claim { .. } => BotState::Updating,
@@ -97,7 +97,7 @@ impl Decision {
         }
     }
 
-    pub fn branch(&self) -> Branch {
+    pub(crate) fn branch(&self) -> Branch {
         match self {
             Decision::Ready { branch, .. }
             | Decision::Claim { branch, .. }
@@ -113,7 +113,7 @@ const BACKOFF: &str = "backing off";
 
 /// What `decide` needs to know about the bot's configuration.
 #[derive(Clone, Copy, Debug)]
-pub struct Policy {
+pub(crate) struct Policy {
     pub refresh: RefreshSchedule,
     pub max_refresh: Duration,
     /// B-2 takes a heartbeating refresh over only this long after `max_refresh`: its holder
@@ -126,13 +126,18 @@ pub struct Policy {
 /// claimed after it belongs to another live process that (wrongly) shares the id, and is treated
 /// like any other holder.
 #[derive(Clone, Copy, Debug)]
-pub struct Me<'a> {
+pub(crate) struct Me<'a> {
     pub id: &'a InstanceId,
     pub since: DateTime<Utc>,
 }
 
 /// The state machine. `now` is the database server's time (see `clock`), never the local clock.
-pub fn decide(observed: &Observed, now: DateTime<Utc>, me: Me<'_>, policy: &Policy) -> Decision {
+pub(crate) fn decide(
+    observed: &Observed,
+    now: DateTime<Utc>,
+    me: Me<'_>,
+    policy: &Policy,
+) -> Decision {
     let doc = match observed {
         Observed::Missing => return Decision::Initialize,
         Observed::Malformed { problems, .. } => {
@@ -311,7 +316,11 @@ fn decide_idle(doc: &BotDoc, now: DateTime<Utc>) -> Decision {
 /// midnight after the last refresh; an interval: the last refresh plus the interval), or, while
 /// a due refresh backs off after a failure, the backoff's end. `None`: nothing but a change of
 /// the document will change it.
-pub fn ready_until(doc: &BotDoc, now: DateTime<Utc>, policy: &Policy) -> Option<DateTime<Utc>> {
+pub(crate) fn ready_until(
+    doc: &BotDoc,
+    now: DateTime<Utc>,
+    policy: &Policy,
+) -> Option<DateTime<Utc>> {
     if refresh_due(doc, now, policy.refresh).is_some() {
         return backing_off(doc, now);
     }
@@ -320,7 +329,7 @@ pub fn ready_until(doc: &BotDoc, now: DateTime<Utc>, policy: &Policy) -> Option<
 
 /// When the schedule makes the bot's next refresh due (from its last refresh); `None` for a bot
 /// never refreshed (due at once).
-pub fn scheduled_refresh(doc: &BotDoc, schedule: RefreshSchedule) -> Option<DateTime<Utc>> {
+pub(crate) fn scheduled_refresh(doc: &BotDoc, schedule: RefreshSchedule) -> Option<DateTime<Utc>> {
     let last = doc.last_seed_updated_at?;
     match schedule {
         RefreshSchedule::Daily => last

@@ -7,5 +7,5 @@
 //! - [`decide`]: the state machine, a pure function of (document, server time, me, policy).
 
 pub mod bot;
-pub mod decide;
+pub(crate) mod decide;
 pub mod state;

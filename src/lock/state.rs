@@ -19,14 +19,14 @@ pub enum BotState {
 }
 
 impl BotState {
-    pub const ALL: [BotState; 4] = [
+    pub(crate) const ALL: [BotState; 4] = [
         BotState::Ready,
         BotState::Waiting,
         BotState::Updating,
         BotState::Error,
     ];
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             BotState::Ready => "ready",
             BotState::Waiting => "waiting",
@@ -52,13 +52,13 @@ pub enum Claim {
 }
 
 impl Claim {
-    pub fn is_takeover(self) -> bool {
+    pub(crate) fn is_takeover(self) -> bool {
         !matches!(self, Claim::Free)
     }
 }
 
 /// The state an admin sees for a document (status, metrics), independent of any instance.
-pub fn state_of(observed: &Observed) -> BotState {
+pub(crate) fn state_of(observed: &Observed) -> BotState {
     match observed {
         Observed::Missing => BotState::Waiting,
         Observed::Malformed { .. } => BotState::Error,

@@ -16,7 +16,7 @@ use crate::store::document::bot_name;
 
 /// One row of `seedlock status`.
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct StatusRow {
+pub(crate) struct StatusRow {
     pub bot: String,
     pub state: String,
     /// Paused by an operator (`seedlock pause`): no instance locks or leases it.
@@ -42,7 +42,7 @@ pub struct StatusRow {
 
 /// A refresh this long past the moment its schedule (or an admin's request) made it due is
 /// "past its time": a fleet working normally starts a due refresh within a poll or two.
-pub const OVERDUE_AFTER: chrono::Duration = chrono::Duration::minutes(10);
+pub(crate) const OVERDUE_AFTER: chrono::Duration = chrono::Duration::minutes(10);
 
 /// Why a bot in `state` needs a look: its error, a refresh overdue, or a pause.
 fn attention(
@@ -77,7 +77,7 @@ fn attention(
 }
 
 /// `1000 bots: 997 ready · 1 waiting · 0 updating · 2 error · 3 need a look (1 paused)`.
-pub fn counts_line(rows: &[StatusRow]) -> String {
+pub(crate) fn counts_line(rows: &[StatusRow]) -> String {
     let states = ["ready", "waiting", "updating", "error"]
         .iter()
         .map(|s| format!("{} {s}", rows.iter().filter(|r| r.state == *s).count()))
@@ -96,7 +96,7 @@ pub fn counts_line(rows: &[StatusRow]) -> String {
 
 /// A crawl pass as `status` shows it.
 #[derive(Debug, Clone, serde::Serialize, PartialEq)]
-pub struct CrawlColumns {
+pub(crate) struct CrawlColumns {
     pub pass: PassNumber,
     pub finished: bool,
     pub done: u64,
@@ -124,7 +124,7 @@ pub struct CrawlColumns {
 
 impl CrawlColumns {
     /// The pass's expected size, as the progress displays work with it.
-    pub fn size(&self) -> PassSize {
+    pub(crate) fn size(&self) -> PassSize {
         match self.expected_pages {
             Some(n) => PassSize::Expected(n),
             None => PassSize::Discovering(self.discovered_pages),
@@ -132,7 +132,7 @@ impl CrawlColumns {
     }
 
     /// `"25s (~525 pages)"`, `"≥1s (300+ pages so far)"`, `"done"`, or `"?"` without a rate.
-    pub fn eta_text(&self) -> String {
+    pub(crate) fn eta_text(&self) -> String {
         match (self.finished, self.eta_seconds) {
             (true, _) => "done".into(),
             (false, None) => "?".into(),
@@ -149,7 +149,7 @@ impl CrawlColumns {
 }
 
 /// Adds a pass report to its bot's row; `last_pass_pages`: the last completed pass's size.
-pub fn with_pass(
+pub(crate) fn with_pass(
     row: &mut StatusRow,
     report: &crate::store::passes::PassReport,
     last_pass_pages: Option<u64>,
@@ -201,7 +201,7 @@ pub fn with_pass(
 /// What the last completed pass's deletion evaluation did, in a few words: `pass 4: 2 removed,
 /// 1 restored`, `pass 4: nothing removed (listing coverage 80.0% is under 95.0%), 0 restored`,
 /// `pass 4: evaluating`.
-pub fn evaluation_text(raw: &Document) -> Option<String> {
+pub(crate) fn evaluation_text(raw: &Document) -> Option<String> {
     let last = crate::store::document::last_evaluation(raw)?;
     let pass = last.pass;
     Some(match last.evaluation.as_deref() {
@@ -223,7 +223,7 @@ pub fn evaluation_text(raw: &Document) -> Option<String> {
 
 /// Builds rows for every document read, plus configured bots (with their refresh schedules)
 /// that have no document yet, in that order ([`problems_first`] orders them for the views).
-pub fn status_rows(
+pub(crate) fn status_rows(
     docs: Vec<Document>,
     configured: &[(BotId, RefreshSchedule)],
     now: DateTime<Utc>,
@@ -349,12 +349,12 @@ fn bare_row(bot: String, state: String) -> StatusRow {
 }
 
 /// The rows that need a look first; each group keeps its order (a stable sort).
-pub fn problems_first(rows: &mut [StatusRow]) {
+pub(crate) fn problems_first(rows: &mut [StatusRow]) {
     rows.sort_by_key(|r| r.attention.is_none());
 }
 
 /// The hosts worth an operator's look: throttled an instance within the last minute, or paused.
-pub fn troubled_hosts(
+pub(crate) fn troubled_hosts(
     rows: &[crate::store::hosts::HostRow],
     now: DateTime<Utc>,
 ) -> Vec<&crate::store::hosts::HostRow> {
@@ -367,11 +367,11 @@ pub fn troubled_hosts(
         .collect()
 }
 
-pub fn iso(t: DateTime<Utc>) -> String {
+pub(crate) fn iso(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Secs, true)
 }
 
-pub fn seconds(s: Option<i64>) -> String {
+pub(crate) fn seconds(s: Option<i64>) -> String {
     match s {
         None => "-".into(),
         Some(s) if s < 0 => format!("{}s ago", -s),
@@ -434,7 +434,7 @@ pub fn render_hosts(rows: &[crate::store::hosts::HostRow], now: DateTime<Utc>) -
 }
 
 /// `seedlock status` as a table: a header, one line per row, then the counts.
-pub fn render_table(rows: &[StatusRow]) -> String {
+pub(crate) fn render_table(rows: &[StatusRow]) -> String {
     let header = [
         "BOT",
         "STATE",
@@ -555,15 +555,15 @@ fn last_error_cell(r: &StatusRow) -> String {
 }
 
 /// A failure reason in a few words: `12× HTTP 500 (e.g. http://shop/product/7)`.
-pub fn failure_text(f: &crate::store::frontier::FailureReason) -> String {
+pub(crate) fn failure_text(f: &crate::store::frontier::FailureReason) -> String {
     format!("{}× {} (e.g. {})", f.count, f.reason, f.example)
 }
 
-pub fn render_json(rows: &[StatusRow]) -> String {
+pub(crate) fn render_json(rows: &[StatusRow]) -> String {
     serde_json::to_string_pretty(rows).expect("rows serialize") + "\n"
 }
 
-pub fn one_line(text: &str, max: usize) -> String {
+pub(crate) fn one_line(text: &str, max: usize) -> String {
     let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
     if text.chars().count() > max {
         format!("{}…", text.chars().take(max).collect::<String>())
@@ -573,7 +573,7 @@ pub fn one_line(text: &str, max: usize) -> String {
 }
 
 /// `seedlock inspect`: the document (without history) as JSON, then the history oldest first.
-pub fn render_inspect(raw: &Document) -> String {
+pub(crate) fn render_inspect(raw: &Document) -> String {
     let (body, history) = crate::store::document::without_history(raw);
     let mut out =
         serde_json::to_string_pretty(&to_json(&Bson::Document(body))).expect("json") + "\n";

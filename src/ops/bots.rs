@@ -44,7 +44,7 @@ pub enum BotsCommand {
     },
 }
 
-pub async fn command(settings: Settings, command: BotsCommand) -> ExitCode {
+pub(crate) async fn command(settings: Settings, command: BotsCommand) -> ExitCode {
     match command {
         BotsCommand::Apply {
             file,
@@ -247,7 +247,7 @@ async fn remove(settings: Settings, bot: &str, purge: bool) -> ExitCode {
 }
 
 /// `pause BOT --reason` (with `Some`) and `resume BOT`.
-pub async fn pause(settings: Settings, bot: &str, reason: Option<&str>) -> ExitCode {
+pub(crate) async fn pause(settings: Settings, bot: &str, reason: Option<&str>) -> ExitCode {
     let bot = match bot_arg(bot) {
         Ok(b) => b,
         Err(code) => return code,
@@ -274,7 +274,7 @@ pub async fn pause(settings: Settings, bot: &str, reason: Option<&str>) -> ExitC
     .await
 }
 
-pub async fn export(
+pub(crate) async fn export(
     settings: Settings,
     bot: &str,
     format: crate::ops::export::Format,

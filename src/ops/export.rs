@@ -17,7 +17,7 @@ pub enum Format {
 }
 
 /// One CSV cell: quoted when it holds a comma, a quote or a line break (quotes doubled).
-pub fn csv_cell(text: &str) -> String {
+pub(crate) fn csv_cell(text: &str) -> String {
     if text.contains([',', '"', '\n', '\r']) {
         format!("\"{}\"", text.replace('"', "\"\""))
     } else {
@@ -35,7 +35,7 @@ fn text_of(value: Option<&Bson>) -> String {
 }
 
 /// The CSV header for a spec whose record has `fields`.
-pub fn csv_header(fields: &[String]) -> String {
+pub(crate) fn csv_header(fields: &[String]) -> String {
     let mut cells = vec!["naturalKey".to_owned(), "url".to_owned()];
     cells.extend(fields.iter().map(|f| csv_cell(f)));
     cells.extend(["firstSeen", "lastChanged", "removedAt"].map(String::from));
@@ -59,13 +59,13 @@ pub fn csv_row(record: &Document, fields: &[String]) -> String {
 }
 
 /// One record as a JSON line.
-pub fn json_line(record: &Document) -> String {
+pub(crate) fn json_line(record: &Document) -> String {
     to_json(&Bson::Document(record.clone())).to_string()
 }
 
 /// Streams `records` to `out`; the number of records written. A closed pipe (`| head`) ends it
 /// early without an error.
-pub async fn write(
+pub(crate) async fn write(
     mut records: ExportRecords,
     format: Format,
     fields: &[String],

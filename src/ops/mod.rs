@@ -9,13 +9,13 @@
 //! - [`progress`]: a pass's expected size and ETA, `seedlock crawl BOT`'s bars and summary.
 
 pub mod admin;
-pub mod bots;
+pub(crate) mod bots;
 pub mod export;
-pub mod overview;
-pub mod page;
+pub(crate) mod overview;
+pub(crate) mod page;
 pub mod progress;
-pub mod server;
-pub mod try_page;
+pub(crate) mod server;
+pub(crate) mod try_page;
 
 use std::process::ExitCode;
 

@@ -15,11 +15,11 @@ use crate::store::Store;
 
 /// How far back the hosts section looks for an instance's published row: instances publish every
 /// 5 s, so older rows belong to instances that stopped.
-pub const HOSTS_FRESH_FOR: chrono::Duration = chrono::Duration::seconds(30);
+pub(crate) const HOSTS_FRESH_FOR: chrono::Duration = chrono::Duration::seconds(30);
 
 /// Everything the status views show, read at `now`.
 #[derive(Debug, Clone)]
-pub struct Overview {
+pub(crate) struct Overview {
     pub now: DateTime<Utc>,
     pub rows: Vec<StatusRow>,
     /// Rows published lately; the views show those throttled in the last minute or paused.
@@ -29,7 +29,7 @@ pub struct Overview {
 /// Reads every bot document (and `configured` bots that have none yet, as `missing`), each
 /// crawling bot's current pass, and the hosts rows published since `now − HOSTS_FRESH_FOR`; the
 /// rows that need a look come first.
-pub async fn read(
+pub(crate) async fn read(
     store: &Store,
     configured: &[(BotId, RefreshSchedule)],
     now: DateTime<Utc>,

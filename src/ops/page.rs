@@ -11,17 +11,17 @@ use crate::ops::admin::{one_line, seconds, troubled_hosts, CrawlColumns, StatusR
 use crate::ops::overview::Overview;
 
 /// How often the page reloads itself, in seconds.
-pub const REFRESH_SECONDS: u32 = 5;
+pub(crate) const REFRESH_SECONDS: u32 = 5;
 
 /// The instance serving the page.
 #[derive(Debug, Clone)]
-pub struct Serving<'a> {
+pub(crate) struct Serving<'a> {
     pub instance: &'a str,
     pub uptime: Duration,
 }
 
 /// Escapes text for HTML element content and quoted attribute values.
-pub fn escape(text: &str) -> String {
+pub(crate) fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {
@@ -202,7 +202,7 @@ fn serving_line(serving: &Serving<'_>, extra: &str) -> String {
 }
 
 /// The page for `fleet`.
-pub fn render(fleet: &Overview, serving: &Serving<'_>) -> String {
+pub(crate) fn render(fleet: &Overview, serving: &Serving<'_>) -> String {
     let mut out = head("seedlock — fleet status");
     out.push_str("<h1>seedlock — fleet status</h1>\n");
     out.push_str(&serving_line(
@@ -267,7 +267,7 @@ pub fn render(fleet: &Overview, serving: &Serving<'_>) -> String {
 }
 
 /// The page when the database could not be read: the error, escaped, and the same reload.
-pub fn render_unavailable(error: &str, serving: &Serving<'_>) -> String {
+pub(crate) fn render_unavailable(error: &str, serving: &Serving<'_>) -> String {
     let mut out = head("seedlock — database unavailable");
     out.push_str("<h1>seedlock — fleet status</h1>\n");
     out.push_str(&serving_line(serving, ""));

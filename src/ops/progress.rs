@@ -20,7 +20,7 @@ use crate::store::Store;
 /// How many pages a running pass will have, as far as anyone can tell: a pass discovers its pages
 /// as it reads them, so the frontier's count alone is always too small until the very end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PassSize {
+pub(crate) enum PassSize {
     /// Expected from the last completed pass (`crawlLastPass.pages`), or what this pass has
     /// discovered so far where that is already more.
     Expected(u64),
@@ -29,7 +29,7 @@ pub enum PassSize {
 }
 
 impl PassSize {
-    pub fn of(p: &PassProgress, last_pass_pages: Option<u64>) -> PassSize {
+    pub(crate) fn of(p: &PassProgress, last_pass_pages: Option<u64>) -> PassSize {
         let so_far = p.done + p.failed + p.pending + p.waiting + p.leased;
         match last_pass_pages {
             Some(last) if last > 0 => PassSize::Expected(last.max(so_far)),
@@ -37,14 +37,14 @@ impl PassSize {
         }
     }
 
-    pub fn pages(self) -> u64 {
+    pub(crate) fn pages(self) -> u64 {
         match self {
             PassSize::Expected(n) | PassSize::Discovering(n) => n,
         }
     }
 
     /// `"~525"` (expected) or `"200+"` (still being discovered).
-    pub fn label(self) -> String {
+    pub(crate) fn label(self) -> String {
         match self {
             PassSize::Expected(n) => format!("~{n}"),
             PassSize::Discovering(n) => format!("{n}+"),
@@ -54,7 +54,7 @@ impl PassSize {
 
 /// When a running pass will end, at `rate` finished pages per second.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Eta {
+pub(crate) enum Eta {
     /// Nothing pending, waiting or leased by anyone: the pass is over.
     Done,
     /// The expected pages left, at the current rate.
@@ -66,7 +66,7 @@ pub enum Eta {
 }
 
 impl Eta {
-    pub fn of(p: &PassProgress, size: PassSize, rate: f64) -> Eta {
+    pub(crate) fn of(p: &PassProgress, size: PassSize, rate: f64) -> Eta {
         if p.is_finished() {
             return Eta::Done;
         }
@@ -83,7 +83,7 @@ impl Eta {
     }
 
     /// Seconds, for `status --json` (`None` when unknown); a lower bound for [`Eta::AtLeast`].
-    pub fn seconds(self) -> Option<u64> {
+    pub(crate) fn seconds(self) -> Option<u64> {
         match self {
             Eta::Done => Some(0),
             Eta::In(d) | Eta::AtLeast(d) => Some(d.as_secs()),
@@ -117,7 +117,7 @@ fn figures(p: &PassProgress, size: PassSize, rate: f64) -> String {
 
 /// One plain progress line (stderr not a terminal). `rate` in pages per second (finished pages:
 /// done or failed).
-pub fn line(p: &PassProgress, size: PassSize, rate: f64, width: usize) -> String {
+pub(crate) fn line(p: &PassProgress, size: PassSize, rate: f64, width: usize) -> String {
     let finished = p.done + p.failed;
     let total = size.pages();
     let filled = if total == 0 {
@@ -164,11 +164,11 @@ fn bars() -> &'static MultiProgress {
 
 /// The log's stderr writer: one event per writer, written above the progress bars (hidden for
 /// the write and redrawn after it) while there are any, so the two never garble each other.
-pub fn log_writer() -> LogLine {
+pub(crate) fn log_writer() -> LogLine {
     LogLine(Vec::new())
 }
 
-pub struct LogLine(Vec<u8>);
+pub(crate) struct LogLine(Vec<u8>);
 
 impl Write for LogLine {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -197,7 +197,7 @@ impl Drop for LogLine {
 /// Shows each bot's current pass until `done`: on a terminal one `indicatif` bar per bot (fitted
 /// to the terminal's width, redrawn in place); otherwise a plain line per bot every 5 s.
 /// Everything shown is read from the database, so it covers every instance on the pass.
-pub async fn show(store: Store, bots: Vec<BotId>, done: CancellationToken) {
+pub(crate) async fn show(store: Store, bots: Vec<BotId>, done: CancellationToken) {
     let tty = std::io::stderr().is_terminal();
     let every = if tty {
         Duration::from_millis(500)
@@ -270,7 +270,7 @@ pub async fn show(store: Store, bots: Vec<BotId>, done: CancellationToken) {
 
 /// The summary line of a finished pass, then its failures grouped by reason; and the failures,
 /// for the caller to judge ([`Failures::too_many`]).
-pub async fn summary(
+pub(crate) async fn summary(
     store: &Store,
     bot: &BotId,
     pass: PassNumber,
@@ -332,7 +332,7 @@ pub async fn failures(store: &Store, bot: &BotId, pass: PassNumber) -> Result<Fa
 impl Failures {
     /// One line per reason: `  failed: 12 × HTTP 500 — e.g. http://shop/product/7`, then how
     /// many failed for other reasons.
-    pub fn lines(&self) -> String {
+    pub(crate) fn lines(&self) -> String {
         let mut out = String::new();
         for r in &self.reasons {
             out.push_str(&format!(
@@ -351,7 +351,7 @@ impl Failures {
     }
 
     /// The share of the pass's pages that failed.
-    pub fn error_rate(&self) -> f64 {
+    pub(crate) fn error_rate(&self) -> f64 {
         if self.pages == 0 {
             0.0
         } else {
@@ -361,7 +361,7 @@ impl Failures {
 
     /// One line when the error rate is over `max_error_rate` (`crawl.max_error_rate`, the
     /// deletion gate's threshold), naming the most common reason; `None` otherwise.
-    pub fn too_many(&self, max_error_rate: f64) -> Option<String> {
+    pub(crate) fn too_many(&self, max_error_rate: f64) -> Option<String> {
         let rate = self.error_rate();
         if rate <= max_error_rate {
             return None;

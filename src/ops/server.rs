@@ -22,7 +22,7 @@ use crate::store::Store;
 
 /// What the status views read: the database, and who is serving them.
 #[derive(Clone)]
-pub struct StatusSource {
+pub(crate) struct StatusSource {
     pub store: Store,
     pub clock: Arc<ServerClock>,
     /// The bots in this instance's config (shown as `missing` until they have a document).
@@ -61,7 +61,7 @@ struct AppState {
 
 /// Binds `addr` (a bad or busy address is a start-up error) and returns the bound address and the
 /// server's future, which ends when `shutdown` fires.
-pub async fn bind(
+pub(crate) async fn bind(
     addr: &str,
     metrics: Arc<Metrics>,
     stale_after: Duration,

@@ -17,7 +17,7 @@ use crate::ops::{bot_arg, fail, EXIT_FAILED, EXIT_USAGE};
 use crate::urls::NormalizedUrl;
 
 /// What to try: a URL to fetch, or a saved page read as if fetched from `url`.
-pub struct Request {
+pub(crate) struct Request {
     pub bot: String,
     pub url: Option<String>,
     pub file: Option<PathBuf>,
@@ -41,7 +41,7 @@ struct Report<'a> {
     examined: Option<&'a Examined>,
 }
 
-pub async fn command(settings: Settings, request: Request) -> ExitCode {
+pub(crate) async fn command(settings: Settings, request: Request) -> ExitCode {
     let id = match bot_arg(&request.bot) {
         Ok(id) => id,
         Err(code) => return code,

@@ -3,12 +3,13 @@
 //! spec than the runner's ends on the spec it recorded.
 
 use super::*;
+use crate::crawl::Pass;
 
 /// A spec as a pass recorded it (`crawlPassSpecVersion`, `crawlPassSpec`).
 pub(super) type RecordedSpec = Arc<BotSpec>;
 
 /// Which pass a crawl turn starts.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Starting {
     /// The bot's first.
     First,
@@ -41,7 +42,7 @@ impl BotRunner {
 
     /// The crawler for `pass`: this runner's, or — when the pass started on another spec
     /// version — one built from the spec the pass recorded, so it ends on the rules it began with.
-    pub(super) fn crawler_for(&self, pass: &crate::crawl::Pass) -> Option<Arc<Crawler>> {
+    pub(super) fn crawler_for(&self, pass: &Pass) -> Option<Arc<Crawler>> {
         let mine = self.crawler.clone()?;
         let (Some(_), Some(recorded)) = (&self.spec, &pass.spec) else {
             return Some(mine);
@@ -80,16 +81,16 @@ impl BotRunner {
         epoch: LockEpoch,
         shutdown: &CancellationToken,
     ) -> Option<RunEnd> {
-        let pause = match turn {
-            CrawlTurn::Finished if until == Until::Done => {
-                return Some(RunEnd::Ready { seeds, epoch });
+        let pause = match after_turn(&turn, until) {
+            AfterTurn::End => {
+                return Some(match turn {
+                    CrawlTurn::Shutdown => RunEnd::Shutdown,
+                    _ => RunEnd::Ready { seeds, epoch },
+                });
             }
-            CrawlTurn::Shutdown => return Some(RunEnd::Shutdown),
-            CrawlTurn::Started | CrawlTurn::TimeUp => None,
-            // Others hold the rest of the pass: look again soon.
-            CrawlTurn::Idle => Some(jittered(self.ctx.lock.poll / 4, 0.2)),
-            // Nothing to do until the document changes or a refresh is due.
-            CrawlTurn::Finished => Some(self.idle_for()),
+            AfterTurn::StepAgain => None,
+            AfterTurn::LookAgainSoon => Some(jittered(self.ctx.lock.poll / 4, 0.2)),
+            AfterTurn::Idle => Some(self.idle_for()),
         };
         if let Some(delay) = pause {
             if self.pause(delay, shutdown).await {
@@ -110,36 +111,24 @@ impl BotRunner {
         let Some(crawler) = &self.crawler else {
             return Ok(CrawlTurn::Finished);
         };
-        let ctx = &self.ctx;
-        match pass {
-            // A refresh came while the pass ran: the next pass starts now that it is over (not
-            // for `run --once`, whose pass is the one that just finished).
-            PassState::Finished {
-                number,
-                next: Some(seeds),
-                ..
-            } if until == Until::Shutdown => {
-                self.start_pass(crawler, Starting::Next, number, &seeds)
-                    .await?;
+        match plan_turn(pass, until, self.ctx.clock.now()) {
+            TurnPlan::Start {
+                which,
+                after,
+                seeds,
+            } => {
+                self.start_pass(crawler, which, after, &seeds).await?;
                 Ok(CrawlTurn::Started)
             }
-            PassState::Finished {
-                number,
-                evaluation_claimed_until: Some(claimed_until),
-                ..
-            } if claimed_until <= ctx.clock.now() => {
-                // The instance that ended the pass stopped before its evaluation did.
-                self.resume_evaluation(crawler, number, claimed_until)
-                    .await?;
+            TurnPlan::ResumeEvaluation {
+                pass,
+                claimed_until,
+            } => {
+                self.resume_evaluation(crawler, pass, claimed_until).await?;
                 Ok(CrawlTurn::Finished)
             }
-            PassState::Finished { .. } => Ok(CrawlTurn::Finished),
-            PassState::NotStarted { seeds, current } => {
-                self.start_pass(crawler, Starting::First, current, &seeds)
-                    .await?;
-                Ok(CrawlTurn::Started)
-            }
-            PassState::Running(pass) => {
+            TurnPlan::Finished => Ok(CrawlTurn::Finished),
+            TurnPlan::Crawl(pass) => {
                 let crawler = self.crawler_for(&pass).unwrap_or_else(|| crawler.clone());
                 self.crawl_slice(&crawler, &pass, shutdown).await
             }
@@ -204,7 +193,7 @@ impl BotRunner {
     pub(super) async fn crawl_slice(
         &self,
         crawler: &Arc<Crawler>,
-        pass: &crate::crawl::Pass,
+        pass: &Pass,
         shutdown: &CancellationToken,
     ) -> Result<CrawlTurn> {
         let ctx = &self.ctx;
@@ -267,5 +256,210 @@ pub(super) fn pass_spec(spec: Option<&BotSpec>, before: Option<&BotSpec>) -> Pas
     PassSpec {
         spec: spec.cloned(),
         refetch: spec.is_some_and(|spec| before.is_some_and(|before| before != spec)),
+    }
+}
+
+/// What a crawl turn does with the pass the document shows.
+#[derive(Debug, PartialEq)]
+pub(super) enum TurnPlan {
+    /// Start a pass on `seeds`: the bot's first (`after` its pass number, 0 when it has none),
+    /// or the next after `after`, which is over.
+    Start {
+        which: Starting,
+        after: PassNumber,
+        seeds: Vec<String>,
+    },
+    /// Take over the deletion evaluation of `pass`, whose claim ran out at `claimed_until`.
+    ResumeEvaluation {
+        pass: PassNumber,
+        claimed_until: DateTime<Utc>,
+    },
+    /// Nothing to crawl: the pass is over.
+    Finished,
+    /// Crawl the running pass for a slice.
+    Crawl(Pass),
+}
+
+/// The crawl turn for `pass` at `now` (server time), for a run that lasts `until`.
+pub(super) fn plan_turn(pass: PassState, until: Until, now: DateTime<Utc>) -> TurnPlan {
+    match pass {
+        // A refresh came while the pass ran: the next pass starts now that it is over (not for
+        // `run --once`, whose pass is the one that just finished).
+        PassState::Finished {
+            number,
+            next: Some(seeds),
+            ..
+        } if until == Until::Shutdown => TurnPlan::Start {
+            which: Starting::Next,
+            after: number,
+            seeds,
+        },
+        // The instance that ended the pass stopped before its evaluation did.
+        PassState::Finished {
+            number,
+            evaluation_claimed_until: Some(claimed_until),
+            ..
+        } if claimed_until <= now => TurnPlan::ResumeEvaluation {
+            pass: number,
+            claimed_until,
+        },
+        PassState::Finished { .. } => TurnPlan::Finished,
+        PassState::NotStarted { seeds, current } => TurnPlan::Start {
+            which: Starting::First,
+            after: current,
+            seeds,
+        },
+        PassState::Running(pass) => TurnPlan::Crawl(pass),
+    }
+}
+
+/// What the loop does after a crawl turn.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum AfterTurn {
+    /// The run ends: shutdown, or the pass finished for `run --once`.
+    End,
+    /// Read the document again at once (a pass started, or the slice ran out).
+    StepAgain,
+    /// Others hold the rest of the pass: look again soon.
+    LookAgainSoon,
+    /// Nothing to do until the document changes or a refresh is due.
+    Idle,
+}
+
+/// What the loop does after `turn`, for a run that lasts `until`.
+pub(super) fn after_turn(turn: &CrawlTurn, until: Until) -> AfterTurn {
+    match turn {
+        CrawlTurn::Finished if until == Until::Done => AfterTurn::End,
+        CrawlTurn::Shutdown => AfterTurn::End,
+        CrawlTurn::Started | CrawlTurn::TimeUp => AfterTurn::StepAgain,
+        CrawlTurn::Idle => AfterTurn::LookAgainSoon,
+        CrawlTurn::Finished => AfterTurn::Idle,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn at(minute: u32) -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 1, 1, 0, minute, 0).unwrap()
+    }
+
+    fn finished(next: Option<Vec<String>>, claimed_until: Option<DateTime<Utc>>) -> PassState {
+        PassState::Finished {
+            number: PassNumber::new(4),
+            next,
+            evaluation_claimed_until: claimed_until,
+        }
+    }
+
+    fn spec(version: i64, refresh: &str) -> BotSpec {
+        BotSpec {
+            version,
+            spec: bson::doc! { "refresh": refresh },
+        }
+    }
+
+    #[test]
+    fn a_pass_that_ended_with_a_refresh_waiting_starts_the_next_except_for_run_once() {
+        let seeds = vec!["http://a.test/".to_owned()];
+        let pass = finished(Some(seeds.clone()), None);
+        assert_eq!(
+            plan_turn(pass.clone(), Until::Shutdown, at(0)),
+            TurnPlan::Start {
+                which: Starting::Next,
+                after: PassNumber::new(4),
+                seeds
+            }
+        );
+        assert_eq!(plan_turn(pass, Until::Done, at(0)), TurnPlan::Finished);
+    }
+
+    #[test]
+    fn an_evaluation_is_taken_over_only_once_its_claim_ran_out() {
+        let pass = finished(None, Some(at(10)));
+        assert_eq!(
+            plan_turn(pass.clone(), Until::Shutdown, at(9)),
+            TurnPlan::Finished
+        );
+        assert_eq!(
+            plan_turn(pass, Until::Shutdown, at(10)),
+            TurnPlan::ResumeEvaluation {
+                pass: PassNumber::new(4),
+                claimed_until: at(10)
+            }
+        );
+    }
+
+    #[test]
+    fn a_bot_without_a_pass_starts_its_first_and_a_running_pass_is_crawled() {
+        let seeds = vec!["http://a.test/".to_owned()];
+        let first = PassState::NotStarted {
+            current: PassNumber::NONE,
+            seeds: seeds.clone(),
+        };
+        assert_eq!(
+            plan_turn(first, Until::Done, at(0)),
+            TurnPlan::Start {
+                which: Starting::First,
+                after: PassNumber::NONE,
+                seeds
+            }
+        );
+        let running = Pass {
+            number: PassNumber::new(2),
+            started_at: Some(at(0)),
+            last_run_at: None,
+            seed_hosts: vec!["a.test:80".into()],
+            spec: None,
+            refetch: false,
+            evaluated: PassNumber::NONE,
+        };
+        assert_eq!(
+            plan_turn(PassState::Running(running.clone()), Until::Done, at(1)),
+            TurnPlan::Crawl(running)
+        );
+    }
+
+    #[test]
+    fn after_a_turn_the_loop_ends_steps_again_or_waits() {
+        assert_eq!(
+            after_turn(&CrawlTurn::Finished, Until::Done),
+            AfterTurn::End
+        );
+        assert_eq!(
+            after_turn(&CrawlTurn::Finished, Until::Shutdown),
+            AfterTurn::Idle
+        );
+        assert_eq!(
+            after_turn(&CrawlTurn::Shutdown, Until::Shutdown),
+            AfterTurn::End
+        );
+        assert_eq!(
+            after_turn(&CrawlTurn::Started, Until::Done),
+            AfterTurn::StepAgain
+        );
+        assert_eq!(
+            after_turn(&CrawlTurn::TimeUp, Until::Shutdown),
+            AfterTurn::StepAgain
+        );
+        assert_eq!(
+            after_turn(&CrawlTurn::Idle, Until::Shutdown),
+            AfterTurn::LookAgainSoon
+        );
+    }
+
+    #[test]
+    fn a_pass_refetches_only_when_the_spec_changed_since_the_pass_before() {
+        let (one, two) = (spec(1, "daily"), spec(2, "hourly"));
+        assert!(pass_spec(Some(&two), Some(&one)).refetch);
+        assert!(!pass_spec(Some(&one), Some(&one)).refetch);
+        assert!(
+            !pass_spec(Some(&one), None).refetch,
+            "a first pass has nothing to redo"
+        );
+        let from_file = pass_spec(None, Some(&one));
+        assert_eq!((from_file.spec, from_file.refetch), (None, false));
     }
 }

@@ -36,7 +36,7 @@ use crate::store::{EditLock, Store};
 
 /// What a holder hears of its lock from the upkeep.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Beat {
+pub(crate) enum Beat {
     /// Nothing yet since the lock was taken.
     Taken,
     /// Renewed: the lock holds until then (server time).
@@ -49,7 +49,7 @@ pub enum Beat {
 
 /// A held lock's registration with the upkeep; dropping it stops the lock's heartbeats (before
 /// the holder's last write).
-pub struct Heartbeats {
+pub(crate) struct Heartbeats {
     hub: Weak<Inner>,
     bot: BotId,
     pub beats: watch::Receiver<Beat>,
@@ -67,7 +67,7 @@ impl Drop for Heartbeats {
 }
 
 /// A refresh permit: held from before the claim to after the holder's last write.
-pub type Permit = OwnedSemaphorePermit;
+pub(crate) type Permit = OwnedSemaphorePermit;
 
 struct Held {
     lock: EditLock,
@@ -140,7 +140,7 @@ impl Hub {
     }
 
     /// Stops the hub's tasks and waits for them (the daemon, before it closes its client).
-    pub async fn close(&self) {
+    pub(crate) async fn close(&self) {
         self.inner.stop.cancel();
         let tasks: Vec<_> =
             std::mem::take(&mut *self.inner.tasks.lock().unwrap_or_else(|p| p.into_inner()));
@@ -151,7 +151,7 @@ impl Hub {
 
     /// The wake-up of bot `id`'s runner: notified when its document changes. A later registration
     /// of the same bot (a runner restarted on a new spec) replaces it.
-    pub fn register(&self, id: &BotId) -> Arc<Notify> {
+    pub(crate) fn register(&self, id: &BotId) -> Arc<Notify> {
         self.start();
         let wake = Arc::new(Notify::new());
         self.inner
@@ -163,7 +163,7 @@ impl Hub {
     }
 
     /// Ends `wake`'s registration (if it is still the bot's).
-    pub fn unregister(&self, id: &BotId, wake: &Arc<Notify>) {
+    pub(crate) fn unregister(&self, id: &BotId, wake: &Arc<Notify>) {
         let mut wakes = self.inner.wakes.lock().unwrap_or_else(|p| p.into_inner());
         if wakes.get(id).is_some_and(|w| Arc::ptr_eq(w, wake)) {
             wakes.remove(id);
@@ -171,18 +171,18 @@ impl Hub {
     }
 
     /// Notified when a bot is added, removed or replaced, or its spec changes (the fleet loop).
-    pub fn fleet_changes(&self) -> Arc<Notify> {
+    pub(crate) fn fleet_changes(&self) -> Arc<Notify> {
         self.start();
         self.inner.fleet.clone()
     }
 
     /// A refresh permit if one is free now.
-    pub fn try_permit(&self) -> Option<Permit> {
+    pub(crate) fn try_permit(&self) -> Option<Permit> {
         self.inner.permits.clone().try_acquire_owned().ok()
     }
 
     /// Waits for a refresh permit.
-    pub async fn permit(&self) -> Permit {
+    pub(crate) async fn permit(&self) -> Permit {
         self.inner
             .permits
             .clone()
@@ -194,7 +194,7 @@ impl Hub {
     /// How long to wait before claiming another lock: nothing while this instance holds none,
     /// else up to a quarter poll in proportion to the share of its permits in use — so that
     /// instances holding fewer locks win the next claims.
-    pub fn claim_delay(&self) -> Duration {
+    pub(crate) fn claim_delay(&self) -> Duration {
         let held = self.held_locks();
         if held == 0 {
             return Duration::ZERO;
@@ -204,7 +204,7 @@ impl Hub {
     }
 
     /// Locks this instance holds now.
-    pub fn held_locks(&self) -> usize {
+    pub(crate) fn held_locks(&self) -> usize {
         self.inner
             .held
             .lock()
@@ -214,7 +214,7 @@ impl Hub {
 
     /// Heartbeats `lock` from now on, in the instance's batched upkeep, until the returned
     /// registration is dropped.
-    pub fn heartbeats(&self, lock: &EditLock) -> Heartbeats {
+    pub(crate) fn heartbeats(&self, lock: &EditLock) -> Heartbeats {
         self.start();
         let (tx, rx) = watch::channel(Beat::Taken);
         self.inner

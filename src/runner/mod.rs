@@ -16,7 +16,7 @@ use chrono::{DateTime, Utc};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, info, trace, warn};
 
 use crate::backoff::{full_jitter, jittered};
 use crate::clock::ServerClock;
@@ -37,11 +37,10 @@ mod crawl_turn;
 pub mod hub;
 pub mod presence;
 mod refresh;
-pub mod roster;
+pub(crate) mod roster;
 
 use crawl_turn::RecordedSpec;
 use refresh::ClaimRequest;
-pub use refresh::MAX_SEED_BYTES;
 
 /// What every bot runner of one instance shares.
 pub struct Context {
@@ -175,14 +174,10 @@ impl BotRunner {
     }
 
     /// A runner for a bot defined in the database, from its stored spec.
-    pub fn from_spec(bot: BotSettings, spec: BotSpec, ctx: Arc<Context>) -> Self {
+    pub(crate) fn from_spec(bot: BotSettings, spec: BotSpec, ctx: Arc<Context>) -> Self {
         let mut runner = Self::new(bot, ctx);
         runner.spec = Some(spec);
         runner
-    }
-
-    pub fn id(&self) -> &BotId {
-        &self.bot.id
     }
 
     /// One turn of the state machine.
@@ -210,6 +205,7 @@ impl BotRunner {
         };
         let decision = decide(&observed, now, me, &self.policy);
         let state = decision.state();
+        trace!(bot = %id, rule = decision.branch().code(), state = state.as_str(), "decided");
         ctx.metrics.set_state(id, state);
         if paused {
             // No lock, no lease: the runner waits (the change stream wakes it on resume).

@@ -21,7 +21,7 @@ use crate::store::Store;
 
 /// Whether a registration found under this process's id belongs to a live process.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// Dead: take it over (why, for the log).
     Dead(String),
     /// Live: refuse to start (who, for the error).
@@ -30,7 +30,7 @@ pub enum Verdict {
 
 /// Judges `theirs` for a process `mine` at server time `now`; `alive(pid)` says whether a
 /// process of this host runs.
-pub fn judge(
+pub(crate) fn judge(
     theirs: &Presence,
     mine: &Presence,
     now: DateTime<Utc>,
@@ -66,7 +66,7 @@ pub fn judge(
 }
 
 /// Whether process `pid` of this host runs (a zombie does not).
-pub fn process_alive(pid: u32) -> bool {
+pub(crate) fn process_alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         // The state follows the command name in parentheses: Z (zombie) and X (dead) ran out.
         Ok(stat) => stat
@@ -145,7 +145,7 @@ pub async fn register(
 /// process: logs one line, sets `lost` and cancels `stop` — this instance stops. Database errors
 /// are retried on the next beat (the locks have their own heartbeats and fences).
 #[allow(clippy::too_many_arguments)]
-pub async fn keep_alive(
+pub(crate) async fn keep_alive(
     store: Store,
     me: InstanceId,
     mine: Presence,

@@ -14,7 +14,7 @@ pub(super) enum End {
 }
 
 /// Seeds may take at most this much of the 16 MiB document (the rest is history and fields).
-pub const MAX_SEED_BYTES: usize = 8 * 1024 * 1024;
+pub(crate) const MAX_SEED_BYTES: usize = 8 * 1024 * 1024;
 
 /// The holder's last write.
 pub(super) enum Finish {
@@ -182,20 +182,7 @@ impl BotRunner {
         if seeds.rejected > 0 {
             info!(bot = %id, rejected = seeds.rejected, "seed entries rejected (not http(s) URLs)");
         }
-        let list: Vec<String> = seeds
-            .urls
-            .into_iter()
-            .map(|u| u.as_str().to_owned())
-            .collect();
-        // Each array element costs its bytes plus about 16 bytes of BSON framing.
-        let bytes: usize = list.iter().map(|s| s.len() + 16).sum();
-        if bytes > MAX_SEED_BYTES {
-            return Finish::Fail(format!(
-                "refresh failed: {} seeds take {bytes} bytes, over the {MAX_SEED_BYTES}-byte share of one document; lower refresh.max_seeds",
-                list.len()
-            ));
-        }
-        Finish::Complete(list)
+        seeds_to_store(seeds)
     }
 
     pub(super) fn lost(&self, held: &EditLock, timer: Instant, why: &str) -> StepOutcome {
@@ -345,8 +332,7 @@ impl BotRunner {
             .crawl
             .as_ref()
             .map_or(Duration::MAX, |c| c.limits.max_pass);
-        held.crawl_pass_running_since
-            .is_some_and(|since| (now - since).to_std().unwrap_or_default() < max_pass)
+        is_young(held.crawl_pass_running_since, now, max_pass)
     }
 
     /// The last write of a failed refresh: records `error` and when to try again (the refresh
@@ -360,8 +346,7 @@ impl BotRunner {
     ) -> Result<()> {
         let ctx = &self.ctx;
         let (base, cap) = ctx.refresh_backoff;
-        let exponent = u32::try_from(held.failed_refreshes.clamp(0, 20)).unwrap_or(20);
-        let backoff = jittered(base.saturating_mul(1 << exponent).min(cap), 0.2);
+        let backoff = jittered(refresh_backoff(held.failed_refreshes, base, cap), 0.2);
         let retry_after = now + chrono::Duration::from_std(backoff).unwrap_or_default();
         let stay_ready = self.bot.on_refresh_failure == OnRefreshFailure::KeepPrevious
             && !held.previous_seeds.is_empty();
@@ -413,5 +398,123 @@ pub(super) fn takeover_kind(claim: Claim) -> Option<&'static str> {
         Claim::Expired { .. } => Some("expired"),
         Claim::Stuck { .. } => Some("stuck"),
         Claim::Orphaned => Some("orphaned"),
+    }
+}
+
+/// The last write that stores fetched `seeds`: the list, or a failure when it cannot fit in one
+/// document.
+pub(super) fn seeds_to_store(seeds: Seeds) -> Finish {
+    let list: Vec<String> = seeds
+        .urls
+        .into_iter()
+        .map(|u| u.as_str().to_owned())
+        .collect();
+    // Each array element costs its bytes plus about 16 bytes of BSON framing.
+    let bytes: usize = list.iter().map(|s| s.len() + 16).sum();
+    if bytes > MAX_SEED_BYTES {
+        return Finish::Fail(format!(
+            "refresh failed: {} seeds take {bytes} bytes, over the {MAX_SEED_BYTES}-byte share of one document; lower refresh.max_seeds",
+            list.len()
+        ));
+    }
+    Finish::Complete(list)
+}
+
+/// Whether a pass running since `since` is, at `now`, younger than `max_pass` (no pass: no).
+pub(super) fn is_young(
+    since: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+    max_pass: Duration,
+) -> bool {
+    since.is_some_and(|since| (now - since).to_std().unwrap_or_default() < max_pass)
+}
+
+/// The wait before the next refresh after a failed one, before jitter: `base` doubled for each
+/// failure before this one, at most `cap`.
+pub(super) fn refresh_backoff(failed_before: i64, base: Duration, cap: Duration) -> Duration {
+    let exponent = u32::try_from(failed_before.clamp(0, 20)).unwrap_or(20);
+    base.saturating_mul(1 << exponent).min(cap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::urls::NormalizedUrl;
+    use chrono::TimeZone;
+
+    fn seeds(urls: &[&str]) -> Seeds {
+        Seeds {
+            urls: urls
+                .iter()
+                .map(|u| NormalizedUrl::parse(u).unwrap())
+                .collect(),
+            truncated: false,
+            rejected: 0,
+        }
+    }
+
+    #[test]
+    fn fetched_seeds_are_stored_as_their_normalized_strings() {
+        let Finish::Complete(list) = seeds_to_store(seeds(&["http://a.test/x", "http://b.test/"]))
+        else {
+            panic!("a short list is stored");
+        };
+        assert_eq!(list, ["http://a.test/x", "http://b.test/"]);
+    }
+
+    #[test]
+    fn seeds_over_their_share_of_one_document_fail_the_refresh_with_a_reason() {
+        let long = format!("http://a.test/{}", "x".repeat(1000));
+        let many: Vec<&str> =
+            std::iter::repeat_n(long.as_str(), MAX_SEED_BYTES / 1000 + 1).collect();
+        match seeds_to_store(seeds(&many)) {
+            Finish::Fail(reason) => assert!(reason.contains("lower refresh.max_seeds"), "{reason}"),
+            _ => panic!("a list over the share fails"),
+        }
+    }
+
+    #[test]
+    fn a_pass_is_young_until_max_pass_and_no_pass_is_never_young() {
+        let since = Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap();
+        let hour = Duration::from_secs(3600);
+        assert!(is_young(
+            Some(since),
+            since + chrono::Duration::minutes(59),
+            hour
+        ));
+        assert!(!is_young(
+            Some(since),
+            since + chrono::Duration::minutes(60),
+            hour
+        ));
+        assert!(!is_young(None, since, hour));
+    }
+
+    #[test]
+    fn the_refresh_backoff_doubles_per_failure_up_to_its_cap() {
+        let (base, cap) = (Duration::from_secs(10), Duration::from_secs(300));
+        assert_eq!(refresh_backoff(0, base, cap), base);
+        assert_eq!(refresh_backoff(3, base, cap), Duration::from_secs(80));
+        assert_eq!(refresh_backoff(10, base, cap), cap);
+        assert_eq!(refresh_backoff(i64::MAX, base, cap), cap, "no overflow");
+        assert_eq!(
+            refresh_backoff(-1, base, cap),
+            base,
+            "a corrupt count counts as none"
+        );
+    }
+
+    #[test]
+    fn only_a_taken_over_lock_is_named_in_the_metrics() {
+        let now = Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap();
+        assert_eq!(takeover_kind(Claim::Free), None);
+        assert_eq!(takeover_kind(Claim::Expired { now }), Some("expired"));
+        assert_eq!(
+            takeover_kind(Claim::Stuck {
+                started_before: now
+            }),
+            Some("stuck")
+        );
+        assert_eq!(takeover_kind(Claim::Orphaned), Some("orphaned"));
     }
 }

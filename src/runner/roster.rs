@@ -71,7 +71,7 @@ fn wanted(id: &BotId, raw: &Document, running: Option<&Running>) -> Option<Wante
 }
 
 /// Runs the database's bots until `stop`. Returns when `stop` fires, every runner stopped.
-pub async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationToken) {
+pub(crate) async fn follow(settings: Settings, ctx: Arc<Context>, stop: CancellationToken) {
     let poll = ctx.lock.poll;
     // The hub wakes this loop when a bot is added, removed or replaced, or its spec version
     // changes; a spec edited by hand (same version) is read within `RECHECK`.

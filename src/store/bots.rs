@@ -72,7 +72,7 @@ pub enum UnlockOutcome {
 
 /// What `bots apply` did (or, with `--dry-run`, would do) to one bot.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Applied {
+pub(crate) enum Applied {
     Created,
     /// The changed keys, dotted (`crawl.list.item`).
     Changed(Vec<String>),
@@ -80,7 +80,7 @@ pub enum Applied {
 }
 
 /// The dotted paths at which two specs differ.
-pub fn changed_keys(old: &Document, new: &Document) -> Vec<String> {
+pub(crate) fn changed_keys(old: &Document, new: &Document) -> Vec<String> {
     fn walk(prefix: &str, old: Option<&Bson>, new: Option<&Bson>, out: &mut Vec<String>) {
         match (old, new) {
             (Some(Bson::Document(a)), Some(Bson::Document(b))) => {
@@ -109,7 +109,7 @@ pub fn changed_keys(old: &Document, new: &Document) -> Vec<String> {
 }
 
 /// A pause as `pause` writes it.
-pub struct Pause<'a> {
+pub(crate) struct Pause<'a> {
     pub by: &'a str,
     pub reason: &'a str,
 }
@@ -125,7 +125,7 @@ impl Bots<'_> {
         Ok(crate::store::document::observe(self.load_raw(bot).await?))
     }
 
-    pub async fn load_raw(self, bot: &BotId) -> Result<Option<Document>> {
+    pub(crate) async fn load_raw(self, bot: &BotId) -> Result<Option<Document>> {
         self.store
             .bounded(
                 "find bot",
@@ -147,7 +147,7 @@ impl Bots<'_> {
 
     /// Whether the bot is paused (`paused: true`), read alone — not its seeds and history;
     /// `None` when it has no document.
-    pub async fn paused(self, bot: &BotId) -> Result<Option<bool>> {
+    pub(crate) async fn paused(self, bot: &BotId) -> Result<Option<bool>> {
         let found = self
             .store
             .bounded(
@@ -384,7 +384,7 @@ impl Bots<'_> {
     }
 
     /// Every bot document's digest (see [`BotDigest`]), in one read.
-    pub async fn bot_digests(self) -> Result<Vec<BotDigest>> {
+    pub(crate) async fn bot_digests(self) -> Result<Vec<BotDigest>> {
         use std::hash::{Hash, Hasher};
         // Read concern `majority`, as every read of the bots: a wake-up never rests on a write
         // a failover could roll back.
@@ -435,7 +435,7 @@ impl Bots<'_> {
     }
 
     /// [`complete`](Self::complete), also recording the spec a pass it starts runs on (`spec`).
-    pub async fn complete_with(
+    pub(crate) async fn complete_with(
         self,
         held: &EditLock,
         seeds: &[String],
@@ -534,7 +534,7 @@ impl Bots<'_> {
 
     /// Rule D: ready and editing at once. Clears `isReady` only, keeping the lock and its epoch, so a
     /// live holder is not disturbed and an expired one is then taken over by rule B.
-    pub async fn repair_contradiction(
+    pub(crate) async fn repair_contradiction(
         self,
         bot: &BotId,
         expected: LockEpoch,
@@ -715,7 +715,7 @@ impl Bots<'_> {
     /// removed or replaced, or its `specVersion` changed). Only those fields travel — not the
     /// seeds a refresh wrote. Its events only prompt reads, so it uses the server's default read
     /// concern (the test server delivers no events on a stream opened with `majority`).
-    pub async fn watch_bots(self) -> Result<BotChanges> {
+    pub(crate) async fn watch_bots(self) -> Result<BotChanges> {
         let bots = self.store.db.collection::<Document>(BOTS);
         let spec_version = format!("updateDescription.updatedFields.{}", field::SPEC_VERSION);
         let watch = bots.watch().pipeline([doc! { "$project": {
@@ -732,7 +732,7 @@ impl Bots<'_> {
     /// document, a changed spec a raised `specVersion` (conditional on the version read, so two
     /// concurrent applies cannot both win) and a refresh request — the new spec starts with the
     /// bot's next pass; the running pass ends on the spec it started with. `dry_run` writes nothing.
-    pub async fn apply_spec(
+    pub(crate) async fn apply_spec(
         self,
         bot: &BotId,
         spec: &Document,
@@ -835,7 +835,7 @@ impl Bots<'_> {
 
     /// Every bot document that carries a spec, by id: its `_id`, `spec`, `specVersion` and
     /// `specError` only (not its seeds and history).
-    pub async fn spec_documents(self) -> Result<Vec<Document>> {
+    pub(crate) async fn spec_documents(self) -> Result<Vec<Document>> {
         let all = async {
             let cursor = self
                 .store
@@ -851,7 +851,12 @@ impl Bots<'_> {
 
     /// Records why the instances cannot run the spec at `version` (only while it is the current
     /// one, so a fixed spec is never marked): the bot shows Error with `lastError` naming the key.
-    pub async fn mark_spec_error(self, bot: &BotId, version: i64, error: &str) -> Result<()> {
+    pub(crate) async fn mark_spec_error(
+        self,
+        bot: &BotId,
+        version: i64,
+        error: &str,
+    ) -> Result<()> {
         let text = format!("bad spec (specVersion {version}): {error}");
         self.store.bounded(
             "mark spec error",
@@ -865,7 +870,7 @@ impl Bots<'_> {
     }
 
     /// Clears a spec error once the spec at `version` runs.
-    pub async fn clear_spec_error(self, bot: &BotId, version: i64) -> Result<()> {
+    pub(crate) async fn clear_spec_error(self, bot: &BotId, version: i64) -> Result<()> {
         self.store.bounded(
             "clear spec error",
             self.store.bots.update_one(
@@ -878,7 +883,7 @@ impl Bots<'_> {
     }
 
     /// `pause` (with `Some`) or `resume`; false if there is no such bot.
-    pub async fn set_paused(
+    pub(crate) async fn set_paused(
         self,
         bot: &BotId,
         pause: Option<Pause<'_>>,
@@ -914,7 +919,7 @@ impl Bots<'_> {
 
     /// Deletes the bot's document: every instance running it from the database stops it within
     /// one poll. False if there was none.
-    pub async fn remove(self, bot: &BotId) -> Result<bool> {
+    pub(crate) async fn remove(self, bot: &BotId) -> Result<bool> {
         let result = self
             .store
             .bounded(
@@ -930,7 +935,7 @@ impl Bots<'_> {
 /// change what an instance does (not the seeds, history, specs, or the holder's heartbeat —
 /// waiters wake at the lock's expiry anyway), and its `specVersion`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BotDigest {
+pub(crate) struct BotDigest {
     pub id: String,
     pub digest: u64,
     pub spec_version: Option<i64>,
@@ -938,7 +943,7 @@ pub struct BotDigest {
 
 /// One event of [`Bots::watch_bots`].
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BotChange {
+pub(crate) struct BotChange {
     /// The bot's `_id` (when it is a string).
     pub id: Option<String>,
     /// A bot added, removed or replaced, or its spec changed.
@@ -946,7 +951,7 @@ pub struct BotChange {
 }
 
 /// The stream of [`BotChange`]s.
-pub struct BotChanges {
+pub(crate) struct BotChanges {
     stream: mongodb::change_stream::ChangeStream<Document>,
 }
 

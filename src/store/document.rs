@@ -11,7 +11,7 @@ use crate::lock::bot::{BotDoc, BotSpec, Observed, PassSpec, RecordedCounts};
 
 /// The fields that record the spec a pass starts on (`crawlPassSpecVersion`, `crawlPassSpec`,
 /// `crawlPassRefetch`), set in the write that starts the pass.
-pub fn pass_spec_fields(pass: &PassSpec) -> Document {
+pub(crate) fn pass_spec_fields(pass: &PassSpec) -> Document {
     match &pass.spec {
         Some(spec) => bson::doc! {
             field::CRAWL_PASS_SPEC_VERSION: spec.version,
@@ -27,7 +27,7 @@ pub fn pass_spec_fields(pass: &PassSpec) -> Document {
 }
 
 /// The bot's name as a document spells its `_id` (`?` when it has none).
-pub fn bot_name(raw: &Document) -> String {
+pub(crate) fn bot_name(raw: &Document) -> String {
     match raw.get(field::ID) {
         Some(Bson::String(s)) => s.clone(),
         Some(other) => other.to_string(),
@@ -36,14 +36,14 @@ pub fn bot_name(raw: &Document) -> String {
 }
 
 /// The bot a document defines, when its `_id` is a valid bot id.
-pub fn bot_id(raw: &Document) -> Option<BotId> {
+pub(crate) fn bot_id(raw: &Document) -> Option<BotId> {
     BotId::parse(raw.get_str(field::ID).ok()?).ok()
 }
 
 /// A bot document's definition, decoded leniently for the views and the roster: what its `spec`
 /// holds and the fields an operator lists beside it.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Definition {
+pub(crate) struct Definition {
     /// `None`: the document has no `spec` (its instances run it from their config file); an
     /// error: `spec` is not a document.
     pub spec: Option<Result<BotSpec, String>>,
@@ -58,7 +58,7 @@ pub struct Definition {
 }
 
 /// Decodes what a bot document says of its definition.
-pub fn definition(raw: &Document) -> Definition {
+pub(crate) fn definition(raw: &Document) -> Definition {
     let version = raw.get(field::SPEC_VERSION).and_then(integer);
     let spec = raw.get(field::SPEC).map(|spec| match spec {
         Bson::Document(spec) => Ok(BotSpec {
@@ -84,7 +84,7 @@ pub fn definition(raw: &Document) -> Definition {
 }
 
 /// The seed URLs a bot document stores (strings only; anything else is skipped).
-pub fn seeds(raw: &Document) -> Vec<String> {
+pub(crate) fn seeds(raw: &Document) -> Vec<String> {
     raw.get_array(field::SEEDS)
         .map(|seeds| {
             seeds
@@ -97,7 +97,7 @@ pub fn seeds(raw: &Document) -> Vec<String> {
 
 /// What the last completed pass's deletion evaluation did, as `crawlLastPass` records it.
 #[derive(Clone, Debug, PartialEq)]
-pub struct LastEvaluation {
+pub(crate) struct LastEvaluation {
     pub pass: i64,
     /// `applied`, or `skipped: why`.
     pub deletion: String,
@@ -108,7 +108,7 @@ pub struct LastEvaluation {
 }
 
 /// The last completed pass's evaluation (`None` before any pass completed).
-pub fn last_evaluation(raw: &Document) -> Option<LastEvaluation> {
+pub(crate) fn last_evaluation(raw: &Document) -> Option<LastEvaluation> {
     let last = raw.get_document(field::CRAWL_LAST_PASS).ok()?;
     let count = |name: &str| last.get(name).and_then(integer).unwrap_or(0);
     Some(LastEvaluation {
@@ -121,61 +121,61 @@ pub fn last_evaluation(raw: &Document) -> Option<LastEvaluation> {
 }
 
 /// A bot document split for `inspect`: the document without its history, and the history.
-pub fn without_history(raw: &Document) -> (Document, Option<Bson>) {
+pub(crate) fn without_history(raw: &Document) -> (Document, Option<Bson>) {
     let mut body = raw.clone();
     let history = body.remove(field::HISTORY);
     (body, history)
 }
 
 /// Field names, camelCase as an admin sees them in mongosh.
-pub mod field {
-    pub const ID: &str = "_id";
-    pub const IS_READY: &str = "isReady";
-    pub const IS_EDITING: &str = "isEditing";
-    pub const SEEDS: &str = "seeds";
-    pub const LAST_UPDATE_STARTED_AT: &str = "lastUpdateStartedAt";
-    pub const LAST_SEED_UPDATED_AT: &str = "lastSeedUpdatedAt";
-    pub const EDITING_BY: &str = "editingBy";
-    pub const LOCK_EPOCH: &str = "lockEpoch";
-    pub const HEARTBEAT_AT: &str = "heartbeatAt";
-    pub const LOCK_EXPIRES_AT: &str = "lockExpiresAt";
-    pub const LAST_ERROR: &str = "lastError";
-    pub const FAILED_REFRESHES: &str = "failedRefreshes";
-    pub const REFRESH_REQUESTED_AT: &str = "refreshRequestedAt";
-    pub const RETRY_AFTER: &str = "retryRefreshAfter";
-    pub const HISTORY: &str = "history";
-    pub const CRAWL_PASS: &str = "crawlPass";
-    pub const CRAWL_PASS_STARTED_AT: &str = "crawlPassStartedAt";
-    pub const CRAWL_PASS_ENDED_AT: &str = "crawlPassEndedAt";
-    pub const CRAWL_LAST_RUN_AT: &str = "crawlLastRunAt";
-    pub const CRAWL_LAST_PASS: &str = "crawlLastPass";
+pub(crate) mod field {
+    pub(crate) const ID: &str = "_id";
+    pub(crate) const IS_READY: &str = "isReady";
+    pub(crate) const IS_EDITING: &str = "isEditing";
+    pub(crate) const SEEDS: &str = "seeds";
+    pub(crate) const LAST_UPDATE_STARTED_AT: &str = "lastUpdateStartedAt";
+    pub(crate) const LAST_SEED_UPDATED_AT: &str = "lastSeedUpdatedAt";
+    pub(crate) const EDITING_BY: &str = "editingBy";
+    pub(crate) const LOCK_EPOCH: &str = "lockEpoch";
+    pub(crate) const HEARTBEAT_AT: &str = "heartbeatAt";
+    pub(crate) const LOCK_EXPIRES_AT: &str = "lockExpiresAt";
+    pub(crate) const LAST_ERROR: &str = "lastError";
+    pub(crate) const FAILED_REFRESHES: &str = "failedRefreshes";
+    pub(crate) const REFRESH_REQUESTED_AT: &str = "refreshRequestedAt";
+    pub(crate) const RETRY_AFTER: &str = "retryRefreshAfter";
+    pub(crate) const HISTORY: &str = "history";
+    pub(crate) const CRAWL_PASS: &str = "crawlPass";
+    pub(crate) const CRAWL_PASS_STARTED_AT: &str = "crawlPassStartedAt";
+    pub(crate) const CRAWL_PASS_ENDED_AT: &str = "crawlPassEndedAt";
+    pub(crate) const CRAWL_LAST_RUN_AT: &str = "crawlLastRunAt";
+    pub(crate) const CRAWL_LAST_PASS: &str = "crawlLastPass";
     /// A refresh succeeded while the pass ran: the next pass starts when it ends.
-    pub const CRAWL_NEXT_PASS_AT: &str = "crawlNextPassAt";
+    pub(crate) const CRAWL_NEXT_PASS_AT: &str = "crawlNextPassAt";
     /// The bot's definition (a `[[bots]]` entry, every default filled in), for instances that
     /// take their bots from the database; `specVersion` rises on every change.
-    pub const SPEC: &str = "spec";
-    pub const SPEC_VERSION: &str = "specVersion";
-    pub const SPEC_UPDATED_AT: &str = "specUpdatedAt";
+    pub(crate) const SPEC: &str = "spec";
+    pub(crate) const SPEC_VERSION: &str = "specVersion";
+    pub(crate) const SPEC_UPDATED_AT: &str = "specUpdatedAt";
     /// Why the instances cannot run `spec` (the key named), until it is fixed.
-    pub const SPEC_ERROR: &str = "specError";
+    pub(crate) const SPEC_ERROR: &str = "specError";
     /// The spec the current pass started with: the pass ends on it whatever changes meanwhile.
-    pub const CRAWL_PASS_SPEC: &str = "crawlPassSpec";
-    pub const CRAWL_PASS_SPEC_VERSION: &str = "crawlPassSpecVersion";
+    pub(crate) const CRAWL_PASS_SPEC: &str = "crawlPassSpec";
+    pub(crate) const CRAWL_PASS_SPEC_VERSION: &str = "crawlPassSpecVersion";
     /// The pass started on another spec than the pass before it: it fetches every page anew.
-    pub const CRAWL_PASS_REFETCH: &str = "crawlPassRefetch";
-    pub const CRAWL_EVALUATED_PASS: &str = "crawlEvaluatedPass";
+    pub(crate) const CRAWL_PASS_REFETCH: &str = "crawlPassRefetch";
+    pub(crate) const CRAWL_EVALUATED_PASS: &str = "crawlEvaluatedPass";
     /// Paused by an operator: no instance takes the lock or leases a URL.
-    pub const PAUSED: &str = "paused";
-    pub const PAUSED_BY: &str = "pausedBy";
-    pub const PAUSED_AT: &str = "pausedAt";
-    pub const PAUSE_REASON: &str = "pauseReason";
+    pub(crate) const PAUSED: &str = "paused";
+    pub(crate) const PAUSED_BY: &str = "pausedBy";
+    pub(crate) const PAUSED_AT: &str = "pausedAt";
+    pub(crate) const PAUSE_REASON: &str = "pauseReason";
 }
 
 /// How many transitions `history` keeps.
-pub const HISTORY_LEN: i32 = 50;
+pub(crate) const HISTORY_LEN: i32 = 50;
 
 /// What one read of a bot's document found: missing, malformed (with the reasons) or valid.
-pub fn observe(raw: Option<Document>) -> Observed {
+pub(crate) fn observe(raw: Option<Document>) -> Observed {
     {
         match raw {
             None => Observed::Missing,
@@ -376,7 +376,7 @@ fn last_pass_pages(raw: &Document) -> Option<u64> {
 
 /// Pass `pass`'s counts as its end recorded them in `crawlLastPass` — `None` if that reports
 /// another pass, or its counts do not read as counts.
-pub fn recorded_counts(raw: &Document, pass: PassNumber) -> Option<RecordedCounts> {
+pub(crate) fn recorded_counts(raw: &Document, pass: PassNumber) -> Option<RecordedCounts> {
     let last = raw.get_document(field::CRAWL_LAST_PASS).ok()?;
     (last.get("pass").and_then(integer) == Some(pass.get())).then_some(())?;
     Some(RecordedCounts {

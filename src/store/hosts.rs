@@ -10,7 +10,7 @@ use super::Store;
 use crate::error::Result;
 use crate::ids::InstanceId;
 
-pub const HOSTS: &str = "hosts";
+pub(crate) const HOSTS: &str = "hosts";
 
 /// One instance's view of one host.
 #[derive(Clone, Debug, PartialEq)]
@@ -58,7 +58,7 @@ impl Hosts<'_> {
     }
 
     /// Upserts this instance's rows (one write per host).
-    pub async fn publish(self, me: &InstanceId, rows: &[HostRow]) -> Result<()> {
+    pub(crate) async fn publish(self, me: &InstanceId, rows: &[HostRow]) -> Result<()> {
         let hosts = self.store.database().collection::<Document>(HOSTS);
         for row in rows {
             let update = doc! { "$set": {

@@ -17,7 +17,7 @@ use crate::error::Result;
 
 /// One index as this version wants it.
 #[derive(Clone, Debug)]
-pub struct IndexDef {
+pub(crate) struct IndexDef {
     pub name: &'static str,
     pub keys: Document,
     /// Only the documents this filter matches are in the index.
@@ -27,7 +27,7 @@ pub struct IndexDef {
 }
 
 impl IndexDef {
-    pub fn new(name: &'static str, keys: Document) -> IndexDef {
+    pub(crate) fn new(name: &'static str, keys: Document) -> IndexDef {
         IndexDef {
             name,
             keys,

@@ -23,7 +23,7 @@ use super::{date, plus, Store};
 use crate::error::{is_duplicate_key, Result};
 use crate::ids::InstanceId;
 
-pub const INSTANCES: &str = "instances";
+pub(crate) const INSTANCES: &str = "instances";
 
 /// How many sessions a registration names (the newest): a process's commit transactions use a
 /// few pooled sessions, one per writer at a time.
@@ -31,7 +31,7 @@ const NAMED_SESSIONS: usize = 16;
 
 /// The sessions this process's commit transactions use, once its registration names them.
 #[derive(Debug, Default)]
-pub struct TransactionSessions {
+pub(crate) struct TransactionSessions {
     owner: OnceLock<InstanceId>,
     /// Sessions already named (as their `lsid` printed).
     named: Mutex<HashSet<String>>,
@@ -93,7 +93,7 @@ impl Presence {
 
 /// What registering an instance id found.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Registration {
+pub(crate) enum Registration {
     /// The id was free; it is this process's now.
     Registered,
     /// Another process registered it (nothing was written).
@@ -114,7 +114,7 @@ impl Instances<'_> {
     }
 
     /// Registers `me` for this process, if no other process has.
-    pub async fn insert(
+    pub(crate) async fn insert(
         self,
         me: &InstanceId,
         mine: &Presence,
@@ -148,7 +148,7 @@ impl Instances<'_> {
 
     /// Takes `me` over from a dead process whose registration is `theirs` — conditional on its
     /// token, so two processes replacing the same dead one cannot both win. True if it did.
-    pub async fn replace(
+    pub(crate) async fn replace(
         self,
         me: &InstanceId,
         theirs: &Presence,
@@ -174,7 +174,7 @@ impl Instances<'_> {
     }
 
     /// Renews this process's registration. False if the id is no longer this process's.
-    pub async fn heartbeat(
+    pub(crate) async fn heartbeat(
         self,
         me: &InstanceId,
         token: &str,
@@ -239,7 +239,7 @@ impl Instances<'_> {
 
     /// Ends the transactions a dead process may have left open in its `sessions`. Best effort:
     /// the server ends them itself after its transaction lifetime. Returns whether it did.
-    pub async fn end_sessions(self, sessions: &[Document]) -> bool {
+    pub(crate) async fn end_sessions(self, sessions: &[Document]) -> bool {
         if sessions.is_empty() {
             return false;
         }
@@ -263,7 +263,7 @@ impl Instances<'_> {
     }
 
     /// The registrations of `ids` that exist (an id without one stopped cleanly, or never ran).
-    pub async fn registrations(self, ids: &[&str]) -> Result<HashMap<String, Presence>> {
+    pub(crate) async fn registrations(self, ids: &[&str]) -> Result<HashMap<String, Presence>> {
         if ids.is_empty() {
             return Ok(HashMap::new());
         }
@@ -285,7 +285,7 @@ impl Instances<'_> {
     }
 
     /// Ends this process's registration (at a clean stop).
-    pub async fn remove(self, me: &InstanceId, token: &str) -> Result<()> {
+    pub(crate) async fn remove(self, me: &InstanceId, token: &str) -> Result<()> {
         self.store
             .bounded(
                 "remove instance",

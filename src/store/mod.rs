@@ -27,35 +27,34 @@ use crate::config::MongoSettings;
 use crate::error::{is_duplicate_key, Error, Result};
 use crate::ids::BotId;
 
-pub mod bots;
-pub mod deletions;
+pub(crate) mod bots;
+pub(crate) mod deletions;
 pub mod document;
 pub mod frontier;
 pub mod hosts;
-pub mod indexes;
-pub mod instances;
+pub(crate) mod indexes;
+pub(crate) mod instances;
 pub mod passes;
 pub mod records;
-pub mod reply;
-pub mod startup;
+pub(crate) mod reply;
+pub(crate) mod startup;
 
-pub use bots::{
-    Applied, BotChange, BotChanges, BotDigest, Bots, EditLock, NextPass, Pause, UnlockOutcome,
-};
-pub use deletions::Deletions;
-pub use frontier::Frontier;
-pub use hosts::Hosts;
-pub use instances::Instances;
-pub use passes::Passes;
-pub use records::{ExportRecords, Records};
+pub(crate) use bots::{Applied, Bots, Pause};
+pub use bots::{EditLock, NextPass, UnlockOutcome};
+pub(crate) use deletions::Deletions;
+pub(crate) use frontier::Frontier;
+pub(crate) use hosts::Hosts;
+pub(crate) use instances::Instances;
+pub(crate) use passes::Passes;
+pub(crate) use records::{ExportRecords, Records};
 
-pub const BOTS: &str = "bots";
+pub(crate) const BOTS: &str = "bots";
 
 /// The write concern of every write: acknowledged by a majority of the replica set's voting
 /// members and written to their journals, so a primary's failover cannot roll it back (a claim
 /// rolled back would leave a bot with two holders; a done mark rolled back, a record without its
 /// mark). Set here, overriding whatever default the server or the URI has.
-pub fn durable() -> WriteConcern {
+pub(crate) fn durable() -> WriteConcern {
     WriteConcern::builder()
         .w(mongodb::options::Acknowledgment::Majority)
         .journal(true)
@@ -88,7 +87,7 @@ pub struct ConnectError {
 /// command and reply into documents for its events: at 200,000 items a second pass spent a few
 /// percent of its CPU and several MiB of peak memory on decoding manifests nobody read there.)
 #[derive(Debug, Default)]
-pub struct CommandCounts {
+pub(crate) struct CommandCounts {
     sent: std::sync::Mutex<std::collections::BTreeMap<&'static str, u64>>,
     /// Time from sending to the answer, summed per operation (for `debug` logs).
     took: std::sync::Mutex<std::collections::BTreeMap<&'static str, Duration>>,
@@ -97,7 +96,7 @@ pub struct CommandCounts {
 }
 
 /// What [`CommandCounts`] reports round trips its operations did not account for as.
-pub const FURTHER_BATCHES: &str = "getMore";
+pub(crate) const FURTHER_BATCHES: &str = "getMore";
 
 impl CommandCounts {
     fn add(&self, what: &'static str) {
@@ -111,14 +110,14 @@ impl CommandCounts {
     }
 
     /// Round trips so far: every command sent, where the pool's check-outs are known.
-    pub fn round_trips(&self) -> Option<u64> {
+    pub(crate) fn round_trips(&self) -> Option<u64> {
         self.checkouts
             .as_ref()
             .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Round trips so far, by operation (and [`FURTHER_BATCHES`]).
-    pub fn snapshot(&self) -> std::collections::BTreeMap<String, u64> {
+    pub(crate) fn snapshot(&self) -> std::collections::BTreeMap<String, u64> {
         let mut out: std::collections::BTreeMap<String, u64> = self
             .sent
             .lock()
@@ -134,7 +133,7 @@ impl CommandCounts {
     }
 
     /// Milliseconds spent waiting for each operation's answers so far.
-    pub fn waited_ms(&self) -> std::collections::BTreeMap<String, u64> {
+    pub(crate) fn waited_ms(&self) -> std::collections::BTreeMap<String, u64> {
         self.took
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -254,7 +253,7 @@ impl Drop for InFlight<'_> {
 }
 
 /// The default for `mongo.op_timeout`.
-pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A time as BSON (every date this crate writes goes through here).
 pub fn date(at: DateTime<Utc>) -> Bson {
@@ -331,7 +330,7 @@ impl Store {
 
     /// How long this store's operations waited for a pooled connection, in all, and how many
     /// check-outs there were (zero for a store made from its caller's database handle).
-    pub fn pool_wait(&self) -> (Duration, u64) {
+    pub(crate) fn pool_wait(&self) -> (Duration, u64) {
         self.pool_wait.total()
     }
 
@@ -348,7 +347,7 @@ impl Store {
     }
 
     /// Milliseconds this store waited for each operation's answers.
-    pub fn command_waits(&self) -> std::collections::BTreeMap<String, u64> {
+    pub(crate) fn command_waits(&self) -> std::collections::BTreeMap<String, u64> {
         self.commands.waited_ms()
     }
 
@@ -419,7 +418,7 @@ impl Store {
     }
 
     /// Deletes the bot's frontier and records; returns how many of each.
-    pub async fn purge_bot(&self, bot: &BotId) -> Result<(u64, u64)> {
+    pub(crate) async fn purge_bot(&self, bot: &BotId) -> Result<(u64, u64)> {
         let frontier = self
             .bounded(
                 "purge frontier",
@@ -664,19 +663,19 @@ impl Store {
 
     /// Ends the client cleanly: waits (bounded) for operations in flight, then closes the pools,
     /// so no driver task is still running when the runtime stops.
-    pub async fn shutdown(&self) {
+    pub(crate) async fn shutdown(&self) {
         let client = self.db.client().clone();
         let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
     }
 
-    pub fn database(&self) -> &Database {
+    pub(crate) fn database(&self) -> &Database {
         &self.db
     }
 
     /// How long the server has left this store unanswered: zero while nothing is in flight and
     /// the last operation was answered, else the time since the last answer (or since the
     /// first operation sent after an answered quiet spell).
-    pub fn unanswered_for(&self) -> Duration {
+    pub(crate) fn unanswered_for(&self) -> Duration {
         self.answers.unanswered_for()
     }
 

@@ -101,7 +101,7 @@ pub struct PassEnd {
 
 /// What `seedlock status` shows of a bot's current pass.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct PassReport {
+pub(crate) struct PassReport {
     pub pass: PassNumber,
     pub progress: PassProgress,
     pub started_at: Option<DateTime<Utc>>,
@@ -120,7 +120,7 @@ fn url_of(entry: &bson::RawDocument) -> Option<NormalizedUrl> {
 
 /// A listing page an earlier pass read and this one has not reached yet.
 #[derive(Clone, Debug)]
-pub struct UnreachedPage {
+pub(crate) struct UnreachedPage {
     pub url: NormalizedUrl,
     /// Its frontier id.
     pub id: String,
@@ -170,7 +170,7 @@ impl Passes<'_> {
     /// Starts the first pass of a ready bot that has none yet (`crawlPass` unset or 0): one
     /// instance's conditional write wins; the others' seeds enqueues were no-ops. Returns the
     /// pass number when this call started it.
-    pub async fn start(
+    pub(crate) async fn start(
         self,
         bot: &BotId,
         current: PassNumber,
@@ -200,7 +200,7 @@ impl Passes<'_> {
     /// (`crawlNextPassAt`): its seeds are enqueued, then one conditional write (the pass
     /// unchanged, ended, the next asked for) moves `crawlPass`. Returns the pass number when this
     /// call started it.
-    pub async fn start_next(
+    pub(crate) async fn start_next(
         self,
         bot: &BotId,
         current: PassNumber,
@@ -487,7 +487,7 @@ impl Passes<'_> {
 
     /// The listing pages counted by [`Passes::unreached_lists`], each with its frontier id and
     /// what its entry holds (to lease them into the pass from their entries).
-    pub async fn unreached_list_pages(
+    pub(crate) async fn unreached_list_pages(
         self,
         bot: &BotId,
         pass: PassNumber,
@@ -643,7 +643,7 @@ impl Passes<'_> {
     /// last recorded pass is another one. One read of the bot document, where counting the
     /// frontier again costs an aggregation over every entry of the pass (seconds at a million
     /// pages).
-    pub async fn recorded_progress(
+    pub(crate) async fn recorded_progress(
         self,
         bot: &BotId,
         pass: PassNumber,
@@ -663,7 +663,7 @@ impl Passes<'_> {
 
     /// The current pass of a bot as `seedlock status` shows it: an ended pass with the counts
     /// its end recorded, a running one counted on the frontier.
-    pub async fn report(self, doc: &BotDoc) -> Result<PassReport> {
+    pub(crate) async fn report(self, doc: &BotDoc) -> Result<PassReport> {
         let (bot, pass) = (&doc.id, doc.crawl_pass);
         if pass == PassNumber::NONE {
             return Ok(PassReport::default());

@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::ids::BotId;
 use crate::urls::NormalizedUrl;
 
-pub const RECORDS: &str = "records";
+pub(crate) const RECORDS: &str = "records";
 
 /// Indexes of earlier versions, dropped at start-up: `bot_last_seen_pass` served deletion
 /// detection by per-record seen marks (replaced by the listing manifests); `bot_list_key` a
@@ -45,21 +45,21 @@ pub const RETIRED_RECORD_INDEXES: [&str; 2] = ["bot_last_seen_pass", "bot_list_k
 const ROUNDS: usize = 5;
 
 /// Record document field names.
-pub mod field {
-    pub const ID: &str = "_id";
-    pub const BOT: &str = "botId";
-    pub const NATURAL_KEY: &str = "naturalKey";
-    pub const URL: &str = "url";
-    pub const DATA: &str = "data";
-    pub const CONTENT_HASH: &str = "contentHash";
-    pub const FIRST_SEEN: &str = "firstSeen";
-    pub const LAST_CHANGED: &str = "lastChanged";
+pub(crate) mod field {
+    pub(crate) const ID: &str = "_id";
+    pub(crate) const BOT: &str = "botId";
+    pub(crate) const NATURAL_KEY: &str = "naturalKey";
+    pub(crate) const URL: &str = "url";
+    pub(crate) const DATA: &str = "data";
+    pub(crate) const CONTENT_HASH: &str = "contentHash";
+    pub(crate) const FIRST_SEEN: &str = "firstSeen";
+    pub(crate) const LAST_CHANGED: &str = "lastChanged";
     /// The lease time of the fetch whose result is stored (moves only with a write)…
-    pub const FETCHED_AT: &str = "fetchedAt";
+    pub(crate) const FETCHED_AT: &str = "fetchedAt";
     /// …and its pass.
-    pub const FETCHED_PASS: &str = "fetchedPass";
-    pub const REMOVED_AT: &str = "removedAt";
-    pub const REMOVED_IN_PASS: &str = "removedInPass";
+    pub(crate) const FETCHED_PASS: &str = "fetchedPass";
+    pub(crate) const REMOVED_AT: &str = "removedAt";
+    pub(crate) const REMOVED_IN_PASS: &str = "removedInPass";
 }
 
 use field as f;
@@ -416,7 +416,11 @@ impl Records<'_> {
     /// crash between the two writes, or a lease taken over), found gone: its frontier entry does
     /// not know the record. No index serves it (it reads the bot's records); it is asked only
     /// in that case.
-    pub async fn live_record_at(self, bot: &BotId, url: &NormalizedUrl) -> Result<Option<String>> {
+    pub(crate) async fn live_record_at(
+        self,
+        bot: &BotId,
+        url: &NormalizedUrl,
+    ) -> Result<Option<String>> {
         let docs = self
             .store
             .find_once(
@@ -863,7 +867,7 @@ impl Records<'_> {
 
     /// Whether the server runs multi-document transactions (`crawl.transactions = "auto"`): one
     /// empty transaction, aborted. A transient failure is an error, not a "no".
-    pub async fn supports_transactions(self) -> Result<bool> {
+    pub(crate) async fn supports_transactions(self) -> Result<bool> {
         let probe = async {
             let mut session = self.store.database().client().start_session().await?;
             session.start_transaction().await?;

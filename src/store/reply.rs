@@ -9,7 +9,7 @@ use crate::store::document::integer;
 /// A command's reply as the store accepts it: a `writeConcernError` (the write was applied on the
 /// primary but not acknowledged as the write concern asks — `w: "majority", j: true`) is an
 /// error, whatever `ok` says.
-pub fn checked(what: &'static str, reply: Document) -> Result<Document> {
+pub(crate) fn checked(what: &'static str, reply: Document) -> Result<Document> {
     let Ok(wce) = reply.get_document("writeConcernError") else {
         return Ok(reply);
     };
@@ -31,7 +31,7 @@ pub fn checked(what: &'static str, reply: Document) -> Result<Document> {
 
 /// The statements that failed on a duplicate key (their indexes in the command's list). Any other
 /// write error is a [`Error::Protocol`] naming `what`.
-pub fn duplicates(what: &'static str, reply: &Document) -> Result<Vec<usize>> {
+pub(crate) fn duplicates(what: &'static str, reply: &Document) -> Result<Vec<usize>> {
     let mut duplicates = Vec::new();
     for error in write_errors(reply) {
         let code = error.get("code").and_then(integer);
@@ -51,14 +51,14 @@ pub fn duplicates(what: &'static str, reply: &Document) -> Result<Vec<usize>> {
 
 /// Whether the reply's write errors are all of statements that met a transaction's documents
 /// (cut short by `maxTimeMS`, or a write conflict) — and there is at least one.
-pub fn held_by_transaction(reply: &Document) -> bool {
+pub(crate) fn held_by_transaction(reply: &Document) -> bool {
     let mut errors = write_errors(reply).peekable();
     errors.peek().is_some()
         && errors.all(|e| matches!(e.get("code").and_then(integer), Some(50 | 112)))
 }
 
 /// The documents the command matched (`n`), 0 when the reply has none.
-pub fn count(reply: &Document) -> usize {
+pub(crate) fn count(reply: &Document) -> usize {
     reply.get("n").and_then(integer).unwrap_or(0).max(0) as usize
 }
 

@@ -11,14 +11,17 @@ use crate::config::MongoSettings;
 use crate::store::Store;
 
 /// Connects to the database and syncs the server clock. The error is one line for the operator.
-pub async fn open(mongo: &MongoSettings) -> Result<(Store, Arc<ServerClock>), String> {
+pub(crate) async fn open(mongo: &MongoSettings) -> Result<(Store, Arc<ServerClock>), String> {
     let store = Store::connect(mongo).await.map_err(|e| e.to_string())?;
     let clock = server_clock(&store, mongo.connect_timeout).await?;
     Ok((store, clock))
 }
 
 /// The server's time as this instance judges every expiry by it.
-pub async fn server_clock(store: &Store, patience: Duration) -> Result<Arc<ServerClock>, String> {
+pub(crate) async fn server_clock(
+    store: &Store,
+    patience: Duration,
+) -> Result<Arc<ServerClock>, String> {
     let local = LocalClock::from_env()?;
     let clock = Arc::new(ServerClock::new(local));
     // Three samples: the one with the shortest round trip sets the offset.
@@ -35,7 +38,7 @@ pub async fn server_clock(store: &Store, patience: Duration) -> Result<Arc<Serve
 /// Start-up database work, retried while it fails transiently — the server restarting just as
 /// this instance starts (its ping answered, the next operation's connection was reset) — until
 /// `patience` (`mongo.connect_timeout`) runs out; then the last error. Each retry logs a warning.
-pub async fn with_patience<T, F, Fut>(
+pub(crate) async fn with_patience<T, F, Fut>(
     what: &str,
     patience: Duration,
     mut op: F,

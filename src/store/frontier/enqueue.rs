@@ -206,7 +206,7 @@ impl Frontier<'_> {
     /// Adds `urls` to pass `pass`: new URLs are inserted pending; URLs last crawled in an earlier
     /// pass become pending again (keeping their validators and record id); URLs already in this
     /// pass are left alone. Returns how many were added or reset.
-    pub async fn enqueue_urls(
+    pub(crate) async fn enqueue_urls(
         self,
         bot: &BotId,
         pass: PassNumber,
@@ -388,7 +388,7 @@ impl Frontier<'_> {
     /// links are enqueued leased to `me` and returned as leases (those another instance
     /// enqueued first are not). No validators are kept: a listing page is read every pass, and a
     /// changed item's page needs none.
-    pub async fn upsert_links(
+    pub(crate) async fn upsert_links(
         self,
         bot: &BotId,
         pass: PassNumber,

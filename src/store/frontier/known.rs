@@ -17,7 +17,7 @@ pub struct KnownPage {
 
 impl KnownPage {
     /// The fields a read of known pages projects (with `extra`).
-    pub fn projection(extra: &[&str]) -> Document {
+    pub(crate) fn projection(extra: &[&str]) -> Document {
         let mut projection = doc! {
             f::PASS: 1, f::STATUS: 1, f::FINGERPRINT: 1, f::RECORD_ID: 1, f::ETAG: 1,
             f::LAST_MODIFIED: 1,
@@ -30,7 +30,7 @@ impl KnownPage {
 
     /// What an entry read raw with [`KnownPage::projection`] holds (a field that does not read
     /// is missing).
-    pub fn from_raw(entry: &bson::RawDocument) -> KnownPage {
+    pub(crate) fn from_raw(entry: &bson::RawDocument) -> KnownPage {
         Document::try_from(entry).map_or_else(
             |_| KnownPage::from_doc(&Document::new()),
             |doc| KnownPage::from_doc(&doc),

@@ -71,7 +71,7 @@ pub fn candidate_filter(bot: &BotId, pass: PassNumber, query: &CandidateQuery) -
 
 /// How long a lease write may wait on the server (`maxTimeMS`) for documents an open
 /// transaction holds before it gives up on them.
-pub const LEASE_WRITE_MAX_TIME: Duration = Duration::from_secs(2);
+pub(crate) const LEASE_WRITE_MAX_TIME: Duration = Duration::from_secs(2);
 
 /// What [`Frontier::take_leases`] took.
 #[derive(Debug, Default)]
@@ -410,7 +410,7 @@ impl Frontier<'_> {
     }
 
     /// Makes the pass's waiting retries whose `notBefore` has come pending again (one write).
-    pub async fn promote_due(
+    pub(crate) async fn promote_due(
         self,
         bot: &BotId,
         pass: PassNumber,
@@ -451,7 +451,7 @@ impl Frontier<'_> {
     }
 
     /// URLs of the bot leased by anyone whose lease has not run out.
-    pub async fn live_leases(self, bot: &BotId, now: DateTime<Utc>) -> Result<u64> {
+    pub(crate) async fn live_leases(self, bot: &BotId, now: DateTime<Utc>) -> Result<u64> {
         use super::field as fr;
         self.store
             .bounded(

@@ -27,7 +27,7 @@ pub struct Manifest {
 
 impl Manifest {
     /// Adds a detail page (once: a page that lists an item twice lists it once).
-    pub fn push(&mut self, id: String, fingerprint: i64, fetched: bool) -> bool {
+    pub(crate) fn push(&mut self, id: String, fingerprint: i64, fetched: bool) -> bool {
         if self.listed.contains(&id) {
             return false;
         }
@@ -41,7 +41,7 @@ impl Manifest {
     }
 
     /// A hash of the list as a set (order and repeats do not count).
-    pub fn hash(&self) -> String {
+    pub(crate) fn hash(&self) -> String {
         let mut ids: Vec<&str> = self.listed.iter().map(String::as_str).collect();
         ids.sort_unstable();
         ids.dedup();
@@ -64,7 +64,7 @@ pub fn fingerprint_hash(fingerprint: &str) -> i64 {
 /// fields, equalities then one operator — a shape every server answers from [`LISTINGS_INDEX`]
 /// with no hint (the test server routes only that shape through an index, and a bare `pass: n`
 /// beside the partial filter's field not at all). Conditions on other fields are the reader's.
-pub fn listing_filters(bot: &BotId, pass: Document) -> Vec<Document> {
+pub(crate) fn listing_filters(bot: &BotId, pass: Document) -> Vec<Document> {
     PageKind::LISTING
         .iter()
         .map(|kind| doc! { f::KIND: kind.as_str(), f::BOT: bot.as_str(), f::PASS: pass.clone() })
@@ -78,7 +78,7 @@ pub fn unreached_listings_filters(bot: &BotId, pass: PassNumber) -> Vec<Document
 }
 
 /// Whether a listing entry (read with its `status` and `doneAt`) was read, done, since `since`.
-pub fn read_since(entry: &bson::RawDocument, since: DateTime<Utc>) -> bool {
+pub(crate) fn read_since(entry: &bson::RawDocument, since: DateTime<Utc>) -> bool {
     entry.get_str(f::STATUS).ok() == Some(UrlStatus::Done.as_str())
         && entry
             .get_datetime(f::DONE_AT)
@@ -95,7 +95,7 @@ pub(super) fn listing_partial() -> Document {
 
 /// One item of a stored manifest, as [`Frontier::listing_manifests`] hands it out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ListedItem {
+pub(crate) struct ListedItem {
     /// The key of the detail page's frontier id ([`id_key`]).
     pub key: u64,
     /// Its fingerprint hash (0: a plain link, no item).
@@ -109,7 +109,7 @@ pub(super) const ID_BYTES: usize = 16;
 
 /// The key of a frontier id: its first 64 bits (16 hex digits). Two ids that share them are one
 /// key; whoever compares by key must treat a collision as "unsure", never as "the same".
-pub fn id_key(id: &str) -> u64 {
+pub(crate) fn id_key(id: &str) -> u64 {
     let end = id.len().min(16);
     u64::from_str_radix(&id[..end], 16).unwrap_or_else(|_| crate::ids::sha256_u64(&[id.as_bytes()]))
 }
@@ -299,7 +299,7 @@ impl Frontier<'_> {
     /// wrote it), streamed raw on [`LISTINGS_INDEX`] — what the next pass knows of the items
     /// without reading them one by one. `visit` gets the pass that read each manifest and its
     /// items.
-    pub async fn listing_manifests(
+    pub(crate) async fn listing_manifests(
         self,
         bot: &BotId,
         mut visit: impl FnMut(PassNumber, &[ListedItem]),

@@ -63,7 +63,7 @@ pub const FRONTIER_INDEX: &str = "bot_pass_status_host_priority_slot";
 /// on `kind` alone, reads the index's first field with it.
 pub const LISTINGS_INDEX: &str = "bot_pass_listings";
 /// Indexes of earlier versions, dropped at start-up: every index is paid on every status change.
-pub const RETIRED_INDEXES: [&str; 3] = [
+pub(crate) const RETIRED_INDEXES: [&str; 3] = [
     "bot_pass_status_expiry",
     "bot_pass_status_slot",
     "bot_pass_status_priority_slot",
@@ -72,7 +72,7 @@ pub const RETIRED_INDEXES: [&str; 3] = [
 /// (an `$in` on the index's last field) so that every lease query reads about as many entries as
 /// it wants, whatever the pass's size — a server that reads every entry inside a query's bounds
 /// (the test server does) would otherwise pay for the whole pass on every lease.
-pub const SLOTS: u32 = 1024;
+pub(crate) const SLOTS: u32 = 1024;
 /// Statements or documents per command: well under the servers' limits (100,000 statements,
 /// 16 MiB).
 pub(in crate::store) const CHUNK: usize = 1000;
@@ -85,52 +85,52 @@ pub(in crate::store) const IN_CHUNK: usize = 100;
 pub(in crate::store) const MANIFESTS_PER_BATCH: u32 = 25;
 
 /// Frontier document field names.
-pub mod field {
-    pub const ID: &str = "_id";
-    pub const BOT: &str = "botId";
-    pub const URL: &str = "url";
-    pub const KIND: &str = "kind";
-    pub const PASS: &str = "pass";
-    pub const STATUS: &str = "status";
-    pub const ATTEMPTS: &str = "attempts";
-    pub const SHEDS: &str = "sheds";
-    pub const NOT_BEFORE: &str = "notBefore";
-    pub const SLOT: &str = "slot";
-    pub const HOST: &str = "host";
-    pub const PRIORITY: &str = "priority";
-    pub const LEASE_OWNER: &str = "leaseOwner";
-    pub const LEASE_TOKEN: &str = "leaseToken";
-    pub const LEASED_AT: &str = "leasedAt";
-    pub const LEASE_EXPIRES_AT: &str = "leaseExpiresAt";
+pub(crate) mod field {
+    pub(crate) const ID: &str = "_id";
+    pub(crate) const BOT: &str = "botId";
+    pub(crate) const URL: &str = "url";
+    pub(crate) const KIND: &str = "kind";
+    pub(crate) const PASS: &str = "pass";
+    pub(crate) const STATUS: &str = "status";
+    pub(crate) const ATTEMPTS: &str = "attempts";
+    pub(crate) const SHEDS: &str = "sheds";
+    pub(crate) const NOT_BEFORE: &str = "notBefore";
+    pub(crate) const SLOT: &str = "slot";
+    pub(crate) const HOST: &str = "host";
+    pub(crate) const PRIORITY: &str = "priority";
+    pub(crate) const LEASE_OWNER: &str = "leaseOwner";
+    pub(crate) const LEASE_TOKEN: &str = "leaseToken";
+    pub(crate) const LEASED_AT: &str = "leasedAt";
+    pub(crate) const LEASE_EXPIRES_AT: &str = "leaseExpiresAt";
     /// The token of the lease whose result settled the entry (done, failed, given back).
-    pub const LAST_LEASE_TOKEN: &str = "lastLeaseToken";
+    pub(crate) const LAST_LEASE_TOKEN: &str = "lastLeaseToken";
     /// The settle write that did it (a random id per write: a repeated settle matches nothing).
-    pub const SETTLED_BY: &str = "settledBy";
-    pub const LAST_ERROR: &str = "lastError";
-    pub const ETAG: &str = "etag";
-    pub const LAST_MODIFIED: &str = "lastModified";
-    pub const LIST_FINGERPRINT: &str = "listFingerprint";
-    pub const FINGERPRINT: &str = "fingerprint";
-    pub const RECORD_ID: &str = "recordId";
-    pub const ENQUEUED_AT: &str = "enqueuedAt";
-    pub const DISCOVERED_AT: &str = "discoveredAt";
-    pub const DONE_AT: &str = "doneAt";
+    pub(crate) const SETTLED_BY: &str = "settledBy";
+    pub(crate) const LAST_ERROR: &str = "lastError";
+    pub(crate) const ETAG: &str = "etag";
+    pub(crate) const LAST_MODIFIED: &str = "lastModified";
+    pub(crate) const LIST_FINGERPRINT: &str = "listFingerprint";
+    pub(crate) const FINGERPRINT: &str = "fingerprint";
+    pub(crate) const RECORD_ID: &str = "recordId";
+    pub(crate) const ENQUEUED_AT: &str = "enqueuedAt";
+    pub(crate) const DISCOVERED_AT: &str = "discoveredAt";
+    pub(crate) const DONE_AT: &str = "doneAt";
     /// A listing (or seed) page's manifest, as its last done mark wrote it ([`Manifest`](super::Manifest)): the
     /// frontier ids of the detail pages it listed, in page order…
-    pub const LISTED: &str = "listed";
+    pub(crate) const LISTED: &str = "listed";
     /// …each one's fingerprint hash (0: a plain link, no item)…
-    pub const LISTED_FP: &str = "listedFp";
+    pub(crate) const LISTED_FP: &str = "listedFp";
     /// …the positions of those that pass enqueued to fetch (not yet known to be stored)…
-    pub const LISTED_FETCH: &str = "listedFetch";
+    pub(crate) const LISTED_FETCH: &str = "listedFetch";
     /// …a hash of the list as a set, and the pass that read it.
-    pub const LISTED_HASH: &str = "listedHash";
-    pub const LISTED_PASS: &str = "listedPass";
+    pub(crate) const LISTED_HASH: &str = "listedHash";
+    pub(crate) const LISTED_PASS: &str = "listedPass";
     /// Every detail page the page listed since the last deletion evaluation (this pass's list
     /// included): the evaluation's baseline for this page.
-    pub const LISTED_SINCE: &str = "listedSince";
+    pub(crate) const LISTED_SINCE: &str = "listedSince";
     /// True when `listedSince` holds pages `listed` no longer does: the page's list changed
     /// since the last evaluation.
-    pub const LISTED_SINCE_MORE: &str = "listedSinceMore";
+    pub(crate) const LISTED_SINCE_MORE: &str = "listedSinceMore";
 }
 
 use field as f;
@@ -144,7 +144,7 @@ pub enum PageKind {
 }
 
 impl PageKind {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             PageKind::Seed => "seed",
             PageKind::List => "list",
@@ -161,7 +161,7 @@ impl PageKind {
         }
     }
 
-    pub fn parse(s: &str) -> Option<Self> {
+    pub(crate) fn parse(s: &str) -> Option<Self> {
         match s {
             "seed" => Some(PageKind::Seed),
             "list" => Some(PageKind::List),
@@ -172,10 +172,10 @@ impl PageKind {
 
     /// The kinds [`PageKind::is_listing`] answers yes for: exactly those whose name sorts after
     /// `detail`, the bound of [`LISTINGS_INDEX`]'s partial filter (a unit test holds them to it).
-    pub const LISTING: [PageKind; 2] = [PageKind::List, PageKind::Seed];
+    pub(crate) const LISTING: [PageKind; 2] = [PageKind::List, PageKind::Seed];
 
     /// Seeds and listing pages: read every pass, their links are the pass's evidence.
-    pub fn is_listing(self) -> bool {
+    pub(crate) fn is_listing(self) -> bool {
         Self::LISTING.contains(&self)
     }
 }
@@ -194,7 +194,7 @@ pub enum UrlStatus {
 }
 
 impl UrlStatus {
-    pub const ALL: [UrlStatus; 5] = [
+    pub(crate) const ALL: [UrlStatus; 5] = [
         UrlStatus::Pending,
         UrlStatus::Waiting,
         UrlStatus::Leased,
@@ -202,7 +202,7 @@ impl UrlStatus {
         UrlStatus::Failed,
     ];
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             UrlStatus::Pending => "pending",
             UrlStatus::Waiting => "waiting",
@@ -212,7 +212,7 @@ impl UrlStatus {
         }
     }
 
-    pub fn parse(s: &str) -> Option<Self> {
+    pub(crate) fn parse(s: &str) -> Option<Self> {
         UrlStatus::ALL.into_iter().find(|st| st.as_str() == s)
     }
 }
@@ -252,7 +252,7 @@ pub struct UrlLease {
 }
 
 impl UrlLease {
-    pub fn host(&self) -> String {
+    pub(crate) fn host(&self) -> String {
         self.url.host_port()
     }
 }

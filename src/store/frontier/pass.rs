@@ -44,7 +44,11 @@ impl Frontier<'_> {
     /// without the probe, a server that reads every entry a sort matches reads the whole frontier
     /// (3.7 s at 200,000 entries on the test server; the probe 0.2 s) — and only when it finds
     /// one does the full answer follow.
-    pub async fn highest_pass_above(self, bot: &BotId, floor: PassNumber) -> Result<PassNumber> {
+    pub(crate) async fn highest_pass_above(
+        self,
+        bot: &BotId,
+        floor: PassNumber,
+    ) -> Result<PassNumber> {
         let above = self
             .store
             .bounded(
@@ -83,7 +87,7 @@ impl Frontier<'_> {
 
     /// True while any URL of the pass is pending, waiting or leased (by anyone): bounded index
     /// lookups, cheap enough for every idle worker, where [`Frontier::pass_progress`] counts all.
-    pub async fn pass_has_work(self, bot: &BotId, pass: PassNumber) -> Result<bool> {
+    pub(crate) async fn pass_has_work(self, bot: &BotId, pass: PassNumber) -> Result<bool> {
         // The few leased and waiting entries first: a server that reads every entry a query
         // matches pays for the pending ones only when there are no others.
         for status in [UrlStatus::Leased, UrlStatus::Waiting, UrlStatus::Pending] {
@@ -108,7 +112,7 @@ impl Frontier<'_> {
     /// A pass's failed URLs grouped by reason, the most common first: up to `limit` reasons,
     /// each with its count and one example URL (one aggregation on the frontier index's
     /// `bot, pass, status` prefix).
-    pub async fn failure_reasons(
+    pub(crate) async fn failure_reasons(
         self,
         bot: &BotId,
         pass: PassNumber,
@@ -162,7 +166,7 @@ impl Frontier<'_> {
     /// The frontier ids of pass `pass`'s entries that did not end done (pending, waiting, leased,
     /// failed): after a pass, the detail pages it enqueued whose records are not known stored.
     /// One read per status on the main index.
-    pub async fn not_done_in(self, bot: &BotId, pass: PassNumber) -> Result<Vec<String>> {
+    pub(crate) async fn not_done_in(self, bot: &BotId, pass: PassNumber) -> Result<Vec<String>> {
         let mut ids = Vec::new();
         for status in [
             UrlStatus::Failed,
