@@ -8,6 +8,7 @@ use std::io::Write;
 use bson::{Bson, Document};
 
 use crate::ops::admin::{iso, to_json};
+use crate::store::records::{export_cells, export_header};
 use crate::store::ExportRecords;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -36,25 +37,16 @@ fn text_of(value: Option<&Bson>) -> String {
 
 /// The CSV header for a spec whose record has `fields`.
 pub(crate) fn csv_header(fields: &[String]) -> String {
-    let mut cells = vec!["naturalKey".to_owned(), "url".to_owned()];
-    cells.extend(fields.iter().map(|f| csv_cell(f)));
-    cells.extend(["firstSeen", "lastChanged", "removedAt"].map(String::from));
+    let cells: Vec<String> = export_header(fields).into_iter().map(csv_cell).collect();
     cells.join(",")
 }
 
 /// One record as a CSV row.
 pub fn csv_row(record: &Document, fields: &[String]) -> String {
-    let data = record.get_document("data").ok();
-    let mut cells = vec![
-        csv_cell(&text_of(record.get("naturalKey"))),
-        csv_cell(&text_of(record.get("url"))),
-    ];
-    for f in fields {
-        cells.push(csv_cell(&text_of(data.and_then(|d| d.get(f)))));
-    }
-    for f in ["firstSeen", "lastChanged", "removedAt"] {
-        cells.push(csv_cell(&text_of(record.get(f))));
-    }
+    let cells: Vec<String> = export_cells(record, fields)
+        .into_iter()
+        .map(|value| csv_cell(&text_of(value)))
+        .collect();
     cells.join(",")
 }
 

@@ -10,8 +10,24 @@
 //! [`Store::hosts`], and a bot's passes ([`Store::passes`], [`Store::deletions`]), which live in
 //! its `bots` document and its frontier.
 //!
-//! The database's vocabulary lives here too, below every wing that reads it: the bot document
-//! ([`document`]: its field names, the strict parse, `BotState`, `Claim`).
+//! The database's vocabulary lives here too: every document's field names. The bot document's
+//! typed form and the lock's states and claims belong to the lock wing below; [`document`]
+//! decodes a raw `bots` document into them and encodes their changes.
+//!
+//! # Sending a write again
+//!
+//! A write whose answer was lost may have been applied. Every statement the store writes is
+//! fenced or conditional, so a second attempt matches nothing or the same thing:
+//!
+//! | statements | why a second attempt is harmless |
+//! |---|---|
+//! | heartbeats of the held locks | fenced on `_id`, holder and epoch; they set the same expiry again |
+//! | enqueue inserts | `_id` is the URL's hash: the second attempt's duplicate is the first one's document; one leased with this command's token is recognised as ours |
+//! | enqueue resets and listing upserts | filtered on `pass < current`: the first attempt moved the entry into the pass, so the second matches nothing (a duplicate for an upsert), and a link it leased carries this command's token |
+//! | lease takes | filtered on `status: pending` (or the expired or predecessor's token): the second attempt matches nothing, and the read-back keeps every entry that carries this round's token |
+//! | done, failed, retry marks | filtered on the lease token; which marks applied is read back by the settle nonce (`settledBy`) |
+//! | record inserts and compare-and-swaps | an `_id` from the natural key and a filter on the version read: the second attempt is a duplicate or a missed swap, so the record is read again and found as written |
+//! | removals, restores, cleared baselines | conditional on `removedAt` or the pass: applying them twice changes nothing |
 
 use std::time::Duration;
 
@@ -550,7 +566,7 @@ impl Store {
     /// backoff, until it succeeds or `op_timeout` — counted from the first attempt — runs out.
     /// That is safe because every statement the store writes is fenced or conditional, so an
     /// attempt that was applied before its answer was lost makes the next one match nothing or
-    /// the same thing (ARCHITECTURE.md, "Durability": why, for each kind); inside a transaction
+    /// the same thing (the module's "Sending a write again": why, for each kind); inside a transaction
     /// the whole transaction is retried instead.
     pub(crate) async fn command(
         &self,

@@ -186,7 +186,7 @@ fn plan(
         return Plan::Unchanged;
     }
     // Equalities only, which every server answers from the `_id` lookup; `botId` too, a prefix
-    // of the shard key (ARCHITECTURE.md, "Scaling out").
+    // of the shard key (ARCHITECTURE.md, "Cross-cutting concerns").
     let filter = doc! {
         f::ID: &id, f::BOT: record.bot.as_str(), f::CONTENT_HASH: &old_hash, f::FETCHED_AT: read_at,
     };
@@ -283,7 +283,7 @@ fn waves(ids: &[Option<String>]) -> Vec<Vec<usize>> {
 /// The statements that mark the records of `pages` whose detail pages are gone removed
 /// (idempotent: filtered on `removedAt: null`).
 fn removed_statements(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Document> {
-    // Every filter carries `botId`, a prefix of the shard key (ARCHITECTURE.md, "Scaling out").
+    // Every filter carries `botId`, a prefix of the shard key (ARCHITECTURE.md, "Cross-cutting concerns").
     pages
         .iter()
         .filter_map(|page| {
@@ -939,6 +939,24 @@ fn mark_of(page: &PageCommit<'_>, record_id: Option<&str>) -> Mark {
         },
         (mark, _) => mark.clone(),
     }
+}
+
+/// The header of a CSV export whose spec's record has `fields`: the natural key, the URL, each
+/// field, when the record was first seen, last changed and removed.
+pub(crate) fn export_header(fields: &[String]) -> Vec<&str> {
+    let mut names = vec![f::NATURAL_KEY, f::URL];
+    names.extend(fields.iter().map(String::as_str));
+    names.extend([f::FIRST_SEEN, f::LAST_CHANGED, f::REMOVED_AT]);
+    names
+}
+
+/// A record's values in the order of [`export_header`] (a missing one: `None`).
+pub(crate) fn export_cells<'r>(record: &'r Document, fields: &[String]) -> Vec<Option<&'r Bson>> {
+    let data = record.get_document(f::DATA).ok();
+    let mut cells = vec![record.get(f::NATURAL_KEY), record.get(f::URL)];
+    cells.extend(fields.iter().map(|name| data.and_then(|d| d.get(name))));
+    cells.extend([f::FIRST_SEEN, f::LAST_CHANGED, f::REMOVED_AT].map(|name| record.get(name)));
+    cells
 }
 
 /// The records an export reads, one at a time off the cursor.

@@ -126,7 +126,7 @@ fn every_module_names_only_the_floors_below_it() {
     let (unplaced, upward) = misplaced(&files);
     assert!(
         unplaced.is_empty(),
-        "modules on no floor of tests/layers.rs (place them): {unplaced:?}"
+        "modules on no floor of tests/suite/layers.rs (place them): {unplaced:?}"
     );
     assert!(
         upward.is_empty(),
@@ -164,4 +164,50 @@ fn a_name_that_runs_back_up_or_sits_on_no_floor_is_reported() {
         ["store/frontier.rs (in `store`) names `crate::crawl`, which is not below it"]
     );
     assert_eq!(unplaced.into_iter().collect::<Vec<_>>(), ["attic"]);
+}
+
+/// The files of `files` (path, text) outside the store that name the MongoDB driver, other than
+/// `error.rs`, which turns the driver's errors into the crate's.
+fn driver_outside_the_store(files: &[(String, String)]) -> Vec<String> {
+    files
+        .iter()
+        .filter(|(path, text)| {
+            !path.starts_with("store/") && path != "error.rs" && text.contains("mongodb::")
+        })
+        .map(|(path, _)| path.clone())
+        .collect()
+}
+
+#[test]
+fn only_the_store_talks_to_mongodb() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut paths = Vec::new();
+    sources(&src, &mut paths);
+    let files: Vec<(String, String)> = paths
+        .iter()
+        .map(|path| {
+            let shown = path.strip_prefix(&src).unwrap().display().to_string();
+            (shown, std::fs::read_to_string(path).unwrap())
+        })
+        .collect();
+    assert!(
+        files.iter().any(|(path, _)| path.starts_with("store/")),
+        "read the store"
+    );
+    let outside = driver_outside_the_store(&files);
+    assert!(
+        outside.is_empty(),
+        "files outside src/store that use the driver: {outside:?}"
+    );
+}
+
+#[test]
+fn the_driver_check_reports_a_file_outside_the_store() {
+    let house = [
+        ("store/bots.rs", "use mongodb::Collection;"),
+        ("error.rs", "impl From<mongodb::error::Error> for Error {}"),
+        ("crawl/commit.rs", "let c: mongodb::Collection<Document>;"),
+    ]
+    .map(|(p, t)| (p.to_owned(), t.to_owned()));
+    assert_eq!(driver_outside_the_store(&house), ["crawl/commit.rs"]);
 }
