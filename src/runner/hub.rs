@@ -3,6 +3,8 @@
 //!
 //! - **Wake-ups.** One change stream on `bots` (not one per bot) wakes the runner of the bot an
 //!   event names, and the fleet loop when a bot is added, removed, replaced or its spec changed.
+//!   A holder's heartbeat (only `heartbeatAt` and `lockExpiresAt`) is filtered out on the server:
+//!   it changes no decision, so it wakes nobody.
 //!   Every `lock.poll` one read of every bot document's digest (without seeds, history, specs or
 //!   the holder's heartbeat) wakes the runners whose document changed since the last read — the
 //!   fallback for a server without change streams or an event lost while a stream reopened.

@@ -710,17 +710,37 @@ impl Bots<'_> {
         Ok(result.matched_count == 1)
     }
 
-    /// The one change stream on the `bots` collection an instance keeps open (the lock wing's hub):
+    /// The one change stream on the `bots` collection an instance keeps open (the runner's hub):
     /// each event names the bot it concerns and whether the fleet loop should look (a bot added,
     /// removed or replaced, or its `specVersion` changed). Only those fields travel — not the
     /// seeds a refresh wrote. Its events only prompt reads, so it uses the server's default read
     /// concern (the test server delivers no events on a stream opened with `majority`).
-    pub(crate) async fn watch_bots(self) -> Result<BotChanges> {
+    pub async fn watch_bots(self) -> Result<BotChanges> {
         let bots = self.store.db.collection::<Document>(BOTS);
         let spec_version = format!("updateDescription.updatedFields.{}", field::SPEC_VERSION);
-        let watch = bots.watch().pipeline([doc! { "$project": {
-            "operationType": 1, "documentKey": 1, &spec_version: 1,
-        } }]);
+        // A holder's heartbeat sets only `heartbeatAt` and `lockExpiresAt`: no decision changes
+        // with it (a runner waiting for the lock's expiry reads the new one when the old one
+        // comes), so it wakes no runner on any instance.
+        let heartbeat_only = doc! { "$expr": { "$gt": [
+            { "$size": { "$setDifference": [
+                { "$map": {
+                    "input": { "$objectToArray": "$updateDescription.updatedFields" },
+                    "in": "$$this.k",
+                } },
+                [field::HEARTBEAT_AT, field::LOCK_EXPIRES_AT],
+            ] } },
+            0,
+        ] } };
+        let watch = bots.watch().pipeline([
+            doc! { "$match": { "$or": [
+                { "operationType": { "$ne": "update" } },
+                { "updateDescription.removedFields.0": { "$exists": true } },
+                heartbeat_only,
+            ] } },
+            doc! { "$project": {
+                "operationType": 1, "documentKey": 1, &spec_version: 1,
+            } },
+        ]);
         let stream = self.store.bounded("watch bots", watch).await?;
         // Events as plain documents: the projection leaves out what the driver's typed event
         // requires (`ns`, `removedFields`).
@@ -943,7 +963,7 @@ pub(crate) struct BotDigest {
 
 /// One event of [`Bots::watch_bots`].
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct BotChange {
+pub struct BotChange {
     /// The bot's `_id` (when it is a string).
     pub id: Option<String>,
     /// A bot added, removed or replaced, or its spec changed.
@@ -951,7 +971,7 @@ pub(crate) struct BotChange {
 }
 
 /// The stream of [`BotChange`]s.
-pub(crate) struct BotChanges {
+pub struct BotChanges {
     stream: mongodb::change_stream::ChangeStream<Document>,
 }
 

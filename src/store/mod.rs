@@ -562,7 +562,8 @@ impl Store {
     /// reply is checked as the driver checks its own writes': a `writeConcernError` in an
     /// `ok: 1` reply is an error ([`Error::WriteConcern`]), not a success. Outside a transaction
     /// a failure that may pass on another attempt ([`retryable`]: the `RetryableWriteError`
-    /// label, a primary stepping down or shutting down, a network error) is sent again, with
+    /// label, a primary stepping down or shutting down, a network error, a majority wait that
+    /// ran out after the write was applied) is sent again, with
     /// backoff, until it succeeds or `op_timeout` — counted from the first attempt — runs out.
     /// That is safe because every statement the store writes is fenced or conditional, so an
     /// attempt that was applied before its answer was lost makes the next one match nothing or
@@ -743,8 +744,14 @@ pub(crate) fn retryable(e: &Error) -> bool {
                     _ => false,
                 }
         }
+        // The write was applied on the primary and its majority wait ran out: its `wtimeout`
+        // (`WriteConcernFailed`), or the `maxTimeMS` that also bounds the wait on MongoDB
+        // (`MaxTimeMSExpired`). Every statement the store writes is fenced or conditional, so
+        // the second attempt matches nothing or the same thing, and waits for the majority again.
         Error::WriteConcern { code, labels, .. } => {
-            CODES.contains(code) || labels.iter().any(|l| l == "RetryableWriteError")
+            CODES.contains(code)
+                || matches!(code, 50 | 64)
+                || labels.iter().any(|l| l == "RetryableWriteError")
         }
         _ => false,
     }

@@ -1,7 +1,7 @@
 //! Writes the store sends itself (`run_command`), against replies a failing-over replica set gives:
 //! a `writeConcernError` in an `ok: 1` reply is an error, never a success; a write refused by a
-//! primary that stepped down, or lost with its connection, is sent again within `op_timeout`
-//! and applied once. The replies come from a wire-level proxy (`tests/suite/kit/faults.rs`): the
+//! primary that stepped down, lost with its connection, or applied with its majority wait cut
+//! short, is sent again within `op_timeout` and applied once. The replies come from a wire-level proxy (`tests/suite/kit/faults.rs`): the
 //! test server has no `configureFailPoint`.
 
 use crate::kit;
@@ -15,8 +15,7 @@ use kit::test_db;
 use seedlock::config::MongoSettings;
 use seedlock::daemon::{run_with_store, Mode};
 use seedlock::error::Error;
-use seedlock::ids::{BotId, InstanceId, LockEpoch};
-use seedlock::lock::state::Claim;
+use seedlock::ids::{BotId, InstanceId};
 use seedlock::store::Store;
 use tokio_util::sync::CancellationToken;
 
@@ -49,40 +48,49 @@ async fn held_locks(store: &Store) -> Vec<seedlock::store::EditLock> {
     for i in 0..3 {
         let bot = BotId::parse(&format!("f{i}")).unwrap();
         store.bots().initialize(&bot, &me, now).await.unwrap();
-        held.push(
-            store
-                .bots()
-                .claim(
-                    &bot,
-                    &me,
-                    LockEpoch::ZERO,
-                    Claim::Free,
-                    now,
-                    Duration::from_secs(30),
-                    "t",
-                )
-                .await
-                .unwrap()
-                .expect("claimed"),
-        );
+        held.push(kit::claim_free(store, &bot, &me, now).await);
     }
     held
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_write_concern_error_in_an_ok_reply_is_an_error() {
+async fn a_write_concern_error_in_an_ok_reply_is_an_error_and_a_majority_wait_that_ran_out_is_sent_again(
+) {
     let db = test_db("faults_wce").await;
     let faults = Faults::start(&kit::blackhole::server_of(&db.uri)).await;
     let store = through(&faults, &db).await;
     let held = held_locks(&store).await;
     let locks: Vec<_> = held.iter().collect();
-    // WriteConcernFailed (a `wtimeout`): applied on the primary, not acknowledged by a majority —
-    // not a failover, so not sent again: the caller hears it.
+    // Applied on the primary, its majority wait cut short — by its `wtimeout`
+    // (WriteConcernFailed) or by the `maxTimeMS` that also bounds the wait (MaxTimeMSExpired):
+    // sent again, and the fenced statements match the locks as before.
+    for (code, name) in [(64, "WriteConcernFailed"), (50, "MaxTimeMSExpired")] {
+        faults.add(rule(
+            "update",
+            "bots",
+            1,
+            Fault::AddToReply(write_concern_error(code, name, &[])),
+        ));
+        let before = faults.seen("update", "bots");
+        let (_, alive) = store
+            .bots()
+            .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|e| panic!("{name} is sent again, not the caller's error: {e}"));
+        assert_eq!(alive, [true; 3], "{name}: applied twice, fenced the same");
+        assert_eq!(
+            faults.seen("update", "bots") - before,
+            2,
+            "{name}: sent again once"
+        );
+    }
+    // A write concern the deployment cannot satisfy: no second attempt would pass, so the
+    // caller hears it — an `ok: 1` reply with a `writeConcernError` is never a success.
     faults.add(rule(
         "update",
         "bots",
         1,
-        Fault::AddToReply(write_concern_error(64, "WriteConcernFailed", &[])),
+        Fault::AddToReply(write_concern_error(100, "UnsatisfiableWriteConcern", &[])),
     ));
     let before = faults.seen("update", "bots");
     let result = store
@@ -90,11 +98,11 @@ async fn a_write_concern_error_in_an_ok_reply_is_an_error() {
         .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
         .await;
     match result {
-        Err(Error::WriteConcern { code: 64, .. }) => {}
+        Err(Error::WriteConcern { code: 100, .. }) => {}
         other => panic!("expected the write concern error, got {other:?}"),
     }
     assert_eq!(faults.seen("update", "bots") - before, 1, "not sent again");
-    assert_eq!(faults.applied("update", "bots"), 1);
+    assert_eq!(faults.applied("update", "bots"), 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -150,8 +158,9 @@ async fn a_write_refused_or_lost_in_a_failover_is_sent_again_and_applied_once() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crawl_through_a_failing_over_primary_stores_every_record_exactly() {
-    // Leases, done marks, enqueues and record writes refused, unacknowledged or lost on the way:
-    // the pass ends with every record as the shop has it.
+    // Leases, done marks, enqueues and record writes refused, unacknowledged, lost on the way or
+    // applied with their majority wait cut short: the pass ends with every record as the shop
+    // has it.
     let db = test_db("faults_crawl").await;
     let base = shop(3, 10).await;
     let faults = Faults::start(&kit::blackhole::server_of(&db.uri)).await;
@@ -169,6 +178,18 @@ async fn a_crawl_through_a_failing_over_primary_stores_every_record_exactly() {
         ("insert", "records", 2, stepped_down()),
         ("insert", "records", 1, Fault::Drop),
         ("update", "frontier", 1, Fault::Drop),
+        (
+            "update",
+            "frontier",
+            2,
+            Fault::AddToReply(write_concern_error(64, "WriteConcernFailed", &[])),
+        ),
+        (
+            "insert",
+            "records",
+            1,
+            Fault::AddToReply(write_concern_error(50, "MaxTimeMSExpired", &[])),
+        ),
     ] {
         faults.add(rule(command, collection, times, fault));
     }
@@ -199,7 +220,8 @@ async fn a_crawl_through_a_failing_over_primary_stores_every_record_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_real_mongodb_writes_refused_by_the_fail_point_are_sent_again() {
     // Real MongoDB's own fault injection (`failCommand`, a test command the workflow's mongod
-    // enables), scoped to this test's client by its application name.
+    // enables), scoped to this test's client by its application name, and set only once the
+    // locks are held: its two refusals meet the heartbeat under test, not the claims before it.
     use bson::doc;
     let db = test_db("faults_failpoint").await;
     let mut options = mongodb::options::ClientOptions::parse(&db.uri)
@@ -207,8 +229,13 @@ async fn on_real_mongodb_writes_refused_by_the_fail_point_are_sent_again() {
         .unwrap();
     options.app_name = Some("seedlock-failpoint".into());
     options.heartbeat_freq = Some(Duration::from_millis(500));
+    // The driver's own retry of a retryable write would take one refusal for itself.
+    options.retry_writes = Some(false);
     let client = mongodb::Client::with_options(options).unwrap();
     let admin = client.database("admin");
+    let store = Store::new(client.database(&db.name));
+    let held = held_locks(&store).await;
+    let locks: Vec<_> = held.iter().collect();
     let set = admin
         .run_command(doc! {
             "configureFailPoint": "failCommand",
@@ -223,16 +250,23 @@ async fn on_real_mongodb_writes_refused_by_the_fail_point_are_sent_again() {
         eprintln!("skipped: this server has no failCommand fail point ({e})");
         return;
     }
-    let store = Store::new(client.database(&db.name));
-    let held = held_locks(&store).await;
-    let locks: Vec<_> = held.iter().collect();
+    let before = store.command_counts();
     let result = store
         .bots()
         .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
         .await;
+    let after = store.command_counts();
     let _ = admin
         .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
         .await;
     let (_, alive) = result.expect("sent again past the fail point");
-    assert_eq!(alive, [true; 3]);
+    assert_eq!(alive, [true; 3], "applied once, every lock still held");
+    let sent = |counts: &std::collections::BTreeMap<String, u64>| {
+        counts.get("heartbeat locks").copied().unwrap_or(0)
+    };
+    assert_eq!(
+        sent(&after) - sent(&before),
+        3,
+        "refused twice by the fail point, then sent a third time"
+    );
 }

@@ -12,8 +12,7 @@ use chrono::Utc;
 use kit::*;
 use seedlock::clock::LocalClock;
 use seedlock::config::{OnRefreshFailure, RefreshSchedule};
-use seedlock::ids::{BotId, InstanceId, LockEpoch};
-use seedlock::lock::state::Claim;
+use seedlock::ids::{BotId, InstanceId};
 use seedlock::runner::{RunEnd, Until};
 use tokio_util::sync::CancellationToken;
 
@@ -31,21 +30,7 @@ async fn every_held_lock_is_renewed_in_one_round_trip_and_a_lost_one_is_named() 
     for i in 0..5 {
         let bot = id(&format!("b{i}"));
         store.bots().initialize(&bot, &me, now).await.unwrap();
-        let lock = store
-            .bots()
-            .claim(
-                &bot,
-                &me,
-                LockEpoch::ZERO,
-                Claim::Free,
-                now,
-                Duration::from_secs(30),
-                "t",
-            )
-            .await
-            .unwrap()
-            .expect("claimed");
-        held.push(lock);
+        held.push(claim_free(&store, &bot, &me, now).await);
     }
     // An admin unlocks b2: its epoch moves past the one held here.
     store
@@ -239,4 +224,39 @@ async fn an_idle_instance_reads_no_bot_document_on_a_timer_of_its_own() {
     for run in runs {
         assert_eq!(run.await.unwrap(), RunEnd::Shutdown);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_wakes_no_runner_and_a_change_of_a_document_does() {
+    use futures_util::StreamExt;
+    let db = test_db("hub_quiet_beats").await;
+    let store = db.store();
+    let me = InstanceId::parse("me").unwrap();
+    let now = Utc::now();
+    for bot in ["beating", "asked"] {
+        store.bots().initialize(&id(bot), &me, now).await.unwrap();
+    }
+    let lock = claim_free(&store, &id("beating"), &me, now).await;
+    let mut changes = store.bots().watch_bots().await.expect("a change stream");
+    // The holder's heartbeat first, then an admin's refresh request on another bot: the stream's
+    // first event is the request, so the heartbeat woke nobody.
+    let later = now + chrono::Duration::seconds(5);
+    let (_, alive) = store
+        .bots()
+        .heartbeat_all(&[&lock], later, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(alive, [true], "the heartbeat was written");
+    assert!(store
+        .bots()
+        .request_refresh(&id("asked"), "admin", later)
+        .await
+        .unwrap());
+    let first = tokio::time::timeout(Duration::from_secs(10), changes.next())
+        .await
+        .expect("an event within 10 s")
+        .expect("the stream goes on")
+        .unwrap();
+    assert_eq!(first.id.as_deref(), Some("asked"), "{first:?}");
+    assert!(!first.concerns_fleet);
 }

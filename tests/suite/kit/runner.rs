@@ -92,3 +92,26 @@ pub fn runner(bot: BotSettings, ctx: Arc<Context>) -> BotRunner {
 }
 
 // ---- real processes --------------------------------------------------------------------------
+
+/// Claims `bot`'s free lock (epoch 0) for `me`, for 30 s.
+pub async fn claim_free(
+    store: &Store,
+    bot: &BotId,
+    me: &InstanceId,
+    now: chrono::DateTime<chrono::Utc>,
+) -> seedlock::store::EditLock {
+    store
+        .bots()
+        .claim(
+            bot,
+            me,
+            seedlock::ids::LockEpoch::ZERO,
+            seedlock::lock::state::Claim::Free,
+            now,
+            Duration::from_secs(30),
+            "t",
+        )
+        .await
+        .unwrap()
+        .expect("claimed")
+}
