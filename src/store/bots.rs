@@ -165,10 +165,16 @@ impl Bots<'_> {
     /// `status` and `bots list`: at a thousand bots the histories alone are megabytes).
     pub async fn load_all(self) -> Result<Vec<Document>> {
         use futures_util::TryStreamExt;
+        // A status view: the URI's read preference applies (a lagging secondary shows an older
+        // state; nothing decides from it).
+        let bots = self.store.views.collection_with_options::<Document>(
+            BOTS,
+            mongodb::options::CollectionOptions::builder()
+                .read_concern(mongodb::options::ReadConcern::majority())
+                .build(),
+        );
         let all = async {
-            let cursor = self
-                .store
-                .bots
+            let cursor = bots
                 .find(doc! {})
                 .projection(doc! { field::HISTORY: 0, field::CRAWL_PASS_SPEC: 0 })
                 .sort(doc! { field::ID: 1 })

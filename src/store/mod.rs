@@ -66,6 +66,12 @@ pub(crate) use records::{ExportRecords, Records};
 
 pub(crate) const BOTS: &str = "bots";
 
+/// The primary, for every read that decides and every transaction, whatever the URI's
+/// `readPreference` says.
+pub(crate) fn primary() -> mongodb::options::SelectionCriteria {
+    mongodb::options::SelectionCriteria::ReadPreference(mongodb::options::ReadPreference::Primary)
+}
+
 /// The write concern of every write: acknowledged by a majority of the replica set's voting
 /// members and written to their journals, so a primary's failover cannot roll it back (a claim
 /// rolled back would leave a bot with two holders; a done mark rolled back, a record without its
@@ -161,7 +167,13 @@ impl CommandCounts {
 
 #[derive(Clone, Debug)]
 pub struct Store {
+    /// Every read that decides (leases, a pass's end, coverage, deletions, lock state) goes to
+    /// the primary, whatever the URI's `readPreference` says: a lagging secondary would end a
+    /// pass early or mark live records removed.
     db: Database,
+    /// The URI's read preference, for the reads where a stale answer is harmless: the status
+    /// views' list of bots and `export`.
+    views: Database,
     commands: std::sync::Arc<CommandCounts>,
     bots: Collection<Document>,
     /// Every operation is abandoned (as a transient failure) after this: a hung server must not
@@ -371,9 +383,16 @@ impl Store {
     /// lock decisions read — are read with read concern `majority`, so no decision rests on a
     /// write that a failover could roll back.
     pub fn new(db: Database) -> Store {
-        let db = db.client().database_with_options(
+        let views = db.client().database_with_options(
             db.name(),
             DatabaseOptions::builder().write_concern(durable()).build(),
+        );
+        let db = db.client().database_with_options(
+            db.name(),
+            DatabaseOptions::builder()
+                .write_concern(durable())
+                .selection_criteria(primary())
+                .build(),
         );
         let bots = db.collection_with_options::<Document>(
             BOTS,
@@ -383,6 +402,7 @@ impl Store {
         );
         Store {
             db,
+            views,
             bots,
             commands: Default::default(),
             op_timeout: DEFAULT_OP_TIMEOUT,

@@ -603,7 +603,10 @@ impl Records<'_> {
             self.store
                 .bounded(
                     "start transaction",
-                    session.start_transaction().write_concern(super::durable()),
+                    session
+                        .start_transaction()
+                        .write_concern(super::durable())
+                        .selection_criteria(super::primary()),
                 )
                 .await?;
             let result = self
@@ -870,7 +873,10 @@ impl Records<'_> {
     pub(crate) async fn supports_transactions(self) -> Result<bool> {
         let probe = async {
             let mut session = self.store.database().client().start_session().await?;
-            session.start_transaction().await?;
+            session
+                .start_transaction()
+                .selection_criteria(super::primary())
+                .await?;
             self.store
                 .records()
                 .collection()
@@ -908,9 +914,10 @@ impl Records<'_> {
             .store
             .bounded(
                 "export records",
+                // The URI's read preference applies: an export may lag; nothing decides from it.
                 self.store
-                    .records()
-                    .collection()
+                    .views
+                    .collection::<Document>(super::records::RECORDS)
                     .find(filter)
                     .batch_size(1000),
             )

@@ -207,3 +207,74 @@ async fn a_transaction_a_dead_process_left_open_is_ended_when_its_id_is_taken_ov
         "the dead transaction's write was not kept: {thing}"
     );
 }
+
+/// `uri` (of a server that is one member of a replica set, or a standalone) rewritten to reach
+/// the set by its name and ask for secondary reads, as a shared connection string might; `None`
+/// for a server that is no replica set member.
+async fn secondary_reads_uri(uri: &str) -> Option<String> {
+    let client = Client::with_uri_str(uri).await.unwrap();
+    let hello = client
+        .database("admin")
+        .run_command(doc! { "hello": 1 })
+        .await
+        .unwrap();
+    let set = hello.get_str("setName").ok()?.to_owned();
+    let (base, query) = uri.split_once('?').unwrap_or((uri, ""));
+    let mut params: Vec<String> = query
+        .split('&')
+        .filter(|p| {
+            !p.is_empty()
+                && !p.starts_with("directConnection")
+                && !p.starts_with("readPreference")
+                && !p.starts_with("replicaSet")
+        })
+        .map(str::to_owned)
+        .collect();
+    params.push(format!("replicaSet={set}"));
+    params.push("readPreference=secondary".into());
+    let base = if base.ends_with('/') {
+        base.to_owned()
+    } else {
+        format!("{base}/")
+    };
+    Some(format!("{base}?{}", params.join("&")))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_uri_asking_for_secondary_reads_still_crawls_exactly_on_the_primary() {
+    // On a set of one member no secondary exists, so a read that followed the URI's preference
+    // could not be served at all: the pass ends, exactly, only if every read that decides
+    // (leases, the pass's end, coverage, deletions, lock state) goes to the primary.
+    for transactions in ["off", "on"] {
+        let db = test_db("secondary_reads").await;
+        let Some(uri) = secondary_reads_uri(&db.uri).await else {
+            eprintln!("skipped: the server is no replica set member");
+            return;
+        };
+        let base = shop(2, 10).await;
+        let setup = Setup {
+            transactions,
+            ..Setup::default()
+        };
+        let mut settings = settings(&db, &base, &setup, "a");
+        settings.mongo.uri = uri;
+        let store = Store::connect(&settings.mongo)
+            .await
+            .expect("connected by the set's name");
+        run_with_store(
+            settings,
+            store,
+            Mode::Once {
+                timeout: Duration::from_secs(60),
+            },
+            CancellationToken::new(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("transactions {transactions}: {e}"));
+        assert_eq!(
+            live_records(&db).await,
+            truth(&base).await,
+            "transactions {transactions}"
+        );
+    }
+}
