@@ -281,16 +281,29 @@ fn waves(ids: &[Option<String>]) -> Vec<Vec<usize>> {
 }
 
 /// The statements that mark the records of `pages` whose detail pages are gone removed
-/// (idempotent: filtered on `removedAt: null`).
+/// (idempotent: filtered on `removedAt: null`). A 404 is a result of its lease like a record:
+/// it applies only to a record no newer lease wrote (`fetchedAt` at most this lease's time),
+/// and it moves `fetchedAt` to its lease's time, so an older lease's record that commits late
+/// finds it superseded instead of bringing the record back.
 fn removed_statements(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Document> {
     // Every filter carries `botId`, a prefix of the shard key (ARCHITECTURE.md, "Cross-cutting concerns").
     pages
         .iter()
         .filter_map(|page| {
             let id = page.removed.as_ref()?;
+            let leased_at = date(page.lease.leased_at);
             Some(doc! {
-                "q": { f::ID: id.as_str(), f::BOT: page.lease.bot.as_str(), f::REMOVED_AT: Bson::Null },
-                "u": { "$set": { f::REMOVED_AT: date(now), f::REMOVED_IN_PASS: page.lease.pass } },
+                "q": {
+                    f::ID: id.as_str(), f::BOT: page.lease.bot.as_str(), f::REMOVED_AT: Bson::Null,
+                    "$or": [
+                        { f::FETCHED_AT: { "$lte": leased_at.clone() } },
+                        { f::FETCHED_AT: { "$exists": false } },
+                    ],
+                },
+                "u": {
+                    "$set": { f::REMOVED_AT: date(now), f::REMOVED_IN_PASS: page.lease.pass },
+                    "$max": { f::FETCHED_AT: leased_at },
+                },
             })
         })
         .collect()

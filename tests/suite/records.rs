@@ -13,8 +13,11 @@ use kit::crawl::records;
 use kit::*;
 use seedlock::error::Error;
 use seedlock::ids::{BotId, InstanceId};
+use seedlock::store::frontier::Mark;
 use seedlock::store::frontier::{PageKind, UrlLease};
-use seedlock::store::records::{content_hash, record_id, Extracted, RecordWrite};
+use seedlock::store::records::{
+    content_hash, record_id, Committed, Extracted, PageCommit, RecordWrite,
+};
 use seedlock::store::Store;
 use seedlock::urls::NormalizedUrl;
 
@@ -631,4 +634,123 @@ async fn a_transaction_that_conflicts_keeps_its_pages_and_commits_once_the_confl
         .await
         .unwrap()
         .is_finished());
+}
+
+/// Commits a 404 of `lease`'s detail page: its record (`id`) marked removed, the URL done.
+async fn commit_gone(store: &Store, lease: &UrlLease, id: &str, transaction: bool) -> Committed {
+    let page = PageCommit {
+        lease,
+        record: None,
+        removed: Some(id.to_owned()),
+        mark: Mark::Done {
+            validators: lease.validators.clone(),
+            record_id: None,
+            manifest: None,
+        },
+    };
+    store
+        .records()
+        .commit_batch(std::slice::from_ref(&page), Utc::now(), transaction)
+        .await
+        .unwrap()
+        .remove(0)
+}
+
+/// Whether the record `id` is marked removed.
+async fn is_removed(db: &TestDb, id: &str) -> bool {
+    let record = db
+        .db
+        .collection::<Document>("records")
+        .find_one(doc! { "_id": id })
+        .await
+        .unwrap()
+        .expect("the record");
+    !matches!(record.get("removedAt"), None | Some(bson::Bson::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_404_and_a_record_of_one_url_from_two_leases_end_as_the_newer_lease_saw_it() {
+    let id = item("$1.00").id();
+    for transaction in [false, true] {
+        // The newer lease's 404 settles first; the older lease's record comes late: the record
+        // stays removed (the late write must not bring it back).
+        let db = test_db("rec_gone_first").await;
+        let store = db.store();
+        let t0 = Utc::now();
+        let first = lease(&store, 1, "first", t0).await;
+        store
+            .records()
+            .commit_page(&first, Some(&item("$1.00")), t0, transaction)
+            .await
+            .unwrap();
+        let t1 = t0 + chrono::Duration::seconds(1);
+        let slow = lease(&store, 2, "slow", t1).await;
+        let t2 = t1 + chrono::Duration::seconds(6);
+        let fast = store
+            .frontier()
+            .lease_url(
+                &bot(),
+                PassNumber::new(2),
+                &InstanceId::parse("fast").unwrap(),
+                t2,
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap()
+            .expect("the expired lease, taken again");
+        assert!(matches!(
+            commit_gone(&store, &fast, &id, transaction).await,
+            Committed::Settled(_)
+        ));
+        assert!(
+            is_removed(&db, &id).await,
+            "transaction={transaction}: the 404 removed it"
+        );
+        let late = store
+            .records()
+            .commit_page(&slow, Some(&item("$1.00")), t2, transaction)
+            .await;
+        assert!(matches!(late, Err(Error::UrlLeaseLost { .. })), "{late:?}");
+        assert!(
+            is_removed(&db, &id).await,
+            "transaction={transaction}: the older lease's late record did not bring it back"
+        );
+
+        // The newer lease's record settles first; the older lease's 404 comes late: the record
+        // stays live.
+        let db = test_db("rec_gone_late").await;
+        let store = db.store();
+        let first = lease(&store, 1, "first", t0).await;
+        store
+            .records()
+            .commit_page(&first, Some(&item("$1.00")), t0, transaction)
+            .await
+            .unwrap();
+        let slow = lease(&store, 2, "slow", t1).await;
+        let fast = store
+            .frontier()
+            .lease_url(
+                &bot(),
+                PassNumber::new(2),
+                &InstanceId::parse("fast").unwrap(),
+                t2,
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap()
+            .expect("the expired lease, taken again");
+        store
+            .records()
+            .commit_page(&fast, Some(&item("$2.00")), t2, transaction)
+            .await
+            .unwrap();
+        assert!(matches!(
+            commit_gone(&store, &slow, &id, transaction).await,
+            Committed::UrlLeaseLost(_)
+        ));
+        assert!(
+            !is_removed(&db, &id).await,
+            "transaction={transaction}: the older lease's late 404 did not remove it"
+        );
+    }
 }
