@@ -43,6 +43,14 @@ pub enum Error {
         message: String,
         labels: Vec<String>,
     },
+    /// An index of seedlock's could not be built: the collection, the index and the server's
+    /// message, on one line.
+    #[error("index {index} on {collection}: {message}")]
+    Index {
+        collection: String,
+        index: String,
+        message: String,
+    },
     /// The operation did not finish within `mongo.op_timeout`.
     #[error("database: {what} did not finish within {}", humantime::format_duration(*.after))]
     Timeout {
@@ -87,6 +95,7 @@ impl Error {
             | Error::UrlLeaseLost { .. }
             | Error::Protocol { .. }
             | Error::Task { .. }
+            | Error::Index { .. }
             | Error::Invalid(_) => false,
         }
     }

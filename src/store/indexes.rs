@@ -3,7 +3,10 @@
 //! expiry) is dropped and built again — MongoDB refuses to create a changed definition under an
 //! existing name (codes 85 and 86) — and those of earlier versions (the collection's retired
 //! names) are dropped. Each rebuild and drop is one log line. An operator's own indexes (other
-//! names) are left alone.
+//! names) are left alone, and one with exactly the definition of one of seedlock's under another
+//! name is adopted: used as it is, logged, never dropped (MongoDB refuses a second index of the
+//! same definition, code 85). An index that cannot be built is one line naming the collection,
+//! the index and the server's message.
 
 use std::time::Duration;
 
@@ -101,6 +104,18 @@ pub(crate) async fn ensure(
     for index in wanted {
         match named(index.name) {
             Some(found) if index.is(found) => {}
+            None if existing.iter().any(|i| index.is(i)) => {
+                let theirs = existing.iter().find(|i| index.is(i));
+                tracing::info!(
+                    collection,
+                    index = index.name,
+                    adopted = theirs
+                        .and_then(|i| i.options.as_ref())
+                        .and_then(|o| o.name.as_deref())
+                        .unwrap_or("?"),
+                    "an index of another name has this definition: using it, as it is"
+                );
+            }
             Some(found) => {
                 tracing::info!(
                     collection,
@@ -117,10 +132,27 @@ pub(crate) async fn ensure(
             None => create.push(index.model()),
         }
     }
-    if !create.is_empty() {
+    for index in create {
+        let name = index
+            .options
+            .as_ref()
+            .and_then(|o| o.name.clone())
+            .unwrap_or_default();
         store
-            .index_build("create indexes", coll.create_indexes(create))
-            .await?;
+            .index_build("create indexes", coll.create_index(index))
+            .await
+            .map_err(|e| match e {
+                // A server restarting or stepping down is retried by the start-up's patience;
+                // what the server refuses is said once, plainly.
+                crate::error::Error::Db(db) if !crate::error::is_transient_db(&db) => {
+                    crate::error::Error::Index {
+                        collection: collection.to_owned(),
+                        index: name,
+                        message: server_message(&db),
+                    }
+                }
+                other => other,
+            })?;
     }
     for name in retired {
         if named(name).is_some() {
@@ -144,6 +176,15 @@ fn gone(e: crate::error::Error) -> Result<()> {
     match &e {
         crate::error::Error::Db(db) if index_not_found(db) => Ok(()),
         _ => Err(e),
+    }
+}
+
+/// The server's own message for a command it refused (`errmsg`, with its code name), else the
+/// driver's one-line account.
+fn server_message(e: &mongodb::error::Error) -> String {
+    match e.kind.as_ref() {
+        mongodb::error::ErrorKind::Command(c) => format!("{} ({})", c.message, c.code_name),
+        _ => super::one_line(&e.to_string()),
     }
 }
 

@@ -151,3 +151,37 @@ async fn yesterdays_indexes_are_rebuilt_as_defined_now_and_retired_ones_dropped(
         "nothing built again"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_index_with_seedlocks_definition_under_another_name_is_adopted_and_kept() {
+    let db = test_db("indexes_adopt").await;
+    // An operator built the frontier's main index under a name of their own.
+    build(
+        &db,
+        "frontier",
+        "ops_frontier_main",
+        doc! { "botId": 1, "pass": 1, "status": 1, "host": 1, "priority": 1, "slot": 1 },
+    )
+    .await;
+    let store = db.store();
+    for _ in 0..2 {
+        store
+            .frontier()
+            .ensure_indexes()
+            .await
+            .expect("start-up goes on, on the operator's index");
+    }
+    let frontier = indexes(&db, "frontier").await;
+    assert!(
+        named(&frontier, "ops_frontier_main").is_some(),
+        "the operator's index stays theirs"
+    );
+    assert!(
+        named(&frontier, "bot_pass_status_host_priority_slot").is_none(),
+        "no second index of the same definition"
+    );
+    assert!(
+        named(&frontier, "bot_pass_listings").is_some(),
+        "the other indexes are built"
+    );
+}
