@@ -62,6 +62,9 @@ struct Sample {
 pub struct ServerClock {
     local: LocalClock,
     best: Mutex<Option<Sample>>,
+    /// The primary changed since the best sample: the next sample replaces it, whatever its
+    /// round trip (the new primary's clock may differ from the old one's).
+    new_primary: std::sync::atomic::AtomicBool,
 }
 
 /// A sample older than this no longer beats a fresh one with a longer round trip (drift between
@@ -73,7 +76,16 @@ impl ServerClock {
         Self {
             local,
             best: Mutex::new(None),
+            new_primary: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The primary changed (an election, a failover): the next sample is taken from the new
+    /// primary and replaces the best one, so no expiry is judged on the old primary's clock
+    /// longer than one round trip.
+    pub(crate) fn primary_changed(&self) {
+        self.new_primary
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Records one exchange: the monotonic instant before sending, the server's reported time, and
@@ -96,8 +108,12 @@ impl ServerClock {
             .best
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let new_primary = self
+            .new_primary
+            .swap(false, std::sync::atomic::Ordering::SeqCst);
         let replace = match *best {
             None => true,
+            Some(_) if new_primary => true,
             Some(old) => {
                 received.saturating_duration_since(old.at) > SAMPLE_MAX_AGE || rtt <= old.rtt
             }
@@ -159,6 +175,36 @@ mod tests {
         );
         assert!(
             close(clock.now(), t + chrono::Duration::milliseconds(5), 30),
+            "{}",
+            clock.now()
+        );
+    }
+
+    #[test]
+    fn after_a_change_of_primary_the_next_sample_replaces_the_best_whatever_its_round_trip() {
+        let clock = ServerClock::new(LocalClock::default());
+        let t = Utc.with_ymd_and_hms(2030, 1, 1, 0, 0, 0).unwrap();
+        let now = Instant::now();
+        clock.record(now - Duration::from_millis(10), t, now); // rtt 10 ms
+        clock.primary_changed();
+        // The new primary's clock is an hour ahead; its first answer took 400 ms.
+        let later = Instant::now();
+        let ahead = t + chrono::Duration::hours(1);
+        clock.record(later - Duration::from_millis(400), ahead, later);
+        assert!(
+            close(clock.now(), ahead + chrono::Duration::milliseconds(200), 50),
+            "{}",
+            clock.now()
+        );
+        // Only the first sample after the change: a slower one later is judged as before.
+        let again = Instant::now();
+        clock.record(
+            again - Duration::from_millis(900),
+            ahead + chrono::Duration::hours(1),
+            again,
+        );
+        assert!(
+            close(clock.now(), ahead + chrono::Duration::milliseconds(200), 50),
             "{}",
             clock.now()
         );

@@ -538,12 +538,19 @@ pub(crate) fn digest(seeds: &[String]) -> String {
     crate::ids::sha256_hex(&chunks, 8)
 }
 
-/// Re-samples the server's clock every 30 s (drift, and a better round trip now and then).
+/// Re-samples the server's clock every 30 s (drift, and a better round trip now and then), and
+/// at once when the primary changes: the new primary's clock may differ from the old one's, and
+/// its first sample replaces the best.
 async fn resync_clock(store: Store, clock: Arc<ServerClock>, stop: CancellationToken) {
+    let primary_changes = store.primary_changes();
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(Duration::from_secs(30)) => {}
+            _ = primary_changes.notified() => {
+                tracing::debug!("the primary changed: sampling its clock");
+                clock.primary_changed();
+            }
         }
         if let Err(e) = store.sync_clock(&clock).await {
             tracing::debug!(error = %e, "clock sync failed; keeping the last offset");

@@ -185,6 +185,23 @@ pub struct Store {
     sessions: std::sync::Arc<instances::TransactionSessions>,
     /// Time spent waiting for a pooled connection.
     pool_wait: std::sync::Arc<PoolWait>,
+    /// Notified when the primary changes: the driver saw a server become primary, or a write
+    /// was refused by a member that is no longer primary.
+    primary_changes: std::sync::Arc<PrimaryChanges>,
+}
+
+/// The changes of primary a store has seen, and the wake-up of whoever waits for the next.
+#[derive(Debug, Default)]
+struct PrimaryChanges {
+    notify: std::sync::Arc<tokio::sync::Notify>,
+    seen: std::sync::atomic::AtomicU64,
+}
+
+impl PrimaryChanges {
+    fn signal(&self) {
+        self.seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.notify.notify_one();
+    }
 }
 
 /// Time the driver's check-outs waited for a connection (`seedlock_db_pool_wait_seconds`).
@@ -333,6 +350,21 @@ impl Store {
         // again within 2 s, not at the driver's default 10 s: a write sent again within
         // `op_timeout` finds the new primary.
         options.heartbeat_freq = Some(Duration::from_secs(2));
+        let primary_changes = std::sync::Arc::new(PrimaryChanges::default());
+        {
+            let primary_changes = primary_changes.clone();
+            options.sdam_event_handler =
+                Some(mongodb::event::EventHandler::callback(move |event| {
+                    use mongodb::{event::sdam::SdamEvent, ServerType};
+                    if let SdamEvent::ServerDescriptionChanged(changed) = event {
+                        if changed.new_description.server_type() == ServerType::RsPrimary
+                            && changed.previous_description.server_type() != ServerType::RsPrimary
+                        {
+                            primary_changes.signal();
+                        }
+                    }
+                }));
+        }
         options.server_selection_timeout = Some(settings.connect_timeout);
         options.connect_timeout = Some(settings.connect_timeout);
         let client = Client::with_options(options).map_err(|e| fail(e.to_string()))?;
@@ -353,6 +385,7 @@ impl Store {
             ..CommandCounts::default()
         });
         store.pool_wait = pool_wait;
+        store.primary_changes = primary_changes;
         Ok(store)
     }
 
@@ -409,7 +442,22 @@ impl Store {
             answers: Default::default(),
             sessions: Default::default(),
             pool_wait: Default::default(),
+            primary_changes: Default::default(),
         }
+    }
+
+    /// Notified when the primary changes (see the field): the server clock is re-sampled then,
+    /// not only on its timer.
+    pub fn primary_changes(&self) -> std::sync::Arc<tokio::sync::Notify> {
+        self.primary_changes.notify.clone()
+    }
+
+    /// How many changes of primary this store has seen (a server becoming primary, a write
+    /// refused by a member that is no longer primary).
+    pub fn primary_changes_seen(&self) -> u64 {
+        self.primary_changes
+            .seen
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn with_op_timeout(mut self, op_timeout: Duration) -> Store {
@@ -639,6 +687,9 @@ impl Store {
                 .and_then(|reply| reply::checked(what, reply));
             match result {
                 Err(e) if retryable(&e) => {
+                    if not_primary(&e) {
+                        self.primary_changes.signal();
+                    }
                     attempt += 1;
                     let pause = crate::backoff::full_jitter(
                         Duration::from_millis(50),
@@ -773,6 +824,24 @@ pub(crate) fn retryable(e: &Error) -> bool {
                 || matches!(code, 50 | 64)
                 || labels.iter().any(|l| l == "RetryableWriteError")
         }
+        _ => false,
+    }
+}
+
+/// Whether `e` says the member that answered is not (or no longer) the primary.
+fn not_primary(e: &Error) -> bool {
+    const CODES: &[i32] = &[
+        189,   // PrimarySteppedDown
+        10107, // NotWritablePrimary
+        11602, // InterruptedDueToReplStateChange
+        13435, // NotPrimaryNoSecondaryOk
+        13436, // NotPrimaryOrSecondary
+    ];
+    match e {
+        Error::Db(e) => {
+            matches!(e.kind.as_ref(), mongodb::error::ErrorKind::Command(c) if CODES.contains(&c.code))
+        }
+        Error::WriteConcern { code, .. } => CODES.contains(code),
         _ => false,
     }
 }

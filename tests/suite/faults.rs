@@ -270,3 +270,24 @@ async fn on_real_mongodb_writes_refused_by_the_fail_point_are_sent_again() {
         "refused twice by the fail point, then sent a third time"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_refused_by_a_member_no_longer_primary_is_seen_as_a_change_of_primary() {
+    // The server clock is re-sampled when the primary changes: the store must notice.
+    let db = test_db("faults_primary_change").await;
+    let faults = Faults::start(&kit::blackhole::server_of(&db.uri)).await;
+    let store = through(&faults, &db).await;
+    let held = held_locks(&store).await;
+    let locks: Vec<_> = held.iter().collect();
+    let before = store.primary_changes_seen();
+    faults.add(rule("update", "bots", 1, Fault::Answer(not_primary())));
+    store
+        .bots()
+        .heartbeat_all(&locks, Utc::now(), Duration::from_secs(30))
+        .await
+        .expect("sent again");
+    assert!(
+        store.primary_changes_seen() > before,
+        "the not-primary answer was seen as a change of primary"
+    );
+}
