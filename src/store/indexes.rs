@@ -78,7 +78,46 @@ fn same_keys(a: &Document, b: &Document) -> bool {
 
 /// Makes `collection`'s indexes named in `wanted` exactly those definitions, and drops those
 /// named in `retired` (see the module comment). Idempotent: a second call changes nothing.
+/// Instances starting together on a fresh database build the same indexes at once; a build the
+/// server aborted or found in progress for another of them is looked at again, from the list.
 pub(crate) async fn ensure(
+    store: &Store,
+    collection: &str,
+    wanted: &[IndexDef],
+    retired: &[&str],
+) -> Result<()> {
+    let mut attempt = 0;
+    loop {
+        match ensure_once(store, collection, wanted, retired).await {
+            Err(crate::error::Error::Db(e)) if concurrent_build(&e) && attempt < 5 => {
+                attempt += 1;
+                tracing::debug!(collection, error = %e, attempt, "another instance builds the same index; looking again");
+                tokio::time::sleep(crate::backoff::full_jitter(
+                    Duration::from_millis(100),
+                    Duration::from_secs(2),
+                    attempt,
+                ))
+                .await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// A server that takes no `commitQuorum` (a standalone): BadValue (2) or InvalidOptions (72)
+/// about it.
+fn quorum_refused(e: &mongodb::error::Error) -> bool {
+    matches!(e.kind.as_ref(), mongodb::error::ErrorKind::Command(c)
+        if matches!(c.code, 2 | 72) && c.message.contains("commitQuorum"))
+}
+
+/// IndexBuildAborted (276), IndexBuildAlreadyInProgress (384): another instance's build of the
+/// same index got there first.
+fn concurrent_build(e: &mongodb::error::Error) -> bool {
+    matches!(code_of(e), Some(276 | 384))
+}
+
+async fn ensure_once(
     store: &Store,
     collection: &str,
     wanted: &[IndexDef],
@@ -138,21 +177,34 @@ pub(crate) async fn ensure(
             .as_ref()
             .and_then(|o| o.name.clone())
             .unwrap_or_default();
-        store
-            .index_build("create indexes", coll.create_index(index))
-            .await
-            .map_err(|e| match e {
-                // A server restarting or stepping down is retried by the start-up's patience;
-                // what the server refuses is said once, plainly.
-                crate::error::Error::Db(db) if !crate::error::is_transient_db(&db) => {
-                    crate::error::Error::Index {
-                        collection: collection.to_owned(),
-                        index: name,
-                        message: server_message(&db),
-                    }
+        // A majority of the voting members, not every one (the server's default): a member that
+        // is down does not hold start-up until it comes back.
+        let build = coll
+            .create_index(index.clone())
+            .commit_quorum(mongodb::options::CommitQuorum::Majority);
+        let built = match store.index_build("create indexes", build).await {
+            // A standalone server (trying seedlock out) takes no commit quorum.
+            Err(crate::error::Error::Db(e)) if quorum_refused(&e) => {
+                store
+                    .index_build("create indexes", coll.create_index(index))
+                    .await
+            }
+            other => other,
+        };
+        built.map_err(|e| match e {
+            // A server restarting or stepping down is retried by the start-up's patience;
+            // what the server refuses is said once, plainly.
+            crate::error::Error::Db(db)
+                if !crate::error::is_transient_db(&db) && !concurrent_build(&db) =>
+            {
+                crate::error::Error::Index {
+                    collection: collection.to_owned(),
+                    index: name,
+                    message: server_message(&db),
                 }
-                other => other,
-            })?;
+            }
+            other => other,
+        })?;
     }
     for name in retired {
         if named(name).is_some() {

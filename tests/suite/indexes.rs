@@ -185,3 +185,30 @@ async fn an_operators_index_with_seedlocks_definition_under_another_name_is_adop
         "the other indexes are built"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_starting_at_once_on_an_empty_database_build_every_index_once() {
+    let db = test_db("indexes_together").await;
+    let stores = [db.store(), db.store(), db.store()];
+    let starts = stores.iter().map(|store| async move {
+        store.frontier().ensure_indexes().await?;
+        store.records().ensure_indexes().await?;
+        store.hosts().ensure_indexes().await?;
+        store.bots().ensure_indexes().await
+    });
+    for result in futures_util::future::join_all(starts).await {
+        result.expect("every instance starts");
+    }
+    let frontier = indexes(&db, "frontier").await;
+    for name in ["bot_pass_status_host_priority_slot", "bot_pass_listings"] {
+        assert_eq!(
+            frontier
+                .iter()
+                .filter(|i| i.options.as_ref().and_then(|o| o.name.as_deref()) == Some(name))
+                .count(),
+            1,
+            "{name}"
+        );
+    }
+    assert!(named(&indexes(&db, "hosts").await, "updated_at_ttl").is_some());
+}
