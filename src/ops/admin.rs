@@ -251,10 +251,10 @@ fn schedule_of(raw: &Document, configured: &[(BotId, RefreshSchedule)]) -> Optio
         .and_then(|spec| spec.refresh())
         .and_then(|text| RefreshSchedule::parse(text).ok())
         .or_else(|| {
-            let id = bot_name(raw);
+            let id = crate::store::document::bot_id(raw)?;
             configured
                 .iter()
-                .find(|(bot, _)| bot.as_str() == id)
+                .find(|(bot, _)| *bot == id)
                 .map(|(_, schedule)| *schedule)
         })
 }
