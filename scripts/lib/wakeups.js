@@ -20,7 +20,7 @@ const filter = { $match: { $or: [
   { operationType: { $ne: "update" } },
   { "updateDescription.removedFields.0": { $exists: true } },
   { $expr: { $gt: [{ $size: { $setDifference: [
-    { $map: { input: { $objectToArray: "$updateDescription.updatedFields" }, in: "$$this.k" } },
+    { $map: { input: { $objectToArray: { $ifNull: ["$updateDescription.updatedFields", {}] } }, in: "$$this.k" } },
     ["heartbeatAt", "lockExpiresAt"] ] } }, 0] } },
 ] } };
 const unfiltered = col.watch([project]);

@@ -730,7 +730,10 @@ impl Bots<'_> {
         let heartbeat_only = doc! { "$expr": { "$gt": [
             { "$size": { "$setDifference": [
                 { "$map": {
-                    "input": { "$objectToArray": "$updateDescription.updatedFields" },
+                    // Events other than updates have no `updateDescription`.
+                    "input": { "$objectToArray": {
+                        "$ifNull": ["$updateDescription.updatedFields", {}],
+                    } },
                     "in": "$$this.k",
                 } },
                 [field::HEARTBEAT_AT, field::LOCK_EXPIRES_AT],

@@ -59,6 +59,19 @@ impl IndexDef {
             && options.and_then(|o| o.partial_filter_expression.as_ref()) == self.partial.as_ref()
             && options.and_then(|o| o.expire_after) == self.expire_after
     }
+
+    /// Whether an operator's index `existing`, under another name, serves as this one: the same
+    /// definition, and nothing that changes what it accepts or whether queries use it (unique,
+    /// sparse, hidden, a collation) — with any of those MongoDB builds seedlock's beside it.
+    fn adoptable(&self, existing: &IndexModel) -> bool {
+        let plain = existing.options.as_ref().is_none_or(|o| {
+            o.unique != Some(true)
+                && o.sparse != Some(true)
+                && o.hidden != Some(true)
+                && o.collation.is_none()
+        });
+        plain && self.is(existing)
+    }
 }
 
 /// Key patterns compare by field and direction: a server may list `1` as an `Int32`, an `Int64`
@@ -139,12 +152,21 @@ async fn ensure_once(
             .iter()
             .find(|i| i.options.as_ref().and_then(|o| o.name.as_deref()) == Some(name))
     };
+    // An operator's index (not one of seedlock's names, current or retired) that serves as
+    // `index`.
+    let adoptable = |index: &IndexDef| {
+        existing.iter().find(|i| {
+            let name = i.options.as_ref().and_then(|o| o.name.as_deref());
+            name.is_none_or(|n| !retired.contains(&n) && !wanted.iter().any(|w| w.name == n))
+                && index.adoptable(i)
+        })
+    };
     let mut create = Vec::new();
     for index in wanted {
         match named(index.name) {
             Some(found) if index.is(found) => {}
-            None if existing.iter().any(|i| index.is(i)) => {
-                let theirs = existing.iter().find(|i| index.is(i));
+            None if adoptable(index).is_some() => {
+                let theirs = adoptable(index);
                 tracing::info!(
                     collection,
                     index = index.name,

@@ -353,14 +353,19 @@ impl Store {
         let primary_changes = std::sync::Arc::new(PrimaryChanges::default());
         {
             let primary_changes = primary_changes.clone();
+            // Only another member becoming primary: the first discovery, or the same primary
+            // back after a network error, keeps the clock's best sample.
+            let last_primary = std::sync::Mutex::new(None::<mongodb::options::ServerAddress>);
             options.sdam_event_handler =
                 Some(mongodb::event::EventHandler::callback(move |event| {
                     use mongodb::{event::sdam::SdamEvent, ServerType};
                     if let SdamEvent::ServerDescriptionChanged(changed) = event {
-                        if changed.new_description.server_type() == ServerType::RsPrimary
-                            && changed.previous_description.server_type() != ServerType::RsPrimary
-                        {
-                            primary_changes.signal();
+                        if changed.new_description.server_type() == ServerType::RsPrimary {
+                            let mut last = last_primary.lock().unwrap_or_else(|p| p.into_inner());
+                            if last.as_ref().is_some_and(|a| *a != changed.address) {
+                                primary_changes.signal();
+                            }
+                            *last = Some(changed.address.clone());
                         }
                     }
                 }));

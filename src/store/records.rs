@@ -297,7 +297,7 @@ fn removed_statements(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Docu
                     f::ID: id.as_str(), f::BOT: page.lease.bot.as_str(), f::REMOVED_AT: Bson::Null,
                     "$or": [
                         { f::FETCHED_AT: { "$lte": leased_at.clone() } },
-                        { f::FETCHED_AT: { "$exists": false } },
+                        { f::FETCHED_AT: Bson::Null },
                     ],
                 },
                 "u": {

@@ -212,3 +212,32 @@ async fn three_instances_starting_at_once_on_an_empty_database_build_every_index
     }
     assert!(named(&indexes(&db, "hosts").await, "updated_at_ttl").is_some());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_unique_index_on_the_same_keys_is_not_adopted() {
+    // A unique index refuses what seedlock's accepts: seedlock builds its own beside it.
+    let db = test_db("indexes_unique").await;
+    db.db
+        .collection::<Document>("hosts")
+        .create_index(
+            IndexModel::builder()
+                .keys(doc! { "updatedAt": 1 })
+                .options(
+                    IndexOptions::builder()
+                        .name("ops_unique".to_owned())
+                        .unique(true)
+                        .expire_after(seedlock::store::hosts::HOSTS_EXPIRE_AFTER)
+                        .build(),
+                )
+                .build(),
+        )
+        .await
+        .unwrap();
+    db.store().hosts().ensure_indexes().await.unwrap();
+    let hosts = indexes(&db, "hosts").await;
+    assert!(named(&hosts, "ops_unique").is_some());
+    assert!(
+        named(&hosts, "updated_at_ttl").is_some(),
+        "seedlock's own, beside it"
+    );
+}
