@@ -668,6 +668,37 @@ async fn is_removed(db: &TestDb, id: &str) -> bool {
     !matches!(record.get("removedAt"), None | Some(bson::Bson::Null))
 }
 
+/// The item stored by pass 1, then its URL leased in pass 2 by "slow" and — once that lease
+/// ran out — by "fast": both leases and the later one's time.
+async fn stored_then_leased_twice(
+    store: &Store,
+    transaction: bool,
+) -> (UrlLease, UrlLease, chrono::DateTime<Utc>) {
+    let t0 = Utc::now();
+    let first = lease(store, 1, "first", t0).await;
+    store
+        .records()
+        .commit_page(&first, Some(&item("$1.00")), t0, transaction)
+        .await
+        .unwrap();
+    let t1 = t0 + chrono::Duration::seconds(1);
+    let slow = lease(store, 2, "slow", t1).await;
+    let t2 = t1 + chrono::Duration::seconds(6);
+    let fast = store
+        .frontier()
+        .lease_url(
+            &bot(),
+            PassNumber::new(2),
+            &InstanceId::parse("fast").unwrap(),
+            t2,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+        .expect("the expired lease, taken again");
+    (slow, fast, t2)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_404_and_a_record_of_one_url_from_two_leases_end_as_the_newer_lease_saw_it() {
     let id = item("$1.00").id();
@@ -676,28 +707,7 @@ async fn a_404_and_a_record_of_one_url_from_two_leases_end_as_the_newer_lease_sa
         // stays removed (the late write must not bring it back).
         let db = test_db("rec_gone_first").await;
         let store = db.store();
-        let t0 = Utc::now();
-        let first = lease(&store, 1, "first", t0).await;
-        store
-            .records()
-            .commit_page(&first, Some(&item("$1.00")), t0, transaction)
-            .await
-            .unwrap();
-        let t1 = t0 + chrono::Duration::seconds(1);
-        let slow = lease(&store, 2, "slow", t1).await;
-        let t2 = t1 + chrono::Duration::seconds(6);
-        let fast = store
-            .frontier()
-            .lease_url(
-                &bot(),
-                PassNumber::new(2),
-                &InstanceId::parse("fast").unwrap(),
-                t2,
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap()
-            .expect("the expired lease, taken again");
+        let (slow, fast, t2) = stored_then_leased_twice(&store, transaction).await;
         assert!(matches!(
             commit_gone(&store, &fast, &id, transaction).await,
             Committed::Settled(_)
@@ -720,25 +730,7 @@ async fn a_404_and_a_record_of_one_url_from_two_leases_end_as_the_newer_lease_sa
         // stays live.
         let db = test_db("rec_gone_late").await;
         let store = db.store();
-        let first = lease(&store, 1, "first", t0).await;
-        store
-            .records()
-            .commit_page(&first, Some(&item("$1.00")), t0, transaction)
-            .await
-            .unwrap();
-        let slow = lease(&store, 2, "slow", t1).await;
-        let fast = store
-            .frontier()
-            .lease_url(
-                &bot(),
-                PassNumber::new(2),
-                &InstanceId::parse("fast").unwrap(),
-                t2,
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap()
-            .expect("the expired lease, taken again");
+        let (slow, fast, t2) = stored_then_leased_twice(&store, transaction).await;
         store
             .records()
             .commit_page(&fast, Some(&item("$2.00")), t2, transaction)
