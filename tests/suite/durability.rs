@@ -261,16 +261,7 @@ async fn a_uri_asking_for_secondary_reads_still_crawls_exactly_on_the_primary() 
         let store = Store::connect(&settings.mongo)
             .await
             .expect("connected by the set's name");
-        run_with_store(
-            settings,
-            store,
-            Mode::Once {
-                timeout: Duration::from_secs(60),
-            },
-            CancellationToken::new(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("transactions {transactions}: {e}"));
+        once_on(settings, store).await;
         assert_eq!(
             live_records(&db).await,
             truth(&base).await,
