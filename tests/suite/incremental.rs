@@ -715,8 +715,9 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
     // record removed although the frontier entry never learned the record's id — no listing
     // shows the item, so nothing else would.
     use seedlock::ids::{BotId, InstanceId};
-    use seedlock::store::frontier::PageKind;
+    use seedlock::store::frontier::{LeaseTo, NewUrl, PageKind};
     use seedlock::store::records::Extracted;
+    use std::collections::HashMap;
     use seedlock::urls::NormalizedUrl;
     use std::time::Duration;
 
@@ -745,17 +746,33 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
     let (bot, sku) = (BotId::parse("shop").unwrap(), "SKU-9999999".to_owned());
     let url = NormalizedUrl::parse(&format!("{base}/product/{sku}")).unwrap();
     let store = db.store();
-    // The page is enqueued, leased and taken over 5 s ahead of the crawl's clock, so the crawl
-    // cannot lease it first; both leases last 1 ms, and once its clock passes them the crawl
-    // leases the page a third time (the pass cannot end before: the page is in it).
+    // The page is enqueued already leased to "dying" (a pending page would be the crawl's to take)
+    // and taken over by "taker", both 5 s ahead of the crawl's clock, so the crawl cannot lease it
+    // first; both leases last 1 ms, and once its clock passes them the crawl leases the page a
+    // third time (the pass cannot end before: the page is in it).
     let at = chrono::Utc::now() + chrono::Duration::seconds(5);
-    store
+    let (dying_id, taker_id) = (
+        InstanceId::parse("dying").unwrap(),
+        InstanceId::parse("taker").unwrap(),
+    );
+    let lease_for = Duration::from_millis(1);
+    let enqueued = store
         .frontier()
-        .enqueue(
+        .enqueue_links(
             &bot,
             PassNumber::new(pass),
-            PageKind::Detail,
-            std::slice::from_ref(&url),
+            &[NewUrl {
+                url: url.clone(),
+                kind: PageKind::Detail,
+                fingerprint: None,
+                priority: 0,
+            }],
+            &HashMap::new(),
+            Some(LeaseTo {
+                me: &dying_id,
+                lease_for,
+                first: 1,
+            }),
             at,
         )
         .await
@@ -772,41 +789,28 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
             .await
             .unwrap()
     };
+    let [dying] = <[_; 1]>::try_from(enqueued.leased).unwrap_or_else(|leased| {
+        panic!("dying was leased {leased:?} on enqueue");
+    });
     // A lease write can meet another test's transaction on the shared server and take nothing:
-    // asked again until it takes the page (nothing else is pending: the listings are slow).
-    let lease_as = |who: &'static str, at| {
-        let (store, bot, url) = (store.clone(), bot.clone(), url.clone());
-        async move {
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-            loop {
-                let me = InstanceId::parse(who).unwrap();
-                match store
-                    .frontier()
-                    .lease_url(
-                        &bot,
-                        PassNumber::new(pass),
-                        &me,
-                        at,
-                        Duration::from_millis(1),
-                    )
-                    .await
-                    .unwrap()
-                {
-                    Some(lease) if lease.url == url => return lease,
-                    None if tokio::time::Instant::now() < deadline => {
-                        tokio::time::sleep(Duration::from_millis(10)).await
-                    }
-                    other => panic!(
-                        "{who} leased {other:?}; the frontier: {:?}",
-                        frontier().await
-                    ),
-                }
-            }
-        }
-    };
-    let dying = lease_as("dying", at).await;
+    // asked again until it takes the page (nothing else is leasable: the listings are slow and
+    // the crawl's clock is before the expired lease).
     let taken = at + chrono::Duration::milliseconds(2);
-    lease_as("taker", taken).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    loop {
+        match store
+            .frontier()
+            .lease_url(&bot, PassNumber::new(pass), &taker_id, taken, lease_for)
+            .await
+            .unwrap()
+        {
+            Some(lease) if lease.url == url => break,
+            None if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(10)).await
+            }
+            other => panic!("taker leased {other:?}; the frontier: {:?}", frontier().await),
+        }
+    }
     let record = Extracted {
         bot: bot.clone(),
         natural_key: sku.clone(),
