@@ -84,8 +84,11 @@ impl Error {
         match self {
             Error::Db(e) => is_transient_db(e),
             Error::Timeout { .. } => true,
+            // 64 and 50: the write was applied and its majority wait ran out; sending it
+            // again (every write is fenced or conditional) waits for the majority again.
             Error::WriteConcern { code, labels, .. } => {
                 TRANSIENT_CODES.contains(code)
+                    || matches!(code, 50 | 64)
                     || labels
                         .iter()
                         .any(|l| l == "RetryableWriteError" || l == "TransientTransactionError")
@@ -97,6 +100,41 @@ impl Error {
             | Error::Task { .. }
             | Error::Index { .. }
             | Error::Invalid(_) => false,
+        }
+    }
+}
+
+/// Server error codes that mean the member that answered is not, or no longer, the primary, or
+/// is shutting down: an election is under way (or about to be).
+const FAILOVER_CODES: &[i32] = &[
+    91,    // ShutdownInProgress
+    189,   // PrimarySteppedDown
+    10107, // NotWritablePrimary
+    11600, // InterruptedAtShutdown
+    11602, // InterruptedDueToReplStateChange
+    13435, // NotPrimaryNoSecondaryOk
+    13436, // NotPrimaryOrSecondary
+];
+
+impl Error {
+    /// True when the error is what a replica set answers through a failover — a member no longer
+    /// primary, a primary shutting down, no primary to select, a connection closed by the old
+    /// primary: the operation waits for the new primary (up to `mongo.server_selection_timeout`)
+    /// instead of failing its step.
+    pub(crate) fn is_failover(&self) -> bool {
+        match self {
+            Error::Db(e) => match e.kind.as_ref() {
+                ErrorKind::Io(_)
+                | ErrorKind::ConnectionPoolCleared { .. }
+                | ErrorKind::ServerSelection { .. } => true,
+                ErrorKind::Command(c) => FAILOVER_CODES.contains(&c.code),
+                ErrorKind::Write(WriteFailure::WriteConcernError(w)) => {
+                    FAILOVER_CODES.contains(&w.code)
+                }
+                _ => false,
+            },
+            Error::WriteConcern { code, .. } => FAILOVER_CODES.contains(code),
+            _ => false,
         }
     }
 }
@@ -114,7 +152,9 @@ pub(crate) fn is_transient_db(e: &mongodb::error::Error) -> bool {
         | ErrorKind::ServerSelection { .. }
         | ErrorKind::DnsResolve { .. } => true,
         ErrorKind::Command(c) => TRANSIENT_CODES.contains(&c.code),
-        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => TRANSIENT_CODES.contains(&w.code),
+        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => {
+            TRANSIENT_CODES.contains(&w.code) || matches!(w.code, 50 | 64)
+        }
         _ => false,
     }
 }

@@ -7,6 +7,10 @@ pub struct MongoSettings {
     pub uri: String,
     pub database: String,
     pub connect_timeout: Duration,
+    /// How long an operation waits for a writable primary (`mongo.server_selection_timeout`):
+    /// an election takes 10-12 s on a replica set, and an operation meeting one waits it out
+    /// instead of failing.
+    pub server_selection_timeout: Duration,
     /// Longest any one database operation may take before it counts as failed (transient);
     /// the wait for a pooled connection counts toward it.
     pub op_timeout: Duration,
@@ -26,6 +30,7 @@ pub(super) struct RawMongo {
     pub(super) uri: String,
     pub(super) database: String,
     pub(super) connect_timeout: String,
+    pub(super) server_selection_timeout: String,
     pub(super) op_timeout: String,
     pub(super) max_pool_size: u32,
 }
@@ -36,6 +41,7 @@ impl Default for RawMongo {
             uri: "mongodb://127.0.0.1:27017".into(),
             database: "seedlock".into(),
             connect_timeout: "5s".into(),
+            server_selection_timeout: "30s".into(),
             op_timeout: "10s".into(),
             max_pool_size: DEFAULT_MAX_POOL_SIZE,
         }
@@ -48,6 +54,10 @@ impl RawMongo {
             uri: self.uri.trim().to_owned(),
             database: validate_database(&self.database)?,
             connect_timeout: positive("mongo.connect_timeout", &self.connect_timeout)?,
+            server_selection_timeout: positive(
+                "mongo.server_selection_timeout",
+                &self.server_selection_timeout,
+            )?,
             op_timeout: positive("mongo.op_timeout", &self.op_timeout)?,
             max_pool_size: match self.max_pool_size {
                 n @ 1..=1000 => n,

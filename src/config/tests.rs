@@ -126,6 +126,7 @@ fn every_key() -> std::collections::BTreeSet<String> {
             uri: "mongodb://h".into(),
             database: "d".into(),
             connect_timeout: "1s".into(),
+            server_selection_timeout: "1s".into(),
             op_timeout: "1s".into(),
             max_pool_size: 1,
         },

@@ -72,10 +72,11 @@ impl Committer {
             {
                 Ok(committed) => return Ok(committed),
                 // Retried as a whole: every write in it is conditional and idempotent. Only while
-                // the leases last; after that, others fetch the pages again.
+                // the leases last (after that, others fetch the pages again); through an election
+                // for as long as they do.
                 Err(e)
                     if e.is_transient()
-                        && attempt < COMMIT_ATTEMPTS
+                        && (attempt < COMMIT_ATTEMPTS || e.is_failover())
                         && batch.iter().all(|s| s.lease.expires_at > now) =>
                 {
                     warn!(bot = %self.shared.bot, error = %e, pages = batch.len(), attempt, "commit failed; retrying with the pages kept");

@@ -319,6 +319,7 @@ impl BotRunner {
     pub async fn run(&self, until: Until, shutdown: &CancellationToken) -> RunEnd {
         let poll = self.ctx.lock.poll;
         let mut db_failures: u32 = 0;
+        let mut failover_since: Option<Instant> = None;
         let mut waiting_since: Option<Instant> = None;
         loop {
             if shutdown.is_cancelled() {
@@ -333,6 +334,7 @@ impl BotRunner {
                     self.waited(&mut waiting_since);
                     match self.crawl_turn(pass, until, shutdown).await {
                         Ok(turn) => {
+                            failover_since = None;
                             self.reachable_again(&mut db_failures);
                             if let Some(end) = self
                                 .after_crawl_turn(turn, until, seeds, epoch, shutdown)
@@ -349,8 +351,21 @@ impl BotRunner {
             };
             let outcome = match outcome {
                 Ok(outcome) => {
+                    failover_since = None;
                     self.reachable_again(&mut db_failures);
                     outcome
+                }
+                Err(e) if self.waits_out_failover(&e, &mut failover_since) => {
+                    // A step met an election: taken again once the new primary is known (or
+                    // after a short pause), and the bot keeps its state meanwhile.
+                    let primary = self.ctx.store.primary_changes();
+                    let pause = full_jitter(poll / 4, Duration::from_secs(1), 1);
+                    tokio::select! {
+                        _ = primary.notified() => {}
+                        _ = tokio::time::sleep(pause) => {}
+                        _ = shutdown.cancelled() => return RunEnd::Shutdown,
+                    }
+                    continue;
                 }
                 Err(e) => {
                     db_failures += 1;
@@ -377,6 +392,21 @@ impl BotRunner {
         if let Some(since) = waiting_since.take() {
             self.ctx.metrics.waited(&self.bot.id, since.elapsed());
         }
+    }
+
+    /// Whether a failed step is a failover's to wait out: the error is one an election gives
+    /// and the first such failure in a row came less than `mongo.server_selection_timeout` ago.
+    /// Past that it is a failure like any other (the bot shows Error).
+    fn waits_out_failover(&self, e: &Error, since: &mut Option<Instant>) -> bool {
+        if !e.is_failover() {
+            *since = None;
+            return false;
+        }
+        let first = *since.get_or_insert_with(|| {
+            info!(bot = %self.bot.id, error = %e, "the primary is changing; waiting for the new one");
+            Instant::now()
+        });
+        first.elapsed() < self.ctx.store.failover_window()
     }
 
     /// After a step or crawl turn that reached the database: says so when the ones before

@@ -238,17 +238,31 @@ impl Bots<'_> {
             "$currentDate": { field::LAST_UPDATE_STARTED_AT: true, field::HEARTBEAT_AT: true },
             "$push": push_history(history_entry(now, event, me.as_str(), epoch, reason)),
         };
-        let after = self
+        let (after, maybe_applied) = self
             .store
-            .bounded(
-                "claim",
+            .resend("claim", || {
                 self.store
                     .bots
-                    .find_one_and_update(filter, update)
-                    .return_document(ReturnDocument::After),
-            )
+                    .find_one_and_update(filter.clone(), update.clone())
+                    .return_document(ReturnDocument::After)
+            })
             .await?;
-        let Some(raw) = after else { return Ok(None) };
+        let raw = match after {
+            Some(raw) => raw,
+            // An attempt whose answer was lost may have taken the lock: the epoch this claim
+            // moves to, held by this instance, says it did (nobody else writes that pair).
+            None if maybe_applied => match self.load_raw(bot).await? {
+                Some(raw)
+                    if raw.get_i64(field::LOCK_EPOCH).ok() == Some(epoch.get())
+                        && raw.get_str(field::EDITING_BY).ok() == Some(me.as_str())
+                        && raw.get_bool(field::IS_EDITING).unwrap_or(false) =>
+                {
+                    raw
+                }
+                _ => return Ok(None),
+            },
+            None => return Ok(None),
+        };
         let doc = crate::store::document::parse_bot(&raw).map_err(|problems| Error::Protocol {
             what: "claim",
             detail: problems.join("; "),
@@ -276,15 +290,30 @@ impl Bots<'_> {
         }))
     }
 
-    async fn fenced(self, held: &EditLock, update: Document) -> Result<()> {
-        let result = self
+    /// A holder's write, fenced on its lock (`held`); `ends_lock` when it gives the lock up. Sent
+    /// again through a failover; when an attempt whose answer was lost may have been applied and
+    /// the next matches nothing, the document says whether it was: the epoch is still the
+    /// holder's and the lock is given up (`ends_lock`) or still this instance's — nobody else
+    /// writes at that epoch.
+    async fn fenced(self, held: &EditLock, update: Document, ends_lock: bool) -> Result<()> {
+        let (result, maybe_applied) = self
             .store
-            .bounded(
-                "fenced write",
-                self.store.bots.update_one(held.fence(), update),
-            )
+            .resend("fenced write", || {
+                self.store.bots.update_one(held.fence(), update.clone())
+            })
             .await?;
-        if result.matched_count == 1 {
+        let applied = result.matched_count == 1
+            || (maybe_applied
+                && self.load_raw(&held.bot).await?.is_some_and(|raw| {
+                    raw.get_i64(field::LOCK_EPOCH).ok() == Some(held.epoch.get())
+                        && if ends_lock {
+                            !raw.get_bool(field::IS_EDITING).unwrap_or(false)
+                        } else {
+                            raw.get_bool(field::IS_EDITING).unwrap_or(false)
+                                && raw.get_str(field::EDITING_BY).ok() == Some(held.me.as_str())
+                        }
+                }));
+        if applied {
             Ok(())
         } else {
             Err(Error::EditLockLost {
@@ -308,6 +337,7 @@ impl Bots<'_> {
                 "$set": { field::LOCK_EXPIRES_AT: date(expires) },
                 "$currentDate": { field::HEARTBEAT_AT: true },
             },
+            false,
         )
         .await?;
         Ok(expires)
@@ -488,6 +518,7 @@ impl Bots<'_> {
                 "$currentDate": current,
                 "$push": push_history(history_entry(now, "refreshed", held.me.as_str(), held.epoch, &reason)),
             },
+            true,
         )
         .await
     }
@@ -516,6 +547,7 @@ impl Bots<'_> {
                 "$inc": { field::FAILED_REFRESHES: 1_i32 },
                 "$push": push_history(history_entry(now, "refresh_failed", held.me.as_str(), held.epoch, error)),
             },
+            true,
         )
         .await
     }
@@ -534,6 +566,7 @@ impl Bots<'_> {
                 },
                 "$push": push_history(history_entry(now, "released", held.me.as_str(), held.epoch, reason)),
             },
+            true,
         )
         .await
     }

@@ -188,6 +188,32 @@ pub struct Store {
     /// Notified when the primary changes: the driver saw a server become primary, or a write
     /// was refused by a member that is no longer primary.
     primary_changes: std::sync::Arc<PrimaryChanges>,
+    /// Whether the driver knows a writable server (false through an election), and how long an
+    /// operation waits for one (`mongo.server_selection_timeout`).
+    failover: std::sync::Arc<Failover>,
+}
+
+/// An election as the store sees it: while no writable server is known, an operation waits
+/// past `op_timeout` for the new primary, up to `window`.
+#[derive(Debug)]
+struct Failover {
+    writable: std::sync::atomic::AtomicBool,
+    window: Duration,
+}
+
+impl Default for Failover {
+    fn default() -> Self {
+        Failover {
+            writable: std::sync::atomic::AtomicBool::new(true),
+            window: DEFAULT_SERVER_SELECTION_TIMEOUT,
+        }
+    }
+}
+
+impl Failover {
+    fn writable(&self) -> bool {
+        self.writable.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// The changes of primary a store has seen, and the wake-up of whoever waits for the next.
@@ -300,6 +326,10 @@ impl Drop for InFlight<'_> {
 /// The default for `mongo.op_timeout`.
 pub(crate) const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The default for `mongo.server_selection_timeout` (the driver's own default): longer than a
+/// replica set's election.
+pub(crate) const DEFAULT_SERVER_SELECTION_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// A time as BSON (every date this crate writes goes through here).
 pub fn date(at: DateTime<Utc>) -> Bson {
     Bson::DateTime(bson::DateTime::from_chrono(at))
@@ -351,14 +381,24 @@ impl Store {
         // `op_timeout` finds the new primary.
         options.heartbeat_freq = Some(Duration::from_secs(2));
         let primary_changes = std::sync::Arc::new(PrimaryChanges::default());
+        let failover = std::sync::Arc::new(Failover {
+            writable: std::sync::atomic::AtomicBool::new(true),
+            window: settings.server_selection_timeout,
+        });
         {
-            let primary_changes = primary_changes.clone();
+            let (primary_changes, failover) = (primary_changes.clone(), failover.clone());
             // Only another member becoming primary: the first discovery, or the same primary
             // back after a network error, keeps the clock's best sample.
             let last_primary = std::sync::Mutex::new(None::<mongodb::options::ServerAddress>);
             options.sdam_event_handler =
                 Some(mongodb::event::EventHandler::callback(move |event| {
                     use mongodb::{event::sdam::SdamEvent, ServerType};
+                    if let SdamEvent::TopologyDescriptionChanged(changed) = &event {
+                        failover.writable.store(
+                            changed.new_description.has_writable_server(),
+                            std::sync::atomic::Ordering::Relaxed,
+                        );
+                    }
                     if let SdamEvent::ServerDescriptionChanged(changed) = event {
                         if changed.new_description.server_type() == ServerType::RsPrimary {
                             let mut last = last_primary.lock().unwrap_or_else(|p| p.into_inner());
@@ -370,20 +410,33 @@ impl Store {
                     }
                 }));
         }
-        options.server_selection_timeout = Some(settings.connect_timeout);
+        // An operation meeting an election waits for the new primary (the driver's server
+        // selection) instead of failing; connecting at start-up is bounded by `connect_timeout`.
+        options.server_selection_timeout = Some(settings.server_selection_timeout);
         options.connect_timeout = Some(settings.connect_timeout);
         let client = Client::with_options(options).map_err(|e| fail(e.to_string()))?;
         let db = client.database(&settings.database);
-        db.run_command(doc! { "ping": 1 })
-            .await
-            .map_err(|e| match e.kind.as_ref() {
-                mongodb::error::ErrorKind::ServerSelection { .. } => fail(format!(
-                    "no server answered within {} ({})",
-                    humantime::format_duration(settings.connect_timeout),
-                    e
-                )),
-                _ => fail(e.to_string()),
-            })?;
+        let unanswered = || {
+            fail(format!(
+                "no server answered within {}",
+                humantime::format_duration(settings.connect_timeout),
+            ))
+        };
+        let ping = db.run_command(doc! { "ping": 1 }).selection_criteria(
+            mongodb::options::SelectionCriteria::Predicate(std::sync::Arc::new(|_| true)),
+        );
+        match tokio::time::timeout(settings.connect_timeout, ping).await {
+            Err(_) => return Err(unanswered()),
+            Ok(Err(e)) => {
+                return Err(match e.kind.as_ref() {
+                    mongodb::error::ErrorKind::ServerSelection { .. } => {
+                        fail(format!("{} ({e})", unanswered().reason))
+                    }
+                    _ => fail(e.to_string()),
+                })
+            }
+            Ok(Ok(_)) => {}
+        }
         let mut store = Store::new(db).with_op_timeout(settings.op_timeout);
         store.commands = std::sync::Arc::new(CommandCounts {
             checkouts: Some(checkouts),
@@ -391,6 +444,7 @@ impl Store {
         });
         store.pool_wait = pool_wait;
         store.primary_changes = primary_changes;
+        store.failover = failover;
         Ok(store)
     }
 
@@ -448,6 +502,7 @@ impl Store {
             sessions: Default::default(),
             pool_wait: Default::default(),
             primary_changes: Default::default(),
+            failover: Default::default(),
         }
     }
 
@@ -463,6 +518,12 @@ impl Store {
         self.primary_changes
             .seen
             .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How long an operation waits for a writable primary through an election
+    /// (`mongo.server_selection_timeout`).
+    pub(crate) fn failover_window(&self) -> Duration {
+        self.failover.window
     }
 
     pub fn with_op_timeout(mut self, op_timeout: Duration) -> Store {
@@ -549,6 +610,51 @@ impl Store {
         result
     }
 
+    /// As [`Store::bounded`], for a driver operation `make` builds afresh for each attempt: one
+    /// refused by a member that is no longer primary, or lost with its connection, is sent again
+    /// (with backoff) until a primary takes it, within `op_timeout` of the first attempt —
+    /// `mongo.server_selection_timeout` through an election. Only for writes that are fenced or
+    /// conditional (a second attempt matches nothing or the same thing); the flag says whether
+    /// an earlier attempt may have been applied although its answer was lost, for the caller to
+    /// read the outcome back where "matched nothing" would not tell.
+    pub(crate) async fn resend<T, F, M>(&self, what: &'static str, mut make: M) -> Result<(T, bool)>
+    where
+        M: FnMut() -> F,
+        F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
+    {
+        let started = std::time::Instant::now();
+        let mut deadline = started + self.op_timeout;
+        let mut maybe_applied = false;
+        let mut attempt: u32 = 0;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.bounded_for(what, left, make()).await {
+                Ok(value) => return Ok((value, maybe_applied)),
+                Err(e) if retryable(&e) => {
+                    if not_primary(&e) {
+                        self.primary_changes.signal();
+                    }
+                    if e.is_failover() {
+                        deadline = deadline.max(started + self.failover.window);
+                    }
+                    maybe_applied |= may_have_applied(&e);
+                    attempt += 1;
+                    let pause = crate::backoff::full_jitter(
+                        Duration::from_millis(50),
+                        Duration::from_secs(1),
+                        attempt,
+                    );
+                    if std::time::Instant::now() + pause >= deadline {
+                        return Err(e);
+                    }
+                    tracing::debug!(what, error = %e, attempt, "a write was not taken; sending it again");
+                    tokio::time::sleep(pause).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// As [`Store::bounded`], for a step that is no operation of its own (a cursor's next
     /// document: its further batches count as [`FURTHER_BATCHES`]).
     async fn unaccounted<T, F>(&self, what: &'static str, op: F) -> Result<T>
@@ -567,7 +673,21 @@ impl Store {
             answers: &self.answers,
             answered: false,
         };
-        match tokio::time::timeout(limit, op.into_future()).await {
+        let started = tokio::time::Instant::now();
+        let op = op.into_future();
+        tokio::pin!(op);
+        let mut until = started + limit;
+        let outcome = loop {
+            match tokio::time::timeout_at(until, &mut op).await {
+                // Through an election the driver waits in server selection for the new primary
+                // (up to `mongo.server_selection_timeout`): so does the operation.
+                Err(_) if !self.failover.writable() && until < started + self.failover.window => {
+                    until = started + self.failover.window;
+                }
+                other => break other,
+            }
+        };
+        match outcome {
             Ok(result) => {
                 // An error from the server is an answer too; one from the network is not.
                 flight.answered = match &result {
@@ -584,7 +704,7 @@ impl Store {
             }
             Err(_) => Err(Error::Timeout {
                 what,
-                after: self.op_timeout,
+                after: started.elapsed(),
             }),
         }
     }
@@ -682,7 +802,8 @@ impl Store {
                 what,
                 detail: format!("the command does not encode: {e}"),
             })?;
-        let deadline = std::time::Instant::now() + limit;
+        let started = std::time::Instant::now();
+        let mut deadline = started + limit;
         let mut attempt: u32 = 0;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -694,6 +815,11 @@ impl Store {
                 Err(e) if retryable(&e) => {
                     if not_primary(&e) {
                         self.primary_changes.signal();
+                    }
+                    // An election: sent again until a new primary takes it, within
+                    // `mongo.server_selection_timeout` of the first attempt.
+                    if e.is_failover() {
+                        deadline = deadline.max(started + self.failover.window);
                     }
                     attempt += 1;
                     let pause = crate::backoff::full_jitter(
@@ -817,6 +943,9 @@ pub(crate) fn retryable(e: &Error) -> bool {
                     mongodb::error::ErrorKind::Io(_)
                     | mongodb::error::ErrorKind::ConnectionPoolCleared { .. } => true,
                     mongodb::error::ErrorKind::Command(c) => CODES.contains(&c.code),
+                    mongodb::error::ErrorKind::Write(
+                        mongodb::error::WriteFailure::WriteConcernError(w),
+                    ) => CODES.contains(&w.code) || matches!(w.code, 50 | 64),
                     _ => false,
                 }
         }
@@ -829,6 +958,23 @@ pub(crate) fn retryable(e: &Error) -> bool {
                 || matches!(code, 50 | 64)
                 || labels.iter().any(|l| l == "RetryableWriteError")
         }
+        _ => false,
+    }
+}
+
+/// Whether a write that failed with `e` may nevertheless have been applied: its connection
+/// closed before the answer came, or the server applied it and its write concern failed.
+fn may_have_applied(e: &Error) -> bool {
+    match e {
+        Error::Db(e) => matches!(
+            e.kind.as_ref(),
+            mongodb::error::ErrorKind::Io(_)
+                | mongodb::error::ErrorKind::ConnectionPoolCleared { .. }
+                | mongodb::error::ErrorKind::Write(
+                    mongodb::error::WriteFailure::WriteConcernError(_)
+                )
+        ),
+        Error::WriteConcern { .. } | Error::Timeout { .. } => true,
         _ => false,
     }
 }

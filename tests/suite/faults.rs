@@ -24,6 +24,7 @@ async fn through(faults: &Faults, db: &kit::TestDb) -> Store {
         uri: faults.uri(&db.uri),
         database: db.name.clone(),
         connect_timeout: Duration::from_secs(10),
+        server_selection_timeout: Duration::from_secs(30),
         op_timeout: Duration::from_secs(10),
         max_pool_size: seedlock::config::DEFAULT_MAX_POOL_SIZE,
     })
@@ -160,9 +161,38 @@ async fn a_write_refused_or_lost_in_a_failover_is_sent_again_and_applied_once() 
 async fn a_crawl_through_a_failing_over_primary_stores_every_record_exactly() {
     // Leases, done marks, enqueues and record writes refused, unacknowledged, lost on the way or
     // applied with their majority wait cut short: the pass ends with every record as the shop
-    // has it.
-    let db = test_db("faults_crawl").await;
+    // has it, seconds after a clean pass would — no step fails and no URL waits out its lease
+    // (a minute here).
     let base = shop(3, 10).await;
+    let setup = Setup {
+        lease: "60s",
+        ..Setup::default()
+    };
+    let timed_pass = |db: kit::TestDb, store: Store| {
+        let settings = settings(&db, &base, &setup, "a");
+        let base = &base;
+        async move {
+            let started = std::time::Instant::now();
+            run_with_store(
+                settings,
+                store,
+                Mode::Once {
+                    timeout: Duration::from_secs(120),
+                },
+                CancellationToken::new(),
+            )
+            .await
+            .expect("the pass finishes");
+            assert_eq!(live_records(&db).await, truth(base).await);
+            started.elapsed()
+        }
+    };
+    let clean_db = test_db("faults_crawl_clean").await;
+    let clean_faults = Faults::start(&kit::blackhole::server_of(&clean_db.uri)).await;
+    let store = through(&clean_faults, &clean_db).await;
+    let clean = timed_pass(clean_db, store).await;
+
+    let db = test_db("faults_crawl").await;
     let faults = Faults::start(&kit::blackhole::server_of(&db.uri)).await;
     let stepped_down = || {
         Fault::AddToReply(write_concern_error(
@@ -194,17 +224,7 @@ async fn a_crawl_through_a_failing_over_primary_stores_every_record_exactly() {
         faults.add(rule(command, collection, times, fault));
     }
     let store = through(&faults, &db).await;
-    run_with_store(
-        settings(&db, &base, &Setup::default(), "a"),
-        store,
-        Mode::Once {
-            timeout: Duration::from_secs(60),
-        },
-        CancellationToken::new(),
-    )
-    .await
-    .expect("the pass finishes");
-    assert_eq!(live_records(&db).await, truth(&base).await);
+    let took = timed_pass(db, store).await;
     for (command, collection) in [
         ("update", "frontier"),
         ("insert", "frontier"),
@@ -215,6 +235,11 @@ async fn a_crawl_through_a_failing_over_primary_stores_every_record_exactly() {
             "no fault met {command} {collection}: the test proves nothing"
         );
     }
+    // Each refusal costs the driver a check of the server (up to 2 s, its heartbeat here).
+    assert!(
+        took < clean + Duration::from_secs(30),
+        "the pass took {took:?}, a clean one {clean:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -290,4 +315,88 @@ async fn a_write_refused_by_a_member_no_longer_primary_is_seen_as_a_change_of_pr
         store.primary_changes_seen() > before,
         "the not-primary answer was seen as a change of primary"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_answer_was_lost_is_read_back_and_held() {
+    // The server takes the claim and the connection closes before its answer: the claim is
+    // sent again, matches nothing (the epoch moved), and the document says the lock is ours.
+    let db = test_db("faults_claim_lost").await;
+    let faults = Faults::start(&kit::blackhole::server_of(&db.uri)).await;
+    let store = through(&faults, &db).await;
+    let (bot, me) = (BotId::parse("c").unwrap(), InstanceId::parse("me").unwrap());
+    store
+        .bots()
+        .initialize(&bot, &me, Utc::now())
+        .await
+        .unwrap();
+    faults.add(rule("findAndModify", "bots", 1, Fault::Drop));
+    let held = store
+        .bots()
+        .claim(
+            &bot,
+            &me,
+            seedlock::ids::LockEpoch::ZERO,
+            seedlock::lock::state::Claim::Free,
+            Utc::now(),
+            Duration::from_secs(30),
+            "t",
+        )
+        .await
+        .expect("no error")
+        .expect("the claim the server took is held, not waited out");
+    assert_eq!(
+        faults.applied("findAndModify", "bots"),
+        1,
+        "the answer was lost"
+    );
+    assert_eq!(held.epoch.get(), 1);
+    assert_eq!(db.epoch("c").await, 1, "claimed once");
+    // The lock works: its holder's writes pass the fence.
+    store
+        .bots()
+        .complete(
+            &held,
+            &["http://x.test/".to_owned()],
+            Utc::now(),
+            seedlock::store::NextPass::None,
+        )
+        .await
+        .expect("the holder completes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holders_write_whose_answer_was_lost_is_read_back_not_reported_as_a_lost_lock() {
+    let db = test_db("faults_fenced_lost").await;
+    let faults = Faults::start(&kit::blackhole::server_of(&db.uri)).await;
+    let store = through(&faults, &db).await;
+    let (bot, me) = (BotId::parse("r").unwrap(), InstanceId::parse("me").unwrap());
+    store
+        .bots()
+        .initialize(&bot, &me, Utc::now())
+        .await
+        .unwrap();
+    let held = kit::claim_free(&store, &bot, &me, Utc::now()).await;
+    faults.add(rule("update", "bots", 1, Fault::Drop));
+    store
+        .bots()
+        .complete(
+            &held,
+            &["http://x.test/".to_owned()],
+            Utc::now(),
+            seedlock::store::NextPass::None,
+        )
+        .await
+        .expect("the completion the server took is seen as done, not as a lost lock");
+    assert_eq!(faults.applied("update", "bots"), 1, "the answer was lost");
+    let doc = db.doc("r").await.unwrap();
+    assert_eq!(doc.get_bool("isReady"), Ok(true));
+    assert_eq!(doc.get_bool("isEditing"), Ok(false));
+    let refreshed = db
+        .history("r")
+        .await
+        .iter()
+        .filter(|h| h.get_str("event") == Ok("refreshed"))
+        .count();
+    assert_eq!(refreshed, 1, "applied once");
 }

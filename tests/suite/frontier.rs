@@ -927,6 +927,7 @@ async fn large_reads_come_back_in_one_round_trip() {
         uri: db.uri.clone(),
         database: db.name.clone(),
         connect_timeout: Duration::from_secs(10),
+        server_selection_timeout: Duration::from_secs(30),
         op_timeout: Duration::from_secs(10),
         max_pool_size: seedlock::config::DEFAULT_MAX_POOL_SIZE,
     })

@@ -717,8 +717,8 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
     use seedlock::ids::{BotId, InstanceId};
     use seedlock::store::frontier::{LeaseTo, NewUrl, PageKind};
     use seedlock::store::records::Extracted;
-    use std::collections::HashMap;
     use seedlock::urls::NormalizedUrl;
+    use std::collections::HashMap;
     use std::time::Duration;
 
     let db = test_db("crawl_orphan_gone").await;
@@ -808,7 +808,10 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
             None if tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(10)).await
             }
-            other => panic!("taker leased {other:?}; the frontier: {:?}", frontier().await),
+            other => panic!(
+                "taker leased {other:?}; the frontier: {:?}",
+                frontier().await
+            ),
         }
     }
     let record = Extracted {

@@ -13,6 +13,7 @@ mod cursors;
 mod dashboard;
 mod demo_site;
 mod durability;
+mod elections;
 mod faults;
 mod fetch;
 mod fleet;
