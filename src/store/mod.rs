@@ -75,17 +75,24 @@ pub(crate) fn primary() -> mongodb::options::SelectionCriteria {
 /// The write concern of every write: acknowledged by a majority of the replica set's voting
 /// members and written to their journals, so a primary's failover cannot roll it back (a claim
 /// rolled back would leave a bot with two holders; a done mark rolled back, a record without its
-/// mark). Set here, overriding whatever default the server or the URI has.
+/// mark). Set here, overriding whatever default the server or the URI has. The wait for the
+/// majority is bounded by [`MAJORITY_WAIT`] (`wtimeout`): a member lagging behind makes the write
+/// answer `WriteConcernFailed` (applied, not yet replicated), which is sent again, instead of
+/// holding the operation until `op_timeout`.
 pub(crate) fn durable() -> WriteConcern {
     WriteConcern::builder()
         .w(mongodb::options::Acknowledgment::Majority)
         .journal(true)
+        .w_timeout(MAJORITY_WAIT)
         .build()
 }
 
+/// The longest a write waits for a majority of the replica set to have it (`wtimeout`).
+pub(crate) const MAJORITY_WAIT: Duration = Duration::from_secs(5);
+
 /// [`durable`] as a command's `writeConcern` field, for the commands this module writes itself.
 pub(crate) fn durable_field() -> Document {
-    doc! { "w": "majority", "j": true }
+    doc! { "w": "majority", "j": true, "wtimeout": MAJORITY_WAIT.as_millis() as i64 }
 }
 
 /// The commands that write: outside a transaction each carries [`durable_field`].
