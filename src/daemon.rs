@@ -240,6 +240,20 @@ async fn start_services(
     tracker: &TaskTracker,
     stop: &CancellationToken,
 ) -> Result<(), RunError> {
+    {
+        // Every bot's catalogue figures, as the hub's last read of the documents found them.
+        let ctx = Arc::downgrade(ctx);
+        let metrics = ctx.upgrade().map(|c| c.metrics.clone());
+        if let Some(metrics) = metrics {
+            metrics.add_source(Box::new(move |m| match ctx.upgrade() {
+                Some(ctx) => {
+                    m.observe_catalogues(&ctx.hub.catalogues());
+                    true
+                }
+                None => false,
+            }));
+        }
+    }
     if let Some(listen) = &settings.http_listen {
         let stale_after = (settings.lock.poll * 3).max(settings.lock.ttl);
         let status = crate::ops::server::StatusSource {

@@ -398,8 +398,62 @@ impl CrawlMetrics {
     }
 }
 
+/// The catalogue's freshness, as the bots' documents keep it at each pass end (every instance
+/// exports every bot's; the alert rules take the `max by (bot)`), and each bot's refresh interval
+/// as this instance runs it.
+struct CatalogueMetrics {
+    last_complete_pass: Family<BotLabel, Ratio>,
+    coverage: Family<BotLabel, Ratio>,
+    removed: Family<BotLabel, Counter>,
+    live_records: Family<BotLabel, Gauge>,
+    refresh_interval: Family<BotLabel, Ratio>,
+}
+
+impl CatalogueMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let last_complete_pass = Family::<BotLabel, Ratio>::default();
+        registry.register(
+            "last_complete_pass_timestamp_seconds",
+            "When the bot's last complete pass (trusted to remove: coverage and error rate passed the deletion gate) was evaluated, in Unix seconds",
+            last_complete_pass.clone(),
+        );
+        let coverage = Family::<BotLabel, Ratio>::default();
+        registry.register(
+            "pass_coverage_ratio",
+            "The listing coverage of the bot's last finished pass (0 to 1)",
+            coverage.clone(),
+        );
+        let removed = Family::<BotLabel, Counter>::default();
+        registry.register(
+            "records_removed",
+            "Records the bot's passes marked removed, in all (kept in the bot's document at each pass end)",
+            removed.clone(),
+        );
+        let live_records = Family::<BotLabel, Gauge>::default();
+        registry.register(
+            "live_records",
+            "The bot's live records after its last pass's evaluation",
+            live_records.clone(),
+        );
+        let refresh_interval = Family::<BotLabel, Ratio>::default();
+        registry.register(
+            "refresh_interval_seconds",
+            "How often this instance refreshes the bot's seeds (a day for \"daily\")",
+            refresh_interval.clone(),
+        );
+        Self {
+            last_complete_pass,
+            coverage,
+            removed,
+            live_records,
+            refresh_interval,
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
+    catalogue: CatalogueMetrics,
     lock: LockMetrics,
     refresh: RefreshMetrics,
     db_errors: Counter,
@@ -433,9 +487,11 @@ impl Metrics {
             db_errors.clone(),
         );
         let crawl = CrawlMetrics::register(&mut registry);
+        let catalogue = CatalogueMetrics::register(&mut registry);
         let flow = FlowMetrics::register(&mut registry);
         Self {
             flow,
+            catalogue,
             sources: Default::default(),
             crawl,
             registry,
@@ -508,6 +564,44 @@ impl Metrics {
             .inc();
     }
 
+    /// Every bot's catalogue figures, as the bots' documents keep them.
+    pub(crate) fn observe_catalogues(
+        &self,
+        catalogues: &[(String, crate::store::document::CatalogueStats)],
+    ) {
+        let c = &self.catalogue;
+        for (bot, stats) in catalogues {
+            let label = BotLabel { bot: bot.clone() };
+            if let Some(at) = stats.last_complete_pass {
+                c.last_complete_pass
+                    .get_or_create(&label)
+                    .set(at.timestamp_millis() as f64 / 1000.0);
+            }
+            if let Some(coverage) = stats.coverage {
+                c.coverage.get_or_create(&label).set(coverage);
+            }
+            if let Some(live) = stats.live_records {
+                c.live_records.get_or_create(&label).set(live);
+            }
+            // The document's total, carried into the counter: it only grows.
+            let removed = c.removed.get_or_create(&label);
+            let shown = removed.get();
+            if let Ok(total) = u64::try_from(stats.removed_total) {
+                if total > shown {
+                    removed.inc_by(total - shown);
+                }
+            }
+        }
+    }
+
+    /// How often this instance refreshes `bot`'s seeds.
+    pub(crate) fn set_refresh_interval(&self, bot: &BotId, every: Duration) {
+        self.catalogue
+            .refresh_interval
+            .get_or_create(&Self::bot(bot))
+            .set(every.as_secs_f64());
+    }
+
     pub(crate) fn set_state(&self, bot: &BotId, state: BotState) {
         for s in BotState::ALL {
             let labels = StateLabels {
@@ -530,6 +624,7 @@ impl Metrics {
             });
         }
         self.lock.bot_paused.remove(&Self::bot(bot));
+        self.catalogue.refresh_interval.remove(&Self::bot(bot));
     }
 
     pub(crate) fn set_paused(&self, bot: &BotId, paused: bool) {

@@ -34,6 +34,7 @@ use crate::backoff::{full_jitter, jittered};
 use crate::clock::ServerClock;
 use crate::config::LockSettings;
 use crate::ids::BotId;
+use crate::store::document::CatalogueStats;
 use crate::store::{EditLock, Store};
 
 /// What a holder hears of its lock from the upkeep.
@@ -88,6 +89,8 @@ struct Inner {
     stop: CancellationToken,
     started: std::sync::Once,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// Every bot's catalogue figures as the last digest read found them (for the metrics).
+    catalogues: Mutex<HashMap<String, CatalogueStats>>,
 }
 
 /// The instance's hub (see the module comment). Its tasks start with the first runner that
@@ -123,8 +126,23 @@ impl Hub {
                 stop: CancellationToken::new(),
                 started: std::sync::Once::new(),
                 tasks: Default::default(),
+                catalogues: Default::default(),
             }),
         }
+    }
+
+    /// Every bot's catalogue figures as the last read of the digests found them (nothing before
+    /// the hub's first read).
+    pub(crate) fn catalogues(&self) -> Vec<(String, CatalogueStats)> {
+        let catalogues = self
+            .inner
+            .catalogues
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        catalogues
+            .iter()
+            .map(|(bot, stats)| (bot.clone(), stats.clone()))
+            .collect()
     }
 
     fn start(&self) {
@@ -337,6 +355,11 @@ async fn poll(hub: Weak<Inner>, stop: CancellationToken) {
                 let mut fleet = digests.len() != last.len();
                 let mut now: HashMap<String, (u64, Option<i64>)> =
                     HashMap::with_capacity(digests.len());
+                let catalogues: HashMap<String, CatalogueStats> = digests
+                    .iter()
+                    .filter_map(|d| Some((d.id.clone(), d.catalogue.clone()?)))
+                    .collect();
+                *inner.catalogues.lock().unwrap_or_else(|p| p.into_inner()) = catalogues;
                 for d in digests {
                     match last.get(&d.id) {
                         Some((digest, version)) => {

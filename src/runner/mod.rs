@@ -20,7 +20,7 @@ use tracing::{debug, error, info, trace, warn};
 
 use crate::backoff::{full_jitter, jittered};
 use crate::clock::ServerClock;
-use crate::config::{BotSettings, LockSettings, OnRefreshFailure};
+use crate::config::{BotSettings, LockSettings, OnRefreshFailure, RefreshSchedule};
 use crate::crawl::{CrawlContext, Crawler, PassState, SliceEnd};
 use crate::error::{Error, Result};
 use crate::ids::{BotId, InstanceId};
@@ -318,6 +318,13 @@ impl BotRunner {
     /// exponentially with full jitter.
     pub async fn run(&self, until: Until, shutdown: &CancellationToken) -> RunEnd {
         let poll = self.ctx.lock.poll;
+        let interval = match self.bot.refresh {
+            RefreshSchedule::Daily => Duration::from_secs(24 * 60 * 60),
+            RefreshSchedule::Every(every) => every,
+        };
+        self.ctx
+            .metrics
+            .set_refresh_interval(&self.bot.id, interval);
         let mut db_failures: u32 = 0;
         let mut failover_since: Option<Instant> = None;
         let mut waiting_since: Option<Instant> = None;

@@ -450,6 +450,7 @@ impl Bots<'_> {
                     id: id.to_owned(),
                     digest: hasher.finish(),
                     spec_version,
+                    catalogue: super::document::catalogue_stats(raw),
                 });
                 Ok(())
             })
@@ -996,11 +997,13 @@ impl Bots<'_> {
 /// A bot document as [`Bots::bot_digests`] reads it: its `_id`, a digest of every field that can
 /// change what an instance does (not the seeds, history, specs, or the holder's heartbeat —
 /// waiters wake at the lock's expiry anyway), and its `specVersion`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct BotDigest {
     pub id: String,
     pub digest: u64,
     pub spec_version: Option<i64>,
+    /// What the document says of the catalogue's freshness, for the metrics.
+    pub catalogue: Option<super::document::CatalogueStats>,
 }
 
 /// One event of [`Bots::watch_bots`].

@@ -164,6 +164,11 @@ pub(crate) mod field {
     /// The pass started on another spec than the pass before it: it fetches every page anew.
     pub(crate) const CRAWL_PASS_REFETCH: &str = "crawlPassRefetch";
     pub(crate) const CRAWL_EVALUATED_PASS: &str = "crawlEvaluatedPass";
+    /// When the last complete pass (one trusted to remove: its coverage and error rate passed
+    /// the deletion gate) was evaluated.
+    pub(crate) const CRAWL_LAST_COMPLETE_PASS_AT: &str = "crawlLastCompletePassAt";
+    /// Records marked removed by every evaluation so far, kept at each pass end.
+    pub(crate) const CRAWL_REMOVED_TOTAL: &str = "crawlRemovedTotal";
     /// Paused by an operator: no instance takes the lock or leases a URL.
     pub(crate) const PAUSED: &str = "paused";
     pub(crate) const PAUSED_BY: &str = "pausedBy";
@@ -586,4 +591,40 @@ mod tests {
             Observed::Malformed { .. }
         ));
     }
+}
+
+/// What a bot's document says of its catalogue's freshness, kept at each pass end: for the
+/// stale-catalogue metrics (`seedlock_last_complete_pass_timestamp_seconds` and the rest).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct CatalogueStats {
+    /// When the last complete pass was evaluated.
+    pub last_complete_pass: Option<DateTime<Utc>>,
+    /// The last finished pass's listing coverage (0..1).
+    pub coverage: Option<f64>,
+    /// Records marked removed by every evaluation so far.
+    pub removed_total: i64,
+    /// Live records after the last evaluation.
+    pub live_records: Option<i64>,
+}
+
+/// The [`CatalogueStats`] of a raw bot document (none for a bot that never ended a pass).
+pub(crate) fn catalogue_stats(raw: &bson::RawDocument) -> Option<CatalogueStats> {
+    use bson::RawBsonRef as R;
+    let number = |v: Option<R<'_>>| match v {
+        Some(R::Int32(n)) => Some(f64::from(n)),
+        Some(R::Int64(n)) => Some(n as f64),
+        Some(R::Double(n)) => Some(n),
+        _ => None,
+    };
+    let last = raw.get_document(field::CRAWL_LAST_PASS).ok()?;
+    Some(CatalogueStats {
+        last_complete_pass: match raw.get(field::CRAWL_LAST_COMPLETE_PASS_AT) {
+            Ok(Some(R::DateTime(d))) => Some(d.to_chrono()),
+            _ => None,
+        },
+        coverage: number(last.get("listCoverage").ok().flatten()),
+        removed_total: number(raw.get(field::CRAWL_REMOVED_TOTAL).ok().flatten())
+            .map_or(0, |n| n as i64),
+        live_records: number(last.get("liveRecords").ok().flatten()).map(|n| n as i64),
+    })
 }

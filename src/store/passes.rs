@@ -565,6 +565,9 @@ impl Passes<'_> {
             .deletions()
             .evaluate(bot, pass, remove, sweep, now)
             .await?;
+        // Counted once a pass, by the instance that evaluated it (the stale-catalogue metrics
+        // read it from the document; nothing counts records per scrape).
+        let live = self.store.records().live_count(bot).await?;
         let last = field::CRAWL_LAST_PASS;
         let mut unset = doc! {
             format!("{last}.evaluatingBy"): "", format!("{last}.evaluatingUntil"): "",
@@ -580,16 +583,31 @@ impl Passes<'_> {
                     format!("{last}.restored"): evaluation.restored as i64,
                     format!("{last}.candidates"): evaluation.candidates as i64,
                     format!("{last}.changedPages"): evaluation.changed_pages as i64,
+                    format!("{last}.liveRecords"): live as i64,
                 },
                 "$currentDate": { format!("{last}.evaluatedAt"): true },
                 "$unset": unset,
+                "$inc": { field::CRAWL_REMOVED_TOTAL: evaluation.removed as i64 },
         };
         if remove {
-            // The pages this pass read start their baselines anew from that read.
-            update.insert("$max", doc! { field::CRAWL_EVALUATED_PASS: pass });
+            // The pages this pass read start their baselines anew from that read; the pass is
+            // complete (trusted to remove).
+            update.insert(
+                "$max",
+                doc! {
+                    field::CRAWL_EVALUATED_PASS: pass,
+                    field::CRAWL_LAST_COMPLETE_PASS_AT: date(now),
+                },
+            );
         }
+        // Once per pass: an evaluation taken over after its first run recorded it adds nothing
+        // to the removed total again.
         let update = self.store.bots.update_one(
-            doc! { field::ID: bot.as_str(), format!("{last}.pass"): pass },
+            doc! {
+                field::ID: bot.as_str(),
+                format!("{last}.pass"): pass,
+                format!("{last}.evaluation"): { "$ne": "done" },
+            },
             update,
         );
         self.store.bounded("record the evaluation", update).await?;

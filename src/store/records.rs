@@ -424,6 +424,18 @@ impl Records<'_> {
             .collect())
     }
 
+    /// How many of the bot's records are live (not marked removed): one count over the
+    /// `bot_removed_at` index, at a pass's end.
+    pub(crate) async fn live_count(self, bot: &BotId) -> Result<u64> {
+        self.store
+            .bounded(
+                "count live records",
+                self.collection()
+                    .count_documents(doc! { f::BOT: bot.as_str(), f::REMOVED_AT: Bson::Null }),
+            )
+            .await
+    }
+
     /// The live record stored for a detail page's URL, if any. For a page whose record may have
     /// been stored without its done mark (an earlier lease of it in this pass never settled: a
     /// crash between the two writes, or a lease taken over), found gone: its frontier entry does

@@ -59,6 +59,16 @@ const ALERTS: &[(&str, &str, &str)] = &[
         "a_slow_store_shows_as_the_age_of_the_oldest_item_in_the_store_stage",
     ),
     (
+        "SeedlockNoCompletePass",
+        "seedlock_last_complete_pass_timestamp_seconds",
+        "a_pass_that_removes_records_is_exported_from_the_document_by_every_instance",
+    ),
+    (
+        "SeedlockRemovalSpike",
+        "seedlock_records_removed_total",
+        "a_pass_that_removes_records_is_exported_from_the_document_by_every_instance",
+    ),
+    (
         "SeedlockInstanceDown",
         "up",
         "a_killed_instance_stops_answering_scrapes",
@@ -69,11 +79,23 @@ const ALERTS: &[(&str, &str, &str)] = &[
 fn rules() -> Vec<(String, String)> {
     let text = include_str!("../../deploy/alerts.yml");
     let mut out: Vec<(String, String)> = Vec::new();
+    // Inside a folded `expr: >-`: the lines of the expression, until the next key.
+    let mut folded = false;
     for line in text.lines().map(str::trim) {
         if let Some(name) = line.strip_prefix("- alert: ") {
             out.push((name.to_owned(), String::new()));
+            folded = false;
         } else if let Some(expr) = line.strip_prefix("expr: ") {
-            out.last_mut().expect("expr after alert").1 = expr.to_owned();
+            folded = expr == ">-";
+            if !folded {
+                out.last_mut().expect("expr after alert").1 = expr.to_owned();
+            }
+        } else if folded && (line.contains(": ") || line.ends_with(':')) {
+            folded = false;
+        } else if folded {
+            let expr = &mut out.last_mut().expect("expr after alert").1;
+            expr.push(' ');
+            expr.push_str(line);
         }
     }
     out
@@ -511,4 +533,62 @@ async fn a_small_connection_pool_shows_its_waits_in_the_metrics() {
     let (waited, checked_out) = (most(waits.await.unwrap()), most(checkouts.await.unwrap()));
     assert!(checked_out > 0.0, "no check-out counted");
     assert!(waited > 0.0, "{checked_out} check-outs and no wait counted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_that_removes_records_is_exported_from_the_document_by_every_instance() {
+    // Instance a crawls the shop twice; between the passes the shop drops 4 of its 20
+    // products. Instance b, which crawled nothing, exports what a's passes kept in the bot's
+    // document: the rules read `max by (bot)` over every instance.
+    let db = test_db("alert_catalogue").await;
+    let base = shop(2, 10).await;
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    post(&format!("{base}/__mutate"), json!({"delete": 4})).await;
+    request_refresh(&db).await;
+    let before_second = Utc::now();
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    assert_eq!(removed_keys(&db).await.len(), 4);
+
+    let listen = free_addr();
+    let setup = Setup {
+        listen: &listen,
+        ..Setup::default()
+    };
+    let stop = CancellationToken::new();
+    let b = tokio::spawn(run(
+        settings(&db, &base, &setup, "b"),
+        Mode::Daemon,
+        stop.clone(),
+    ));
+    let series = |name: &str| format!(r#"{name}{{bot="shop"}}"#);
+    eventually(
+        "b exports the removed total",
+        Duration::from_secs(20),
+        || {
+            let (listen, removed) = (listen.clone(), series("seedlock_records_removed_total"));
+            async move { metric(&listen, &removed).await == Some(4.0) }
+        },
+    )
+    .await;
+    let value = |name: &'static str| {
+        let (listen, name) = (listen.clone(), series(name));
+        async move { metric(&listen, &name).await }
+    };
+    assert_eq!(value("seedlock_live_records").await, Some(16.0));
+    assert_eq!(value("seedlock_pass_coverage_ratio").await, Some(1.0));
+    // The settings' `refresh = "1h"`: the rule's "twice the refresh interval".
+    assert_eq!(
+        value("seedlock_refresh_interval_seconds").await,
+        Some(3600.0)
+    );
+    let complete = value("seedlock_last_complete_pass_timestamp_seconds")
+        .await
+        .expect("the last complete pass");
+    let second = before_second.timestamp_millis() as f64 / 1000.0;
+    assert!(
+        complete >= second && complete <= Utc::now().timestamp_millis() as f64 / 1000.0,
+        "the last complete pass at {complete}, the second pass started at {second}"
+    );
+    stop.cancel();
+    b.await.unwrap().expect("b stops cleanly");
 }

@@ -109,7 +109,7 @@ async fn every_metric_the_dashboard_queries_is_exported_by_seedlock() {
 
     // What the operator's window promises: bot states, lock acquisitions and takeovers, refresh
     // durations, pages/s by result, stage depths and oldest ages, per-host limits, throttles and
-    // retry ratios.
+    // retry ratios, and how fresh each bot's catalogue is.
     for needed in [
         "seedlock_bot_state",
         "seedlock_lock_acquisitions_total",
@@ -121,6 +121,10 @@ async fn every_metric_the_dashboard_queries_is_exported_by_seedlock() {
         "seedlock_host_limit",
         "seedlock_host_throttles_total",
         "seedlock_host_retry_ratio",
+        "seedlock_last_complete_pass_timestamp_seconds",
+        "seedlock_pass_coverage_ratio",
+        "seedlock_records_removed_total",
+        "seedlock_live_records",
     ] {
         assert!(queried.contains(needed), "no panel queries {needed}");
     }
