@@ -139,6 +139,14 @@ impl Error {
     }
 }
 
+impl Error {
+    /// True when the driver found no server to send to within `mongo.server_selection_timeout`:
+    /// the operation already waited out an election's length.
+    pub(crate) fn is_selection_timeout(&self) -> bool {
+        matches!(self, Error::Db(e) if matches!(e.kind.as_ref(), ErrorKind::ServerSelection { .. }))
+    }
+}
+
 pub(crate) fn is_transient_db(e: &mongodb::error::Error) -> bool {
     if e.contains_label("RetryableWriteError")
         || e.contains_label("TransientTransactionError")

@@ -405,12 +405,13 @@ impl BotRunner {
     /// and the first such failure in a row came less than `mongo.server_selection_timeout` ago.
     /// Past that it is a failure like any other (the bot shows Error).
     fn waits_out_failover(&self, e: &Error, since: &mut Option<Instant>) -> bool {
-        if !e.is_failover() {
+        // An operation that found no server for the whole window already waited it out.
+        if !e.is_failover() || e.is_selection_timeout() {
             *since = None;
             return false;
         }
         let first = *since.get_or_insert_with(|| {
-            info!(bot = %self.bot.id, error = %e, "the primary is changing; waiting for the new one");
+            debug!(bot = %self.bot.id, error = %e, "no primary: the step waits for one, the bot keeps its state");
             Instant::now()
         });
         first.elapsed() < self.ctx.store.failover_window()

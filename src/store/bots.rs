@@ -181,7 +181,7 @@ impl Bots<'_> {
                 .await?;
             cursor.try_collect().await
         };
-        self.store.bounded("list bots", all).await
+        self.store.bounded_view("list bots", all).await
     }
 
     /// Creates the initial document if there is none. Idempotent: concurrent callers all succeed

@@ -206,6 +206,8 @@ pub struct Store {
 struct Failover {
     writable: std::sync::atomic::AtomicBool,
     window: Duration,
+    /// The wait for a primary was logged (until one is known again).
+    said: std::sync::atomic::AtomicBool,
 }
 
 impl Default for Failover {
@@ -213,6 +215,7 @@ impl Default for Failover {
         Failover {
             writable: std::sync::atomic::AtomicBool::new(true),
             window: DEFAULT_SERVER_SELECTION_TIMEOUT,
+            said: Default::default(),
         }
     }
 }
@@ -220,6 +223,35 @@ impl Default for Failover {
 impl Failover {
     fn writable(&self) -> bool {
         self.writable.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// An operation waits past `op_timeout` for a primary: said once until a writable server is
+    /// known again.
+    fn waiting(&self, what: &'static str) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !self.said.swap(true, Relaxed) {
+            tracing::warn!(
+                what,
+                wait = %humantime::format_duration(self.window),
+                "database unavailable: no writable primary; operations wait for one (mongo.server_selection_timeout)"
+            );
+        }
+    }
+
+    fn set_writable(&self, writable: bool) {
+        self.writable
+            .store(writable, std::sync::atomic::Ordering::Relaxed);
+        if writable {
+            self.answered();
+        }
+    }
+
+    /// A primary answers (or is known) again: says so once, if the wait for one was said.
+    fn answered(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.said.load(Relaxed) && self.said.swap(false, Relaxed) {
+            tracing::info!("database reachable again: a writable primary answers");
+        }
     }
 }
 
@@ -389,8 +421,8 @@ impl Store {
         options.heartbeat_freq = Some(Duration::from_secs(2));
         let primary_changes = std::sync::Arc::new(PrimaryChanges::default());
         let failover = std::sync::Arc::new(Failover {
-            writable: std::sync::atomic::AtomicBool::new(true),
             window: settings.server_selection_timeout,
+            ..Failover::default()
         });
         {
             let (primary_changes, failover) = (primary_changes.clone(), failover.clone());
@@ -401,10 +433,7 @@ impl Store {
                 Some(mongodb::event::EventHandler::callback(move |event| {
                     use mongodb::{event::sdam::SdamEvent, ServerType};
                     if let SdamEvent::TopologyDescriptionChanged(changed) = &event {
-                        failover.writable.store(
-                            changed.new_description.has_writable_server(),
-                            std::sync::atomic::Ordering::Relaxed,
-                        );
+                        failover.set_writable(changed.new_description.has_writable_server());
                     }
                     if let SdamEvent::ServerDescriptionChanged(changed) = event {
                         if changed.new_description.server_type() == ServerType::RsPrimary {
@@ -612,7 +641,20 @@ impl Store {
     {
         self.commands.add(what);
         let sent = std::time::Instant::now();
-        let result = self.unaccounted_for(what, limit, op).await;
+        let result = self.unaccounted_for(what, limit, op, true).await;
+        self.commands.took(what, sent.elapsed());
+        result
+    }
+
+    /// As [`Store::bounded`] for a status view's read: within `op_timeout` even while no primary
+    /// is known (a view says the database cannot be read rather than wait out an election).
+    async fn bounded_view<T, F>(&self, what: &'static str, op: F) -> Result<T>
+    where
+        F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
+    {
+        self.commands.add(what);
+        let sent = std::time::Instant::now();
+        let result = self.unaccounted_for(what, self.op_timeout, op, false).await;
         self.commands.took(what, sent.elapsed());
         result
     }
@@ -642,6 +684,7 @@ impl Store {
                         self.primary_changes.signal();
                     }
                     if e.is_failover() {
+                        self.failover.waiting(what);
                         deadline = deadline.max(started + self.failover.window);
                     }
                     maybe_applied |= may_have_applied(&e);
@@ -668,10 +711,18 @@ impl Store {
     where
         F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
     {
-        self.unaccounted_for(what, self.op_timeout, op).await
+        self.unaccounted_for(what, self.op_timeout, op, true).await
     }
 
-    async fn unaccounted_for<T, F>(&self, what: &'static str, limit: Duration, op: F) -> Result<T>
+    /// Runs `op` within `limit`; with `wait_for_primary`, past it while no writable server is
+    /// known (an election), up to `mongo.server_selection_timeout`.
+    async fn unaccounted_for<T, F>(
+        &self,
+        what: &'static str,
+        limit: Duration,
+        op: F,
+        wait_for_primary: bool,
+    ) -> Result<T>
     where
         F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
     {
@@ -688,7 +739,12 @@ impl Store {
             match tokio::time::timeout_at(until, &mut op).await {
                 // Through an election the driver waits in server selection for the new primary
                 // (up to `mongo.server_selection_timeout`): so does the operation.
-                Err(_) if !self.failover.writable() && until < started + self.failover.window => {
+                Err(_)
+                    if wait_for_primary
+                        && !self.failover.writable()
+                        && until < started + self.failover.window =>
+                {
+                    self.failover.waiting(what);
                     until = started + self.failover.window;
                 }
                 other => break other,
@@ -696,6 +752,9 @@ impl Store {
         };
         match outcome {
             Ok(result) => {
+                if result.is_ok() {
+                    self.failover.answered();
+                }
                 // An error from the server is an answer too; one from the network is not.
                 flight.answered = match &result {
                     Ok(_) => true,
@@ -826,6 +885,7 @@ impl Store {
                     // An election: sent again until a new primary takes it, within
                     // `mongo.server_selection_timeout` of the first attempt.
                     if e.is_failover() {
+                        self.failover.waiting(what);
                         deadline = deadline.max(started + self.failover.window);
                     }
                     attempt += 1;

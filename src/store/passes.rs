@@ -560,14 +560,19 @@ impl Passes<'_> {
         sweep: bool,
         now: DateTime<Utc>,
     ) -> Result<super::deletions::Evaluation> {
-        let evaluation = self
-            .store
-            .deletions()
-            .evaluate(bot, pass, remove, sweep, now)
-            .await?;
-        // Counted once a pass, by the instance that evaluated it (the stale-catalogue metrics
-        // read it from the document; nothing counts records per scrape).
-        let live = self.store.records().live_count(bot).await?;
+        // The live records, counted once a pass by the instance that evaluates it (the
+        // stale-catalogue metrics read them from the document; nothing counts records per
+        // scrape): all of the bot's records, counted while the evaluation runs (it changes no
+        // record's existence), less those marked removed once it is done (few: a short range
+        // of the `bot_removed_at` index).
+        let (evaluation, all) = tokio::join!(
+            self.store
+                .deletions()
+                .evaluate(bot, pass, remove, sweep, now),
+            self.store.records().count_all(bot),
+        );
+        let evaluation = evaluation?;
+        let live = all?.saturating_sub(self.store.records().count_removed(bot).await?);
         let last = field::CRAWL_LAST_PASS;
         let mut unset = doc! {
             format!("{last}.evaluatingBy"): "", format!("{last}.evaluatingUntil"): "",

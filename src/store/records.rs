@@ -424,14 +424,25 @@ impl Records<'_> {
             .collect())
     }
 
-    /// How many of the bot's records are live (not marked removed): one count over the
-    /// `bot_removed_at` index, at a pass's end.
-    pub(crate) async fn live_count(self, bot: &BotId) -> Result<u64> {
+    /// How many records the bot has, live or marked removed (over the `bot_removed_at` index).
+    pub(crate) async fn count_all(self, bot: &BotId) -> Result<u64> {
         self.store
             .bounded(
-                "count live records",
+                "count records",
                 self.collection()
-                    .count_documents(doc! { f::BOT: bot.as_str(), f::REMOVED_AT: Bson::Null }),
+                    .count_documents(doc! { f::BOT: bot.as_str() }),
+            )
+            .await
+    }
+
+    /// How many of the bot's records are marked removed.
+    pub(crate) async fn count_removed(self, bot: &BotId) -> Result<u64> {
+        self.store
+            .bounded(
+                "count removed records",
+                self.collection().count_documents(
+                    doc! { f::BOT: bot.as_str(), f::REMOVED_AT: { "$ne": Bson::Null } },
+                ),
             )
             .await
     }
