@@ -671,33 +671,54 @@ impl Store {
         M: FnMut() -> F,
         F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
     {
+        self.retrying(what, self.op_timeout, |left| {
+            self.bounded_for(what, left, make())
+        })
+        .await
+    }
+
+    /// Runs `attempt` (given the time left) until it succeeds or fails for good: a failure that
+    /// may pass on another attempt ([`retryable`]) is tried again with backoff within `limit` of
+    /// the first attempt — `mongo.server_selection_timeout` once one says the primary is
+    /// changing. The flag says whether a failed attempt may have been applied.
+    async fn retrying<T, Fut>(
+        &self,
+        what: &'static str,
+        limit: Duration,
+        mut attempt: impl FnMut(Duration) -> Fut,
+    ) -> Result<(T, bool)>
+    where
+        Fut: std::future::Future<Output = Result<T>>,
+    {
         let started = std::time::Instant::now();
-        let mut deadline = started + self.op_timeout;
+        let mut deadline = started + limit;
         let mut maybe_applied = false;
-        let mut attempt: u32 = 0;
+        let mut attempts: u32 = 0;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match self.bounded_for(what, left, make()).await {
+            match attempt(left).await {
                 Ok(value) => return Ok((value, maybe_applied)),
                 Err(e) if retryable(&e) => {
                     if not_primary(&e) {
                         self.primary_changes.signal();
                     }
+                    // An election: sent again until a new primary takes it, within
+                    // `mongo.server_selection_timeout` of the first attempt.
                     if e.is_failover() {
                         self.failover.waiting(what);
                         deadline = deadline.max(started + self.failover.window);
                     }
                     maybe_applied |= may_have_applied(&e);
-                    attempt += 1;
+                    attempts += 1;
                     let pause = crate::backoff::full_jitter(
                         Duration::from_millis(50),
                         Duration::from_secs(1),
-                        attempt,
+                        attempts,
                     );
                     if std::time::Instant::now() + pause >= deadline {
                         return Err(e);
                     }
-                    tracing::debug!(what, error = %e, attempt, "a write was not taken; sending it again");
+                    tracing::debug!(what, error = %e, attempt = attempts, "a write was not taken; sending it again");
                     tokio::time::sleep(pause).await;
                 }
                 Err(e) => return Err(e),
@@ -868,41 +889,13 @@ impl Store {
                 what,
                 detail: format!("the command does not encode: {e}"),
             })?;
-        let started = std::time::Instant::now();
-        let mut deadline = started + limit;
-        let mut attempt: u32 = 0;
-        loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            let result = self
-                .bounded_for(what, left, self.db.run_raw_command(command.clone()))
-                .await
-                .and_then(|reply| reply::checked(what, reply));
-            match result {
-                Err(e) if retryable(&e) => {
-                    if not_primary(&e) {
-                        self.primary_changes.signal();
-                    }
-                    // An election: sent again until a new primary takes it, within
-                    // `mongo.server_selection_timeout` of the first attempt.
-                    if e.is_failover() {
-                        self.failover.waiting(what);
-                        deadline = deadline.max(started + self.failover.window);
-                    }
-                    attempt += 1;
-                    let pause = crate::backoff::full_jitter(
-                        Duration::from_millis(50),
-                        Duration::from_secs(1),
-                        attempt,
-                    );
-                    if std::time::Instant::now() + pause >= deadline {
-                        return Err(e);
-                    }
-                    tracing::debug!(what, error = %e, attempt, "a write was not acknowledged; sending it again");
-                    tokio::time::sleep(pause).await;
-                }
-                other => return other,
-            }
-        }
+        let (reply, _) = self
+            .retrying(what, limit, |left| {
+                let send = self.bounded_for(what, left, self.db.run_raw_command(command.clone()));
+                async move { send.await.and_then(|reply| reply::checked(what, reply)) }
+            })
+            .await?;
+        Ok(reply)
     }
 
     /// A `find` sent with `run_command` that returns every document it matches in its one
