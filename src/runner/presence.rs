@@ -187,6 +187,10 @@ pub(crate) async fn keep_alive(
             }
             Err(e) => debug!(instance = %me, error = %e, "instance heartbeat failed; retrying"),
         }
+        // An index drop put off for an instance of another version, done once it has stopped.
+        if let Err(e) = store.finish_index_changes().await {
+            warn!(instance = %me, error = %e, "could not finish an index change put off for another instance; trying again on the next beat");
+        }
     }
     // A clean stop frees the id at once (bounded by the store's operation timeout).
     if let Err(e) = store.instances().remove(&me, &mine.token).await {

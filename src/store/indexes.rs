@@ -7,10 +7,18 @@
 //! name is adopted: used as it is, logged, never dropped (MongoDB refuses a second index of the
 //! same definition, code 85). An index that cannot be built is one line naming the collection,
 //! the index and the server's message.
+//!
+//! Through a rolling upgrade, instances of two versions run side by side. Each instance records
+//! in its registration (`instances.indexes`) the definitions it uses, so a drop — of a retired
+//! index or of a changed definition — waits while a live instance of another version still uses
+//! the index as it is: it is logged once, kept, and done on a later instance heartbeat once that
+//! instance has stopped.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
 use std::time::Duration;
 
-use bson::{Bson, Document};
+use bson::{doc, Bson, Document};
 use futures_util::TryStreamExt;
 use mongodb::options::IndexOptions;
 use mongodb::IndexModel;
@@ -54,10 +62,28 @@ impl IndexDef {
 
     /// Whether `existing` (as the server lists it) is this definition.
     fn is(&self, existing: &IndexModel) -> bool {
-        let options = existing.options.as_ref();
-        same_keys(&self.keys, &existing.keys)
-            && options.and_then(|o| o.partial_filter_expression.as_ref()) == self.partial.as_ref()
-            && options.and_then(|o| o.expire_after) == self.expire_after
+        same_definition(
+            &self.keys,
+            self.partial.as_ref(),
+            self.expire_after,
+            existing,
+        )
+    }
+
+    /// This definition as an instance's registration records it (`instances.indexes`), in the
+    /// shape `listIndexes` prints.
+    fn recorded(&self, collection: &str) -> Document {
+        let mut d = doc! { "collection": collection, "name": self.name, "key": self.keys.clone() };
+        if let Some(partial) = &self.partial {
+            d.insert("partialFilterExpression", partial.clone());
+        }
+        if let Some(expire) = self.expire_after {
+            d.insert(
+                "expireAfterSeconds",
+                i64::try_from(expire.as_secs()).unwrap_or(i64::MAX),
+            );
+        }
+        d
     }
 
     /// Whether an operator's index `existing`, under another name, serves as this one: the same
@@ -72,6 +98,90 @@ impl IndexDef {
         });
         plain && self.is(existing)
     }
+}
+
+fn same_definition(
+    keys: &Document,
+    partial: Option<&Document>,
+    expire_after: Option<Duration>,
+    existing: &IndexModel,
+) -> bool {
+    let options = existing.options.as_ref();
+    same_keys(keys, &existing.keys)
+        && options.and_then(|o| o.partial_filter_expression.as_ref()) == partial
+        && options.and_then(|o| o.expire_after) == expire_after
+}
+
+/// Whether `existing` is the definition an instance recorded as `recorded` (see
+/// [`IndexDef::recorded`]).
+fn recorded_is(recorded: &Document, existing: &IndexModel) -> bool {
+    let Ok(keys) = recorded.get_document("key") else {
+        return false;
+    };
+    let expire_after = match recorded.get("expireAfterSeconds") {
+        None => None,
+        Some(v) => match crate::store::document::integer(v).and_then(|s| u64::try_from(s).ok()) {
+            Some(secs) => Some(Duration::from_secs(secs)),
+            None => return false,
+        },
+    };
+    same_definition(
+        keys,
+        recorded.get_document("partialFilterExpression").ok(),
+        expire_after,
+        existing,
+    )
+}
+
+/// The indexes this process uses (recorded in its instance registration) and the drops it put
+/// off for a live instance of another version, shared by every clone of a store.
+#[derive(Debug, Default)]
+pub(crate) struct IndexSet {
+    /// Each collection's definitions, as this version wants them.
+    in_use: Mutex<BTreeMap<String, Vec<IndexDef>>>,
+    /// Collections with a drop put off, and the names they retire.
+    deferred: Mutex<BTreeMap<String, (Vec<IndexDef>, Vec<&'static str>)>>,
+    /// Indexes whose drop was put off and said so (once each).
+    said: Mutex<BTreeSet<(String, String)>>,
+}
+
+impl IndexSet {
+    /// Every definition this process uses, as its registration records them.
+    pub(crate) fn recorded(&self) -> Vec<Bson> {
+        let in_use = self.in_use.lock().unwrap_or_else(|e| e.into_inner());
+        in_use
+            .iter()
+            .flat_map(|(collection, defs)| {
+                defs.iter().map(|d| Bson::Document(d.recorded(collection)))
+            })
+            .collect()
+    }
+
+    /// Whether a drop waits for an instance of another version to stop.
+    pub(crate) fn has_deferred(&self) -> bool {
+        !self
+            .deferred
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+    }
+}
+
+/// Does the drops put off for a live instance of another version whose instance has stopped
+/// since (the instance heartbeat calls this while any wait). Those still needed stay put off.
+pub(crate) async fn finish_deferred(store: &Store) -> Result<()> {
+    let pending: Vec<(String, (Vec<IndexDef>, Vec<&'static str>))> = store
+        .index_set()
+        .deferred
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(c, w)| (c.clone(), w.clone()))
+        .collect();
+    for (collection, (wanted, retired)) in pending {
+        ensure(store, &collection, &wanted, &retired).await?;
+    }
+    Ok(())
 }
 
 /// Key patterns compare by field and direction: a server may list `1` as an `Int32`, an `Int64`
@@ -97,11 +207,25 @@ pub(crate) async fn ensure(
     store: &Store,
     collection: &str,
     wanted: &[IndexDef],
-    retired: &[&str],
+    retired: &[&'static str],
 ) -> Result<()> {
+    let set = store.index_set();
+    set.in_use
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(collection.to_owned(), wanted.to_vec());
     let mut attempt = 0;
     loop {
         match ensure_once(store, collection, wanted, retired).await {
+            Ok(kept) => {
+                let mut deferred = set.deferred.lock().unwrap_or_else(|e| e.into_inner());
+                if kept {
+                    deferred.insert(collection.to_owned(), (wanted.to_vec(), retired.to_vec()));
+                } else {
+                    deferred.remove(collection);
+                }
+                return Ok(());
+            }
             Err(crate::error::Error::Db(e)) if concurrent_build(&e) && attempt < 5 => {
                 attempt += 1;
                 tracing::debug!(collection, error = %e, attempt, "another instance builds the same index; looking again");
@@ -112,7 +236,7 @@ pub(crate) async fn ensure(
                 ))
                 .await;
             }
-            other => return other,
+            Err(e) => return Err(e),
         }
     }
 }
@@ -130,12 +254,14 @@ fn concurrent_build(e: &mongodb::error::Error) -> bool {
     matches!(code_of(e), Some(276 | 384))
 }
 
+/// One look at `collection`'s indexes and the changes it calls for. True if a drop was put off
+/// for a live instance of another version.
 async fn ensure_once(
     store: &Store,
     collection: &str,
     wanted: &[IndexDef],
     retired: &[&str],
-) -> Result<()> {
+) -> Result<bool> {
     let coll = store.database().collection::<Document>(collection);
     let existing: Vec<IndexModel> = store
         .bounded("list indexes", async {
@@ -161,10 +287,12 @@ async fn ensure_once(
                 && index.adoptable(i)
         })
     };
+    let mut kept = false;
     let mut create = Vec::new();
     for index in wanted {
         match named(index.name) {
             Some(found) if index.is(found) => {}
+            Some(found) if still_used(store, collection, index.name, found).await? => kept = true,
             None if adoptable(index).is_some() => {
                 let theirs = adoptable(index);
                 tracing::info!(
@@ -229,7 +357,10 @@ async fn ensure_once(
         })?;
     }
     for name in retired {
-        if named(name).is_some() {
+        let Some(found) = named(name) else { continue };
+        if still_used(store, collection, name, found).await? {
+            kept = true;
+        } else {
             store
                 .index_build("drop a retired index", coll.drop_index(*name))
                 .await
@@ -241,7 +372,62 @@ async fn ensure_once(
             );
         }
     }
-    Ok(())
+    Ok(kept)
+}
+
+/// Whether a live instance (its registration not expired, by the server's clock) recorded that
+/// it uses `existing`, `collection`'s index `name`, as it is: its drop waits. Said once per index.
+async fn still_used(
+    store: &Store,
+    collection: &str,
+    name: &str,
+    existing: &IndexModel,
+) -> Result<bool> {
+    let instances = store
+        .database()
+        .collection::<Document>(super::instances::INSTANCES);
+    let filter = doc! {
+        "indexes": { "$elemMatch": { "collection": collection, "name": name } },
+        "$expr": { "$gt": ["$expiresAt", "$$NOW"] },
+    };
+    let users: Vec<Document> = store
+        .bounded("read the indexes instances use", async {
+            instances
+                .find(filter)
+                .projection(doc! { "indexes": 1, "version": 1 })
+                .await?
+                .try_collect()
+                .await
+        })
+        .await?;
+    let user = users.iter().find(|d| {
+        d.get_array("indexes").is_ok_and(|recorded| {
+            recorded.iter().any(|r| {
+                r.as_document().is_some_and(|r| {
+                    r.get_str("collection") == Ok(collection)
+                        && r.get_str("name") == Ok(name)
+                        && recorded_is(r, existing)
+                })
+            })
+        })
+    });
+    let Some(user) = user else { return Ok(false) };
+    let first = store
+        .index_set()
+        .said
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert((collection.to_owned(), name.to_owned()));
+    if first {
+        tracing::info!(
+            collection,
+            index = name,
+            instance = %user.get("_id").map_or_else(|| "?".to_owned(), ToString::to_string),
+            version = user.get_str("version").unwrap_or("?"),
+            "kept an index a running instance of another version still uses; it is changed once that instance stops"
+        );
+    }
+    Ok(true)
 }
 
 /// An index already gone (another instance, upgraded at the same moment, dropped it first) is as

@@ -51,7 +51,13 @@ pub struct Presence {
 }
 
 impl Presence {
-    fn document(&self, me: &InstanceId, now: DateTime<Utc>, ttl: Duration) -> Document {
+    fn document(
+        &self,
+        me: &InstanceId,
+        now: DateTime<Utc>,
+        ttl: Duration,
+        indexes: Vec<Bson>,
+    ) -> Document {
         doc! {
             "_id": me.as_str(),
             "host": self.host.as_str(),
@@ -60,6 +66,10 @@ impl Presence {
             "startedAt": date(now),
             "heartbeatAt": date(now),
             "expiresAt": date(plus(now, ttl)),
+            "version": env!("CARGO_PKG_VERSION"),
+            // The index definitions this process uses: another version's start-up keeps them
+            // while this registration lives.
+            "indexes": indexes,
         }
     }
 
@@ -125,7 +135,12 @@ impl Instances<'_> {
             .store
             .bounded(
                 "register instance",
-                self.instances().insert_one(mine.document(me, now, ttl)),
+                self.instances().insert_one(mine.document(
+                    me,
+                    now,
+                    ttl,
+                    self.store.index_set().recorded(),
+                )),
             )
             .await
         {
@@ -166,8 +181,10 @@ impl Instances<'_> {
             .store
             .bounded(
                 "take over instance",
-                self.instances()
-                    .replace_one(filter, mine.document(me, now, ttl)),
+                self.instances().replace_one(
+                    filter,
+                    mine.document(me, now, ttl, self.store.index_set().recorded()),
+                ),
             )
             .await?;
         Ok(result.matched_count == 1)

@@ -198,6 +198,9 @@ pub struct Store {
     /// Whether the driver knows a writable server (false through an election), and how long an
     /// operation waits for one (`mongo.server_selection_timeout`).
     failover: std::sync::Arc<Failover>,
+    /// The indexes this process uses, and the drops it put off for an instance of another
+    /// version.
+    indexes: std::sync::Arc<indexes::IndexSet>,
 }
 
 /// An election as the store sees it: while no writable server is known, an operation waits
@@ -539,7 +542,21 @@ impl Store {
             pool_wait: Default::default(),
             primary_changes: Default::default(),
             failover: Default::default(),
+            indexes: Default::default(),
         }
+    }
+
+    pub(crate) fn index_set(&self) -> &indexes::IndexSet {
+        &self.indexes
+    }
+
+    /// Does the index drops put off for a live instance of another version, once it has
+    /// stopped (see [`indexes`]); the instance heartbeat calls this while any wait.
+    pub(crate) async fn finish_index_changes(&self) -> Result<()> {
+        if self.indexes.has_deferred() {
+            indexes::finish_deferred(self).await?;
+        }
+        Ok(())
     }
 
     /// Notified when the primary changes (see the field): the server clock is re-sampled then,

@@ -1,6 +1,8 @@
 //! Upgrading in place: a database whose indexes an earlier version built — a definition that has
 //! changed under the same name, retired ones — gets this version's indexes at start-up (MongoDB
-//! refuses a changed definition under an existing name), and a second start changes nothing.
+//! refuses a changed definition under an existing name), and a second start changes nothing;
+//! through a rolling upgrade, an index a live instance of the other version uses is kept until
+//! that instance stops.
 
 use crate::kit;
 
@@ -9,6 +11,7 @@ use futures_util::TryStreamExt;
 use kit::test_db;
 use mongodb::options::IndexOptions;
 use mongodb::IndexModel;
+use std::time::Duration;
 
 async fn indexes(db: &kit::TestDb, collection: &str) -> Vec<IndexModel> {
     db.db
@@ -240,4 +243,158 @@ async fn an_operators_unique_index_on_the_same_keys_is_not_adopted() {
         named(&hosts, "updated_at_ttl").is_some(),
         "seedlock's own, beside it"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_index_a_live_instance_of_another_version_uses_is_kept_until_that_instance_stops() {
+    use kit::crawl::*;
+    use seedlock::daemon::{run_with_store, Mode};
+    use tokio_util::sync::CancellationToken;
+
+    let db = test_db("indexes_rolling").await;
+    let base = shop(1, 3).await;
+    // Yesterday's version built a records index under today's name with other keys, and one
+    // this version retires; an instance of it still runs and recorded both. A stopped instance
+    // (its registration expired) recorded another retired index, which keeps nothing.
+    build(
+        &db,
+        "records",
+        "bot_last_changed",
+        doc! { "botId": 1, "lastSeen": 1 },
+    )
+    .await;
+    build(
+        &db,
+        "records",
+        "bot_list_key",
+        doc! { "botId": 1, "listKey": 1 },
+    )
+    .await;
+    build(
+        &db,
+        "records",
+        "bot_last_seen_pass",
+        doc! { "botId": 1, "lastSeenPass": 1 },
+    )
+    .await;
+    let instances = db.db.collection::<Document>("instances");
+    let now = bson::DateTime::now();
+    let hour = bson::DateTime::from_millis(now.timestamp_millis() + 3_600_000);
+    let hour_ago = bson::DateTime::from_millis(now.timestamp_millis() - 3_600_000);
+    let older = |id: &str, expires: bson::DateTime, indexes: Vec<Document>| {
+        doc! {
+            "_id": id, "host": "elsewhere", "pid": 1_i64, "token": "t", "version": "0.0.1",
+            "heartbeatAt": now, "expiresAt": expires, "indexes": indexes,
+        }
+    };
+    instances
+        .insert_many([
+            older(
+                "older",
+                hour,
+                vec![
+                    doc! { "collection": "records", "name": "bot_last_changed", "key": { "botId": 1, "lastSeen": 1 } },
+                    doc! { "collection": "records", "name": "bot_list_key", "key": { "botId": 1, "listKey": 1 } },
+                ],
+            ),
+            older(
+                "stopped",
+                hour_ago,
+                vec![
+                    doc! { "collection": "records", "name": "bot_last_seen_pass", "key": { "botId": 1, "lastSeenPass": 1 } },
+                ],
+            ),
+        ])
+        .await
+        .unwrap();
+
+    let mut settings = settings(&db, &base, &Setup::default(), "newer");
+    settings.lock.heartbeat = Duration::from_millis(200);
+    let stop = CancellationToken::new();
+    let daemon = tokio::spawn(run_with_store(
+        settings,
+        db.store(),
+        Mode::Daemon,
+        stop.clone(),
+    ));
+    // Registered: its start-up has looked at every index, and its registration records its own.
+    let recorded = |d: &Document| {
+        d.get_array("indexes")
+            .map(|a| {
+                a.iter()
+                    .filter_map(|i| i.as_document())
+                    .map(|i| {
+                        format!(
+                            "{}.{}",
+                            i.get_str("collection").unwrap_or("?"),
+                            i.get_str("name").unwrap_or("?")
+                        )
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    kit::eventually(
+        "the newer instance registers",
+        Duration::from_secs(30),
+        || async {
+            instances
+                .count_documents(doc! { "_id": "newer" })
+                .await
+                .unwrap()
+                == 1
+        },
+    )
+    .await;
+    let mine = instances
+        .find_one(doc! { "_id": "newer" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(mine.get_str("version"), Ok(env!("CARGO_PKG_VERSION")));
+    let names = recorded(&mine);
+    for index in [
+        "records.bot_last_changed",
+        "frontier.bot_pass_status_host_priority_slot",
+        "bots.editing_ready",
+        "hosts.updated_at_ttl",
+    ] {
+        assert!(names.iter().any(|n| n == index), "{index} in {names:?}");
+    }
+    let records = indexes(&db, "records").await;
+    assert_eq!(
+        named(&records, "bot_last_changed").map(|i| i.keys.clone()),
+        Some(doc! { "botId": 1, "lastSeen": 1 }),
+        "the older instance's definition is kept while it runs"
+    );
+    assert!(
+        named(&records, "bot_list_key").is_some(),
+        "kept while it runs"
+    );
+    assert!(
+        named(&records, "bot_last_seen_pass").is_none(),
+        "a stopped instance keeps nothing"
+    );
+
+    // The older instance stops: its registration expires.
+    instances
+        .update_one(
+            doc! { "_id": "older" },
+            doc! { "$set": { "expiresAt": hour_ago } },
+        )
+        .await
+        .unwrap();
+    kit::eventually(
+        "the newer instance's heartbeat makes the indexes its own",
+        Duration::from_secs(30),
+        || async {
+            let records = indexes(&db, "records").await;
+            named(&records, "bot_list_key").is_none()
+                && named(&records, "bot_last_changed").map(|i| i.keys.clone())
+                    == Some(doc! { "botId": 1, "lastChanged": 1 })
+        },
+    )
+    .await;
+    stop.cancel();
+    daemon.await.unwrap().expect("the daemon stops cleanly");
 }
