@@ -133,6 +133,9 @@ fn recorded_is(recorded: &Document, existing: &IndexModel) -> bool {
     )
 }
 
+/// A collection's wanted definitions and retired names.
+type CollectionIndexes = (Vec<IndexDef>, Vec<&'static str>);
+
 /// The indexes this process uses (recorded in its instance registration) and the drops it put
 /// off for a live instance of another version, shared by every clone of a store.
 #[derive(Debug, Default)]
@@ -140,7 +143,7 @@ pub(crate) struct IndexSet {
     /// Each collection's definitions, as this version wants them.
     in_use: Mutex<BTreeMap<String, Vec<IndexDef>>>,
     /// Collections with a drop put off, and the names they retire.
-    deferred: Mutex<BTreeMap<String, (Vec<IndexDef>, Vec<&'static str>)>>,
+    deferred: Mutex<BTreeMap<String, CollectionIndexes>>,
     /// Indexes whose drop was put off and said so (once each).
     said: Mutex<BTreeSet<(String, String)>>,
 }
@@ -170,7 +173,7 @@ impl IndexSet {
 /// Does the drops put off for a live instance of another version whose instance has stopped
 /// since (the instance heartbeat calls this while any wait). Those still needed stay put off.
 pub(crate) async fn finish_deferred(store: &Store) -> Result<()> {
-    let pending: Vec<(String, (Vec<IndexDef>, Vec<&'static str>))> = store
+    let pending: Vec<(String, CollectionIndexes)> = store
         .index_set()
         .deferred
         .lock()
