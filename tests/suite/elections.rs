@@ -2,9 +2,10 @@
 //! with a real `NotWritablePrimary`, without the retryable label, and `hello` as a secondary for
 //! the given seconds) while a crawl or a fleet of bots is at work. Nothing goes to Error, no lock
 //! is lost, no URL waits out its lease, every record is exact, and the work takes about the
-//! election's length longer than it would without one. Run on a server of the test's own,
-//! connected as to a replica set (`replicaSet=`): stepping down a server shared with other tests
-//! would fail theirs. Against an outside `MONGODB_URI` without the test server's binary the
+//! election's length longer than it would without one. The same through an election's silence:
+//! the fault proxy holds every message, heartbeats included, for as long. Step-downs run on a
+//! server of the test's own, connected as to a replica set (`replicaSet=`): stepping down a
+//! server shared with other tests would fail theirs. Against an outside `MONGODB_URI` without the test server's binary the
 //! tests say they are skipped.
 
 use crate::kit;
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use bson::doc;
 use kit::crawl::*;
+use kit::faults::Faults;
 use kit::{eventually, test_db_at, OwnServer};
 use seedlock::daemon::{run_with_store, Mode};
 use seedlock::store::Store;
@@ -150,6 +152,57 @@ async fn a_crawl_through_an_election_stores_every_record_and_takes_about_the_ele
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crawl_through_an_elections_silence_stores_every_record_and_takes_about_the_silence_longer(
+) {
+    // The primary stops answering anything, heartbeats included, for an election's length:
+    // operations in flight wait past their timeout while no writable server is known.
+    let base = shop(3, 20).await;
+    post(
+        &format!("{base}/__faults"),
+        serde_json::json!([{ "path": "/product/", "latency_ms": 100 }]),
+    )
+    .await;
+    let faults = Faults::start(&kit::blackhole::server_of(&kit::mongodb_uri())).await;
+    let uri = faults.uri(&kit::mongodb_uri());
+
+    let clean_db = test_db_at(&uri, "silence_clean").await;
+    let (clean, _, _) = timed_pass(&clean_db, &base, async {}).await;
+    assert_eq!(live_records(&clean_db).await, truth(&base).await);
+
+    let db = test_db_at(&uri, "silence_crawl").await;
+    let silent = async {
+        eventually("a few records stored", Duration::from_secs(30), || async {
+            live_records(&db).await.len() >= 5
+        })
+        .await;
+        faults.stall(ELECTION);
+    };
+    let (took, errors, failed) = timed_pass(&db, &base, silent).await;
+    assert!(
+        faults.held() > 0,
+        "the stall held nothing: the test proves nothing"
+    );
+    assert_eq!(
+        live_records(&db).await,
+        truth(&base).await,
+        "every record, once"
+    );
+    assert!(
+        errors.iter().all(|&v| v == 0.0),
+        "the bot showed Error through the silence: {errors:?}"
+    );
+    assert!(
+        failed.iter().all(|&v| v == 0.0),
+        "a step failed through the silence: {failed:?}"
+    );
+    let bound = clean + ELECTION + Duration::from_secs(6);
+    assert!(
+        took <= bound,
+        "the pass took {took:?}: more than a clean pass ({clean:?}) and the silence ({ELECTION:?}) allow"
+    );
+}
+
 /// `/metrics` at `addr`: for each `(name, label)` of `series`, the sum of the samples of `name`
 /// whose labels include `label`; `None` while the daemon does not answer.
 async fn sums<const N: usize>(addr: &str, series: [(&str, &str); N]) -> Option<[f64; N]> {
@@ -169,12 +222,38 @@ async fn sums<const N: usize>(addr: &str, series: [(&str, &str); N]) -> Option<[
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_refreshing_through_an_election_loses_no_lock_and_shows_no_error() {
-    const BOTS: usize = 12;
     let dir = tempfile::tempdir().unwrap();
     let Some((_server, uri)) = own_replica_set(dir.path()).await else {
         return;
     };
-    let db = test_db_at(&uri, "election_fleet").await;
+    fleet_through(&uri, "election_fleet", || step_down(&uri)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_refreshing_through_an_elections_silence_loses_no_lock_and_shows_no_error() {
+    // The primary stops answering anything, heartbeats included, for an election's length.
+    let faults = Faults::start(&kit::blackhole::server_of(&kit::mongodb_uri())).await;
+    let uri = faults.uri(&kit::mongodb_uri());
+    fleet_through(&uri, "silence_fleet", || async {
+        faults.stall(ELECTION);
+    })
+    .await;
+    assert!(
+        faults.held() > 0,
+        "the stall held nothing: the test proves nothing"
+    );
+}
+
+/// A fleet of bots on `uri`, every refresh holding its lock when `election` starts: no bot in
+/// Error, no lock lost, no step failed, each bot refreshed once, all ready about the election's
+/// length later.
+async fn fleet_through<F, Fut>(uri: &str, hint: &str, election: F)
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    const BOTS: usize = 12;
+    let db = test_db_at(uri, hint).await;
     let source = kit::SeedSourceServer::start().await;
     let listen = free_addr();
     let mut text = format!(
@@ -230,7 +309,7 @@ async fn a_fleet_refreshing_through_an_election_loses_no_lock_and_shows_no_error
         })
     };
     let stepped = Instant::now();
-    step_down(&uri).await;
+    election().await;
     source.hold_bot_sources(false);
     let summaries = run.await.unwrap().expect("every bot ready");
     let took = stepped.elapsed();

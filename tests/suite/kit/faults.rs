@@ -10,7 +10,9 @@
 //! - [`Fault::Drop`]: forwarded, then the connection is closed before the reply comes back (a
 //!   network error after the server applied it).
 //!
-//! Every other message, in both directions, passes unchanged.
+//! [`Faults::stall`] holds every message, in both directions and on every connection (the
+//! driver's monitoring among them), for a while: the silence of a primary that stopped answering
+//! before an election replaces it. Every other message passes unchanged.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -45,6 +47,25 @@ struct State {
     /// (command, collection) → requests seen, and faults applied.
     seen: HashMap<(String, String), usize>,
     applied: HashMap<(String, String), usize>,
+    /// Nothing passes before this.
+    stalled_until: Option<tokio::time::Instant>,
+    /// Messages held by a stall.
+    held: usize,
+}
+
+/// Waits out a stall in progress, counting the message held.
+async fn hold(state: &Mutex<State>) {
+    let until = {
+        let mut state = state.lock().unwrap();
+        match state.stalled_until {
+            Some(until) if until > tokio::time::Instant::now() => {
+                state.held += 1;
+                until
+            }
+            _ => return,
+        }
+    };
+    tokio::time::sleep_until(until).await;
 }
 
 pub struct Faults {
@@ -94,6 +115,7 @@ impl Faults {
                     let client_write = Arc::new(tokio::sync::Mutex::new(client_write));
                     let pending: Pending = Default::default();
                     let closed = tokio_util::sync::CancellationToken::new();
+                    let state_for_replies = state.clone();
                     tokio::spawn(requests(
                         client_read,
                         server_write,
@@ -102,7 +124,13 @@ impl Faults {
                         pending.clone(),
                         closed.clone(),
                     ));
-                    tokio::spawn(replies(server_read, client_write, pending, closed));
+                    tokio::spawn(replies(
+                        server_read,
+                        client_write,
+                        pending,
+                        closed,
+                        state_for_replies,
+                    ));
                 });
             }
         });
@@ -112,6 +140,16 @@ impl Faults {
     /// `uri` pointed at this proxy, connecting to it directly (not to the members it names).
     pub fn uri(&self, uri: &str) -> String {
         super::blackhole::direct_uri(uri, self.addr)
+    }
+
+    /// From now on and for `silence`, every message waits (see the module comment).
+    pub fn stall(&self, silence: std::time::Duration) {
+        self.state.lock().unwrap().stalled_until = Some(tokio::time::Instant::now() + silence);
+    }
+
+    /// Messages a stall held.
+    pub fn held(&self) -> usize {
+        self.state.lock().unwrap().held
     }
 
     pub fn add(&self, rule: Rule) {
@@ -193,6 +231,7 @@ async fn requests(
     closed: tokio_util::sync::CancellationToken,
 ) {
     while let Some(message) = read_message(&mut from).await {
+        hold(&state).await;
         let command = body(&message).and_then(|b| {
             let (name, value) = b.iter().next()?;
             Some((name.clone(), value.as_str().unwrap_or("").to_owned()))
@@ -243,6 +282,7 @@ async fn replies(
     client: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
     pending: Pending,
     closed: tokio_util::sync::CancellationToken,
+    state: Arc<Mutex<State>>,
 ) {
     loop {
         let message = tokio::select! {
@@ -250,6 +290,7 @@ async fn replies(
             m = read_message(&mut from) => m,
         };
         let Some(mut message) = message else { break };
+        hold(&state).await;
         let responds_to = int(&message, 8);
         let extra = pending.lock().unwrap().remove(&responds_to);
         if let (Some(extra), Some(mut doc)) = (extra, body(&message)) {
