@@ -227,6 +227,44 @@ async fn bots_apply_validates_everything_first_and_dry_run_and_prune_say_what_th
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bots_apply_reports_in_file_order_and_a_bot_it_cannot_write_does_not_stop_the_rest() {
+    let f = Fleet::start("fleetorder", 1, 1, 0).await;
+    let (db, dir) = (&f.db, f.dir.path());
+    // More bots than are written at once, named so that file order is not sorted order.
+    let ids: Vec<String> = (0..150).map(|i| format!("b{}", (i * 37) % 150)).collect();
+    // `b74` already exists with a history that is not a list: no write can push onto it.
+    db.bots()
+        .insert_one(
+            doc! {"_id": "b74", "spec": {"old": true}, "specVersion": 1_i64, "history": "broken"},
+        )
+        .await
+        .unwrap();
+    let text: String = ids
+        .iter()
+        .map(|id| url_bot(id, &format!("http://127.0.0.1:9/{id}.txt")))
+        .collect();
+    let file = bots_file(dir, "many.toml", &text);
+    let (code, out, err) = f.cli(&["bots", "apply", file.to_str().unwrap()]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    let expected: Vec<String> = ids
+        .iter()
+        .filter(|id| *id != "b74")
+        .map(|id| format!("{id}: created"))
+        .collect();
+    assert_eq!(out.lines().collect::<Vec<_>>(), expected);
+    assert!(err.contains("b74:"), "{err}");
+    assert!(
+        err.lines()
+            .last()
+            .unwrap()
+            .contains("1 of 150 bots were not applied"),
+        "{err}"
+    );
+    let stored = db.store().bots().load_all().await.unwrap().len();
+    assert_eq!(stored, 150, "every other bot was written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spec_changed_mid_pass_takes_effect_at_the_next_pass() {
     // Slow products: the first pass is still running when the spec changes.
     let f = Fleet::start("fleetchange", 6, 20, 120).await;
