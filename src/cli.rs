@@ -96,10 +96,15 @@ pub enum Command {
         #[arg(long)]
         ignore_robots: bool,
     },
-    /// Show every bot's state, holder, epoch, lock age, seeds, last refresh and last error.
+    /// The fleet's summary, then each bot's state, holder, epoch, lock age, seeds, last refresh and
+    /// last error, those that need a look first. Past a screenful of bots only those that need a
+    /// look are listed.
     Status {
         #[arg(long)]
         json: bool,
+        /// List every bot, however many.
+        #[arg(long)]
+        all: bool,
     },
     /// Print one bot's document and its history.
     Inspect { bot: String },
@@ -307,7 +312,7 @@ async fn dispatch(command: Command, mut settings: Settings) -> ExitCode {
             };
             crate::ops::try_page::command(settings, request).await
         }
-        Command::Status { json } => status(settings, json).await,
+        Command::Status { json, all } => status(settings, json, all).await,
         Command::Inspect { bot } => inspect(settings, &bot).await,
         Command::Unlock { bot, reason } => unlock(settings, &bot, &reason).await,
         Command::Refresh { bot } => refresh(settings, &bot).await,
@@ -555,7 +560,7 @@ async fn stop_on_signal(shutdown: CancellationToken) {
     shutdown.cancel();
 }
 
-async fn status(settings: Settings, json: bool) -> ExitCode {
+async fn status(settings: Settings, json: bool, all: bool) -> ExitCode {
     let configured: Vec<_> = settings
         .bots
         .iter()
@@ -569,7 +574,7 @@ async fn status(settings: Settings, json: bool) -> ExitCode {
                 ExitCode::SUCCESS
             }
             Ok(fleet) => {
-                print!("{}", crate::ops::admin::render_table(&fleet.rows));
+                print!("{}", crate::ops::admin::render_table(&fleet.rows, all));
                 print!(
                     "{}",
                     crate::ops::admin::render_hosts(&fleet.hosts, fleet.now)

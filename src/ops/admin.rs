@@ -434,7 +434,14 @@ pub fn render_hosts(rows: &[crate::store::hosts::HostRow], now: DateTime<Utc>) -
 }
 
 /// `seedlock status` as a table: a header, one line per row, then the counts.
-pub(crate) fn render_table(rows: &[StatusRow]) -> String {
+/// How many bot rows `status` prints before it shows only those that need a look.
+pub(crate) const SCREENFUL: usize = 40;
+
+/// The fleet's table for a terminal: the summary line first (as the status page has it), then
+/// the rows, those that need a look first. Past a [`SCREENFUL`] of bots, and unless `all`, only
+/// the first screenful of those that need a look is shown, and a last line says what was left
+/// out and how to see it.
+pub(crate) fn render_table(rows: &[StatusRow], all: bool) -> String {
     let header = [
         "BOT",
         "STATE",
@@ -454,23 +461,42 @@ pub(crate) fn render_table(rows: &[StatusRow]) -> String {
         "NEEDS A LOOK",
         "LAST ERROR",
     ];
-    let cells: Vec<Vec<String>> = rows.iter().map(table_cells).collect();
+    let shown: Vec<&StatusRow> = if all || rows.len() <= SCREENFUL {
+        rows.iter().collect()
+    } else {
+        rows.iter()
+            .filter(|r| r.attention.is_some())
+            .take(SCREENFUL)
+            .collect()
+    };
+    let cells: Vec<Vec<String>> = shown.iter().map(|r| table_cells(r)).collect();
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in &cells {
         for (w, c) in widths.iter_mut().zip(row) {
             *w = (*w).max(c.chars().count());
         }
     }
-    let mut out = table_line(
+    // The counts open the table: with a thousand bots they are what one reads first.
+    let mut out = counts_line(rows) + "\n";
+    if shown.is_empty() && !rows.is_empty() {
+        out.push_str("none of them needs a look; --all shows every bot\n");
+        return out;
+    }
+    out.push_str(&table_line(
         &header.iter().map(|h| h.to_string()).collect::<Vec<_>>(),
         &widths,
-    );
+    ));
     for row in &cells {
         out.push_str(&table_line(row, &widths));
     }
-    // The counts close the table: with a thousand bots they are what one reads first.
-    out.push_str(&counts_line(rows));
-    out.push('\n');
+    if shown.len() < rows.len() {
+        let looks = rows.iter().filter(|r| r.attention.is_some()).count();
+        out.push_str(&format!(
+            "{} of {} bots shown ({looks} need a look); --all shows every bot\n",
+            shown.len(),
+            rows.len()
+        ));
+    }
     out
 }
 
@@ -698,9 +724,9 @@ mod tests {
             (rows[2].bot.as_str(), rows[2].state.as_str()),
             ("c", "missing")
         );
-        let table = render_table(&rows);
+        let table = render_table(&rows, false);
         assert!(
-            table.lines().nth(1).unwrap().contains("host:1:x"),
+            table.lines().nth(2).unwrap().contains("host:1:x"),
             "{table}"
         );
         let json: serde_json::Value = serde_json::from_str(&render_json(&rows)).unwrap();
@@ -752,8 +778,8 @@ mod tests {
             ),
             (Some(300), Some(50), false)
         );
-        let table = render_table(&rows);
-        let line = table.lines().nth(1).unwrap();
+        let table = render_table(&rows, false);
+        let line = table.lines().nth(2).unwrap();
         assert!(
             line.contains("150/32/4/50")
                 && line.contains("42s ago")
@@ -838,7 +864,7 @@ mod tests {
     }
 
     #[test]
-    fn rows_that_need_a_look_come_first_and_the_counts_close_the_table() {
+    fn the_summary_opens_the_table_and_rows_that_need_a_look_come_first() {
         let now = Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap();
         let at = |h: i64| bson::DateTime::from_chrono(now - chrono::Duration::hours(h));
         let docs = vec![
@@ -867,15 +893,74 @@ mod tests {
                 ("fresh", None),
             ]
         );
-        let table = render_table(&rows);
+        let table = render_table(&rows, false);
         assert_eq!(
-            table.lines().last(),
+            table.lines().next(),
             Some("4 bots: 3 ready · 0 waiting · 0 updating · 1 error · 3 need a look (1 paused)"),
             "{table}"
         );
         assert!(
-            table.lines().nth(1).unwrap().starts_with("paused "),
+            table.lines().nth(2).unwrap().starts_with("paused "),
             "{table}"
+        );
+    }
+
+    #[test]
+    fn past_a_screenful_status_shows_the_bots_that_need_a_look_unless_all() {
+        let now = Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap();
+        let at = bson::DateTime::from_chrono(now - chrono::Duration::hours(1));
+        let fleet = |broken: usize, fine: usize| {
+            let mut docs: Vec<Document> = (0..fine)
+                .map(|i| doc! {"_id": format!("fine{i:03}"), "isReady": true, "isEditing": false,
+                "seeds": ["x"], "lockEpoch": 1_i64, "lastSeedUpdatedAt": at, "lastUpdateStartedAt": at})
+                .collect();
+            docs.extend((0..broken).map(|i| doc! {"_id": format!("broken{i:03}"), "isReady": false,
+            "isEditing": false, "seeds": [], "lockEpoch": 1_i64, "lastError": "refresh failed: 500"}));
+            let mut rows = status_rows(docs, &[], now);
+            problems_first(&mut rows);
+            rows
+        };
+        let bot_lines = |table: &str| {
+            table
+                .lines()
+                .filter(|l| l.starts_with("fine") || l.starts_with("broken"))
+                .count()
+        };
+        // A screenful is shown whole.
+        let rows = fleet(1, SCREENFUL - 1);
+        assert_eq!(bot_lines(&render_table(&rows, false)), SCREENFUL);
+        // Past it: the summary, then the bots that need a look, then what was left out.
+        let rows = fleet(3, 500);
+        let table = render_table(&rows, false);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].starts_with("503 bots: 500 ready"), "{table}");
+        assert_eq!(bot_lines(&table), 3, "{table}");
+        assert!(
+            lines[2..5].iter().all(|l| l.starts_with("broken")),
+            "{table}"
+        );
+        assert_eq!(
+            lines.last(),
+            Some(&"3 of 503 bots shown (3 need a look); --all shows every bot")
+        );
+        assert_eq!(bot_lines(&render_table(&rows, true)), 503);
+        // More bots that need a look than a screenful: the first screenful of them.
+        let rows = fleet(SCREENFUL + 10, 100);
+        let table = render_table(&rows, false);
+        assert_eq!(bot_lines(&table), SCREENFUL, "{table}");
+        assert!(table.ends_with(&format!(
+            "{SCREENFUL} of {} bots shown ({} need a look); --all shows every bot\n",
+            SCREENFUL + 110,
+            SCREENFUL + 10
+        )));
+        // Nothing needs a look.
+        let table = render_table(&fleet(0, 100), false);
+        assert_eq!(
+            table.lines().collect::<Vec<_>>(),
+            [
+                "100 bots: 100 ready · 0 waiting · 0 updating · 0 error · 0 need a look (0 paused)",
+                "none of them needs a look; --all shows every bot"
+            ]
         );
     }
 }

@@ -201,8 +201,16 @@ fn serving_line(serving: &Serving<'_>, extra: &str) -> String {
     )
 }
 
-/// The page for `fleet`.
-pub(crate) fn render(fleet: &Overview, serving: &Serving<'_>) -> String {
+/// How many bots one status page lists.
+pub(crate) const PAGE_ROWS: usize = 100;
+
+/// The page for `fleet`: the counts, then page `page` (from 1; past the last is the last) of
+/// [`PAGE_ROWS`] bots, those that need a look first, with links to the other pages.
+pub(crate) fn render(fleet: &Overview, serving: &Serving<'_>, page: usize) -> String {
+    let pages = fleet.rows.len().div_ceil(PAGE_ROWS).max(1);
+    let page = page.clamp(1, pages);
+    let first = (page - 1) * PAGE_ROWS;
+    let shown = &fleet.rows[first..(first + PAGE_ROWS).min(fleet.rows.len())];
     let mut out = head("seedlock — fleet status");
     out.push_str("<h1>seedlock — fleet status</h1>\n");
     out.push_str(&serving_line(
@@ -223,13 +231,22 @@ pub(crate) fn render(fleet: &Overview, serving: &Serving<'_>) -> String {
          <span class=\"failed\"></span>failed<span class=\"leased\"></span>leased</span></th>\
          <th>last error</th></tr></thead><tbody>\n",
     );
-    for r in &fleet.rows {
+    for r in shown {
         out.push_str(&bot_row(r));
     }
     if fleet.rows.is_empty() {
         out.push_str("<tr><td colspan=\"7\" class=\"small\">no bot documents yet</td></tr>\n");
     }
     out.push_str("</tbody></table>\n");
+    if pages > 1 {
+        out.push_str(&page_links(
+            page,
+            pages,
+            first,
+            shown.len(),
+            fleet.rows.len(),
+        ));
+    }
     let hosts = troubled_hosts(&fleet.hosts, fleet.now);
     out.push_str("<h2>Hosts throttled in the last minute or paused</h2>\n");
     if hosts.is_empty() {
@@ -264,6 +281,28 @@ pub(crate) fn render(fleet: &Overview, serving: &Serving<'_>) -> String {
          <a href=\"/healthz\">/healthz</a></p>\n</body></html>\n",
     );
     out
+}
+
+/// The line under a paged table: which bots are shown, and links to the first, previous, next
+/// and last pages (plain links, so the reload keeps the page).
+fn page_links(page: usize, pages: usize, first: usize, shown: usize, total: usize) -> String {
+    let link = |to: usize, text: &str| {
+        if to == page {
+            format!("<span class=\"small\">{text}</span>")
+        } else {
+            format!("<a href=\"/?page={to}\">{text}</a>")
+        }
+    };
+    format!(
+        "<p class=\"pages\">bots {}–{} of {total} (page {page} of {pages}, those that need a look \
+         first) · {} · {} · {} · {}</p>\n",
+        first + 1,
+        first + shown,
+        link(1, "« first"),
+        link(page.saturating_sub(1).max(1), "‹ previous"),
+        link((page + 1).min(pages), "next ›"),
+        link(pages, "last »"),
+    )
 }
 
 /// The page when the database could not be read: the error, escaped, and the same reload.
@@ -345,8 +384,13 @@ mod tests {
                 instance: "i-<1>",
                 uptime: Duration::from_secs(75),
             },
+            1,
         );
         assert!(page.contains("<meta http-equiv=\"refresh\" content=\"5\">"));
+        assert!(
+            !page.contains("class=\"pages\""),
+            "one page has no page links"
+        );
         assert!(!page.contains("<script"), "{page}");
         assert!(page.contains("seed source answered &lt;script&gt;alert(1)&lt;/script&gt;"));
         assert!(page.contains("evil&lt;b&gt;:80") && page.contains("i-&lt;1&gt;"));
@@ -360,5 +404,59 @@ mod tests {
         assert!(page.contains("of ~200 · 2.0 pages/s · ETA 1m 10s (~200 pages)"));
         assert!(page.contains("(2×) seed source"));
         assert!(page.contains("1 ready · 0 waiting · 0 updating · 1 error"));
+    }
+
+    #[test]
+    fn a_large_fleet_is_paged_with_the_bots_that_need_a_look_on_the_first_page() {
+        let now = chrono::Utc
+            .with_ymd_and_hms(2026, 11, 30, 12, 0, 0)
+            .unwrap();
+        let at = bson::DateTime::from_chrono(now - chrono::Duration::hours(1));
+        let mut docs: Vec<bson::Document> = (0..250)
+            .map(|i| doc! {"_id": format!("fine{i:03}"), "isReady": true, "isEditing": false,
+            "seeds": ["x"], "lockEpoch": 1_i64, "lastSeedUpdatedAt": at, "lastUpdateStartedAt": at})
+            .collect();
+        docs.push(
+            doc! {"_id": "zbroken", "isReady": false, "isEditing": false, "seeds": [],
+            "lockEpoch": 1_i64, "lastError": "refresh failed: 500"},
+        );
+        let mut rows = status_rows(docs, &[], now);
+        crate::ops::admin::problems_first(&mut rows);
+        let fleet = Overview {
+            now,
+            rows,
+            hosts: vec![],
+        };
+        let serving = Serving {
+            instance: "i-1",
+            uptime: Duration::from_secs(1),
+        };
+        let bots = |page: &str| page.matches("<tr><td><b>").count();
+        let first = render(&fleet, &serving, 1);
+        assert!(
+            first.contains("251 bots: 250 ready"),
+            "the counts cover every page"
+        );
+        assert_eq!(bots(&first), PAGE_ROWS, "{first}");
+        let broken = first.find("zbroken").expect("the broken bot on page 1");
+        assert!(
+            broken < first.find("fine000").unwrap(),
+            "it leads the table"
+        );
+        assert!(first.contains("bots 1–100 of 251 (page 1 of 3"), "{first}");
+        assert!(
+            first.contains("<a href=\"/?page=2\">next ›</a>")
+                && first.contains("<a href=\"/?page=3\">last »</a>")
+        );
+        let last = render(&fleet, &serving, 3);
+        assert_eq!(bots(&last), 51);
+        assert!(last.contains("bots 201–251 of 251 (page 3 of 3"), "{last}");
+        assert!(last.contains("<a href=\"/?page=2\">‹ previous</a>"));
+        assert_eq!(
+            render(&fleet, &serving, 99),
+            last,
+            "past the last page is the last"
+        );
+        assert_eq!(render(&fleet, &serving, 0), first);
     }
 }

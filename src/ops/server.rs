@@ -2,10 +2,11 @@
 //! `/status.json` (what `seedlock status --json` prints), `/healthz` (200 while the database
 //! answers) and `/metrics` in the OpenMetrics text format (what Prometheus negotiates).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
@@ -117,14 +118,22 @@ async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
     )
 }
 
-async fn status_page(State(state): State<AppState>) -> impl IntoResponse {
+async fn status_page(
+    State(state): State<AppState>,
+    Query(query): Query<HashMap<String, String>>,
+) -> impl IntoResponse {
+    // `?page=N`; anything else shows the first page.
+    let number = query
+        .get("page")
+        .and_then(|p| p.parse::<usize>().ok())
+        .unwrap_or(1);
     let source = &state.status;
     let serving = Serving {
         instance: source.me.as_str(),
         uptime: source.started.elapsed(),
     };
     let (code, body) = match source.read().await {
-        Ok(fleet) => (StatusCode::OK, page::render(&fleet, &serving)),
+        Ok(fleet) => (StatusCode::OK, page::render(&fleet, &serving, number)),
         Err(e) => (
             StatusCode::SERVICE_UNAVAILABLE,
             page::render_unavailable(&e.to_string(), &serving),

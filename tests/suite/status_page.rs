@@ -130,6 +130,13 @@ async fn the_status_page_shows_the_fleet_escapes_outside_text_and_matches_status
         "{pages} done · 0 pending · 0 leased · 0 failed of ~{pages}"
     )));
     assert!(page.contains("ETA done"));
+    // Two bots fit one page: any `?page=` shows it, a malformed one included.
+    for query in ["?page=2", "?page=x"] {
+        let (code, _, paged) = get(&format!("http://{addr}/{query}")).await;
+        assert_eq!(code, 200, "{query}");
+        assert!(paged.contains("<b>shop</b></td>") && paged.contains("<b>evil</b></td>"));
+        assert!(!paged.contains("class=\"pages\""), "{paged}");
+    }
     // After a completed pass the size comes from it (crawlLastPass.pages).
     assert_eq!(shop_pass["expected_pages"], pages, "{shop_pass:#}");
 
