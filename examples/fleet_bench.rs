@@ -9,10 +9,11 @@
 //!    and its database round trips per second over 30 s (from `/metrics`).
 //! 3. **Views**: `/` and `/status.json` of one instance (bytes, time to answer), `seedlock status`
 //!    as a process.
-//! 4. **Kill**: `refresh.concurrency = 1000`, ttl 3 s / heartbeat 1 s; every bot asked to refresh
-//!    while the seed sources hold their answers; the instance holding the most locks is SIGKILLed,
-//!    the sources released: each of its bots taken over (time from the kill), each refreshed
-//!    exactly once more, no other bot taken over or refreshed twice.
+//! 4. **Kill** (KILL_BOTS bots, default BOTS): `refresh.concurrency` = KILL_BOTS, ttl 3 s /
+//!    heartbeat 1 s; every bot asked to refresh while the seed sources hold their answers; the
+//!    instance holding the most locks is SIGKILLed, the sources released: each of its bots taken
+//!    over (time from the kill), each refreshed exactly once more, no other bot taken over or
+//!    refreshed twice.
 //!
 //! Needs `MONGODB_URI` and `SEEDLOCK_BIN` (the release binary). Prints Markdown.
 
@@ -412,7 +413,7 @@ async fn kill_run(uri: &str, bots: usize) -> (bool, String) {
         && others_once == others
         && disturbed == 0;
     let text = format!(
-        "Locks held when {victim} was SIGKILLed: {}. Its {} bots taken over: {}/{} (median {median:.2} s, max {max:.2} s after the kill; ttl 3 s + poll 1 s = 4 s); refreshed exactly once more: {victims_once_more}/{}; the other {others} bots: {others_once} refreshed exactly once, {disturbed} taken over.\n",
+        "Kill run, {bots} bots (`refresh.concurrency` {bots}). Locks held when {victim} was SIGKILLed: {}. Its {} bots taken over: {}/{} (median {median:.2} s, max {max:.2} s after the kill; ttl 3 s + poll 1 s = 4 s); refreshed exactly once more: {victims_once_more}/{}; the other {others} bots: {others_once} refreshed exactly once, {disturbed} taken over.\n",
         spread.join(", "),
         victim_bots.len(),
         takeovers.len(),
@@ -432,10 +433,15 @@ async fn kill_run(uri: &str, bots: usize) -> (bool, String) {
 #[tokio::main]
 async fn main() {
     let uri = std::env::var("MONGODB_URI").expect("MONGODB_URI");
-    let bots: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(1000);
+    let arg = |i: usize| {
+        std::env::args()
+            .nth(i)
+            .and_then(|a| a.parse::<usize>().ok())
+    };
+    let bots = arg(1).unwrap_or(1000);
+    // The kill run holds every bot's lock at once (`refresh.concurrency` = its bots); a smaller
+    // fleet for it keeps the run short at 10,000 bots.
+    let kill_bots = arg(2).unwrap_or(bots).min(bots);
     println!("## A fleet of {bots} bots on 3 instances");
     println!();
     println!("| lock ttl / heartbeat | `bots apply` (s) | every bot ready after it (s) | exactly one request | locks lost | timeouts | peak RSS per instance (MiB) |");
@@ -470,7 +476,7 @@ async fn main() {
     println!();
     print!("{}", idle.unwrap_or_default());
     println!();
-    let (kill_ok, text) = kill_run(&uri, bots).await;
+    let (kill_ok, text) = kill_run(&uri, kill_bots).await;
     print!("{text}");
     if !(ok && kill_ok) {
         eprintln!("fleet: a target count was not exact");

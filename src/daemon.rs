@@ -228,6 +228,7 @@ async fn context(settings: &Settings, store: &Store) -> Result<Arc<Context>, Run
             settings.lock,
             settings.refresh.concurrency,
         ),
+        reads: tokio::sync::Semaphore::new(settings.mongo.max_pool_size.max(1) as usize),
     }))
 }
 

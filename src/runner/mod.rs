@@ -58,6 +58,10 @@ pub struct Context {
     pub crawl: Option<CrawlContext>,
     /// The instance's shared wake-ups, lock upkeep and refresh permits.
     pub hub: Hub,
+    /// Reads of a bot's document at the start of a step, at most as many at once as the
+    /// driver's pool has connections: the rest would only queue in the driver, each holding its
+    /// command's buffers (10,000 bots starting at once held about 90 MB that way).
+    pub reads: tokio::sync::Semaphore,
 }
 
 /// The result of one [`BotRunner::step`].
@@ -182,11 +186,29 @@ impl BotRunner {
 
     /// One turn of the state machine.
     pub async fn step(&self, shutdown: &CancellationToken) -> Result<StepOutcome> {
+        let read = self.read_permit().await;
+        self.step_reading(read, shutdown).await
+    }
+
+    /// A permit to read the bot's document (see [`Context::reads`]). The permits are never
+    /// closed (`ok()`: a closed semaphore would only lift the limit).
+    async fn read_permit(&self) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        self.ctx.reads.acquire().await.ok()
+    }
+
+    /// [`step`](Self::step) with its read permit, given back once the document is read.
+    async fn step_reading(
+        &self,
+        read: Option<tokio::sync::SemaphorePermit<'_>>,
+        shutdown: &CancellationToken,
+    ) -> Result<StepOutcome> {
         let ctx = &self.ctx;
         let id = &self.bot.id;
         // The permit the loop waited for serves this step's claim; any other step gives it back.
         let reserved = self.reserved.lock().expect("permit lock").take();
-        let observed = ctx.store.bots().load(id).await?;
+        let observed = ctx.store.bots().load(id).await;
+        drop(read);
+        let observed = observed?;
         ctx.metrics.db_ok();
         if let Observed::Valid(doc) = &observed {
             ctx.metrics.saw_epoch(id, doc.lock_epoch);
@@ -332,20 +354,24 @@ impl BotRunner {
             if shutdown.is_cancelled() {
                 return RunEnd::Shutdown;
             }
-            let outcome = match self.step(shutdown).await {
+            // Each turn's future is boxed, once its read permit is held: an idle or queued bot's
+            // task holds only this loop's small state (10,000 bots' tasks at 8 KB each were
+            // 80 MB of an instance's memory).
+            let read = self.read_permit().await;
+            let outcome = match Box::pin(self.step_reading(read, shutdown)).await {
                 Ok(StepOutcome::Ready {
                     seeds,
                     epoch,
                     pass: Some(pass),
                 }) => {
                     self.waited(&mut waiting_since);
-                    match self.crawl_turn(pass, until, shutdown).await {
+                    match Box::pin(self.crawl_turn(pass, until, shutdown)).await {
                         Ok(turn) => {
                             failover_since = None;
                             self.reachable_again(&mut db_failures);
-                            if let Some(end) = self
-                                .after_crawl_turn(turn, until, seeds, epoch, shutdown)
-                                .await
+                            if let Some(end) =
+                                Box::pin(self.after_crawl_turn(turn, until, seeds, epoch, shutdown))
+                                    .await
                             {
                                 return end;
                             }
@@ -384,9 +410,8 @@ impl BotRunner {
                     continue;
                 }
             };
-            if let Some(end) = self
-                .after_step(outcome, until, &mut waiting_since, shutdown)
-                .await
+            if let Some(end) =
+                Box::pin(self.after_step(outcome, until, &mut waiting_since, shutdown)).await
             {
                 return end;
             }

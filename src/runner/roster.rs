@@ -25,10 +25,30 @@ use crate::runner::{BotRunner, Context, RunEnd, Until};
 use crate::store::document::{bot_id, definition};
 
 struct Running {
-    /// The spec it runs (`specVersion`, `spec`): a different one restarts it.
-    spec: BotSpec,
+    /// The spec it runs, as its version and digest: a different one restarts it. (The runner
+    /// holds the spec itself; ten thousand bots need not hold it twice.)
+    spec: SpecSeen,
     stop: CancellationToken,
     handle: tokio::task::JoinHandle<RunEnd>,
+}
+
+/// A spec as [`Running`] remembers it: its `specVersion` and the SHA-256 of its BSON bytes, so a
+/// spec edited by hand under the same version is told apart.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct SpecSeen {
+    version: i64,
+    digest: [u8; 32],
+}
+
+impl SpecSeen {
+    fn of(spec: &BotSpec) -> Self {
+        use sha2::{Digest, Sha256};
+        let bytes = bson::to_vec(&spec.spec).unwrap_or_default();
+        Self {
+            version: spec.version,
+            digest: Sha256::digest(&bytes).into(),
+        }
+    }
 }
 
 /// What one document with a spec asks of this instance.
@@ -52,7 +72,7 @@ fn wanted(id: &BotId, raw: &Document, running: Option<&Running>) -> Option<Wante
     let version = definition.version.unwrap_or(0);
     let wanted = match definition.spec? {
         Ok(spec) => {
-            if running.is_some_and(|r| r.spec == spec && !r.handle.is_finished()) {
+            if running.is_some_and(|r| r.spec == SpecSeen::of(&spec) && !r.handle.is_finished()) {
                 Wanted::Keep
             } else {
                 match bot_from_spec(id, &spec.spec) {
@@ -87,6 +107,8 @@ pub(crate) async fn follow(settings: Settings, ctx: Arc<Context>, stop: Cancella
         match ctx.store.bots().spec_documents().await {
             Ok(docs) => {
                 let round = roster.plan(&docs).await;
+                // The documents (a few KB a bot) are not held while the runners start.
+                drop(docs);
                 roster.carry_out(round).await;
             }
             Err(e) => warn!(error = %e, "cannot read the bots' specs; retrying"),
@@ -252,14 +274,15 @@ impl Roster<'_> {
     /// Starts bot `id`'s runner on `spec` (read into `bot`), until the bot's stop or the fleet's.
     fn start(&mut self, id: BotId, spec: BotSpec, bot: Box<BotSettings>) {
         info!(bot = %id, spec_version = spec.version, "running the bot (defined in the database)");
-        let runner = BotRunner::from_spec(*bot, spec.clone(), self.ctx.clone());
+        let seen = SpecSeen::of(&spec);
+        let runner = BotRunner::from_spec(*bot, spec, self.ctx.clone());
         let token = self.stop.child_token();
         let run_stop = token.clone();
         let handle = tokio::spawn(async move { runner.run(Until::Shutdown, &run_stop).await });
         self.running.insert(
             id,
             Running {
-                spec,
+                spec: seen,
                 stop: token,
                 handle,
             },

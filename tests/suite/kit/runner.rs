@@ -84,6 +84,7 @@ pub async fn context_with_permits(
         refresh_backoff: (limits().backoff_base, limits().backoff_max),
         crawl: None,
         hub: Hub::new(store, clock.clone(), lock, permits),
+        reads: tokio::sync::Semaphore::new(32),
     })
 }
 
