@@ -9,10 +9,13 @@
 //!   (every listing page).
 //! - Control: `POST /__mutate` `{"change": K, "add": K, "delete": K, "remove": [SKU…]}` answers which products it
 //!   touched; `POST /__faults` installs fault rules (latency, a status such as 429 with
-//!   `Retry-After`, huge bodies, redirect loops or redirects elsewhere) on path patterns, `DELETE /__faults` clears them;
-//!   `GET /__stats` counts requests per path; `GET /__truth` lists every current product;
+//!   `Retry-After`, huge bodies, gzip bombs, redirect loops or redirects elsewhere) on path
+//!   patterns, `DELETE /__faults` clears them; `GET /__stats` counts requests per path and
+//!   responses per `Content-Encoding`; `GET /__truth` lists every current product;
 //!   `POST /__robots` sets the text of `/robots.txt` (404 until then); `GET /__headers` shows the
 //!   request headers received (each name with its distinct values), to check what a bot sends.
+//! - Every answer is compressed (gzip, deflate, brotli or zstd) when the request's
+//!   `Accept-Encoding` asks for it, as shops serve pages.
 //!
 //! The same `--seed` gives the same catalogue and the same sequence of mutations.
 
@@ -110,6 +113,8 @@ struct Catalog {
     /// Request headers received: each name with its distinct values (bounded), for
     /// `GET /__headers`.
     headers: BTreeMap<String, std::collections::BTreeSet<String>>,
+    /// Responses sent, by `Content-Encoding` (`identity` without one), for `GET /__stats`.
+    encodings: BTreeMap<String, u64>,
 }
 
 const MAX_LOG: usize = 100_000;
@@ -136,6 +141,7 @@ impl Catalog {
             in_flight: 0,
             log: Default::default(),
             headers: Default::default(),
+            encodings: Default::default(),
         };
         let total = u64::from(options.lists) * u64::from(options.per_list);
         let now = Utc::now();
@@ -298,6 +304,9 @@ pub(crate) struct FaultRule {
     pub retry_after: Option<String>,
     /// Answer with a body of this many bytes instead of the page.
     pub huge_body_bytes: Option<usize>,
+    /// Answer with a gzip-encoded body that inflates to this many bytes (at most 4 GiB) from
+    /// about a thousandth of that: a decompression bomb.
+    pub gzip_bomb_bytes: Option<u64>,
     /// Redirect to the same path again (a loop).
     #[serde(default)]
     pub redirect_loop: bool,
@@ -325,12 +334,14 @@ type Shared = Arc<Mutex<Catalog>>;
 
 /// Bounds on what a control request may ask for, so the demo site itself stays up.
 const MAX_HUGE_BODY: usize = 256 * 1024 * 1024;
+const MAX_BOMB: u64 = 4 << 30;
 const MAX_MUTATION: usize = 1_000_000;
 const MAX_STATS_PATHS: usize = 100_000;
 const MAX_HEADER_NAMES: usize = 64;
 const MAX_HEADER_VALUES: usize = 16;
 
-/// Notes every request's headers (but `/__headers`' own) for `GET /__headers`.
+/// Notes every request's headers (but `/__headers`' own) for `GET /__headers`, and counts the
+/// response by its `Content-Encoding` for `GET /__stats`.
 async fn note_headers(
     State(c): State<Shared>,
     request: axum::extract::Request,
@@ -350,7 +361,18 @@ async fn note_headers(
             }
         }
     }
-    next.run(request).await
+    let response = next.run(request).await;
+    let encoding = response
+        .headers()
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("identity");
+    let mut catalog = lock(&c);
+    if catalog.encodings.len() < MAX_HEADER_VALUES || catalog.encodings.contains_key(encoding) {
+        *catalog.encodings.entry(encoding.to_owned()).or_default() += 1;
+    }
+    drop(catalog);
+    response
 }
 
 /// `GET /__headers`: `{"name": ["value", …], …}` for every request header received so far.
@@ -379,6 +401,8 @@ pub async fn serve(
         .route("/__truth", get(truth))
         .route("/__headers", get(headers_seen))
         .fallback(not_found)
+        // Compressed when the client asks (`Accept-Encoding`), as shops serve pages.
+        .layer(tower_http::compression::CompressionLayer::new())
         .layer(axum::middleware::from_fn_with_state(
             catalog.clone(),
             note_headers,
@@ -466,11 +490,42 @@ async fn visit(catalog: &Shared, uri: &Uri) -> Fault {
             rule.retry_after.as_deref(),
         ));
     }
+    if let Some(bytes) = rule.gzip_bomb_bytes {
+        let body = match tokio::task::spawn_blocking(move || gzip_bomb(bytes.min(MAX_BOMB))).await {
+            Ok(body) => body,
+            Err(_) => return Fault::Respond(StatusCode::INTERNAL_SERVER_ERROR.into_response()),
+        };
+        return Fault::Respond(
+            (
+                [
+                    (header::CONTENT_TYPE, "text/html"),
+                    (header::CONTENT_ENCODING, "gzip"),
+                ],
+                body,
+            )
+                .into_response(),
+        );
+    }
     if let Some(bytes) = rule.huge_body_bytes {
         let body = "x".repeat(bytes.min(MAX_HUGE_BODY));
         return Fault::Respond(([(header::CONTENT_TYPE, "text/html")], body).into_response());
     }
     Fault::None
+}
+
+/// `bytes` spaces, gzip-compressed as tightly as gzip goes (about 1,000 to 1).
+fn gzip_bomb(bytes: u64) -> Vec<u8> {
+    use std::io::Write;
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    let block = vec![b' '; 1 << 20];
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(block.len() as u64) as usize;
+        // Writing into memory cannot fail.
+        let _ = encoder.write_all(&block[..n]);
+        left -= n as u64;
+    }
+    encoder.finish().unwrap_or_default()
 }
 
 /// A fault's answer: `status` with `body`, and `Retry-After` when the rule names one.
@@ -679,13 +734,14 @@ struct StatsQuery {
 async fn stats(State(c): State<Shared>, Query(q): Query<StatsQuery>) -> Response {
     let mut catalog = lock(&c);
     let total: u64 = catalog.stats.values().sum();
-    let mut body = serde_json::json!({ "total": total, "paths": catalog.stats });
+    let mut body = serde_json::json!({ "total": total, "paths": catalog.stats, "encodings": catalog.encodings });
     if q.log {
         body["log"] = serde_json::json!(catalog.log);
     }
     if q.reset {
         catalog.stats.clear();
         catalog.log.clear();
+        catalog.encodings.clear();
     }
     Json(body).into_response()
 }

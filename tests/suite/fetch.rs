@@ -187,3 +187,55 @@ async fn invalid_utf8_is_read_lossily() {
         other => panic!("expected a page, got {other:?}"),
     }
 }
+
+/// The process's peak resident set so far (`VmHWM`), in bytes.
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
+#[tokio::test]
+async fn a_decompression_bomb_fails_its_page_as_too_large_with_memory_bounded() {
+    let base = shop().await;
+    let inflated: u64 = 1 << 30;
+    faults(
+        &base,
+        json!([{"path": "/bomb", "gzip_bomb_bytes": inflated}]),
+    )
+    .await;
+    // The bomb as sent: about a thousandth of what it inflates to.
+    let raw = reqwest::Client::builder()
+        .no_gzip()
+        .build()
+        .unwrap()
+        .get(format!("{base}/bomb"))
+        .header("Accept-Encoding", "gzip")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.headers()["content-encoding"], "gzip");
+    let sent = raw.bytes().await.unwrap().len() as u64;
+    assert!(sent < inflated / 500, "{sent} bytes on the wire");
+    let before = peak_rss();
+    let outcome = fetcher(Duration::from_secs(60))
+        .fetch(&url(&format!("{base}/bomb")), &Validators::default())
+        .await;
+    assert_eq!(
+        outcome,
+        FetchOutcome::Permanent {
+            reason: format!("body larger than {DEFAULT_MAX_PAGE_BYTES} bytes (cut off)")
+        }
+    );
+    let grew = peak_rss().saturating_sub(before);
+    assert!(
+        grew < 64 << 20,
+        "reading the bomb raised the peak RSS by {} MiB",
+        grew >> 20
+    );
+}

@@ -1,5 +1,6 @@
 //! What pages come to: throttled and failing fetches retried from the frontier, permanent errors
-//! and hostile pages recorded failed with their reason, pages without a natural key, non-HTML.
+//! and hostile pages recorded failed with their reason, pages without a natural key, non-HTML,
+//! compressed pages decoded.
 #![allow(clippy::bool_assert_comparison)]
 
 use crate::kit;
@@ -250,4 +251,39 @@ async fn a_redirect_is_judged_hop_by_hop_out_of_scope_is_refused_in_scope_goes_t
     assert!(!stored.contains_key(away.as_str()), "{stored:?}");
     assert!(!stored.contains_key(moved.as_str()), "{stored:?}");
     assert_eq!(stored.len(), products.len() - 2 + 5, "{stored:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_compressed_with_each_encoding_a_shop_may_use_are_decoded_and_stored() {
+    // No `Accept-Encoding` of the bot's own: seedlock asks for every encoding it reads.
+    for encoding in [
+        None,
+        Some("gzip"),
+        Some("deflate"),
+        Some("br"),
+        Some("zstd"),
+    ] {
+        let db = test_db(&format!("crawl_enc_{}", encoding.unwrap_or("any"))).await;
+        let base = shop(1, 5).await;
+        let headers = encoding.map_or_else(String::new, |e| {
+            format!("[bots.crawl.headers]\nAccept-Encoding = \"{e}\"\n")
+        });
+        let setup = Setup {
+            incremental: &headers,
+            ..Setup::default()
+        };
+        once(settings(&db, &base, &setup, "a")).await;
+        assert_eq!(live_records(&db).await, truth(&base).await, "{encoding:?}");
+        let stats = get_json(&format!("{base}/__stats")).await;
+        let sent = |e: &str| stats["encodings"][e].as_u64().unwrap_or(0);
+        let compressed: u64 = ["gzip", "deflate", "br", "zstd"]
+            .iter()
+            .map(|e| sent(e))
+            .sum();
+        // The listing page and its five products, at least, came compressed.
+        match encoding {
+            Some(e) => assert!(sent(e) >= 6, "{e}: {stats}"),
+            None => assert!(compressed >= 6, "{stats}"),
+        }
+    }
 }
