@@ -1,5 +1,5 @@
 //! Fetching one page for the crawl, with every way it can go wrong turned into a closed set of
-//! outcomes for the caller to route: a page, `304`, a skip (not HTML), a throttle (`429`/`503`
+//! outcomes for the caller to route: a page, `304`, a skip (neither HTML nor JSON), a throttle (`429`/`503`
 //! with `Retry-After`), a timeout, a permanent failure (a 4xx, a body over the cap, a redirect
 //! chain over the limit), a gone page (`404`/`410`), or a transient failure.
 
@@ -7,12 +7,15 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+pub use crate::extract::BodyFormat;
 use crate::urls::NormalizedUrl;
 
-/// A fetched HTML page. Invalid UTF-8 is read lossily.
+/// A fetched HTML or JSON page. Invalid UTF-8 is read lossily.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Page {
     pub url: NormalizedUrl,
+    /// From the `Content-Type` (HTML when there is none).
+    pub format: BodyFormat,
     pub body: String,
     pub etag: Option<String>,
     pub last_modified: Option<String>,
@@ -23,7 +26,7 @@ pub enum FetchOutcome {
     Ok(Page),
     /// The stored validators still match (`304`).
     NotModified,
-    /// Not HTML: nothing to read.
+    /// Neither HTML nor JSON: nothing to read.
     Skipped {
         reason: String,
     },
@@ -282,11 +285,11 @@ impl HttpClient {
             .unwrap_or("")
             .trim()
             .to_ascii_lowercase();
-        if !essence.is_empty() && essence != "text/html" && essence != "application/xhtml+xml" {
+        let Some(format) = BodyFormat::of_content_type(&essence) else {
             return FetchOutcome::Skipped {
-                reason: format!("not HTML ({essence})"),
+                reason: format!("neither HTML nor JSON ({essence})"),
             };
-        }
+        };
         let (etag, last_modified) = (
             header(reqwest::header::ETAG),
             header(reqwest::header::LAST_MODIFIED),
@@ -305,6 +308,7 @@ impl HttpClient {
         };
         FetchOutcome::Ok(Page {
             url: final_url,
+            format,
             body: String::from_utf8_lossy(&body).into_owned(),
             etag,
             last_modified,

@@ -187,7 +187,7 @@ pub(super) struct RawBot {
 pub(super) struct RawCrawl {
     pub(super) scope: Vec<String>,
     #[serde(default = "default_follow")]
-    pub(super) follow: String,
+    pub(super) follow: RawSelectors,
     #[serde(default)]
     pub(super) allow: Vec<String>,
     #[serde(default)]
@@ -231,19 +231,50 @@ pub(super) fn default_max_links() -> u64 {
     10_000
 }
 
-pub(super) fn default_follow() -> String {
-    "a[href]".into()
+pub(super) fn default_follow() -> RawSelectors {
+    RawSelectors::One("a[href]".into())
+}
+
+/// A selector key: one selector, or a list of them. A `$…` entry is a JSONPath for JSON pages,
+/// any other a CSS selector for HTML pages: `item_id = ["@data-id", "$.id"]` reads both kinds.
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(untagged)]
+pub(super) enum RawSelectors {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl From<&str> for RawSelectors {
+    fn from(s: &str) -> Self {
+        Self::One(s.to_owned())
+    }
+}
+
+impl RawSelectors {
+    fn entries(&self) -> Vec<&str> {
+        match self {
+            Self::One(s) => vec![s.as_str()],
+            Self::Many(list) => list.iter().map(String::as_str).collect(),
+        }
+    }
+
+    /// The CSS entries and the JSONPath entries, in order.
+    fn split(&self) -> (Vec<&str>, Vec<&str>) {
+        self.entries()
+            .into_iter()
+            .partition(|e| !crate::extract::is_json_path(e))
+    }
 }
 
 #[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawList {
-    pub(super) item: String,
-    pub(super) item_id: String,
-    pub(super) item_link: String,
+    pub(super) item: RawSelectors,
+    pub(super) item_id: RawSelectors,
+    pub(super) item_link: RawSelectors,
     #[serde(default)]
     pub(super) fingerprint: Vec<String>,
-    pub(super) updated_at: Option<String>,
+    pub(super) updated_at: Option<RawSelectors>,
 }
 
 #[derive(Debug, Deserialize, Serialize)]
@@ -251,9 +282,9 @@ pub(super) struct RawList {
 pub(super) struct RawRecord {
     #[serde(rename = "match")]
     pub(super) url_match: String,
-    pub(super) natural_key: String,
+    pub(super) natural_key: RawSelectors,
     #[serde(default)]
-    pub(super) fields: std::collections::BTreeMap<String, String>,
+    pub(super) fields: std::collections::BTreeMap<String, RawSelectors>,
 }
 
 #[derive(Debug, Deserialize, Serialize)]
@@ -285,6 +316,35 @@ impl CrawlKeys<'_> {
     fn named(self, k: &str) -> impl Fn(String) -> String {
         let k = self.key(k);
         move |e: String| format!("key `{k}`: {e}")
+    }
+
+    /// A selector key read into its CSS entry (`html` parses it) and its JSONPath entry: at
+    /// most one of each.
+    fn pick<H>(
+        self,
+        k: &str,
+        raw: &RawSelectors,
+        html: impl Fn(&str) -> Result<H, String>,
+    ) -> Result<crate::extract::Pick<H>, String> {
+        let (css, json) = raw.split();
+        if css.len() > 1 || json.len() > 1 || css.len() + json.len() == 0 {
+            return Err(format!(
+                "key `{}`: give one CSS selector, one JSONPath (`$…`), or a list of one of each",
+                self.key(k)
+            ));
+        }
+        Ok(crate::extract::Pick {
+            html: css
+                .first()
+                .map(|c| html(c))
+                .transpose()
+                .map_err(self.named(k))?,
+            json: json
+                .first()
+                .map(|j| crate::extract::JsonRule::parse(j))
+                .transpose()
+                .map_err(self.named(k))?,
+        })
     }
 
     fn regexes(self, k: &str, list: &[String]) -> Result<Vec<regex::Regex>, String> {
@@ -342,7 +402,23 @@ impl RawCrawl {
                 .iter()
                 .map(|s| s.trim().to_ascii_lowercase())
                 .collect(),
-            follow: crate::extract::selector(&self.follow).map_err(keys.named("follow"))?,
+            follow: {
+                let (css, _) = self.follow.split();
+                for c in &css {
+                    crate::extract::selector(c).map_err(keys.named("follow"))?;
+                }
+                (!css.is_empty())
+                    .then(|| crate::extract::selector(&css.join(", ")))
+                    .transpose()
+                    .map_err(keys.named("follow"))?
+            },
+            follow_json: self
+                .follow
+                .split()
+                .1
+                .into_iter()
+                .map(|j| crate::extract::JsonRule::parse(j).map_err(keys.named("follow")))
+                .collect::<Result<_, _>>()?,
             allow: keys.regexes("allow", &self.allow)?,
             deny: keys.regexes("deny", &self.deny)?,
             strip: crate::urls::StripQuery::parse(&self.strip_query)
@@ -366,21 +442,28 @@ impl RawList {
         &self,
         keys: CrawlKeys<'_>,
     ) -> Result<crate::extract::ListRules, String> {
-        use crate::extract::ValueSpec;
+        use crate::extract::{is_json_path, selector, JsonRule, Pick, ValueSpec};
+        let (css, json): (Vec<&String>, Vec<&String>) =
+            self.fingerprint.iter().partition(|f| !is_json_path(f));
         Ok(crate::extract::ListRules {
-            item: crate::extract::selector(&self.item).map_err(keys.named("list.item"))?,
-            item_id: ValueSpec::parse(&self.item_id).map_err(keys.named("list.item_id"))?,
-            item_link: ValueSpec::parse(&self.item_link).map_err(keys.named("list.item_link"))?,
-            fingerprint: self
-                .fingerprint
-                .iter()
+            item: keys.pick("list.item", &self.item, selector)?,
+            item_id: keys.pick("list.item_id", &self.item_id, ValueSpec::parse)?,
+            item_link: keys.pick("list.item_link", &self.item_link, ValueSpec::parse)?,
+            fingerprint: css
+                .into_iter()
                 .map(|f| ValueSpec::parse(f).map_err(keys.named("list.fingerprint")))
                 .collect::<Result<_, _>>()?,
-            updated_at: self
-                .updated_at
-                .as_deref()
-                .map(|u| ValueSpec::parse(u).map_err(keys.named("list.updated_at")))
-                .transpose()?,
+            fingerprint_json: json
+                .into_iter()
+                .map(|f| JsonRule::parse(f).map_err(keys.named("list.fingerprint")))
+                .collect::<Result<_, _>>()?,
+            updated_at: match &self.updated_at {
+                Some(u) => keys.pick("list.updated_at", u, ValueSpec::parse)?,
+                None => Pick {
+                    html: None,
+                    json: None,
+                },
+            },
         })
     }
 }
@@ -399,8 +482,7 @@ impl RawRecord {
                     keys.key("record.fields")
                 ));
             }
-            let spec =
-                ValueSpec::parse(spec).map_err(keys.named(&format!("record.fields.{name}")))?;
+            let spec = keys.pick(&format!("record.fields.{name}"), spec, ValueSpec::parse)?;
             fields.insert(name.clone(), spec);
         }
         Ok(crate::extract::RecordRules {
@@ -411,8 +493,7 @@ impl RawRecord {
                     self.url_match
                 )
             })?,
-            natural_key: ValueSpec::parse(&self.natural_key)
-                .map_err(keys.named("record.natural_key"))?,
+            natural_key: keys.pick("record.natural_key", &self.natural_key, ValueSpec::parse)?,
             fields,
         })
     }
@@ -445,7 +526,7 @@ impl RawIncremental {
                 self.mode
             ));
         }
-        if mode == IncrementalMode::UpdatedAt && list.is_some_and(|l| l.updated_at.is_none()) {
+        if mode == IncrementalMode::UpdatedAt && list.is_some_and(|l| l.updated_at.is_empty()) {
             return Err(format!(
                 "key `{}`: \"updated_at\" needs `list.updated_at` (where an item shows when it changed)",
                 keys.key("incremental.mode")

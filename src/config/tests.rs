@@ -224,7 +224,7 @@ fn every_key() -> std::collections::BTreeSet<String> {
                 record: Some(RawRecord {
                     url_match: "/p/".into(),
                     natural_key: ".k".into(),
-                    fields: [("f".to_owned(), "s".to_owned())].into(),
+                    fields: [("f".to_owned(), "s".into())].into(),
                 }),
                 incremental: RawIncremental {
                     mode: "full".into(),
@@ -340,6 +340,11 @@ fn crawl(extra: &str) -> String {
 fn bad_values_name_their_key() {
     let crawl_cases = [
         (crawl("follow = \"a[\""), "bots[0].crawl.follow"),
+        (crawl("follow = [\"a\", \"$.next[\"]"), "bots[0].crawl.follow"),
+        (crawl("[bots.crawl.list]\nitem = \"$.products[*]\"\nitem_id = [\"@id\", \"@x\"]\nitem_link = \"$.url\""), "bots[0].crawl.list.item_id"),
+        (crawl("[bots.crawl.list]\nitem = \"$.products[*]\"\nitem_id = []\nitem_link = \"$.url\""), "bots[0].crawl.list.item_id"),
+        (crawl("[bots.crawl.list]\nitem = \".i\"\nitem_id = \"@id\"\nitem_link = \"a@href\"\nfingerprint = [\"$..[\"]"), "bots[0].crawl.list.fingerprint"),
+        (crawl("[bots.crawl.record]\nmatch = \"/p/\"\nnatural_key = [\".sku\", \"$.sku\"]\nfields = { price = \"$.price.\" }"), "bots[0].crawl.record.fields.price"),
         (crawl("scope = []"), "bots[0].crawl.scope"),
         (crawl("deny = [\"(\"]"), "bots[0].crawl.deny"),
         (crawl("[bots.crawl.list]\nitem = \"..x\"\nitem_id = \"@id\"\nitem_link = \"a@href\""), "bots[0].crawl.list.item"),

@@ -1,5 +1,5 @@
-//! The parse stage: a fetched page's HTML is read on the blocking pool, off the runtime's
-//! workers (CSS selectors with `scraper`; see `extract`). Everything else a fetch can come to
+//! The parse stage: a fetched page's HTML or JSON is read on the blocking pool, off the
+//! runtime's workers (CSS selectors with `scraper`, JSONPath; see `extract`). Everything else a fetch can come to
 //! passes through unchanged ([`Parser::step`]).
 
 use std::sync::Arc;
@@ -45,6 +45,7 @@ impl Parser {
             extract(
                 &page_url,
                 &page.body,
+                page.format,
                 &rules.links,
                 rules.list.as_ref(),
                 rules.record.as_ref(),

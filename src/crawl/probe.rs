@@ -10,7 +10,7 @@ use serde::Serialize;
 use url::Url;
 
 use crate::config::CrawlSettings;
-use crate::extract::{extract, ValueSpec};
+use crate::extract::{extract, BodyFormat, Pick, ValueSpec};
 use crate::flow::robots::{RobotsCache, Verdict};
 use crate::http_client::{next_hop, FetchOutcome, HttpClient, Page, Validators};
 use crate::store::frontier::fingerprint_hash;
@@ -168,19 +168,25 @@ pub(crate) fn kind_of(rules: &CrawlSettings, url: &NormalizedUrl, seeds: &[Norma
     }
 }
 
-/// Reads `html` (fetched from `page_url`) as the crawl would a page of `kind`.
+/// Reads `body` (fetched from `page_url`, written in `format`) as the crawl would a page of
+/// `kind`.
 pub(crate) fn examine(
     bot: &str,
     rules: &CrawlSettings,
     kind: Kind,
     page_url: &Url,
-    html: &str,
+    body: &str,
+    format: BodyFormat,
 ) -> Examined {
     let listing = kind != Kind::Detail;
     let list = rules.list.as_ref().filter(|_| listing);
     let record = rules.record.as_ref().filter(|_| !listing);
+    if format == BodyFormat::Json {
+        return examine_json(bot, rules, kind, page_url, body, list, record);
+    }
+    let html = body;
     // What the crawl takes: its own extraction.
-    let data = extract(page_url, html, &rules.links, list, record);
+    let data = extract(page_url, html, format, &rules.links, list, record);
     let document = Html::parse_document(html);
     let root = document.root_element();
     let mut unmatched = Unmatches::default();
@@ -197,7 +203,7 @@ pub(crate) fn examine(
         (Some(r), Some(Err(why))) => {
             unmatched.nothing(
                 "crawl.record.natural_key",
-                r.natural_key.as_str(),
+                spec_str(&r.natural_key.html),
                 "matched nothing on the page: no record".into(),
             );
             Err(why)
@@ -220,6 +226,77 @@ pub(crate) fn examine(
         ok,
         verdict,
     }
+}
+
+/// A JSON page as the crawl reads it: its items (each fingerprint value beside its JSONPath),
+/// links and record; a page no JSONPath rule matches says so as its `no_record`.
+fn examine_json(
+    bot: &str,
+    rules: &CrawlSettings,
+    kind: Kind,
+    page_url: &Url,
+    body: &str,
+    list: Option<&crate::extract::ListRules>,
+    record: Option<&crate::extract::RecordRules>,
+) -> Examined {
+    let data = extract(page_url, body, BodyFormat::Json, &rules.links, list, record);
+    let mut unmatched = Unmatches::default();
+    let items: Vec<ItemView> = data
+        .items
+        .iter()
+        .map(|item| ItemView {
+            id: item.id.clone(),
+            link: item.url.as_ref().map(ToString::to_string),
+            fingerprint_fields: list
+                .map(|l| l.fingerprint_json.as_slice())
+                .unwrap_or_default()
+                .iter()
+                .zip(item.fingerprint.split('\u{1f}'))
+                .map(|(rule, value)| FingerprintField {
+                    spec: rule.as_str().to_owned(),
+                    value: value.to_owned(),
+                })
+                .collect(),
+            fingerprint: format!("{:016x}", fingerprint_hash(&item.fingerprint)),
+            updated_at: item.updated_at.map(|t| t.to_rfc3339()),
+            updated_at_parsed: item.updated_at.map(|t| t.to_rfc3339()),
+        })
+        .collect();
+    let record = match (record, data.record) {
+        (Some(r), Some(Ok((natural_key, fields)))) => Ok(Some(record_view(
+            bot,
+            r,
+            natural_key,
+            &fields,
+            &mut unmatched,
+        ))),
+        (_, Some(Err(why))) => Err(why),
+        (Some(_), None) => Err("the page matched no record rule".into()),
+        (None, _) => Ok(None),
+    };
+    let follows: Vec<String> = data.links.iter().map(ToString::to_string).collect();
+    let (mut ok, mut verdict) = verdict(kind, list.is_some(), &items, &follows, &record);
+    if let (Err(why), false) = (&record, kind == Kind::Detail) {
+        (ok, verdict) = (false, why.clone());
+    }
+    Examined {
+        kind,
+        items,
+        follows,
+        refused: Vec::new(),
+        refused_more: 0,
+        over_max_links: data.dropped,
+        no_record: record.as_ref().err().cloned(),
+        record: record.ok().flatten(),
+        unmatched: unmatched.0,
+        ok,
+        verdict,
+    }
+}
+
+/// A key's entry as written, or "" when the key has none for this kind of page.
+fn spec_str(spec: &Option<ValueSpec>) -> &str {
+    spec.as_ref().map_or("", ValueSpec::as_str)
 }
 
 /// The selectors that matched nothing, each with its config key and what it missed.
@@ -263,10 +340,13 @@ fn refused_links(
             out.more += 1;
         }
     };
+    let Some(follow) = &links.follow else {
+        return out;
+    };
     let mut seen = std::collections::HashSet::new();
     let mut anchors = 0usize;
     let mut followed = 0usize;
-    for a in root.select(&links.follow) {
+    for a in root.select(follow) {
         anchors += 1;
         let Some(href) = a.value().attr("href") else {
             continue;
@@ -286,7 +366,7 @@ fn refused_links(
     if anchors == 0 {
         unmatched.nothing(
             "crawl.follow",
-            &css_of(&links.follow),
+            &css_of(follow),
             "matched no element on the page".into(),
         );
     }
@@ -301,11 +381,14 @@ fn list_items(
     data: &crate::extract::PageData,
     unmatched: &mut Unmatches,
 ) -> Vec<ItemView> {
-    let elements: Vec<_> = root.select(&l.item).collect();
+    let (Some(item), Some(item_id)) = (&l.item.html, &l.item_id.html) else {
+        return Vec::new();
+    };
+    let elements: Vec<_> = root.select(item).collect();
     if elements.is_empty() {
         unmatched.nothing(
             "crawl.list.item",
-            &css_of(&l.item),
+            &css_of(item),
             "matched no element on the page".into(),
         );
         return Vec::new();
@@ -321,12 +404,14 @@ fn list_items(
             );
         }
     };
-    in_items("crawl.list.item_id".into(), &l.item_id);
-    in_items("crawl.list.item_link".into(), &l.item_link);
+    in_items("crawl.list.item_id".into(), item_id);
+    if let Some(spec) = &l.item_link.html {
+        in_items("crawl.list.item_link".into(), spec);
+    }
     for (i, spec) in l.fingerprint.iter().enumerate() {
         in_items(format!("crawl.list.fingerprint[{i}]"), spec);
     }
-    if let Some(spec) = &l.updated_at {
+    if let Some(spec) = &l.updated_at.html {
         in_items("crawl.list.updated_at".into(), spec);
         let unreadable = elements
             .iter()
@@ -343,7 +428,7 @@ fn list_items(
     }
     // The items the crawl keeps (those with an id, up to max_links), beside their elements: the
     // same selection, in the same order.
-    let with_id = elements.iter().filter(|e| l.item_id.read(**e).is_some());
+    let with_id = elements.iter().filter(|e| item_id.read(**e).is_some());
     with_id
         .zip(&data.items)
         .map(|(element, item)| ItemView {
@@ -358,7 +443,11 @@ fn list_items(
                 })
                 .collect(),
             fingerprint: format!("{:016x}", fingerprint_hash(&item.fingerprint)),
-            updated_at: l.updated_at.as_ref().and_then(|spec| spec.read(*element)),
+            updated_at: l
+                .updated_at
+                .html
+                .as_ref()
+                .and_then(|spec| spec.read(*element)),
             updated_at_parsed: item.updated_at.map(|t| t.to_rfc3339()),
         })
         .collect()
@@ -376,13 +465,14 @@ fn record_view(
     let mut shown = std::collections::BTreeMap::new();
     for (name, spec) in &r.fields {
         let value = match fields.get(name) {
+            None | Some(Bson::Null) => None,
             Some(Bson::String(v)) => Some(v.clone()),
-            _ => None,
+            Some(other) => Some(other.clone().into_relaxed_extjson().to_string()),
         };
         if value.is_none() {
             unmatched.nothing(
                 &format!("crawl.record.fields.{name}"),
-                spec.as_str(),
+                &pick_str(spec),
                 "matched nothing on the page (stored as null)".into(),
             );
         }
@@ -424,6 +514,17 @@ fn verdict(
         Kind::Listing if has_list_rules => (linked_items > 0, yields()),
         _ => (linked_items > 0 || !follows.is_empty(), yields()),
     }
+}
+
+/// A key's entries as written: its CSS entry, its JSONPath entry, or both.
+fn pick_str(pick: &Pick<ValueSpec>) -> String {
+    let entries: Vec<&str> = pick
+        .html
+        .iter()
+        .map(ValueSpec::as_str)
+        .chain(pick.json.iter().map(crate::extract::JsonRule::as_str))
+        .collect();
+    entries.join(" | ")
 }
 
 fn css_of(selector: &Selector) -> String {

@@ -133,6 +133,7 @@ mod tests {
             Fetched::Outcome(crate::http_client::FetchOutcome::Ok(
                 crate::http_client::Page {
                     url: NormalizedUrl::parse("http://shop/").unwrap(),
+                    format: crate::http_client::BodyFormat::Html,
                     body: "x".repeat(len),
                     etag: None,
                     last_modified: None,

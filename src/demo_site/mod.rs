@@ -5,6 +5,9 @@
 //!   `.status` and a link to `/product/<sku>`.
 //! - Product pages `/product/<sku>` with `.sku`, `h1`, `.price`, `.status`; they carry an `ETag`
 //!   and `Last-Modified` and answer conditional GETs with `304`.
+//! - The same catalogue as a JSON API: `/api/products?page=N` (`products`, each with `id`,
+//!   `url`, `title`, `price.amount`, `status`, `updated`; `next` the next page's URL) and
+//!   `/api/product/<sku>` (one product, with `sku`).
 //! - The seed source: `/seeds.txt` and `/seeds.json` (the first listing page), `/sitemap.xml`
 //!   (every listing page).
 //! - Control: `POST /__mutate` `{"change": K, "add": K, "delete": K, "remove": [SKU…]}` answers which products it
@@ -77,6 +80,31 @@ updated_at = "@data-updated"
 match = "/product/"
 natural_key = "{natural_key}"
 fields = {{ title = "h1", price = ".price", status = ".status" }}
+"#,
+        scope = scope.join(", ")
+    )
+}
+
+/// The `[bots.crawl]` rules that crawl this shop's JSON API (TOML): `/api/products` pages
+/// (seed the first, `?page=1`) followed by `next`, their items by `id` with `price.amount`,
+/// `status` and `title` as the fingerprint, `/api/product/<sku>` records with the price a
+/// number.
+pub fn api_rules_toml(scope: &[&str]) -> String {
+    let scope: Vec<String> = scope.iter().map(|h| format!("{h:?}")).collect();
+    format!(
+        r#"[bots.crawl]
+scope = [{scope}]
+follow = "$.next"
+[bots.crawl.list]
+item = "$.products[*]"
+item_id = "$.id"
+item_link = "$.url"
+fingerprint = ["$.price.amount", "$.status", "$.title"]
+updated_at = "$.updated"
+[bots.crawl.record]
+match = "/api/product/"
+natural_key = "$.sku"
+fields = {{ title = "$.title", price = "$.price.amount", status = "$.status" }}
 "#,
         scope = scope.join(", ")
     )
@@ -393,6 +421,8 @@ pub async fn serve(
         .route("/sitemap.xml", get(sitemap))
         .route("/list/{page}", get(list_page))
         .route("/product/{sku}", get(product_page))
+        .route("/api/products", get(api_products))
+        .route("/api/product/{sku}", get(api_product))
         .route("/__mutate", post(mutate))
         .route("/__faults", post(set_faults).delete(clear_faults))
         .route("/__stats", get(stats))
@@ -631,6 +661,77 @@ async fn list_page(State(c): State<Shared>, uri: Uri, Path(page): Path<String>) 
     }
     body.push_str("</nav>\n</body></html>\n");
     ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], body).into_response()
+}
+
+/// A product as the JSON API shows it: the price as a number with its currency.
+fn api_json(p: &Product) -> serde_json::Value {
+    let amount: f64 = p.price.trim_start_matches('$').parse().unwrap_or(0.0);
+    serde_json::json!({
+        "id": p.sku,
+        "url": format!("/api/product/{}", p.sku),
+        "title": p.title,
+        "price": { "amount": amount, "currency": "USD" },
+        "status": p.status,
+        "updated": p.changed_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+    })
+}
+
+#[derive(Deserialize)]
+struct ApiPage {
+    page: Option<String>,
+}
+
+/// `GET /api/products?page=N`: the listing page N as JSON, `next` the next page's URL (null on
+/// the last).
+async fn api_products(State(c): State<Shared>, uri: Uri, Query(q): Query<ApiPage>) -> Response {
+    fault_first!(c, uri);
+    let catalog = lock(&c);
+    let pages = catalog.pages();
+    let Some(page) = q
+        .page
+        .as_deref()
+        .unwrap_or("1")
+        .parse::<usize>()
+        .ok()
+        .filter(|p| (1..=pages).contains(p))
+    else {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(serde_json::json!({"error": "no such page"})),
+        )
+            .into_response();
+    };
+    let start = (page - 1) * catalog.per_list;
+    let products: Vec<serde_json::Value> = catalog
+        .products
+        .iter()
+        .skip(start)
+        .take(catalog.per_list)
+        .map(api_json)
+        .collect();
+    let next = (page < pages).then(|| format!("/api/products?page={}", page + 1));
+    Json(serde_json::json!({ "page": page, "pages": pages, "products": products, "next": next }))
+        .into_response()
+}
+
+/// `GET /api/product/SKU`: one product as JSON, with the validators of its HTML page.
+async fn api_product(State(c): State<Shared>, uri: Uri, Path(sku): Path<String>) -> Response {
+    fault_first!(c, uri);
+    let product = lock(&c).find(&sku).cloned();
+    let Some(p) = product else {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(serde_json::json!({"error": "no such product"})),
+        )
+            .into_response();
+    };
+    let mut body = api_json(&p);
+    body["sku"] = serde_json::json!(p.sku);
+    (
+        [(header::LAST_MODIFIED, http_date(p.changed_at))],
+        Json(body),
+    )
+        .into_response()
 }
 
 fn http_date(t: DateTime<Utc>) -> String {

@@ -1,6 +1,9 @@
 //! What a crawl reads from a page, with a real HTML parser (`scraper`, CSS selectors) — never
-//! regular expressions over HTML. Pure: a page's URL and body in, links, listing items and a
+//! regular expressions over HTML — or, for a JSON page, a JSON parser and JSONPath (RFC 9535,
+//! `serde_json_path`: `json.rs`). Pure: a page's URL and body in, links, listing items and a
 //! record out; the crawl loop decides what to fetch and store.
+
+mod json;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -80,6 +83,56 @@ fn is_attr_name(s: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || "_-:.".contains(c))
 }
 
+/// A JSONPath (RFC 9535) query as the bot wrote it: `$.products[*]`, `$.price.amount`.
+#[derive(Clone, Debug)]
+pub struct JsonRule {
+    raw: String,
+    path: serde_json_path::JsonPath,
+}
+
+impl JsonRule {
+    pub(crate) fn parse(raw: &str) -> Result<Self, String> {
+        let raw = raw.trim();
+        let path = serde_json_path::JsonPath::parse(raw)
+            .map_err(|e| format!("{raw:?} is not a JSONPath ({e})"))?;
+        Ok(Self {
+            raw: raw.to_owned(),
+            path,
+        })
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        &self.raw
+    }
+}
+
+/// Whether a selector string is a JSONPath (it starts with `$`) rather than CSS.
+pub(crate) fn is_json_path(raw: &str) -> bool {
+    raw.trim_start().starts_with('$')
+}
+
+/// One selector key of a bot, by the kind of page it reads: its CSS entry reads HTML pages, its
+/// JSONPath entry (`$…`) JSON pages. Either may be absent: a bot may read only one kind.
+#[derive(Clone, Debug)]
+pub struct Pick<H> {
+    pub html: Option<H>,
+    pub json: Option<JsonRule>,
+}
+
+impl<H> Pick<H> {
+    /// A key with a CSS entry only.
+    pub fn html(html: H) -> Self {
+        Self {
+            html: Some(html),
+            json: None,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.html.is_none() && self.json.is_none()
+    }
+}
+
 /// A CSS selector, with the parser's complaint as the error.
 pub(crate) fn selector(css: &str) -> Result<Selector, String> {
     Selector::parse(css).map_err(|e| format!("{css:?} is not a CSS selector ({e})"))
@@ -88,20 +141,25 @@ pub(crate) fn selector(css: &str) -> Result<Selector, String> {
 /// Listing pages: items with an id, a link to their detail page, and a fingerprint.
 #[derive(Clone, Debug)]
 pub struct ListRules {
-    pub item: Selector,
-    pub item_id: ValueSpec,
-    pub item_link: ValueSpec,
+    pub item: Pick<Selector>,
+    /// Relative to the item, as are the other keys.
+    pub item_id: Pick<ValueSpec>,
+    pub item_link: Pick<ValueSpec>,
+    /// The fingerprint's CSS entries (HTML pages)…
     pub fingerprint: Vec<ValueSpec>,
-    /// Where an item shows when it last changed (`updated_at` mode), RFC 3339 or an HTTP date.
-    pub updated_at: Option<ValueSpec>,
+    /// … and its JSONPath entries (JSON pages).
+    pub fingerprint_json: Vec<JsonRule>,
+    /// Where an item shows when it last changed (`updated_at` mode), RFC 3339 or an HTTP date
+    /// (in JSON also a number of Unix seconds).
+    pub updated_at: Pick<ValueSpec>,
 }
 
 /// Detail pages: one record each.
 #[derive(Clone, Debug)]
 pub struct RecordRules {
     pub url_match: regex::Regex,
-    pub natural_key: ValueSpec,
-    pub fields: BTreeMap<String, ValueSpec>,
+    pub natural_key: Pick<ValueSpec>,
+    pub fields: BTreeMap<String, Pick<ValueSpec>>,
 }
 
 /// Which links a crawl follows.
@@ -109,7 +167,12 @@ pub struct RecordRules {
 pub struct LinkRules {
     /// `host:port` pairs links may lead to.
     pub scope: Vec<String>,
-    pub follow: Selector,
+    /// The links an HTML page's elements hold (`href`): the CSS entries of `follow`, as one
+    /// selector list.
+    pub follow: Option<Selector>,
+    /// The URLs a JSON page's values hold (strings, or arrays of them): `follow`'s JSONPath
+    /// entries.
+    pub follow_json: Vec<JsonRule>,
     pub allow: Vec<regex::Regex>,
     pub deny: Vec<regex::Regex>,
     pub strip: StripQuery,
@@ -178,8 +241,45 @@ pub(crate) struct PageData {
     pub dropped: usize,
 }
 
-/// Reads a page. `record` applies only when the page's URL matches `record.url_match`.
+/// What a page's body is written in, from its `Content-Type`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BodyFormat {
+    #[default]
+    Html,
+    /// `application/json`, or any `…/…+json`.
+    Json,
+}
+
+impl BodyFormat {
+    /// The format of a `Content-Type`'s essence (lowercase, no parameters); `None`: neither.
+    pub fn of_content_type(essence: &str) -> Option<Self> {
+        match essence {
+            "" | "text/html" | "application/xhtml+xml" => Some(Self::Html),
+            "application/json" => Some(Self::Json),
+            e if e.ends_with("+json") && e.contains('/') => Some(Self::Json),
+            _ => None,
+        }
+    }
+}
+
+/// Reads a page written in `format`. `record` applies only when the page's URL matches
+/// `record.url_match`. A JSON page that none of the bot's JSONPath rules matches comes back
+/// with that reason as its record's error (the page is failed, never silently skipped).
 pub(crate) fn extract(
+    page_url: &Url,
+    body: &str,
+    format: BodyFormat,
+    links: &LinkRules,
+    list: Option<&ListRules>,
+    record: Option<&RecordRules>,
+) -> PageData {
+    match format {
+        BodyFormat::Html => extract_html(page_url, body, links, list, record),
+        BodyFormat::Json => json::extract(page_url, body, links, list, record),
+    }
+}
+
+fn extract_html(
     page_url: &Url,
     html: &str,
     links: &LinkRules,
@@ -189,11 +289,7 @@ pub(crate) fn extract(
     let document = Html::parse_document(html);
     let root = document.root_element();
     let mut data = PageData::default();
-    let mut resolver = Resolver {
-        page_url,
-        rules: links,
-        resolved: HashMap::new(),
-    };
+    let mut resolver = Resolver::new(page_url, links);
     read_links(root, &mut resolver, &mut data);
     if let Some(rules) = list {
         read_items(root, rules, &resolver, &mut data);
@@ -206,15 +302,23 @@ pub(crate) fn extract(
 
 /// Each link as the page wrote it, resolved against the page and judged by the link rules once:
 /// a listing item's link is usually one of the page's links too.
-struct Resolver<'a> {
+pub(super) struct Resolver<'a> {
     page_url: &'a Url,
     rules: &'a LinkRules,
     resolved: HashMap<&'a str, Option<NormalizedUrl>>,
 }
 
-impl Resolver<'_> {
+impl<'a> Resolver<'a> {
+    pub(super) fn new(page_url: &'a Url, rules: &'a LinkRules) -> Self {
+        Self {
+            page_url,
+            rules,
+            resolved: HashMap::new(),
+        }
+    }
+
     /// `href` resolved, if it is followable.
-    fn follow(&self, href: &str) -> Option<NormalizedUrl> {
+    pub(super) fn follow(&self, href: &str) -> Option<NormalizedUrl> {
         if let Some(url) = self.resolved.get(href) {
             return url.clone();
         }
@@ -226,8 +330,11 @@ impl Resolver<'_> {
 
 /// The followable links, in page order, deduplicated, at most `max` of them.
 fn read_links<'a>(root: ElementRef<'a>, resolver: &mut Resolver<'a>, data: &mut PageData) {
+    let Some(follow) = &resolver.rules.follow else {
+        return;
+    };
     let mut seen = std::collections::HashSet::new();
-    for a in root.select(&resolver.rules.follow) {
+    for a in root.select(follow) {
         let Some(href) = a.value().attr("href") else {
             continue;
         };
@@ -250,17 +357,22 @@ fn read_links<'a>(root: ElementRef<'a>, resolver: &mut Resolver<'a>, data: &mut 
 
 /// A listing page's items, at most `max` of them.
 fn read_items(root: ElementRef<'_>, rules: &ListRules, resolver: &Resolver, data: &mut PageData) {
-    for item in root.select(&rules.item) {
+    let (Some(selector), Some(item_id)) = (&rules.item.html, &rules.item_id.html) else {
+        return;
+    };
+    for item in root.select(selector) {
         if data.items.len() >= resolver.rules.max {
             data.dropped += 1;
             continue;
         }
-        let Some(id) = rules.item_id.read(item) else {
+        let Some(id) = item_id.read(item) else {
             continue;
         };
         let url = rules
             .item_link
-            .read(item)
+            .html
+            .as_ref()
+            .and_then(|spec| spec.read(item))
             .and_then(|href| resolver.follow(&href));
         let fingerprint = rules
             .fingerprint
@@ -270,6 +382,7 @@ fn read_items(root: ElementRef<'_>, rules: &ListRules, resolver: &Resolver, data
             .join("\u{1f}");
         let updated_at = rules
             .updated_at
+            .html
             .as_ref()
             .and_then(|spec| spec.read(item))
             .and_then(|raw| parse_time(&raw));
@@ -284,18 +397,21 @@ fn read_items(root: ElementRef<'_>, rules: &ListRules, resolver: &Resolver, data
 
 /// A detail page's natural key and fields, or why there is no record.
 fn read_record(root: ElementRef<'_>, rules: &RecordRules) -> Result<(String, Document), String> {
-    let Some(key) = rules.natural_key.read(root) else {
+    let Some(natural_key) = &rules.natural_key.html else {
+        return Err(
+            "no natural key: record.natural_key has no CSS selector for an HTML page".into(),
+        );
+    };
+    let Some(key) = natural_key.read(root) else {
         return Err(format!(
             "no natural key ({}) on the page",
-            rules.natural_key.as_str()
+            natural_key.as_str()
         ));
     };
     let mut fields = Document::new();
     for (name, spec) in &rules.fields {
-        fields.insert(
-            name.clone(),
-            spec.read(root).map_or(Bson::Null, Bson::String),
-        );
+        let value = spec.html.as_ref().and_then(|spec| spec.read(root));
+        fields.insert(name.clone(), value.map_or(Bson::Null, Bson::String));
     }
     Ok((key, fields))
 }
@@ -320,28 +436,33 @@ mod tests {
     fn rules() -> (LinkRules, ListRules, RecordRules) {
         let links = LinkRules {
             scope: vec!["shop.test:8080".into()],
-            follow: selector("a[href]").unwrap(),
+            follow: Some(selector("a[href]").unwrap()),
+            follow_json: vec![],
             allow: vec![],
             deny: vec![regex::Regex::new("/logout").unwrap()],
             strip: StripQuery::parse(&["utm_*".into()]).unwrap(),
             max: 10_000,
         };
         let list = ListRules {
-            item: selector(".item").unwrap(),
-            item_id: ValueSpec::parse("@data-id").unwrap(),
-            item_link: ValueSpec::parse("a@href").unwrap(),
+            item: Pick::html(selector(".item").unwrap()),
+            item_id: Pick::html(ValueSpec::parse("@data-id").unwrap()),
+            item_link: Pick::html(ValueSpec::parse("a@href").unwrap()),
             fingerprint: vec![
                 ValueSpec::parse(".price").unwrap(),
                 ValueSpec::parse(".status").unwrap(),
             ],
-            updated_at: None,
+            fingerprint_json: vec![],
+            updated_at: Pick {
+                html: None,
+                json: None,
+            },
         };
         let record = RecordRules {
             url_match: regex::Regex::new("/product/").unwrap(),
-            natural_key: ValueSpec::parse(".sku").unwrap(),
+            natural_key: Pick::html(ValueSpec::parse(".sku").unwrap()),
             fields: [("title", "h1"), ("price", ".price")]
                 .into_iter()
-                .map(|(k, v)| (k.to_owned(), ValueSpec::parse(v).unwrap()))
+                .map(|(k, v)| (k.to_owned(), Pick::html(ValueSpec::parse(v).unwrap())))
                 .collect(),
         };
         (links, list, record)
@@ -351,7 +472,14 @@ mod tests {
     fn listing_pages_yield_items_fingerprints_and_in_scope_links() {
         let (links, list, record) = rules();
         let page = Url::parse("http://shop.test:8080/list/1").unwrap();
-        let data = extract(&page, LIST, &links, Some(&list), Some(&record));
+        let data = extract(
+            &page,
+            LIST,
+            BodyFormat::Html,
+            &links,
+            Some(&list),
+            Some(&record),
+        );
         let found: Vec<&str> = data.links.iter().map(|u| u.as_str()).collect();
         assert_eq!(
             found,
@@ -383,16 +511,23 @@ mod tests {
         let (links, _, record) = rules();
         let page = Url::parse("http://shop.test:8080/product/SKU-1").unwrap();
         let html = "<h1>Mug  deluxe</h1><div class=sku>SKU-1</div><div class=price>$2.00</div>";
-        let (key, fields) = extract(&page, html, &links, None, Some(&record))
+        let (key, fields) = extract(&page, html, BodyFormat::Html, &links, None, Some(&record))
             .record
             .unwrap()
             .unwrap();
         assert_eq!(key, "SKU-1");
         assert_eq!(fields.get_str("title").unwrap(), "Mug deluxe");
         assert_eq!(fields.get_str("price").unwrap(), "$2.00");
-        let missing = extract(&page, "<h1>Mug</h1>", &links, None, Some(&record))
-            .record
-            .unwrap();
+        let missing = extract(
+            &page,
+            "<h1>Mug</h1>",
+            BodyFormat::Html,
+            &links,
+            None,
+            Some(&record),
+        )
+        .record
+        .unwrap();
         assert_eq!(missing.unwrap_err(), "no natural key (.sku) on the page");
     }
 
@@ -401,14 +536,21 @@ mod tests {
         let (links, list, record) = rules();
         let page = Url::parse("http://shop.test:8080/product/x").unwrap();
         let nasty = format!("<div class=item data-id='{}'>{}<a href='javascript:alert(1)'>x</a><a href='//shop.test:8080/ok'>", "a".repeat(10_000), "<div>".repeat(5_000));
-        let data = extract(&page, &nasty, &links, Some(&list), Some(&record));
+        let data = extract(
+            &page,
+            &nasty,
+            BodyFormat::Html,
+            &links,
+            Some(&list),
+            Some(&record),
+        );
         assert_eq!(
             data.links.iter().map(|u| u.as_str()).collect::<Vec<_>>(),
             ["http://shop.test:8080/ok"]
         );
         assert!(data.record.unwrap().is_err());
         let lossy = String::from_utf8_lossy(b"<div class=sku>SKU-\xff</div>");
-        let data = extract(&page, &lossy, &links, None, Some(&record));
+        let data = extract(&page, &lossy, BodyFormat::Html, &links, None, Some(&record));
         assert_eq!(data.record.unwrap().unwrap().0, "SKU-\u{fffd}");
     }
 
@@ -438,7 +580,7 @@ mod tests {
             page.push_str(&format!("<a href=/p/{i}>{i}</a>"));
         }
         page.push_str("</body></html>");
-        let data = extract(&url, &page, &links, Some(&list), None);
+        let data = extract(&url, &page, BodyFormat::Html, &links, Some(&list), None);
         assert_eq!(data.links.len(), 1_000);
         assert_eq!(data.links[999].as_str(), "http://shop.test:8080/p/999");
         assert_eq!(data.dropped, 1_000_000 - 1_000);
@@ -446,7 +588,7 @@ mod tests {
         let items: String = (0..3_000)
             .map(|i| format!("<div class=item data-id={i}><a href=/p/{i}>{i}</a></div>"))
             .collect();
-        let data = extract(&url, &items, &links, Some(&list), None);
+        let data = extract(&url, &items, BodyFormat::Html, &links, Some(&list), None);
         assert_eq!((data.items.len(), data.links.len()), (1_000, 1_000));
         assert_eq!(data.dropped, 2 * 2_000);
     }

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{BotSettings, CrawlLimits, CrawlSettings, SeedSource, Settings};
 use crate::crawl::probe::{self, Examined, Hop, Kind};
 use crate::flow::robots::RobotsCache;
-use crate::http_client::HttpClient;
+use crate::http_client::{BodyFormat, HttpClient};
 use crate::ops::{bot_arg, fail, EXIT_FAILED, EXIT_USAGE};
 use crate::urls::NormalizedUrl;
 
@@ -70,9 +70,9 @@ pub(crate) async fn command(settings: Settings, request: Request) -> ExitCode {
             Ok(obtained) => obtained,
             Err(code) => return code,
         };
-    let examined = page.as_ref().ok().map(|(at, body)| {
+    let examined = page.as_ref().ok().map(|(at, body, format)| {
         let kind = probe::kind_of(&rules, at, &seeds);
-        probe::examine(id.as_str(), &rules, kind, &at.to_url(), body)
+        probe::examine(id.as_str(), &rules, kind, &at.to_url(), body, *format)
     });
     let report = Report {
         bot: id.as_str(),
@@ -81,7 +81,7 @@ pub(crate) async fn command(settings: Settings, request: Request) -> ExitCode {
         headers,
         redirects: &hops,
         fetch_error: page.as_ref().err().map(String::as_str),
-        bytes: page.as_ref().ok().map(|(_, body)| body.len()),
+        bytes: page.as_ref().ok().map(|(_, body, _)| body.len()),
         examined: examined.as_ref(),
     };
     if let Err(code) = print_report(&report, request.json) {
@@ -115,11 +115,11 @@ fn page_url(request: &Request) -> Result<NormalizedUrl, ExitCode> {
     NormalizedUrl::parse(&raw_url).map_err(|e| fail(EXIT_USAGE, format!("{raw_url:?}: {e}")))
 }
 
-/// The page as had: the redirects followed on the way, the page (its final URL and body) or why
-/// there is none, and where it came from (`fetched`, or the saved file's path).
+/// The page as had: the redirects followed on the way, the page (its final URL, body and format)
+/// or why there is none, and where it came from (`fetched`, or the saved file's path).
 struct Obtained {
     hops: Vec<Hop>,
-    page: Result<(NormalizedUrl, String), String>,
+    page: Result<(NormalizedUrl, String, BodyFormat), String>,
     source: String,
 }
 
@@ -136,7 +136,10 @@ async fn obtain(
         return match read_saved(path, limits.max_page_bytes) {
             Ok(body) => Ok(Obtained {
                 hops: Vec::new(),
-                page: Ok((url.clone(), body)),
+                page: {
+                    let format = saved_format(path, &body);
+                    Ok((url.clone(), body, format))
+                },
                 source: path.display().to_string(),
             }),
             Err(e) => Err(fail(EXIT_USAGE, e)),
@@ -154,9 +157,21 @@ async fn obtain(
     let (hops, page) = probe::fetch(&fetcher, &robots, rules, url).await;
     Ok(Obtained {
         hops,
-        page: page.map(|p| (p.url, p.body)),
+        page: page.map(|p| (p.url, p.body, p.format)),
         source: "fetched".to_owned(),
     })
+}
+
+/// A saved page's format: JSON when its name ends in `.json` or its text opens with `{` or `[`.
+fn saved_format(path: &std::path::Path, body: &str) -> BodyFormat {
+    let named = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
+    if named || body.trim_start().starts_with(['{', '[']) {
+        BodyFormat::Json
+    } else {
+        BodyFormat::Html
+    }
 }
 
 /// Prints the report: as JSON with `--json`, else for a person; an error code when the JSON

@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use seedlock::demo_site::{serve, SiteOptions};
-use seedlock::http_client::{FetchOutcome, HttpClient, Validators, DEFAULT_MAX_PAGE_BYTES};
+use seedlock::http_client::{
+    BodyFormat, FetchOutcome, HttpClient, Validators, DEFAULT_MAX_PAGE_BYTES,
+};
 use seedlock::urls::NormalizedUrl;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -151,9 +153,15 @@ async fn every_failure_has_its_outcome() {
     assert!(
         matches!(
             f.fetch(&get("/seeds.json"), &Validators::default()).await,
-            FetchOutcome::Skipped { .. }
+            FetchOutcome::Ok(page) if page.format == BodyFormat::Json
         ),
-        "JSON is not HTML"
+        "JSON is a page to read"
+    );
+    assert_eq!(
+        f.fetch(&get("/sitemap.xml"), &Validators::default()).await,
+        FetchOutcome::Skipped {
+            reason: "neither HTML nor JSON (application/xml)".into()
+        }
     );
     assert!(matches!(
         f.fetch(&url("http://127.0.0.1:1/x"), &Validators::default())

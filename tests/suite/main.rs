@@ -22,6 +22,7 @@ mod frontier;
 mod hub;
 mod incremental;
 mod indexes;
+mod json_pages;
 mod layers;
 mod lock;
 mod own_site;

@@ -437,3 +437,49 @@ async fn a_redirect_out_of_scope_is_not_followed() {
         "the other host got no request"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_api_page_shows_its_items_and_record_read_with_jsonpath() {
+    let shop = Shop::start(3, 4).await;
+    let base = &shop.base;
+    let dir = tempfile::tempdir().unwrap();
+    let rules = seedlock::demo_site::api_rules_toml(&[base.trim_start_matches("http://")]);
+    let cfg = dir.path().join("api.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[mongo]\nuri = \"mongodb://127.0.0.1:1\"\nconnect_timeout = \"1s\"\n[http]\nlisten = \"off\"\n[[bots]]\nid = \"api\"\nseeds = [\"{base}/api/products?page=1\"]\n{rules}"
+        ),
+    )
+    .unwrap();
+    let page = format!("{base}/api/products?page=2");
+    let out = seedlock(&cfg, &["try", "api", &page, "--json"]).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["kind"], "listing");
+    let expected: Vec<Value> = products(base).await[4..8].to_vec();
+    let items = report["items"].as_array().unwrap();
+    assert_eq!(items.len(), 4);
+    for (item, p) in items.iter().zip(&expected) {
+        let sku = p["sku"].as_str().unwrap();
+        assert_eq!(item["id"], sku);
+        assert_eq!(item["link"], format!("{base}/api/product/{sku}"));
+        let amount: f64 = p["price"].as_str().unwrap()[1..].parse().unwrap();
+        assert_eq!(
+            item["fingerprint_fields"][0],
+            serde_json::json!({"spec": "$.price.amount", "value": amount.to_string()})
+        );
+    }
+    assert_eq!(
+        report["follows"],
+        serde_json::json!([format!("{base}/api/products?page=3")])
+    );
+    let sku = expected[0]["sku"].as_str().unwrap();
+    let detail = format!("{base}/api/product/{sku}");
+    let out = seedlock(&cfg, &["try", "api", &detail, "--json"]).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["kind"], "detail");
+    assert_eq!(report["record"]["natural_key"], sku);
+    assert_eq!(report["record"]["fields"]["title"], expected[0]["title"]);
+}

@@ -55,6 +55,9 @@ pub struct Setup<'a> {
     /// `crawl.lease` and `crawl.timeout`.
     pub lease: &'a str,
     pub timeout: &'a str,
+    /// The `[bots.crawl]` rules (TOML) in place of the shop's HTML ones
+    /// (`demo_site::crawl_rules_toml`), such as `demo_site::api_rules_toml`'s.
+    pub rules: Option<String>,
 }
 
 impl Default for Setup<'_> {
@@ -71,6 +74,7 @@ impl Default for Setup<'_> {
             listen: "off",
             lease: "5s",
             timeout: "2s",
+            rules: None,
         }
     }
 }
@@ -78,7 +82,10 @@ impl Default for Setup<'_> {
 pub fn settings(db: &TestDb, base: &str, setup: &Setup<'_>, instance: &str) -> Settings {
     let mut scope = vec![base.trim_start_matches("http://")];
     scope.extend(setup.scope.iter().copied());
-    let rules = seedlock::demo_site::crawl_rules_toml(&scope, setup.natural_key);
+    let rules = setup
+        .rules
+        .clone()
+        .unwrap_or_else(|| seedlock::demo_site::crawl_rules_toml(&scope, setup.natural_key));
     let seeds = setup
         .seeds
         .map_or_else(|| format!("{base}/seeds.txt"), str::to_owned);
