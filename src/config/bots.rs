@@ -1,6 +1,7 @@
 //! `[[bots]]`: each bot's seeds, refresh schedule and crawl rules (listing and detail
 //! selectors, incremental mode, priorities, headers), from a config file or a stored spec.
 
+use super::selectors::{self, RawSelectors};
 use super::*;
 
 /// A bot's definition as kept in its document's `spec`: the `[[bots]]` entry as the file wrote
@@ -232,38 +233,7 @@ pub(super) fn default_max_links() -> u64 {
 }
 
 pub(super) fn default_follow() -> RawSelectors {
-    RawSelectors::One("a[href]".into())
-}
-
-/// A selector key: one selector, or a list of them. A `$…` entry is a JSONPath for JSON pages,
-/// any other a CSS selector for HTML pages: `item_id = ["@data-id", "$.id"]` reads both kinds.
-#[derive(Debug, Deserialize, Serialize)]
-#[serde(untagged)]
-pub(super) enum RawSelectors {
-    One(String),
-    Many(Vec<String>),
-}
-
-impl From<&str> for RawSelectors {
-    fn from(s: &str) -> Self {
-        Self::One(s.to_owned())
-    }
-}
-
-impl RawSelectors {
-    fn entries(&self) -> Vec<&str> {
-        match self {
-            Self::One(s) => vec![s.as_str()],
-            Self::Many(list) => list.iter().map(String::as_str).collect(),
-        }
-    }
-
-    /// The CSS entries and the JSONPath entries, in order.
-    fn split(&self) -> (Vec<&str>, Vec<&str>) {
-        self.entries()
-            .into_iter()
-            .partition(|e| !crate::extract::is_json_path(e))
-    }
+    "a[href]".into()
 }
 
 #[derive(Debug, Deserialize, Serialize)]
@@ -273,7 +243,7 @@ pub(super) struct RawList {
     pub(super) item_id: RawSelectors,
     pub(super) item_link: RawSelectors,
     #[serde(default)]
-    pub(super) fingerprint: Vec<String>,
+    pub(super) fingerprint: Vec<super::selectors::RawEntry>,
     pub(super) updated_at: Option<RawSelectors>,
 }
 
@@ -316,35 +286,6 @@ impl CrawlKeys<'_> {
     fn named(self, k: &str) -> impl Fn(String) -> String {
         let k = self.key(k);
         move |e: String| format!("key `{k}`: {e}")
-    }
-
-    /// A selector key read into its CSS entry (`html` parses it) and its JSONPath entry: at
-    /// most one of each.
-    fn pick<H>(
-        self,
-        k: &str,
-        raw: &RawSelectors,
-        html: impl Fn(&str) -> Result<H, String>,
-    ) -> Result<crate::extract::Pick<H>, String> {
-        let (css, json) = raw.split();
-        if css.len() > 1 || json.len() > 1 || css.len() + json.len() == 0 {
-            return Err(format!(
-                "key `{}`: give one CSS selector, one JSONPath (`$…`), or a list of one of each",
-                self.key(k)
-            ));
-        }
-        Ok(crate::extract::Pick {
-            html: css
-                .first()
-                .map(|c| html(c))
-                .transpose()
-                .map_err(self.named(k))?,
-            json: json
-                .first()
-                .map(|j| crate::extract::JsonRule::parse(j))
-                .transpose()
-                .map_err(self.named(k))?,
-        })
     }
 
     fn regexes(self, k: &str, list: &[String]) -> Result<Vec<regex::Regex>, String> {
@@ -396,29 +337,15 @@ impl RawCrawl {
                 ));
             }
         }
+        let (follow, follow_json) = selectors::follow(&keys.key("follow"), &self.follow)?;
         Ok(crate::extract::LinkRules {
             scope: self
                 .scope
                 .iter()
                 .map(|s| s.trim().to_ascii_lowercase())
                 .collect(),
-            follow: {
-                let (css, _) = self.follow.split();
-                for c in &css {
-                    crate::extract::selector(c).map_err(keys.named("follow"))?;
-                }
-                (!css.is_empty())
-                    .then(|| crate::extract::selector(&css.join(", ")))
-                    .transpose()
-                    .map_err(keys.named("follow"))?
-            },
-            follow_json: self
-                .follow
-                .split()
-                .1
-                .into_iter()
-                .map(|j| crate::extract::JsonRule::parse(j).map_err(keys.named("follow")))
-                .collect::<Result<_, _>>()?,
+            follow,
+            follow_json,
             allow: keys.regexes("allow", &self.allow)?,
             deny: keys.regexes("deny", &self.deny)?,
             strip: crate::urls::StripQuery::parse(&self.strip_query)
@@ -442,24 +369,18 @@ impl RawList {
         &self,
         keys: CrawlKeys<'_>,
     ) -> Result<crate::extract::ListRules, String> {
-        use crate::extract::{is_json_path, selector, JsonRule, Pick, ValueSpec};
-        let (css, json): (Vec<&String>, Vec<&String>) =
-            self.fingerprint.iter().partition(|f| !is_json_path(f));
+        let key = |k: &str| keys.key(k);
+        let (fingerprint, fingerprint_json) =
+            selectors::fingerprint(&key("list.fingerprint"), &self.fingerprint)?;
         Ok(crate::extract::ListRules {
-            item: keys.pick("list.item", &self.item, selector)?,
-            item_id: keys.pick("list.item_id", &self.item_id, ValueSpec::parse)?,
-            item_link: keys.pick("list.item_link", &self.item_link, ValueSpec::parse)?,
-            fingerprint: css
-                .into_iter()
-                .map(|f| ValueSpec::parse(f).map_err(keys.named("list.fingerprint")))
-                .collect::<Result<_, _>>()?,
-            fingerprint_json: json
-                .into_iter()
-                .map(|f| JsonRule::parse(f).map_err(keys.named("list.fingerprint")))
-                .collect::<Result<_, _>>()?,
+            item: selectors::item(&key("list.item"), &self.item)?,
+            item_id: selectors::value(&key("list.item_id"), &self.item_id)?,
+            item_link: selectors::value(&key("list.item_link"), &self.item_link)?,
+            fingerprint,
+            fingerprint_json,
             updated_at: match &self.updated_at {
-                Some(u) => keys.pick("list.updated_at", u, ValueSpec::parse)?,
-                None => Pick {
+                Some(u) => selectors::value(&key("list.updated_at"), u)?,
+                None => crate::extract::Pick {
                     html: None,
                     json: None,
                 },
@@ -473,7 +394,6 @@ impl RawRecord {
         &self,
         keys: CrawlKeys<'_>,
     ) -> Result<crate::extract::RecordRules, String> {
-        use crate::extract::ValueSpec;
         let mut fields = std::collections::BTreeMap::new();
         for (name, spec) in &self.fields {
             if name.is_empty() || name.contains('.') || name.starts_with('$') {
@@ -482,8 +402,8 @@ impl RawRecord {
                     keys.key("record.fields")
                 ));
             }
-            let spec = keys.pick(&format!("record.fields.{name}"), spec, ValueSpec::parse)?;
-            fields.insert(name.clone(), spec);
+            let field = selectors::field(&keys.key(&format!("record.fields.{name}")), spec)?;
+            fields.insert(name.clone(), field);
         }
         Ok(crate::extract::RecordRules {
             url_match: regex::Regex::new(&self.url_match).map_err(|e| {
@@ -493,7 +413,7 @@ impl RawRecord {
                     self.url_match
                 )
             })?,
-            natural_key: keys.pick("record.natural_key", &self.natural_key, ValueSpec::parse)?,
+            natural_key: selectors::value(&keys.key("record.natural_key"), &self.natural_key)?,
             fields,
         })
     }

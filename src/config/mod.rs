@@ -18,6 +18,7 @@ mod crawl;
 mod lock;
 mod mongo;
 mod refresh;
+mod selectors;
 #[cfg(test)]
 mod tests;
 

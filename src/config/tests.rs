@@ -341,6 +341,12 @@ fn bad_values_name_their_key() {
     let crawl_cases = [
         (crawl("follow = \"a[\""), "bots[0].crawl.follow"),
         (crawl("follow = [\"a\", \"$.next[\"]"), "bots[0].crawl.follow"),
+        (crawl("[bots.crawl.record]\nmatch = \"/p/\"\nnatural_key = \".sku\"\nfields = { price = { css = \".p\", type = \"float\" } }"), "bots[0].crawl.record.fields.price"),
+        (crawl("[bots.crawl.record]\nmatch = \"/p/\"\nnatural_key = \".sku\"\nfields = { price = { csss = \".p\" } }"), "bots[0].crawl.record.fields.price"),
+        (crawl("[bots.crawl.record]\nmatch = \"/p/\"\nnatural_key = \".sku\"\nfields = { price = { css = \".p\", jsonld = \"Product\" } }"), "bots[0].crawl.record.fields.price"),
+        (crawl("[bots.crawl.record]\nmatch = \"/p/\"\nnatural_key = \".sku\"\nfields = { price = { css = \".p\", required = \"yes\" } }"), "bots[0].crawl.record.fields.price"),
+        (crawl("[bots.crawl.record]\nmatch = \"/p/\"\nnatural_key = { css = \".sku\", type = \"number\" }"), "bots[0].crawl.record.natural_key"),
+        (crawl("follow = { css = \"a\" }"), "bots[0].crawl.follow"),
         (crawl("[bots.crawl.list]\nitem = \"$.products[*]\"\nitem_id = [\"@id\", \"@x\"]\nitem_link = \"$.url\""), "bots[0].crawl.list.item_id"),
         (crawl("[bots.crawl.list]\nitem = \"$.products[*]\"\nitem_id = []\nitem_link = \"$.url\""), "bots[0].crawl.list.item_id"),
         (crawl("[bots.crawl.list]\nitem = \".i\"\nitem_id = \"@id\"\nitem_link = \"a@href\"\nfingerprint = [\"$..[\"]"), "bots[0].crawl.list.fingerprint"),
@@ -417,4 +423,36 @@ fn a_bad_uri_is_reported_without_its_password() {
     let err =
         Settings::from_toml("[mongo]\nuri = \"postgres://u:hunter2@h/db\"", no_env).unwrap_err();
     assert!(!err.contains("hunter2"), "{err}");
+}
+
+#[test]
+fn selector_tables_name_where_a_value_is_and_how_a_field_reads_it() {
+    let text = crawl(
+        "[bots.crawl.list]\nitem = [\".item\", \"$.products[*]\"]\nitem_id = [\"@data-id\", \"$.id\"]\nitem_link = { css = \"a@href\" }\nfingerprint = [\".price\", { jsonld = \"Product\", path = \"$.offers.price\" }, \"$.price\"]\n[bots.crawl.record]\nmatch = \"/p/\"\nnatural_key = { css = \"script#__NEXT_DATA__\", path = \"$.props.sku\" }\nfields = { price = [{ jsonld = \"Product\", path = \"$.offers.price\", type = \"number\", required = true }, { path = \"$.price\", type = \"number\", required = true }], tags = { css = \".tag\", all = true }, title = \"h1\" }",
+    );
+    let settings = Settings::from_toml(&text, |_| None).unwrap();
+    let crawl = settings.bots[0].crawl.as_ref().unwrap();
+    let list = crawl.list.as_ref().unwrap();
+    assert!(list.item.html.is_some() && list.item.json.is_some());
+    assert_eq!(list.fingerprint.len(), 2, "the HTML entries");
+    assert_eq!(list.fingerprint_json.len(), 1, "the JSONPath entry");
+    let record = crawl.record.as_ref().unwrap();
+    assert!(matches!(
+        record.natural_key.html,
+        Some(crate::extract::HtmlRead::InElement { .. })
+    ));
+    let price = &record.fields["price"];
+    assert!(matches!(
+        price.pick.html,
+        Some(crate::extract::HtmlRead::JsonLd { .. })
+    ));
+    assert!(price.pick.json.is_some());
+    assert_eq!(
+        (price.ty, price.all, price.required),
+        (Some(crate::extract::ValueType::Number), false, true)
+    );
+    let tags = &record.fields["tags"];
+    assert_eq!((tags.ty, tags.all, tags.required), (None, true, false));
+    let title = &record.fields["title"];
+    assert_eq!((title.ty, title.all, title.required), (None, false, false));
 }

@@ -10,7 +10,7 @@ use serde::Serialize;
 use url::Url;
 
 use crate::config::CrawlSettings;
-use crate::extract::{extract, BodyFormat, Pick, ValueSpec};
+use crate::extract::{extract, BodyFormat, HtmlRead, Pick};
 use crate::flow::robots::{RobotsCache, Verdict};
 use crate::http_client::{next_hop, FetchOutcome, HttpClient, Page, Validators};
 use crate::store::frontier::fingerprint_hash;
@@ -203,7 +203,10 @@ pub(crate) fn examine(
         (Some(r), Some(Err(why))) => {
             unmatched.nothing(
                 "crawl.record.natural_key",
-                spec_str(&r.natural_key.html),
+                &r.natural_key
+                    .html
+                    .as_ref()
+                    .map_or_else(String::new, HtmlRead::describe),
                 "matched nothing on the page: no record".into(),
             );
             Err(why)
@@ -292,11 +295,6 @@ fn examine_json(
         ok,
         verdict,
     }
-}
-
-/// A key's entry as written, or "" when the key has none for this kind of page.
-fn spec_str(spec: &Option<ValueSpec>) -> &str {
-    spec.as_ref().map_or("", ValueSpec::as_str)
 }
 
 /// The selectors that matched nothing, each with its config key and what it missed.
@@ -394,12 +392,16 @@ fn list_items(
         return Vec::new();
     }
     let total = elements.len();
-    let mut in_items = |key: String, spec: &ValueSpec| {
-        let n = elements.iter().filter(|e| spec.read(**e).is_none()).count();
+    let read = |spec: &HtmlRead, e: scraper::ElementRef<'_>| spec.text(e).ok().flatten();
+    let mut in_items = |key: String, spec: &HtmlRead| {
+        let n = elements
+            .iter()
+            .filter(|e| read(spec, **e).is_none())
+            .count();
         if n > 0 {
             unmatched.nothing(
                 &key,
-                spec.as_str(),
+                &spec.describe(),
                 format!("matched nothing in {n} of {total} items"),
             );
         }
@@ -415,20 +417,20 @@ fn list_items(
         in_items("crawl.list.updated_at".into(), spec);
         let unreadable = elements
             .iter()
-            .filter_map(|e| spec.read(*e))
+            .filter_map(|e| read(spec, *e))
             .filter(|raw| crate::extract::parse_time(raw).is_none())
             .count();
         if unreadable > 0 {
             unmatched.nothing(
                 "crawl.list.updated_at",
-                spec.as_str(),
+                &spec.describe(),
                 format!("{unreadable} of {total} values are not an RFC 3339 or HTTP date"),
             );
         }
     }
     // The items the crawl keeps (those with an id, up to max_links), beside their elements: the
     // same selection, in the same order.
-    let with_id = elements.iter().filter(|e| item_id.read(**e).is_some());
+    let with_id = elements.iter().filter(|e| read(item_id, **e).is_some());
     with_id
         .zip(&data.items)
         .map(|(element, item)| ItemView {
@@ -438,8 +440,8 @@ fn list_items(
                 .fingerprint
                 .iter()
                 .map(|spec| FingerprintField {
-                    spec: spec.as_str().to_owned(),
-                    value: spec.read(*element).unwrap_or_default(),
+                    spec: spec.describe(),
+                    value: read(spec, *element).unwrap_or_default(),
                 })
                 .collect(),
             fingerprint: format!("{:016x}", fingerprint_hash(&item.fingerprint)),
@@ -447,7 +449,7 @@ fn list_items(
                 .updated_at
                 .html
                 .as_ref()
-                .and_then(|spec| spec.read(*element)),
+                .and_then(|spec| read(spec, *element)),
             updated_at_parsed: item.updated_at.map(|t| t.to_rfc3339()),
         })
         .collect()
@@ -472,7 +474,7 @@ fn record_view(
         if value.is_none() {
             unmatched.nothing(
                 &format!("crawl.record.fields.{name}"),
-                &pick_str(spec),
+                &pick_str(&spec.pick),
                 "matched nothing on the page (stored as null)".into(),
             );
         }
@@ -517,12 +519,12 @@ fn verdict(
 }
 
 /// A key's entries as written: its CSS entry, its JSONPath entry, or both.
-fn pick_str(pick: &Pick<ValueSpec>) -> String {
-    let entries: Vec<&str> = pick
+fn pick_str(pick: &Pick<HtmlRead>) -> String {
+    let entries: Vec<String> = pick
         .html
         .iter()
-        .map(ValueSpec::as_str)
-        .chain(pick.json.iter().map(crate::extract::JsonRule::as_str))
+        .map(HtmlRead::describe)
+        .chain(pick.json.iter().map(|j| j.as_str().to_owned()))
         .collect();
     entries.join(" | ")
 }

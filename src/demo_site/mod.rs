@@ -3,8 +3,9 @@
 //! - Listing pages `/list/1…` (newest products first), `per_list` items each, linked by
 //!   pagination (`a.next`, `a.prev`). Each item is `.item[data-id]` with `.title`, `.price`,
 //!   `.status` and a link to `/product/<sku>`.
-//! - Product pages `/product/<sku>` with `.sku`, `h1`, `.price`, `.status`; they carry an `ETag`
-//!   and `Last-Modified` and answer conditional GETs with `304`.
+//! - Product pages `/product/<sku>` with `.sku`, `h1`, `.price`, `.status` and a schema.org
+//!   `Product` in JSON-LD (`sku`, `name`, `offers.price`, `offers.availability`); they carry an
+//!   `ETag` and `Last-Modified` and answer conditional GETs with `304`.
 //! - The same catalogue as a JSON API: `/api/products?page=N` (`products`, each with `id`,
 //!   `url`, `title`, `price.amount`, `status`, `updated`; `next` the next page's URL) and
 //!   `/api/product/<sku>` (one product, with `sku`).
@@ -749,8 +750,23 @@ async fn product_page(
     let Some(p) = product else {
         return (StatusCode::NOT_FOUND, "no such product\n").into_response();
     };
+    // schema.org data as shops embed it: the price a string without its currency sign.
+    let json_ld = serde_json::json!({
+        "@context": "https://schema.org",
+        "@type": "Product",
+        "sku": p.sku,
+        "name": p.title,
+        "offers": {
+            "@type": "Offer",
+            "price": p.price.trim_start_matches('$'),
+            "priceCurrency": "USD",
+            "availability": p.status,
+        },
+    })
+    .to_string()
+    .replace("</", "<\\/");
     let body = format!(
-        "<!doctype html>\n<html><head><title>{title}</title></head><body>\n<h1>{title}</h1>\n<div class=\"sku\">{sku}</div>\n<div class=\"price\">{price}</div>\n<div class=\"status\">{status}</div>\n<a href=\"/list/1\">all products</a>\n</body></html>\n",
+        "<!doctype html>\n<html><head><title>{title}</title>\n<script type=\"application/ld+json\">{json_ld}</script></head><body>\n<h1>{title}</h1>\n<div class=\"sku\">{sku}</div>\n<div class=\"price\">{price}</div>\n<div class=\"status\">{status}</div>\n<a href=\"/list/1\">all products</a>\n</body></html>\n",
         title = html_escape(&p.title),
         sku = p.sku,
         price = html_escape(&p.price),

@@ -71,7 +71,7 @@ fn first<'v>(rule: &JsonRule, scope: &'v Value) -> Option<&'v Value> {
 
 /// A value as text: a string trimmed (inner white space collapsed), a number or boolean as JSON
 /// writes it, an array or object as compact JSON; `None` for null or an empty string.
-fn text(value: &Value) -> Option<String> {
+pub(super) fn text(value: &Value) -> Option<String> {
     let text = match value {
         Value::Null => return None,
         Value::String(s) => collapse_whitespace(s),
@@ -192,9 +192,16 @@ fn read_record(value: &Value, rules: &RecordRules) -> Result<(String, Document),
         ));
     };
     let mut fields = Document::new();
-    for (name, spec) in &rules.fields {
-        let found = spec.json.as_ref().and_then(|rule| first(rule, value));
-        fields.insert(name.clone(), found.map_or(Bson::Null, |v| to_bson(v, 0)));
+    for (name, field) in &rules.fields {
+        let values: Vec<Value> = match &field.pick.json {
+            Some(rule) if field.all => rule.path.query(value).all().into_iter().cloned().collect(),
+            Some(rule) => first(rule, value).cloned().into_iter().collect(),
+            None => Vec::new(),
+        };
+        let stored = field
+            .store(values, false)
+            .map_err(|e| format!("record.fields.{name}: {e}"))?;
+        fields.insert(name.clone(), stored);
     }
     Ok((key, fields))
 }
@@ -202,7 +209,7 @@ fn read_record(value: &Value, rules: &RecordRules) -> Result<(String, Document),
 /// A JSON value as BSON, types kept: an integer that fits is an Int64, any other number a
 /// Double. An object whose keys MongoDB would read as operators or paths (a leading `$`, a
 /// `.`), or nested past [`MAX_DEPTH`], is stored as its JSON text.
-fn to_bson(value: &Value, depth: usize) -> Bson {
+pub(super) fn to_bson(value: &Value, depth: usize) -> Bson {
     match value {
         Value::Null => Bson::Null,
         Value::Bool(b) => Bson::Boolean(*b),
@@ -232,7 +239,7 @@ fn to_bson(value: &Value, depth: usize) -> Bson {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{extract, selector, BodyFormat, Pick, ValueSpec};
+    use super::super::{extract, selector, BodyFormat, Field, HtmlRead, Pick};
     use super::*;
     use crate::urls::StripQuery;
 
@@ -240,10 +247,19 @@ mod tests {
         JsonRule::parse(raw).unwrap()
     }
 
-    fn json(raw: &str) -> Pick<ValueSpec> {
+    fn json(raw: &str) -> Pick<HtmlRead> {
         Pick {
             html: None,
             json: Some(rule(raw)),
+        }
+    }
+
+    fn field(raw: &str) -> Field {
+        Field {
+            pick: json(raw),
+            ty: None,
+            all: false,
+            required: false,
         }
     }
 
@@ -285,7 +301,7 @@ mod tests {
                 ("odd", "$.odd"),
             ]
             .into_iter()
-            .map(|(k, v)| (k.to_owned(), json(v)))
+            .map(|(k, v)| (k.to_owned(), field(v)))
             .collect(),
         }
     }

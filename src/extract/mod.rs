@@ -3,7 +3,12 @@
 //! `serde_json_path`: `json.rs`). Pure: a page's URL and body in, links, listing items and a
 //! record out; the crawl loop decides what to fetch and store.
 
+mod embedded;
 mod json;
+mod typed;
+
+pub use embedded::HtmlRead;
+pub use typed::ValueType;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -60,6 +65,25 @@ impl ValueSpec {
         };
         let value = collapse_whitespace(&value);
         (!value.is_empty()).then_some(value)
+    }
+
+    /// Every value inside `scope` (each match of the selector), empty ones left out.
+    pub(crate) fn read_all(&self, scope: ElementRef<'_>) -> Vec<String> {
+        let elements: Vec<ElementRef<'_>> = match &self.selector {
+            Some(selector) => scope.select(selector).collect(),
+            None => vec![scope],
+        };
+        elements
+            .into_iter()
+            .filter_map(|element| {
+                let value = match &self.attr {
+                    Some(attr) => element.value().attr(attr)?.to_owned(),
+                    None => element.text().collect::<String>(),
+                };
+                let value = collapse_whitespace(&value);
+                (!value.is_empty()).then_some(value)
+            })
+            .collect()
     }
 }
 
@@ -143,23 +167,82 @@ pub(crate) fn selector(css: &str) -> Result<Selector, String> {
 pub struct ListRules {
     pub item: Pick<Selector>,
     /// Relative to the item, as are the other keys.
-    pub item_id: Pick<ValueSpec>,
-    pub item_link: Pick<ValueSpec>,
-    /// The fingerprint's CSS entries (HTML pages)…
-    pub fingerprint: Vec<ValueSpec>,
+    pub item_id: Pick<HtmlRead>,
+    pub item_link: Pick<HtmlRead>,
+    /// The fingerprint's HTML entries…
+    pub fingerprint: Vec<HtmlRead>,
     /// … and its JSONPath entries (JSON pages).
     pub fingerprint_json: Vec<JsonRule>,
     /// Where an item shows when it last changed (`updated_at` mode), RFC 3339 or an HTTP date
     /// (in JSON also a number of Unix seconds).
-    pub updated_at: Pick<ValueSpec>,
+    pub updated_at: Pick<HtmlRead>,
 }
 
 /// Detail pages: one record each.
 #[derive(Clone, Debug)]
 pub struct RecordRules {
     pub url_match: regex::Regex,
-    pub natural_key: Pick<ValueSpec>,
-    pub fields: BTreeMap<String, Pick<ValueSpec>>,
+    pub natural_key: Pick<HtmlRead>,
+    pub fields: BTreeMap<String, Field>,
+}
+
+/// One record field: where its value is, and how to read it.
+#[derive(Clone, Debug)]
+pub struct Field {
+    pub pick: Pick<HtmlRead>,
+    /// `None`: a CSS match is stored as a string, JSON as its own type.
+    pub ty: Option<ValueType>,
+    /// Every match, as an array.
+    pub all: bool,
+    /// A page without the value (or whose value does not read as `ty`) fails.
+    pub required: bool,
+}
+
+impl Field {
+    /// A field read as text with a CSS entry only, optional: the plain form.
+    pub fn css(spec: ValueSpec) -> Self {
+        Self {
+            pick: Pick::html(HtmlRead::Css(spec)),
+            ty: None,
+            all: false,
+            required: false,
+        }
+    }
+
+    /// The field's stored value from what its entry read (`css`: a CSS match, kept as text
+    /// when no type is set), or why the page fails.
+    pub(crate) fn store(&self, values: Vec<serde_json::Value>, css: bool) -> Result<Bson, String> {
+        if values.is_empty() {
+            if self.required {
+                return Err("required, and nothing on the page matched".into());
+            }
+            return Ok(if self.all {
+                Bson::Array(Vec::new())
+            } else {
+                Bson::Null
+            });
+        }
+        let one = |value: &serde_json::Value| -> Result<Bson, String> {
+            match (self.ty, value) {
+                (Some(ty), _) => match ty.convert(value) {
+                    Ok(v) => Ok(v),
+                    Err(e) if self.required => Err(e),
+                    Err(_) => Ok(Bson::Null),
+                },
+                (None, serde_json::Value::String(s)) if css => Ok(Bson::String(s.clone())),
+                (None, _) => Ok(json::to_bson(value, 0)),
+            }
+        };
+        if self.all {
+            values
+                .iter()
+                .map(one)
+                .collect::<Result<Vec<_>, _>>()
+                .map(Bson::Array)
+        } else {
+            one(&values[0])
+        }
+    }
 }
 
 /// Which links a crawl follows.
@@ -239,6 +322,9 @@ pub(crate) struct PageData {
     pub record: Option<Result<(String, Document), String>>,
     /// Links and items past `max_links`, not followed.
     pub dropped: usize,
+    /// Why the page fails though it was read (JSON embedded in it is broken, naming the key);
+    /// [`extract`] moves it into `record`.
+    pub page_error: Option<String>,
 }
 
 /// What a page's body is written in, from its `Content-Type`.
@@ -296,6 +382,9 @@ fn extract_html(
     }
     if let Some(rules) = record.filter(|r| r.url_match.is_match(page_url.as_str())) {
         data.record = Some(read_record(root, rules));
+    }
+    if let Some(why) = data.page_error.take() {
+        data.record = Some(Err(why));
     }
     data
 }
@@ -365,26 +454,32 @@ fn read_items(root: ElementRef<'_>, rules: &ListRules, resolver: &Resolver, data
             data.dropped += 1;
             continue;
         }
-        let Some(id) = item_id.read(item) else {
+        let mut text = |key: &str, how: &HtmlRead| -> Option<String> {
+            how.text(item).unwrap_or_else(|e| {
+                data.page_error.get_or_insert(format!("{key}: {e}"));
+                None
+            })
+        };
+        let Some(id) = text("list.item_id", item_id) else {
             continue;
         };
         let url = rules
             .item_link
             .html
             .as_ref()
-            .and_then(|spec| spec.read(item))
+            .and_then(|how| text("list.item_link", how))
             .and_then(|href| resolver.follow(&href));
         let fingerprint = rules
             .fingerprint
             .iter()
-            .map(|spec| spec.read(item).unwrap_or_default())
+            .map(|how| text("list.fingerprint", how).unwrap_or_default())
             .collect::<Vec<_>>()
             .join("\u{1f}");
         let updated_at = rules
             .updated_at
             .html
             .as_ref()
-            .and_then(|spec| spec.read(item))
+            .and_then(|how| text("list.updated_at", how))
             .and_then(|raw| parse_time(&raw));
         data.items.push(ListItem {
             id,
@@ -402,16 +497,26 @@ fn read_record(root: ElementRef<'_>, rules: &RecordRules) -> Result<(String, Doc
             "no natural key: record.natural_key has no CSS selector for an HTML page".into(),
         );
     };
-    let Some(key) = natural_key.read(root) else {
+    let key = natural_key
+        .text(root)
+        .map_err(|e| format!("record.natural_key: {e}"))?;
+    let Some(key) = key else {
         return Err(format!(
             "no natural key ({}) on the page",
-            natural_key.as_str()
+            natural_key.describe()
         ));
     };
     let mut fields = Document::new();
-    for (name, spec) in &rules.fields {
-        let value = spec.html.as_ref().and_then(|spec| spec.read(root));
-        fields.insert(name.clone(), value.map_or(Bson::Null, Bson::String));
+    for (name, field) in &rules.fields {
+        let named = |e: String| format!("record.fields.{name}: {e}");
+        let (values, css) = match &field.pick.html {
+            Some(how) => (
+                how.values(root, field.all).map_err(named)?,
+                matches!(how, HtmlRead::Css(_)),
+            ),
+            None => (Vec::new(), true),
+        };
+        fields.insert(name.clone(), field.store(values, css).map_err(named)?);
     }
     Ok((key, fields))
 }
@@ -433,6 +538,10 @@ mod tests {
       <a>no href</a>
     </body></html>"#;
 
+    fn css(spec: &str) -> HtmlRead {
+        HtmlRead::Css(ValueSpec::parse(spec).unwrap())
+    }
+
     fn rules() -> (LinkRules, ListRules, RecordRules) {
         let links = LinkRules {
             scope: vec!["shop.test:8080".into()],
@@ -445,12 +554,9 @@ mod tests {
         };
         let list = ListRules {
             item: Pick::html(selector(".item").unwrap()),
-            item_id: Pick::html(ValueSpec::parse("@data-id").unwrap()),
-            item_link: Pick::html(ValueSpec::parse("a@href").unwrap()),
-            fingerprint: vec![
-                ValueSpec::parse(".price").unwrap(),
-                ValueSpec::parse(".status").unwrap(),
-            ],
+            item_id: Pick::html(css("@data-id")),
+            item_link: Pick::html(css("a@href")),
+            fingerprint: vec![css(".price"), css(".status")],
             fingerprint_json: vec![],
             updated_at: Pick {
                 html: None,
@@ -459,10 +565,10 @@ mod tests {
         };
         let record = RecordRules {
             url_match: regex::Regex::new("/product/").unwrap(),
-            natural_key: Pick::html(ValueSpec::parse(".sku").unwrap()),
+            natural_key: Pick::html(css(".sku")),
             fields: [("title", "h1"), ("price", ".price")]
                 .into_iter()
-                .map(|(k, v)| (k.to_owned(), Pick::html(ValueSpec::parse(v).unwrap())))
+                .map(|(k, v)| (k.to_owned(), Field::css(ValueSpec::parse(v).unwrap())))
                 .collect(),
         };
         (links, list, record)

@@ -1,6 +1,7 @@
-//! JSON pages: the demo shop's JSON API crawled with JSONPath rules — exactly, its values typed in
-//! the records, then incrementally — and a JSON page that no rule of its bot reads, failed with
-//! why.
+//! JSON pages and JSON in HTML pages: the demo shop's JSON API crawled with JSONPath rules —
+//! exactly, its values typed in the records, then incrementally — a JSON page that no rule of
+//! its bot reads, failed with why; the product pages' JSON-LD read into typed fields, and a
+//! required field a page lacks failing that page while its old record stays.
 
 use crate::kit;
 
@@ -150,4 +151,72 @@ async fn a_json_page_no_rule_of_its_bot_reads_is_failed_with_why_and_xml_is_skip
     let sitemap = entry(format!("{base}/sitemap.xml")).await;
     assert_eq!(sitemap.get_str("status").unwrap(), "done", "XML is skipped");
     assert_eq!(live_records(&db).await, truth(&base).await);
+}
+
+/// The shop's HTML rules with the record read from each product page's JSON-LD, the price a
+/// number; `extra` adds fields.
+fn json_ld_rules(base: &str, extra: &str) -> String {
+    let host = base.trim_start_matches("http://");
+    let html = seedlock::demo_site::crawl_rules_toml(&[host], ".sku");
+    let record = html.find("[bots.crawl.record]").unwrap();
+    format!(
+        r#"{}[bots.crawl.record]
+match = "/product/"
+natural_key = {{ jsonld = "Product", path = "$.sku" }}
+[bots.crawl.record.fields]
+title = {{ jsonld = "Product", path = "$.name", required = true }}
+price = {{ jsonld = "Product", path = "$.offers.price", type = "number", required = true }}
+status = ".status"
+{extra}
+"#,
+        &html[..record]
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_ld_fields_are_typed_and_a_page_without_a_required_one_fails_keeping_its_record() {
+    let db = test_db("json_ld").await;
+    let base = shop(2, 10).await;
+    let setup = Setup {
+        rules: Some(json_ld_rules(&base, "")),
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    assert_eq!(typed_records(&db).await, typed_truth(&base).await);
+
+    // A field every page lacks, required: the changed products' pages fail naming it, and
+    // their records stay as they were.
+    let before = typed_records(&db).await;
+    let report = post(&format!("{base}/__mutate"), json!({"change": 2})).await;
+    let changed = skus(&report, "changed");
+    let strict = Setup {
+        rules: Some(json_ld_rules(
+            &base,
+            r#"gtin = { jsonld = "Product", path = "$.gtin13", required = true }"#,
+        )),
+        ..Setup::default()
+    };
+    request_refresh(&db).await;
+    once(settings(&db, &base, &strict, "a")).await;
+    assert_eq!(typed_records(&db).await, before, "no record written");
+    let failed = frontier(&db, doc! { "status": "failed", "pass": 2 }).await;
+    let mut failed_urls: Vec<String> = failed
+        .iter()
+        .map(|f| {
+            f.get_str("url")
+                .unwrap()
+                .rsplit('/')
+                .next()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    failed_urls.sort();
+    assert_eq!(failed_urls, changed, "the changed products' pages failed");
+    for f in &failed {
+        assert_eq!(
+            f.get_str("lastError").unwrap(),
+            "record.fields.gtin: required, and nothing on the page matched"
+        );
+    }
 }
