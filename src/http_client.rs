@@ -120,7 +120,7 @@ impl RequestHeaders {
             .map_err(|_| format!("{name:?} is not a header name"))?;
         if RESERVED_HEADERS.contains(&header.as_str()) {
             return Err(format!(
-                "{name:?} is set by the crawl itself (the user agent is `refresh.user_agent`)"
+                "{name:?} is set by the crawl itself (a bot's user agent is `user_agent`, the instance's `refresh.user_agent`)"
             ));
         }
         if self.entries.iter().any(|e| e.name == header) {
@@ -160,7 +160,146 @@ impl std::fmt::Debug for RequestHeaders {
     }
 }
 
-#[derive(Clone, Debug)]
+/// A value from the bot's config or, a secret, from the instance's environment: shown (in
+/// `Debug`, in `try`) as `<from $NAME>`, never as itself.
+#[derive(Clone, PartialEq)]
+pub struct Secret {
+    value: String,
+    env: Option<String>,
+}
+
+impl Secret {
+    pub(crate) fn new(value: String, env: Option<&str>) -> Self {
+        Self {
+            value,
+            env: env.map(str::to_owned),
+        }
+    }
+
+    /// As it may be shown.
+    pub(crate) fn shown(&self) -> String {
+        match &self.env {
+            Some(var) => format!("<from ${var}>"),
+            None => self.value.clone(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.shown())
+    }
+}
+
+/// How one bot's page requests go out besides its headers (`[bots.crawl]`): its user agent,
+/// the proxy it goes through (`proxy = { env = "NAME" }`: http, https or socks5; always a
+/// secret, a URL may hold credentials) and the cookies it starts each pass with.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BotHttp {
+    pub user_agent: Option<String>,
+    pub proxy: Option<Secret>,
+    /// `cookies = { session = { env = "SHOP_COOKIE" } }`, by name.
+    pub cookies: Vec<(String, Secret)>,
+}
+
+impl BotHttp {
+    /// Whether the bot needs a client of its own (a proxy); its user agent and its cookies are
+    /// headers on the shared one.
+    fn own_client(&self) -> bool {
+        self.proxy.is_some()
+    }
+
+    /// The cookies and the proxy as they may be shown.
+    pub(crate) fn shown(&self) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = self
+            .cookies
+            .iter()
+            .map(|(name, value)| (format!("cookie {name}"), value.shown()))
+            .collect();
+        if let Some(proxy) = &self.proxy {
+            out.push(("proxy".into(), proxy.shown()));
+        }
+        out
+    }
+}
+
+/// A bot's cookie jar, one per pass: cookies a site sets are sent back by RFC 6265's scope
+/// (domain, path, secure; `reqwest`'s jar) until the bot's next pass starts with a fresh jar
+/// holding its configured cookies again. The jar is the bot's; the connection pool is shared.
+pub(crate) struct PassJar {
+    pass: std::sync::atomic::AtomicI64,
+    jar: std::sync::RwLock<std::sync::Arc<reqwest::cookie::Jar>>,
+    /// `name=value` and the origins they are set for (each in-scope host).
+    initial: Vec<(String, Vec<url::Url>)>,
+}
+
+impl PassJar {
+    fn new(cookies: &[(String, Secret)], hosts: &[String]) -> Self {
+        let origins: Vec<url::Url> = hosts
+            .iter()
+            .flat_map(|h| {
+                let host = h.rsplit_once(':').map_or(h.as_str(), |(host, _)| host);
+                ["http", "https"].map(|scheme| url::Url::parse(&format!("{scheme}://{host}/")))
+            })
+            .filter_map(Result::ok)
+            .collect();
+        let initial = cookies
+            .iter()
+            .map(|(name, value)| (format!("{name}={}", value.value), origins.clone()))
+            .collect();
+        let jar = Self {
+            pass: std::sync::atomic::AtomicI64::new(i64::MIN),
+            jar: Default::default(),
+            initial,
+        };
+        jar.reset();
+        jar
+    }
+
+    fn reset(&self) {
+        let fresh = reqwest::cookie::Jar::default();
+        for (cookie, origins) in &self.initial {
+            for origin in origins {
+                fresh.add_cookie_str(cookie, origin);
+            }
+        }
+        *self.jar.write().unwrap_or_else(|p| p.into_inner()) = std::sync::Arc::new(fresh);
+    }
+
+    /// A fresh jar when `pass` is another pass than the last one asked for.
+    fn enter_pass(&self, pass: i64) {
+        use std::sync::atomic::Ordering;
+        if self.pass.swap(pass, Ordering::AcqRel) != pass {
+            self.reset();
+        }
+    }
+
+    fn current(&self) -> std::sync::Arc<reqwest::cookie::Jar> {
+        self.jar.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl PassJar {
+    /// The `Cookie` header for a request to `url`.
+    fn cookies(&self, url: &url::Url) -> Option<reqwest::header::HeaderValue> {
+        use reqwest::cookie::CookieStore;
+        let mut value = self.current().cookies(url)?;
+        value.set_sensitive(true);
+        Some(value)
+    }
+
+    /// Keeps the cookies a response from `url` sets.
+    fn store(&self, response: &reqwest::Response) {
+        use reqwest::cookie::CookieStore;
+        let mut set = response
+            .headers()
+            .get_all(reqwest::header::SET_COOKIE)
+            .iter();
+        self.current().set_cookies(&mut set, response.url());
+    }
+}
+
+#[derive(Clone)]
 pub struct HttpClient {
     /// Follows no redirect: each hop is a fetch of its own ([`FetchOutcome::Redirect`]).
     http: reqwest::Client,
@@ -171,6 +310,26 @@ pub struct HttpClient {
     /// path change, as RFC 9309 allows), none to another host.
     robots_http: reqwest::Client,
     max_bytes: usize,
+    timeout: Duration,
+    /// The instance's user agent.
+    agent: String,
+    /// The bot's own user agent, sent in place of the instance's.
+    user_agent: Option<reqwest::header::HeaderValue>,
+    /// The bot's cookie jar (none for the instance's own client).
+    jar: Option<std::sync::Arc<PassJar>>,
+    /// Why the bot's own client could not be built: every request fails with it (never sent
+    /// around the bot's proxy).
+    broken: Option<String>,
+}
+
+impl std::fmt::Debug for HttpClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpClient")
+            .field("headers", &self.headers)
+            .field("user_agent", &self.user_agent)
+            .field("cookie_jar", &self.jar.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 /// Whether a fetch follows its redirect to `to`, as its hop `hop` (from 0): `Err` is why the
@@ -197,42 +356,123 @@ pub(crate) const MAX_REDIRECTS: usize = 5;
 
 impl HttpClient {
     pub fn new(user_agent: &str, timeout: Duration, max_bytes: usize) -> Result<Self, String> {
-        let client = |redirect| {
-            reqwest::Client::builder()
-                .user_agent(user_agent)
-                .timeout(timeout)
-                .connect_timeout(timeout.min(Duration::from_secs(10)))
-                .redirect(redirect)
-                .build()
-                .map_err(|e| format!("cannot build the HTTP client: {e}"))
-        };
-        let same_host = reqwest::redirect::Policy::custom(|attempt| {
-            let same = attempt.previous().first().is_some_and(|first| {
-                first.host_str() == attempt.url().host_str()
-                    && first.port_or_known_default() == attempt.url().port_or_known_default()
-            });
-            if same && attempt.previous().len() <= MAX_REDIRECTS {
-                attempt.follow()
-            } else {
-                attempt.stop()
-            }
-        });
+        let (http, robots_http) = clients(user_agent, timeout, None)?;
         Ok(Self {
-            http: client(reqwest::redirect::Policy::none())?,
+            http,
             headers: Default::default(),
-            robots_http: client(same_host)?,
+            robots_http,
             max_bytes,
+            timeout,
+            agent: user_agent.to_owned(),
+            user_agent: None,
+            jar: None,
+            broken: None,
         })
     }
 
-    /// The same client (and connection pool), sending `headers` with every page request.
-    pub(crate) fn with_headers(&self, headers: &RequestHeaders) -> Self {
-        Self {
-            headers: std::sync::Arc::new(headers.clone()),
-            ..self.clone()
-        }
+    /// The client bot requests go out with: `headers` on every page request, the bot's own
+    /// user agent, and — with a proxy or cookies — a client of its own (its own connection
+    /// pool) through that proxy with a jar per pass; else this client's pool. `hosts` are the
+    /// bot's scope, where its configured cookies are sent. (Its settings were validated with
+    /// the config; should the client still not build, every request fails saying why.)
+    pub(crate) fn for_bot(
+        &self,
+        headers: &RequestHeaders,
+        http: &BotHttp,
+        hosts: &[String],
+    ) -> Self {
+        self.try_for_bot(headers, http, hosts)
+            .unwrap_or_else(|e| Self {
+                broken: Some(format!("the bot's HTTP client: {e}")),
+                ..self.clone()
+            })
     }
 
+    fn try_for_bot(
+        &self,
+        headers: &RequestHeaders,
+        http: &BotHttp,
+        hosts: &[String],
+    ) -> Result<Self, String> {
+        let user_agent = http
+            .user_agent
+            .as_deref()
+            .map(reqwest::header::HeaderValue::from_str)
+            .transpose()
+            .map_err(|_| "the user agent is not a valid header value".to_owned())?;
+        let mut out = Self {
+            headers: std::sync::Arc::new(headers.clone()),
+            user_agent,
+            ..self.clone()
+        };
+        out.jar = Some(std::sync::Arc::new(PassJar::new(&http.cookies, hosts)));
+        if http.own_client() {
+            let proxy = http.proxy.as_ref().map(|p| p.value.as_str());
+            let agent = http.user_agent.as_deref().unwrap_or(&self.agent);
+            let (page, robots) = clients(agent, self.timeout, proxy)?;
+            out.http = page;
+            out.robots_http = robots;
+        }
+        Ok(out)
+    }
+
+    /// The bot's own user agent, when it has one.
+    pub(crate) fn own_user_agent(&self) -> Option<&str> {
+        self.user_agent.as_ref().and_then(|v| v.to_str().ok())
+    }
+
+    /// Starts pass `pass`'s cookie jar afresh if this is the pass's first request.
+    pub(crate) fn enter_pass(&self, pass: i64) {
+        if let Some(jar) = &self.jar {
+            jar.enter_pass(pass);
+        }
+    }
+}
+
+/// The page client (no redirect followed) and the robots.txt client (same-host redirects),
+/// through `proxy` when given.
+fn clients(
+    user_agent: &str,
+    timeout: Duration,
+    proxy: Option<&str>,
+) -> Result<(reqwest::Client, reqwest::Client), String> {
+    let proxy = proxy
+        .map(|url| {
+            reqwest::Proxy::all(url)
+                .map_err(|_| "the proxy is not an http, https or socks5 URL".to_owned())
+        })
+        .transpose()?;
+    let client = |redirect| {
+        let mut builder = reqwest::Client::builder()
+            .user_agent(user_agent)
+            .timeout(timeout)
+            .connect_timeout(timeout.min(Duration::from_secs(10)))
+            .redirect(redirect);
+        if let Some(proxy) = &proxy {
+            builder = builder.proxy(proxy.clone());
+        }
+        builder
+            .build()
+            .map_err(|e| format!("cannot build the HTTP client: {e}"))
+    };
+    let same_host = reqwest::redirect::Policy::custom(|attempt| {
+        let same = attempt.previous().first().is_some_and(|first| {
+            first.host_str() == attempt.url().host_str()
+                && first.port_or_known_default() == attempt.url().port_or_known_default()
+        });
+        if same && attempt.previous().len() <= MAX_REDIRECTS {
+            attempt.follow()
+        } else {
+            attempt.stop()
+        }
+    });
+    Ok((
+        client(reqwest::redirect::Policy::none())?,
+        client(same_host)?,
+    ))
+}
+
+impl HttpClient {
     /// Fetches `url`, following redirects that stay on its host and port (at most
     /// [`MAX_REDIRECTS`]); a redirect elsewhere comes back as [`FetchOutcome::Redirect`],
     /// unfollowed. (The crawl judges every hop itself: [`HttpClient::fetch_one`].)
@@ -260,7 +500,15 @@ impl HttpClient {
         url: &NormalizedUrl,
         validators: &Validators,
     ) -> FetchOutcome {
+        if let Some(reason) = &self.broken {
+            return FetchOutcome::Permanent {
+                reason: reason.clone(),
+            };
+        }
         let mut request = self.http.get(url.as_str());
+        if let Some(agent) = &self.user_agent {
+            request = request.header(reqwest::header::USER_AGENT, agent.clone());
+        }
         for e in &self.headers.entries {
             request = request.header(&e.name, &e.value);
         }
@@ -270,10 +518,16 @@ impl HttpClient {
         if let Some(since) = &validators.last_modified {
             request = request.header(reqwest::header::IF_MODIFIED_SINCE, since);
         }
+        if let Some(cookies) = self.jar.as_ref().and_then(|jar| jar.cookies(&url.to_url())) {
+            request = request.header(reqwest::header::COOKIE, cookies);
+        }
         let mut response = match request.send().await {
             Ok(r) => r,
             Err(e) => return classify_error(&e),
         };
+        if let Some(jar) = &self.jar {
+            jar.store(&response);
+        }
         if let Some(outcome) = by_status(&response) {
             return outcome;
         }
@@ -334,6 +588,9 @@ impl HttpClient {
 
     /// Fetches `origin/robots.txt` (at most [`MAX_ROBOTS_BYTES`]; the rest is ignored).
     pub(crate) async fn fetch_robots(&self, origin: &str) -> RobotsFetch {
+        if let Some(reason) = &self.broken {
+            return RobotsFetch::Unavailable(reason.clone());
+        }
         let response = match self
             .robots_http
             .get(format!("{origin}/robots.txt"))
@@ -481,6 +738,46 @@ fn by_status(response: &reqwest::Response) -> Option<FetchOutcome> {
 mod tests {
     use super::*;
     use chrono::TimeZone;
+
+    #[test]
+    fn a_cookie_jar_keeps_what_sites_set_within_a_pass_and_starts_each_pass_afresh() {
+        let jar = PassJar::new(
+            &[("session".into(), Secret::new("abc".into(), Some("X")))],
+            &["shop.test:8080".into()],
+        );
+        let url = url::Url::parse("http://shop.test:8080/members/list/1").unwrap();
+        let cookies = |jar: &PassJar| {
+            jar.cookies(&url)
+                .map(|v| v.to_str().unwrap().to_owned())
+                .unwrap_or_default()
+        };
+        jar.enter_pass(1);
+        assert_eq!(cookies(&jar), "session=abc", "the configured cookie");
+        let set = reqwest::header::HeaderValue::from_static("member=yes; Path=/members");
+        use reqwest::cookie::CookieStore;
+        jar.current().set_cookies(
+            &mut std::iter::once(&set),
+            &url::Url::parse("http://shop.test:8080/members").unwrap(),
+        );
+        assert!(cookies(&jar).contains("member=yes"));
+        let elsewhere = url::Url::parse("http://shop.test:8080/list/1").unwrap();
+        let outside = jar.cookies(&elsewhere).unwrap();
+        assert!(
+            !outside.to_str().unwrap().contains("member"),
+            "a cookie goes only to its path"
+        );
+        jar.enter_pass(1);
+        assert!(
+            cookies(&jar).contains("member=yes"),
+            "the same pass keeps it"
+        );
+        jar.enter_pass(2);
+        assert_eq!(cookies(&jar), "session=abc", "a new pass starts afresh");
+        assert_eq!(
+            format!("{:?}", Secret::new("abc".into(), Some("X"))),
+            "<from $X>"
+        );
+    }
 
     #[test]
     fn retry_after_reads_seconds_and_dates() {

@@ -102,6 +102,8 @@ pub struct CrawlSettings {
     pub priorities: Vec<(regex::Regex, i64)>,
     /// Sent with every page request (`headers`); values from the environment are secrets.
     pub headers: crate::http_client::RequestHeaders,
+    /// The bot's user agent, proxy and cookies.
+    pub http: crate::http_client::BotHttp,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -205,6 +207,19 @@ pub(super) struct RawCrawl {
     pub(super) priority: Vec<RawPriority>,
     #[serde(default)]
     pub(super) headers: std::collections::BTreeMap<String, RawHeader>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) user_agent: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) proxy: Option<RawEnv>,
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub(super) cookies: std::collections::BTreeMap<String, RawHeader>,
+}
+
+/// `proxy = { env = "SHOP_PROXY" }`: a value read from the instance's environment only.
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEnv {
+    pub(super) env: String,
 }
 
 /// `headers = { "Accept-Language" = "de", Authorization = { env = "SHOP_TOKEN" } }`: a value, or
@@ -316,6 +331,84 @@ impl RawCrawl {
             incremental,
             priorities: priorities(keys, &self.priority)?,
             headers: headers(keys, &self.headers)?,
+            http: self.bot_http(keys)?,
+        })
+    }
+
+    /// `user_agent`, `proxy` and `cookies`: each value checked as it will be sent.
+    fn bot_http(&self, keys: CrawlKeys<'_>) -> Result<crate::http_client::BotHttp, String> {
+        use crate::http_client::Secret;
+        let user_agent = match &self.user_agent {
+            Some(ua)
+                if ua.trim().is_empty() || reqwest::header::HeaderValue::from_str(ua).is_err() =>
+            {
+                return Err(format!(
+                    "key `{}`: a user agent is a non-empty header value",
+                    keys.key("user_agent")
+                ))
+            }
+            other => other.clone(),
+        };
+        let proxy = match &self.proxy {
+            None => None,
+            Some(RawEnv { env }) => {
+                let key = keys.key("proxy");
+                let url = std::env::var(env).map_err(|_| {
+                    format!("key `{key}`: the environment variable ${env} is not set")
+                })?;
+                let scheme = url.split("://").next().unwrap_or("");
+                let known = ["http", "https", "socks5", "socks5h"].contains(&scheme);
+                if !known || reqwest::Proxy::all(&url).is_err() {
+                    return Err(format!(
+                        "key `{key}`: ${env} is not an http, https or socks5 proxy URL"
+                    ));
+                }
+                Some(Secret::new(url, Some(env)))
+            }
+        };
+        let has_cookie_header = self
+            .headers
+            .keys()
+            .any(|h| h.eq_ignore_ascii_case("cookie"));
+        if has_cookie_header && !self.cookies.is_empty() {
+            return Err(format!(
+                "key `{}`: a `Cookie` header and `cookies` do not go together; put every cookie in `cookies`",
+                keys.key("cookies")
+            ));
+        }
+        let mut cookies = Vec::new();
+        for (name, raw) in &self.cookies {
+            let key = keys.key(&format!("cookies.{name}"));
+            let token = !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_graphic() && !b"()<>@,;:\\\"/[]?={}".contains(&b));
+            if !token {
+                return Err(format!("key `{key}`: {name:?} is not a cookie name"));
+            }
+            let (value, env) = match raw {
+                RawHeader::Value(v) => (v.clone(), None),
+                RawHeader::Env { env } => (
+                    std::env::var(env).map_err(|_| {
+                        format!("key `{key}`: the environment variable ${env} is not set")
+                    })?,
+                    Some(env.as_str()),
+                ),
+            };
+            if value.bytes().any(|b| b.is_ascii_control() || b == b';') {
+                return Err(match env {
+                    Some(var) => format!("key `{key}`: the value of ${var} is not a cookie value"),
+                    None => {
+                        format!("key `{key}`: not a cookie value (no ';', no control characters)")
+                    }
+                });
+            }
+            cookies.push((name.clone(), Secret::new(value, env)));
+        }
+        Ok(crate::http_client::BotHttp {
+            user_agent,
+            proxy,
+            cookies,
         })
     }
 

@@ -69,6 +69,8 @@ fn the_shipped_configs_parse() {
     // The README's configuration reference is a complete, valid config (with the variable
     // its secret header names set, as on an instance; nextest runs each test alone).
     std::env::set_var("SHOP_TOKEN", "t");
+    std::env::set_var("SHOP_PROXY", "socks5://127.0.0.1:1080");
+    std::env::set_var("SHOP_COOKIE", "c");
     let s = Settings::from_toml(readme_reference(), no_env)
         .unwrap_or_else(|e| panic!("README config: {e}"));
     assert_eq!(s.lock.heartbeat, Duration::from_secs(10));
@@ -96,7 +98,8 @@ fn key_paths(value: &toml::Value, prefix: &str, out: &mut std::collections::BTre
         toml::Value::Table(table) => {
             let free_form = prefix.ends_with("crawl.hosts")
                 || prefix.ends_with("record.fields")
-                || prefix.ends_with("crawl.headers");
+                || prefix.ends_with("crawl.headers")
+                || prefix.ends_with("crawl.cookies");
             for (key, child) in table {
                 let key = if free_form { "*" } else { key.as_str() };
                 let path = if prefix.is_empty() {
@@ -239,6 +242,9 @@ fn every_key() -> std::collections::BTreeSet<String> {
                     ("b".to_owned(), RawHeader::Env { env: "E".into() }),
                 ]
                 .into(),
+                user_agent: Some("ua".into()),
+                proxy: Some(RawEnv { env: "P".into() }),
+                cookies: [("c".to_owned(), RawHeader::Env { env: "C".into() })].into(),
             }),
         }],
     };

@@ -70,6 +70,8 @@ impl Fetcher {
         permit: HostPermit,
         shutdown: &CancellationToken,
     ) -> Fetched {
+        // A new pass starts with a fresh cookie jar (when the bot keeps cookies).
+        self.client.enter_pass(lease.pass.get());
         let mut url = lease.url.clone();
         let mut permit = permit;
         // Listing pages are read every pass (their items are the pass's evidence of what

@@ -147,7 +147,9 @@ impl Crawler {
 
     fn build(bot: BotId, rules: CrawlSettings, ctx: &CrawlContext) -> Self {
         let (levels, lowest) = Shared::levels(&rules);
-        let client = ctx.fetcher.with_headers(&rules.headers);
+        let client = ctx
+            .fetcher
+            .for_bot(&rules.headers, &rules.http, &rules.links.scope);
         let rules = Arc::new(rules);
         let shared = Arc::new(Shared {
             bot,

@@ -184,6 +184,7 @@ impl Resolver {
                     bot: self.shared.bot.clone(),
                     natural_key,
                     data: fields,
+                    url: data.canonical,
                 };
                 let stored = PageResult::Stored(RecordWrite::Unchanged);
                 let mut s = Settled::new(lease, done, Some(stored));

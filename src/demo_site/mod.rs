@@ -5,7 +5,11 @@
 //!   `.status` and a link to `/product/<sku>`.
 //! - Product pages `/product/<sku>` with `.sku`, `h1`, `.price`, `.status` and a schema.org
 //!   `Product` in JSON-LD (`sku`, `name`, `offers.price`, `offers.availability`); they carry an
-//!   `ETag` and `Last-Modified` and answer conditional GETs with `304`.
+//!   `ETag` and `Last-Modified` and answer conditional GETs with `304`. The same page is at
+//!   `/product/<sku>/<anything>`, its `rel=canonical` naming `/product/<sku>`.
+//! - A cookie gate: `/members` sets `member=yes` (path `/members`) and links to
+//!   `/members/list/1`; `/members/list/<page>` is listing page `page` for a client that sends
+//!   the cookie back, `403` for one that does not.
 //! - The same catalogue as a JSON API: `/api/products?page=N` (`products`, each with `id`,
 //!   `url`, `title`, `price.amount`, `status`, `updated`; `next` the next page's URL) and
 //!   `/api/product/<sku>` (one product, with `sku`).
@@ -422,6 +426,9 @@ pub async fn serve(
         .route("/sitemap.xml", get(sitemap))
         .route("/list/{page}", get(list_page))
         .route("/product/{sku}", get(product_page))
+        .route("/product/{sku}/{variant}", get(product_variant))
+        .route("/members", get(members_gate))
+        .route("/members/list/{page}", get(members_list))
         .route("/api/products", get(api_products))
         .route("/api/product/{sku}", get(api_product))
         .route("/__mutate", post(mutate))
@@ -766,7 +773,7 @@ async fn product_page(
     .to_string()
     .replace("</", "<\\/");
     let body = format!(
-        "<!doctype html>\n<html><head><title>{title}</title>\n<script type=\"application/ld+json\">{json_ld}</script></head><body>\n<h1>{title}</h1>\n<div class=\"sku\">{sku}</div>\n<div class=\"price\">{price}</div>\n<div class=\"status\">{status}</div>\n<a href=\"/list/1\">all products</a>\n</body></html>\n",
+        "<!doctype html>\n<html><head><title>{title}</title>\n<link rel=\"canonical\" href=\"/product/{sku}\">\n<script type=\"application/ld+json\">{json_ld}</script></head><body>\n<h1>{title}</h1>\n<div class=\"sku\">{sku}</div>\n<div class=\"price\">{price}</div>\n<div class=\"status\">{status}</div>\n<a href=\"/list/1\">all products</a>\n</body></html>\n",
         title = html_escape(&p.title),
         sku = p.sku,
         price = html_escape(&p.price),
@@ -795,6 +802,55 @@ async fn product_page(
         body,
     )
         .into_response()
+}
+
+/// `GET /product/<sku>/<variant>`: the product's page under another URL; its canonical link
+/// names `/product/<sku>`.
+async fn product_variant(
+    State(c): State<Shared>,
+    uri: Uri,
+    headers: HeaderMap,
+    Path((sku, _variant)): Path<(String, String)>,
+) -> Response {
+    product_page(State(c), uri, headers, Path(sku)).await
+}
+
+/// `GET /members`: sets the cookie `member=yes` and links to `/members/list/1`.
+async fn members_gate(State(c): State<Shared>, uri: Uri) -> Response {
+    fault_first!(c, uri);
+    (
+        [
+            (header::SET_COOKIE, "member=yes; Path=/members"),
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+        ],
+        "<!doctype html>\n<html><body><a href=\"/members/list/1\">the members' catalogue</a></body></html>\n",
+    )
+        .into_response()
+}
+
+/// `GET /members/list/<page>`: listing page `page`, for a client that sends back the cookie
+/// `/members` set (`403` without it).
+async fn members_list(
+    State(c): State<Shared>,
+    uri: Uri,
+    headers: HeaderMap,
+    Path(page): Path<String>,
+) -> Response {
+    let member = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .any(|c| c.trim() == "member=yes");
+    if !member {
+        lock(&c).count_request(uri.path());
+        return (
+            StatusCode::FORBIDDEN,
+            "members only: visit /members first\n",
+        )
+            .into_response();
+    }
+    list_page(State(c), uri, Path(page)).await
 }
 
 async fn mutate(State(c): State<Shared>, Json(request): Json<Mutation>) -> Response {

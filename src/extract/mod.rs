@@ -322,6 +322,9 @@ pub(crate) struct PageData {
     pub record: Option<Result<(String, Document), String>>,
     /// Links and items past `max_links`, not followed.
     pub dropped: usize,
+    /// A detail page's canonical URL (`<link rel="canonical">`, followable) when it is not the
+    /// page's own: its record is stored under it.
+    pub canonical: Option<NormalizedUrl>,
     /// Why the page fails though it was read (JSON embedded in it is broken, naming the key);
     /// [`extract`] moves it into `record`.
     pub page_error: Option<String>,
@@ -382,11 +385,29 @@ fn extract_html(
     }
     if let Some(rules) = record.filter(|r| r.url_match.is_match(page_url.as_str())) {
         data.record = Some(read_record(root, rules));
+        data.canonical = canonical(root, page_url, &resolver);
     }
     if let Some(why) = data.page_error.take() {
         data.record = Some(Err(why));
     }
     data
+}
+
+/// The page's `<link rel="canonical">`, resolved and followable (in scope, allowed), when it
+/// names another URL than the page's own.
+fn canonical(
+    root: ElementRef<'_>,
+    page_url: &Url,
+    resolver: &Resolver<'_>,
+) -> Option<NormalizedUrl> {
+    static LINK: std::sync::OnceLock<Selector> = std::sync::OnceLock::new();
+    let link = LINK.get_or_init(|| {
+        Selector::parse(r#"link[rel~="canonical" i][href]"#).expect("a valid selector")
+    });
+    let href = root.select(link).next()?.value().attr("href")?;
+    let url = resolver.follow(href.trim())?;
+    let own = NormalizedUrl::join_with(page_url, "", &resolver.rules.strip).ok();
+    (own.as_ref() != Some(&url)).then_some(url)
 }
 
 /// Each link as the page wrote it, resolved against the page and judged by the link rules once:
@@ -635,6 +656,34 @@ mod tests {
         .record
         .unwrap();
         assert_eq!(missing.unwrap_err(), "no natural key (.sku) on the page");
+    }
+
+    #[test]
+    fn a_detail_page_names_its_canonical_url_when_it_is_another_followable_one() {
+        let (links, _, record) = rules();
+        let read = |url: &str, head: &str| {
+            let page = Url::parse(url).unwrap();
+            let html = format!("<head>{head}</head><div class=sku>S</div>");
+            extract(&page, &html, BodyFormat::Html, &links, None, Some(&record)).canonical
+        };
+        let canonical = read(
+            "http://shop.test:8080/product/S/red",
+            r#"<link rel="Canonical" href="/product/S">"#,
+        );
+        assert_eq!(
+            canonical.unwrap().as_str(),
+            "http://shop.test:8080/product/S"
+        );
+        let own = read(
+            "http://shop.test:8080/product/S",
+            r#"<link rel="canonical" href="/product/S?utm_source=x">"#,
+        );
+        assert!(own.is_none(), "the page's own URL, once normalized");
+        let elsewhere = read(
+            "http://shop.test:8080/product/S/red",
+            r#"<link rel="canonical" href="http://elsewhere.test/product/S">"#,
+        );
+        assert!(elsewhere.is_none(), "out of scope: the page keeps its URL");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! robots.txt, fetched once per host (`scheme://host:port`) and cached for `robots_ttl`, parsed
-//! by `texting_robots` for our user agent's product token: `Disallow`/`Allow` decide which URLs
+//! by `texting_robots` for each user agent's product token (the instance's, or a bot's own
+//! `user_agent`: one file, a verdict per agent): `Disallow`/`Allow` decide which URLs
 //! may be fetched, `Crawl-delay` spaces the host's requests (through [`crate::flow`]). A 4xx
 //! means no rules (everything allowed); a 5xx or no answer means "not now": the caller pauses the
 //! host and asks again after `robots_retry`. `--ignore-robots` (for one's own sites) turns the
@@ -30,8 +31,29 @@ pub(crate) enum Verdict {
 #[derive(Clone)]
 struct Rules {
     /// `None`: no robots.txt (a 4xx), everything allowed.
-    robot: Option<Arc<Robot>>,
+    body: Option<Arc<Vec<u8>>>,
+    /// The file parsed for each agent asked for (`None`: unparsable, no rules).
+    parsed: Arc<Mutex<HashMap<String, Option<Arc<Robot>>>>>,
     fetched: Instant,
+}
+
+impl Rules {
+    /// The rules for `agent`, parsed on first use.
+    fn robot(&self, agent: &str, origin: &str) -> Option<Arc<Robot>> {
+        let body = self.body.as_ref()?;
+        let mut parsed = self.parsed.lock().unwrap_or_else(|p| p.into_inner());
+        parsed
+            .entry(agent.to_owned())
+            .or_insert_with(|| match Robot::new(agent, body) {
+                Ok(robot) => Some(Arc::new(robot)),
+                // Unparsable rules are no rules (as a 4xx), not a reason to stop crawling.
+                Err(e) => {
+                    tracing::warn!(%origin, error = %e, "robots.txt unparsable; treating it as empty");
+                    None
+                }
+            })
+            .clone()
+    }
 }
 
 /// One origin's rules: read without waiting (every fetch asks), fetched by one task at a time.
@@ -100,10 +122,10 @@ impl RobotsCache {
         })
     }
 
-    /// The verdict for `url` from `rules`, if they are fresh.
-    fn verdict(&self, rules: &Option<Rules>, url: &NormalizedUrl) -> Option<Verdict> {
+    /// The verdict for `url` from `rules` for `agent`, if they are fresh.
+    fn verdict(&self, rules: &Option<Rules>, agent: &str, url: &NormalizedUrl) -> Option<Verdict> {
         let rules = rules.as_ref().filter(|r| r.fetched.elapsed() < self.ttl)?;
-        Some(match rules.robot.as_ref() {
+        Some(match rules.robot(agent, &url.origin()).as_ref() {
             None => Verdict::Allowed { crawl_delay: None },
             Some(robot) if robot.allowed(url.as_str()) => Verdict::Allowed {
                 crawl_delay: robot
@@ -115,12 +137,16 @@ impl RobotsCache {
         })
     }
 
-    /// Whether `url` may be fetched, reading the host's robots.txt first if it is not cached.
-    /// Concurrent checks on one host wait for a single fetch.
+    /// Whether `url` may be fetched by `fetcher`'s user agent (a bot's own, or the instance's),
+    /// reading the host's robots.txt first if it is not cached. Concurrent checks on one host
+    /// wait for a single fetch.
     pub(crate) async fn check(&self, fetcher: &HttpClient, url: &NormalizedUrl) -> Verdict {
         if !self.enabled {
             return Verdict::Allowed { crawl_delay: None };
         }
+        let agent = fetcher
+            .own_user_agent()
+            .map_or(self.agent.as_str(), product_token);
         let origin = url.origin();
         let slot = self
             .hosts
@@ -130,7 +156,11 @@ impl RobotsCache {
             .or_default()
             .clone();
         let fresh = |slot: &Origin| {
-            self.verdict(&slot.rules.read().unwrap_or_else(|p| p.into_inner()), url)
+            self.verdict(
+                &slot.rules.read().unwrap_or_else(|p| p.into_inner()),
+                agent,
+                url,
+            )
         };
         if let Some(verdict) = fresh(&slot) {
             return verdict;
@@ -140,15 +170,8 @@ impl RobotsCache {
         if let Some(verdict) = fresh(&slot) {
             return verdict;
         }
-        let robot = match fetcher.fetch_robots(&origin).await {
-            RobotsFetch::Found(body) => match Robot::new(&self.agent, &body) {
-                Ok(robot) => Some(Arc::new(robot)),
-                // Unparsable rules are no rules (as a 4xx), not a reason to stop crawling.
-                Err(e) => {
-                    tracing::warn!(%origin, error = %e, "robots.txt unparsable; treating it as empty");
-                    None
-                }
-            },
+        let body = match fetcher.fetch_robots(&origin).await {
+            RobotsFetch::Found(body) => Some(Arc::new(body)),
             RobotsFetch::Missing { .. } => None,
             RobotsFetch::Unavailable(reason) => {
                 return Verdict::Unavailable {
@@ -157,11 +180,12 @@ impl RobotsCache {
             }
         };
         let rules = Some(Rules {
-            robot,
+            body,
+            parsed: Default::default(),
             fetched: Instant::now(),
         });
         let verdict = self
-            .verdict(&rules, url)
+            .verdict(&rules, agent, url)
             .unwrap_or(Verdict::Allowed { crawl_delay: None });
         *slot.rules.write().unwrap_or_else(|p| p.into_inner()) = rules;
         verdict

@@ -64,7 +64,13 @@ pub(crate) async fn command(settings: Settings, request: Request) -> ExitCode {
         Some(seeds) => seeds,
         None => seeds_of(&settings, &bot).await,
     };
-    let headers = rules.headers.shown();
+    // What the requests carry besides the page's own: headers, user agent, cookies, proxy
+    // (each secret as `<from $NAME>`).
+    let mut headers = rules.headers.shown();
+    if let Some(agent) = &rules.http.user_agent {
+        headers.push(("User-Agent".into(), agent.clone()));
+    }
+    headers.extend(rules.http.shown());
     let Obtained { hops, page, source } =
         match obtain(&request, &settings.crawl, &rules, &url).await {
             Ok(obtained) => obtained,
@@ -146,7 +152,7 @@ async fn obtain(
         };
     }
     let fetcher = match HttpClient::new(&limits.user_agent, limits.timeout, limits.max_page_bytes) {
-        Ok(f) => f.with_headers(&rules.headers),
+        Ok(f) => f.for_bot(&rules.headers, &rules.http, &rules.links.scope),
         Err(e) => return Err(fail(EXIT_FAILED, e)),
     };
     let robots = RobotsCache::new(

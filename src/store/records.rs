@@ -92,11 +92,19 @@ pub struct Extracted {
     pub bot: BotId,
     pub natural_key: String,
     pub data: Document,
+    /// The page's canonical URL (`rel=canonical`, in scope) when it names another than the
+    /// fetched one: the record's `url`. `None`: the fetched URL.
+    pub url: Option<crate::urls::NormalizedUrl>,
 }
 
 impl Extracted {
     pub fn id(&self) -> String {
         record_id(self.bot.as_str(), &self.natural_key)
+    }
+
+    /// The record's `url`: its canonical one, else the fetched one.
+    fn url_of<'a>(&'a self, lease: &'a UrlLease) -> &'a str {
+        self.url.as_ref().unwrap_or(&lease.url).as_str()
     }
 }
 
@@ -207,7 +215,7 @@ fn new_record(record: &Extracted, lease: &UrlLease, hash: &str, now: DateTime<Ut
     let now = date(now);
     doc! {
         f::ID: record.id(), f::BOT: record.bot.as_str(), f::NATURAL_KEY: &record.natural_key,
-        f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: hash,
+        f::URL: record.url_of(lease), f::DATA: record.data.clone(), f::CONTENT_HASH: hash,
         f::FIRST_SEEN: now.clone(), f::LAST_CHANGED: now,
         f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null,
         f::FETCHED_AT: date(lease.leased_at), f::FETCHED_PASS: lease.pass,
@@ -235,7 +243,7 @@ fn swap_update(
     };
     if !changed && !removed {
         // Same content, by a retry: only `fetchedAt` moves on (see `plan`).
-        on_insert.insert(f::URL, lease.url.as_str());
+        on_insert.insert(f::URL, record.url_of(lease));
         on_insert.insert(f::DATA, record.data.clone());
         on_insert.insert(f::LAST_CHANGED, now_b);
         on_insert.insert(f::REMOVED_AT, Bson::Null);
@@ -246,7 +254,7 @@ fn swap_update(
     // A change, or a record back after a removal: `lastChanged` moves either way (an export
     // `--changed-since` must carry a record that came back).
     let set = doc! {
-        f::URL: lease.url.as_str(), f::DATA: record.data.clone(), f::CONTENT_HASH: hash,
+        f::URL: record.url_of(lease), f::DATA: record.data.clone(), f::CONTENT_HASH: hash,
         f::REMOVED_AT: Bson::Null, f::REMOVED_IN_PASS: Bson::Null, f::FETCHED_AT: fetched_at,
         f::FETCHED_PASS: lease.pass, f::LAST_CHANGED: now_b,
     };

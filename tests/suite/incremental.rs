@@ -818,6 +818,7 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
         bot: bot.clone(),
         natural_key: sku.clone(),
         data: doc! { "title": "stored before it went" },
+        url: None,
     };
     let half = store
         .records()

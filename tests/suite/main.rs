@@ -5,6 +5,7 @@
 mod kit;
 
 mod alerts;
+mod bot_http;
 mod branches;
 mod chaos;
 mod cli;

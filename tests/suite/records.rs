@@ -30,6 +30,7 @@ fn item(price: &str) -> Extracted {
         bot: bot(),
         natural_key: "SKU-1".into(),
         data: doc! { "title": "Lamp", "price": price },
+        url: None,
     }
 }
 
@@ -458,6 +459,7 @@ fn item_n(i: usize, price: &str) -> Extracted {
         bot: bot(),
         natural_key: format!("SKU-{i}"),
         data: doc! { "title": format!("Lamp {i}"), "price": price },
+        url: None,
     }
 }
 
