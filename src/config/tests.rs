@@ -65,7 +65,7 @@ fn the_shipped_configs_parse() {
         "/deploy/bots.toml"
     )))
     .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(bots.len(), 2);
+    assert_eq!(bots.len(), 3);
     // The README's configuration reference is a complete, valid config (with the variable
     // its secret header names set, as on an instance; nextest runs each test alone).
     std::env::set_var("SHOP_TOKEN", "t");
