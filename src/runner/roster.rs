@@ -64,6 +64,26 @@ enum Wanted {
         version: i64,
         error: String,
     },
+    /// A spec this version cannot read, written by a newer seedlock (`specBy`): keys added
+    /// since. Left to the newer instances of a rolling upgrade — not run here, not marked.
+    Newer {
+        version: i64,
+        by: String,
+        error: String,
+    },
+}
+
+/// Whether version `by` (`major.minor.patch`) is newer than this build's.
+fn is_newer(by: &str) -> bool {
+    let parse = |v: &str| -> Option<(u64, u64, u64)> {
+        let core = v.split(['-', '+']).next()?;
+        let mut parts = core.split('.').map(|p| p.parse::<u64>().ok());
+        Some((parts.next()??, parts.next()??, parts.next()??))
+    };
+    match (parse(by), parse(env!("CARGO_PKG_VERSION"))) {
+        (Some(by), Some(mine)) => by > mine,
+        _ => false,
+    }
 }
 
 /// What bot `id`'s document asks; a spec equal to the running one is not parsed again.
@@ -81,7 +101,10 @@ fn wanted(id: &BotId, raw: &Document, running: Option<&Running>) -> Option<Wante
                         settings: Box::new(settings),
                         marked_error: definition.spec_error.is_some(),
                     },
-                    Err(error) => Wanted::Bad { version, error },
+                    Err(error) => match definition.spec_by.filter(|by| is_newer(by)) {
+                        Some(by) => Wanted::Newer { version, by, error },
+                        None => Wanted::Bad { version, error },
+                    },
                 }
             }
         }
@@ -182,6 +205,9 @@ impl Roster<'_> {
                 Wanted::Bad { version, error } => {
                     self.plan_error(&mut round, id, version, &error).await;
                 }
+                Wanted::Newer { version, by, error } => {
+                    self.plan_leave(&mut round, id, version, &by, &error);
+                }
             }
         }
         self.plan_removals(&seen, &mut round);
@@ -236,6 +262,19 @@ impl Roster<'_> {
             .await
         {
             warn!(bot = %id, error = %e, "could not record the spec error");
+        }
+    }
+
+    /// Plans the stop of bot `id`'s runner, if any: its spec at `version` was written by
+    /// seedlock `by`, newer than this instance, with what this version cannot read (`error`).
+    /// Logged once per version; the bot is left to the newer instances, unmarked.
+    fn plan_leave(&mut self, round: &mut Round, id: BotId, version: i64, by: &str, error: &str) {
+        if let Some(old) = self.running.remove(&id) {
+            round.stopping.push(old);
+        }
+        if self.reported.get(&id) != Some(&version) {
+            warn!(bot = %id, spec_version = version, spec_by = by, %error, "the bot's spec was written by a newer seedlock; left to the newer instances");
+            self.reported.insert(id, version);
         }
     }
 

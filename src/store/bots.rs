@@ -818,7 +818,10 @@ impl Bots<'_> {
             .as_ref()
             .map_or(crate::ids::LockEpoch::ZERO, highest_epoch);
         let entry = history_entry(now, "spec", by, epoch, &reason);
-        let mut set = doc! { field::SPEC: spec.clone(), field::SPEC_ERROR: Bson::Null };
+        let mut set = doc! {
+            field::SPEC: spec.clone(), field::SPEC_ERROR: Bson::Null,
+            field::SPEC_BY: env!("CARGO_PKG_VERSION"),
+        };
         let result = match (&current, version) {
             (None, _) => self.create_with_spec(bot, set, by, now).await?,
             (Some(raw), None) => {
@@ -904,7 +907,7 @@ impl Bots<'_> {
                 .store
                 .bots
                 .find(doc! { field::SPEC: { "$exists": true } })
-                .projection(doc! { field::SPEC: 1, field::SPEC_VERSION: 1, field::SPEC_ERROR: 1 })
+                .projection(doc! { field::SPEC: 1, field::SPEC_VERSION: 1, field::SPEC_ERROR: 1, field::SPEC_BY: 1 })
                 .sort(doc! { field::ID: 1 })
                 .await?;
             cursor.try_collect().await

@@ -51,6 +51,8 @@ pub(crate) struct Definition {
     pub version: Option<i64>,
     /// `specError`: why the instances cannot run the spec.
     pub spec_error: Option<String>,
+    /// `specBy`: the seedlock version that wrote the spec.
+    pub spec_by: Option<String>,
     pub spec_updated_at: Option<DateTime<Utc>>,
     pub paused: bool,
     /// `crawlPass` (0: none yet).
@@ -74,6 +76,7 @@ pub(crate) fn definition(raw: &Document) -> Definition {
         spec,
         version,
         spec_error: raw.get_str(field::SPEC_ERROR).ok().map(str::to_owned),
+        spec_by: raw.get_str(field::SPEC_BY).ok().map(str::to_owned),
         spec_updated_at: raw
             .get_datetime(field::SPEC_UPDATED_AT)
             .ok()
@@ -158,6 +161,8 @@ pub(crate) mod field {
     pub(crate) const SPEC_UPDATED_AT: &str = "specUpdatedAt";
     /// Why the instances cannot run `spec` (the key named), until it is fixed.
     pub(crate) const SPEC_ERROR: &str = "specError";
+    /// The seedlock version whose `bots apply` wrote the spec.
+    pub(crate) const SPEC_BY: &str = "specBy";
     /// The spec the current pass started with: the pass ends on it whatever changes meanwhile.
     pub(crate) const CRAWL_PASS_SPEC: &str = "crawlPassSpec";
     pub(crate) const CRAWL_PASS_SPEC_VERSION: &str = "crawlPassSpecVersion";

@@ -501,6 +501,53 @@ async fn a_malformed_spec_puts_only_its_bot_in_error_naming_the_key_until_fixed(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spec_a_newer_version_wrote_with_keys_this_one_does_not_know_is_left_unmarked() {
+    let f = Fleet::start("fleetnewer", 1, 3, 0).await;
+    let (db, base) = (&f.db, &f.base);
+    let mut a = f.instance("na");
+    f.apply(&crawl_bot_toml(base)).await;
+    wait_for_pass_end(db, 1, Duration::from_secs(60)).await;
+    let applied = bot(db, "shop").await.unwrap();
+    assert_eq!(
+        applied.get_str("specBy").unwrap(),
+        env!("CARGO_PKG_VERSION"),
+        "an apply records the version that wrote the spec"
+    );
+    // A rolling upgrade: a newer seedlock applied a spec with a key this version lacks.
+    edit_spec(
+        db,
+        doc! {"spec.crawl.a_key_from_the_future": 5, "specBy": "999.0.0"},
+    )
+    .await;
+    eventually(
+        "the instance leaves the bot to newer ones",
+        Duration::from_secs(10),
+        || async { a.log().contains("left to the newer instances") },
+    )
+    .await;
+    let d = bot(db, "shop").await.unwrap();
+    assert!(
+        matches!(d.get("specError"), None | Some(Bson::Null)),
+        "not marked: {d:?}"
+    );
+    // The same spec written by this version: a bad spec, Error naming the key.
+    edit_spec(db, doc! {"specBy": env!("CARGO_PKG_VERSION")}).await;
+    eventually(
+        "Error naming the unknown key",
+        Duration::from_secs(10),
+        || async {
+            bot(db, "shop")
+                .await
+                .and_then(|d| d.get_str("specError").ok().map(str::to_owned))
+                .is_some_and(|e| e.contains("a_key_from_the_future"))
+        },
+    )
+    .await;
+    a.signal(Signal::SIGTERM);
+    a.expect_ok(Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn export_streams_every_record_as_json_lines_or_csv() {
     let f = Fleet::start("fleetexport", 1, 1, 0).await;
     let db = &f.db;
