@@ -1033,6 +1033,123 @@ async fn http_ceiling(base: &str, concurrency: usize) -> (u64, f64) {
     (fetched, fetched as f64 / started.elapsed().as_secs_f64())
 }
 
+/// A bot crawling the shop at `base` through its JSON API (`demo_site::api_rules_toml`), seeded
+/// with its first page.
+fn config_api(dir: &Path, uri: &str, database: &str, base: &str) -> PathBuf {
+    let rules = seedlock::demo_site::api_rules_toml(&[base.trim_start_matches("http://")]);
+    let text = format!(
+        r#"
+[mongo]
+uri = "{uri}"
+database = "{database}"
+[lock]
+ttl = "5s"
+poll = "200ms"
+[crawl]
+timeout = "5s"
+[http]
+listen = "off"
+[log]
+level = "info"
+[[bots]]
+id = "shop"
+seeds = ["{base}/api/products?page=1"]
+refresh = "1h"
+{rules}[bots.crawl.incremental]
+mode = "fingerprint"
+"#
+    );
+    let path = dir.join(format!("{database}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The same catalogue of 5,000 products crawled as HTML pages and as the JSON API (one
+/// instance, a full pass each, interleaved RUNS times): pages/s, medians and their ratio. A JSON
+/// run's records are checked against the shop (natural keys, and the price as a number).
+async fn json_vs_html(uri: &str, runs: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    println!("## JSON API against HTML: 5,000 products, one instance, a full pass");
+    println!();
+    println!("Runs interleaved; medians of {runs}. Pages: listing pages and detail pages (100 listing pages of 50, then 5,000 products, either way).");
+    println!();
+    println!("| format | run | pages | pass (s) | pages/s | correct |");
+    println!("|---|---|---|---|---|---|");
+    let mut rates: HashMap<&str, Vec<f64>> = HashMap::new();
+    for run in 1..=runs {
+        for format in ["html", "json"] {
+            let shop = Shop::start(100, 50).await;
+            let db = fresh_db(uri, "jsonbench").await;
+            let config = if format == "html" {
+                config(
+                    dir.path(),
+                    uri,
+                    db.name(),
+                    &shop.base,
+                    &Run {
+                        crawl: "",
+                        mode: "fingerprint",
+                    },
+                )
+            } else {
+                config_api(dir.path(), uri, db.name(), &shop.base)
+            };
+            let c = crawl_measured(&config, &db, 1).await;
+            let stats = shop.stats().await;
+            let truth = shop.truth().await;
+            let (pages, correct) = if format == "html" {
+                let (_, _, correct) = judge_records(&db, &truth).await;
+                (
+                    under(&stats, "/list/") + under(&stats, "/product/"),
+                    correct,
+                )
+            } else {
+                let mut correct = 0;
+                for r in docs(&db, "records", doc! {}).await {
+                    let key = r.get_str("naturalKey").unwrap_or_default();
+                    let data = r.get_document("data").cloned().unwrap_or_default();
+                    let price = data.get_f64("price").unwrap_or(f64::NAN);
+                    let expected = truth.get(key).map(|(title, price, status)| {
+                        (
+                            title.clone(),
+                            price.trim_start_matches('$').parse::<f64>().ok(),
+                            status.clone(),
+                        )
+                    });
+                    let got = (
+                        data.get_str("title").unwrap_or_default().to_owned(),
+                        Some(price),
+                        data.get_str("status").unwrap_or_default().to_owned(),
+                    );
+                    if expected == Some(got) {
+                        correct += 1;
+                    }
+                }
+                (under(&stats, "/api/product"), correct)
+            };
+            let rate = pages as f64 / c.pass.as_secs_f64();
+            rates.entry(format).or_default().push(rate);
+            println!(
+                "| {format} | {run} | {pages} | {:.3} | {rate:.0} | {correct}/{} |",
+                c.pass.as_secs_f64(),
+                truth.len()
+            );
+            let _ = db.drop().await;
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2]
+    };
+    let html = median(rates.get_mut("html").unwrap());
+    let json = median(rates.get_mut("json").unwrap());
+    println!();
+    println!(
+        "Medians: HTML **{html:.0}** pages/s, JSON **{json:.0}** pages/s; JSON / HTML = **{:.2}**.",
+        json / html
+    );
+}
+
 async fn throughput(uri: &str) {
     let dir = tempfile::tempdir().unwrap();
     println!("## Throughput: one full pass (`run --once`, default `[crawl]` unless the row says otherwise)");
@@ -1942,6 +2059,7 @@ async fn main() {
         Some("network") => network(&uri, number(1, 3) as usize).await,
         Some("kill-new-ids") => kill_new_ids(&uri, number(1, 3) as usize).await,
         Some("throughput") => throughput(&uri).await,
+        Some("json") => json_vs_html(&uri, number(1, 3) as usize).await,
         Some("ceilings") => ceilings(&uri).await,
         Some("indexes") => indexes(&uri).await,
         Some("incremental") => {
@@ -1965,7 +2083,7 @@ async fn main() {
         Some("export") => export(&uri, number(1, 1_000_000)).await,
         _ => {
             eprintln!(
-                "usage: crawl_bench kill [RUNS] | kill-new-ids [RUNS] | network [RUNS] | throughput | ceilings | indexes | incremental [ITEMS [CHANGED ADDED DELETED]] | deletion | head-of-line | throttling | memory [URLS] | export [RECORDS]"
+                "usage: crawl_bench kill [RUNS] | kill-new-ids [RUNS] | network [RUNS] | throughput | json [RUNS] | ceilings | indexes | incremental [ITEMS [CHANGED ADDED DELETED]] | deletion | head-of-line | throttling | memory [URLS] | export [RECORDS]"
             );
             std::process::exit(2);
         }
