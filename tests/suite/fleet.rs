@@ -168,6 +168,69 @@ async fn two_instances_without_bots_crawl_a_bot_applied_to_the_database_exactly(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bot_applied_with_selector_lists_and_tables_runs_from_its_stored_spec() {
+    let f = Fleet::start("fleettables", 2, 5, 0).await;
+    let (db, base) = (&f.db, &f.base);
+    let mut a = f.instance("ta");
+    // HTML listings, the record from the product pages' JSON-LD: list- and table-valued keys,
+    // stored in the spec as BSON arrays and documents and read back by the instance.
+    let host = base.trim_start_matches("http://");
+    let toml = format!(
+        r#"[[bots]]
+id = "shop"
+seeds = {{ url = "{base}/seeds.txt", format = "lines" }}
+refresh = "1h"
+[bots.crawl]
+scope = ["{host}"]
+follow = ["a[href]", "$.next"]
+[bots.crawl.list]
+item = [".item", "$.products[*]"]
+item_id = ["@data-id", "$.id"]
+item_link = {{ css = "a@href" }}
+fingerprint = [".price", {{ css = ".status" }}, "$.price.amount"]
+[bots.crawl.record]
+match = "/product/"
+natural_key = {{ jsonld = "Product", path = "$.sku" }}
+[bots.crawl.record.fields]
+title = {{ jsonld = "Product", path = "$.name", required = true }}
+price = {{ css = ".price", type = "number" }}
+status = ".status"
+"#
+    );
+    assert_eq!(f.apply(&toml).await.trim(), "shop: created");
+    let spec = bot(db, "shop").await.unwrap();
+    let stored = spec
+        .get_document("spec")
+        .unwrap()
+        .get_document("crawl")
+        .unwrap();
+    assert!(stored.get_array("follow").is_ok(), "{stored:?}");
+    wait_for_pass_end(db, 1, Duration::from_secs(60)).await;
+    let d = bot(db, "shop").await.unwrap();
+    assert!(
+        matches!(d.get("specError"), None | Some(Bson::Null)),
+        "{d:?}"
+    );
+    let truth = truth(base).await;
+    let records = records(db).await;
+    assert_eq!(records.len(), truth.len());
+    for r in &records {
+        let key = r.get_str("naturalKey").unwrap();
+        let data = r.get_document("data").unwrap();
+        let (title, price, status) = &truth[key];
+        assert_eq!(data.get_str("title").unwrap(), title);
+        assert_eq!(
+            data.get_f64("price").unwrap(),
+            price.trim_start_matches('$').parse::<f64>().unwrap()
+        );
+        assert_eq!(data.get_str("status").unwrap(), status);
+    }
+    assert_eq!(f.apply(&toml).await.trim(), "shop: unchanged");
+    a.signal(Signal::SIGTERM);
+    a.expect_ok(Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bots_apply_validates_everything_first_and_dry_run_and_prune_say_what_they_do() {
     let f = Fleet::start("fleetvalid", 1, 1, 0).await;
     let (db, dir) = (&f.db, f.dir.path());
