@@ -405,7 +405,13 @@ impl HttpClient {
             user_agent,
             ..self.clone()
         };
-        out.jar = Some(std::sync::Arc::new(PassJar::new(&http.cookies, hosts)));
+        // A bot that sends a `Cookie` header of its own keeps no jar: one `Cookie` header a
+        // request (RFC 6265 §5.4), and it is the bot's.
+        let own_cookie = headers
+            .entries
+            .iter()
+            .any(|e| e.name == reqwest::header::COOKIE);
+        out.jar = (!own_cookie).then(|| std::sync::Arc::new(PassJar::new(&http.cookies, hosts)));
         if http.own_client() {
             let proxy = http.proxy.as_ref().map(|p| p.value.as_str());
             let agent = http.user_agent.as_deref().unwrap_or(&self.agent);
