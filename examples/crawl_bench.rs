@@ -114,7 +114,15 @@ fn config_with(
         .iter()
         .map(|b| b.trim_start_matches("http://"))
         .collect();
-    let rules = seedlock::demo_site::crawl_rules_toml(&scope, ".sku");
+    let mut rules = seedlock::demo_site::crawl_rules_toml(&scope, ".sku");
+    // BENCH_IDENTITY=1: pages uncompressed (the shop compresses what a client asks for).
+    if std::env::var("BENCH_IDENTITY").is_ok_and(|v| v == "1") {
+        rules = rules.replacen(
+            "[bots.crawl]\n",
+            "[bots.crawl]\nheaders = { Accept-Encoding = \"identity\" }\n",
+            1,
+        );
+    }
     let text = format!(
         r#"
 [mongo]
