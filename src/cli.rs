@@ -215,8 +215,14 @@ fn init_tracing(format: LogFormat, level: &str) {
         .filter(|v| EnvFilter::try_new(v).is_ok())
         .unwrap_or_else(|| level.to_owned());
     use std::io::IsTerminal;
+    // Cookie values are secrets: the cookie jar's library logs each cookie it stores at
+    // `debug`, so its records never pass, whatever the filter asks.
+    let mut filter = EnvFilter::new(&spec);
+    if let Ok(silenced) = "cookie_store=off".parse() {
+        filter = filter.add_directive(silenced);
+    }
     let builder = tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::new(&spec))
+        .with_env_filter(filter)
         .with_writer(crate::ops::progress::log_writer)
         .with_ansi(std::io::stderr().is_terminal());
     let initialized = match format {

@@ -146,9 +146,19 @@ async fn request_headers_reach_the_site_and_a_secret_one_is_printed_nowhere() {
     let shop = Shop::start(1, 4).await;
     let dir = tempfile::tempdir().unwrap();
     let secret = format!("tok-{:016x}", rand::random::<u64>());
-    let env = [("SHOP_TOKEN", secret.as_str())];
-    let headers =
-        "headers = { \"Accept-Language\" = \"de-CH\", X-Shop-Token = { env = \"SHOP_TOKEN\" } }";
+    // A cookie and a proxy's password from the environment are secrets too; the proxy (a relay
+    // to the shop) carries every request.
+    let cookie = format!("cookie-{:016x}", rand::random::<u64>());
+    let password = format!("pw{:016x}", rand::random::<u64>());
+    let relay =
+        crate::kit::delay::Delay::start(shop.base.trim_start_matches("http://"), Duration::ZERO);
+    let proxy = format!("http://user:{password}@{}", relay.addr);
+    let env = [
+        ("SHOP_TOKEN", secret.as_str()),
+        ("SHOP_COOKIE", cookie.as_str()),
+        ("SHOP_PROXY", proxy.as_str()),
+    ];
+    let headers = "headers = { \"Accept-Language\" = \"de-CH\", X-Shop-Token = { env = \"SHOP_TOKEN\" } }\ncookies = { session = { env = \"SHOP_COOKIE\" } }\nproxy = { env = \"SHOP_PROXY\" }";
     let bot = shop_bot(&shop.base, ".sku", headers);
     let config = ProcConfig::new(&db, bot.clone()).write(dir.path());
     // A crawl logging everything (trace), then a daemon serving its status page and metrics.
@@ -157,7 +167,7 @@ async fn request_headers_reach_the_site_and_a_secret_one_is_printed_nowhere() {
         &config,
         "i1",
         &["run", "--once"],
-        &[("SHOP_TOKEN", &secret), ("SEEDLOCK_LOG", "trace")],
+        &[env[0], env[1], env[2], ("SEEDLOCK_LOG", "trace")],
     );
     run.expect_ok(Duration::from_secs(60)).await;
     let received: serde_json::Value = reqwest::get(format!("{}/__headers", shop.base))
@@ -168,6 +178,10 @@ async fn request_headers_reach_the_site_and_a_secret_one_is_printed_nowhere() {
         .unwrap();
     assert_eq!(received["x-shop-token"], serde_json::json!([secret]));
     assert_eq!(received["accept-language"], serde_json::json!(["de-CH"]));
+    assert_eq!(
+        received["cookie"],
+        serde_json::json!([format!("session={cookie}")])
+    );
     let mut shown = run.out() + &run.log();
     let mut daemon = Proc::spawn(
         dir.path(),
@@ -175,7 +189,9 @@ async fn request_headers_reach_the_site_and_a_secret_one_is_printed_nowhere() {
         "i2",
         &["run"],
         &[
-            ("SHOP_TOKEN", &secret),
+            env[0],
+            env[1],
+            env[2],
             ("SEEDLOCK_LOG", "trace"),
             ("SEEDLOCK_HTTP_LISTEN", "127.0.0.1:0"),
         ],
@@ -196,8 +212,10 @@ async fn request_headers_reach_the_site_and_a_secret_one_is_printed_nowhere() {
     let page = format!("{}/list/1", shop.base);
     shown.push_str(&everything_shown(&config, &db, &page, &env).await);
     assert!(
-        shown.contains("x-shop-token: <from $SHOP_TOKEN>"),
-        "try names the header"
+        shown.contains("x-shop-token: <from $SHOP_TOKEN>")
+            && shown.contains("cookie session: <from $SHOP_COOKIE>")
+            && shown.contains("proxy: <from $SHOP_PROXY>"),
+        "try names the header, the cookie and the proxy"
     );
     // The same bot kept in the database, tried from an instance whose config has no [[bots]].
     let file = dir.path().join("bots.toml");
@@ -213,10 +231,15 @@ async fn request_headers_reach_the_site_and_a_secret_one_is_printed_nowhere() {
         shown.push_str(&text(&out.stderr));
     }
     shown.push_str(&everything_shown(&no_bots, &db, &page, &env).await);
-    assert!(
-        !shown.contains(&secret),
-        "the secret header's value was printed or stored"
-    );
+    for value in [&secret, &cookie, &password] {
+        let at = shown.find(value.as_str());
+        assert!(
+            at.is_none(),
+            "a secret was printed or stored: …{}…",
+            at.map_or("", |i| &shown
+                [i.saturating_sub(300)..(i + 60).min(shown.len())])
+        );
+    }
     // A missing variable stops start-up naming the key, and says nothing of any value.
     let out = seedlock(&config, &["run", "--once"], &[]).await;
     assert_eq!(out.status.code(), Some(2));
