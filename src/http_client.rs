@@ -1,7 +1,8 @@
 //! Fetching one page for the crawl, with every way it can go wrong turned into a closed set of
-//! outcomes for the caller to route: a page, `304`, a skip (neither HTML nor JSON), a throttle (`429`/`503`
-//! with `Retry-After`), a timeout, a permanent failure (a 4xx, a body over the cap, a redirect
-//! chain over the limit), a gone page (`404`/`410`), or a transient failure.
+//! outcomes for the caller to route: a page (HTML or JSON, decoded), `304`, a skip (neither HTML
+//! nor JSON), a throttle (`429`/`503` with `Retry-After`), a timeout, a permanent failure (a 4xx,
+//! a body over the cap, a redirect chain over the limit), a gone page (`404`/`410`), or a
+//! transient failure. A bot's client adds its user agent, its cookie jar and its proxy.
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! The parse stage: a fetched page's HTML or JSON is read on the blocking pool, off the
-//! runtime's workers (CSS selectors with `scraper`, JSONPath; see `extract`). Everything else a fetch can come to
-//! passes through unchanged ([`Parser::step`]).
+//! runtime's workers (CSS selectors with `scraper`, JSONPath; see `extract`). Everything else
+//! a fetch can come to passes through unchanged ([`Parser::step`]).
 
 use std::sync::Arc;
 
