@@ -181,90 +181,30 @@ pub(crate) fn examine(
     let listing = kind != Kind::Detail;
     let list = rules.list.as_ref().filter(|_| listing);
     let record = rules.record.as_ref().filter(|_| !listing);
-    if format == BodyFormat::Json {
-        return examine_json(bot, rules, kind, page_url, body, list, record);
-    }
-    let html = body;
     // What the crawl takes: its own extraction.
-    let data = extract(page_url, html, format, &rules.links, list, record);
-    let document = Html::parse_document(html);
-    let root = document.root_element();
+    let data = extract(page_url, body, format, &rules.links, list, record);
     let mut unmatched = Unmatches::default();
-    let links = refused_links(&rules.links, page_url, root, &mut unmatched);
-    let items = list.map_or_else(Vec::new, |l| list_items(l, root, &data, &mut unmatched));
-    let record = match (record, data.record) {
-        (Some(r), Some(Ok((natural_key, fields)))) => Ok(Some(record_view(
-            bot,
-            r,
-            natural_key,
-            &fields,
-            &mut unmatched,
-        ))),
-        (Some(r), Some(Err(why))) => {
-            unmatched.nothing(
-                "crawl.record.natural_key",
-                &r.natural_key
-                    .html
-                    .as_ref()
-                    .map_or_else(String::new, HtmlRead::describe),
-                "matched nothing on the page: no record".into(),
-            );
-            Err(why)
+    // Beside it, what only an HTML page can say: the links refused, and each selector that
+    // matched nothing.
+    let (items, refused) = match format {
+        BodyFormat::Json => (json_items(list, &data), RefusedLinks::default()),
+        BodyFormat::Html => {
+            let document = Html::parse_document(body);
+            let root = document.root_element();
+            let links = refused_links(&rules.links, page_url, root, &mut unmatched);
+            let items = list.map_or_else(Vec::new, |l| list_items(l, root, &data, &mut unmatched));
+            if let Some(key) = record.and_then(|r| r.natural_key.html.as_ref()) {
+                if matches!(key.text(root), Ok(None)) {
+                    unmatched.nothing(
+                        "crawl.record.natural_key",
+                        &key.describe(),
+                        "matched nothing on the page: no record".into(),
+                    );
+                }
+            }
+            (items, links)
         }
-        (Some(_), None) => Err("the page matched no record rule".into()),
-        (None, _) => Ok(None),
     };
-    let follows: Vec<String> = data.links.iter().map(ToString::to_string).collect();
-    let (ok, verdict) = verdict(kind, list.is_some(), &items, &follows, &record);
-    Examined {
-        kind,
-        items,
-        follows,
-        refused: links.refused,
-        refused_more: links.more,
-        over_max_links: data.dropped,
-        no_record: record.as_ref().err().cloned(),
-        record: record.ok().flatten(),
-        unmatched: unmatched.0,
-        ok,
-        verdict,
-    }
-}
-
-/// A JSON page as the crawl reads it: its items (each fingerprint value beside its JSONPath),
-/// links and record; a page no JSONPath rule matches says so as its `no_record`.
-fn examine_json(
-    bot: &str,
-    rules: &CrawlSettings,
-    kind: Kind,
-    page_url: &Url,
-    body: &str,
-    list: Option<&crate::extract::ListRules>,
-    record: Option<&crate::extract::RecordRules>,
-) -> Examined {
-    let data = extract(page_url, body, BodyFormat::Json, &rules.links, list, record);
-    let mut unmatched = Unmatches::default();
-    let items: Vec<ItemView> = data
-        .items
-        .iter()
-        .map(|item| ItemView {
-            id: item.id.clone(),
-            link: item.url.as_ref().map(ToString::to_string),
-            fingerprint_fields: list
-                .map(|l| l.fingerprint_json.as_slice())
-                .unwrap_or_default()
-                .iter()
-                .zip(item.fingerprint.split('\u{1f}'))
-                .map(|(rule, value)| FingerprintField {
-                    spec: rule.as_str().to_owned(),
-                    value: value.to_owned(),
-                })
-                .collect(),
-            fingerprint: format!("{:016x}", fingerprint_hash(&item.fingerprint)),
-            updated_at: item.updated_at.map(|t| t.to_rfc3339()),
-            updated_at_parsed: item.updated_at.map(|t| t.to_rfc3339()),
-        })
-        .collect();
     let record = match (record, data.record) {
         (Some(r), Some(Ok((natural_key, fields)))) => Ok(Some(record_view(
             bot,
@@ -273,6 +213,8 @@ fn examine_json(
             &fields,
             &mut unmatched,
         ))),
+        // The page fails as the crawl would fail it: no record, broken embedded JSON, a JSON
+        // page no rule reads.
         (_, Some(Err(why))) => Err(why),
         (Some(_), None) => Err("the page matched no record rule".into()),
         (None, _) => Ok(None),
@@ -286,8 +228,8 @@ fn examine_json(
         kind,
         items,
         follows,
-        refused: Vec::new(),
-        refused_more: 0,
+        refused: refused.refused,
+        refused_more: refused.more,
         over_max_links: data.dropped,
         no_record: record.as_ref().err().cloned(),
         record: record.ok().flatten(),
@@ -295,6 +237,32 @@ fn examine_json(
         ok,
         verdict,
     }
+}
+
+/// A JSON page's items as the crawl keeps them, each fingerprint value beside its JSONPath.
+fn json_items(
+    list: Option<&crate::extract::ListRules>,
+    data: &crate::extract::PageData,
+) -> Vec<ItemView> {
+    let rules = list.map_or(&[][..], |l| l.fingerprint_json.as_slice());
+    data.items
+        .iter()
+        .map(|item| ItemView {
+            id: item.id.clone(),
+            link: item.url.as_ref().map(ToString::to_string),
+            fingerprint_fields: rules
+                .iter()
+                .zip(item.fingerprint.split('\u{1f}'))
+                .map(|(rule, value)| FingerprintField {
+                    spec: rule.as_str().to_owned(),
+                    value: value.to_owned(),
+                })
+                .collect(),
+            fingerprint: format!("{:016x}", fingerprint_hash(&item.fingerprint)),
+            updated_at: item.updated_at.map(|t| t.to_rfc3339()),
+            updated_at_parsed: item.updated_at.map(|t| t.to_rfc3339()),
+        })
+        .collect()
 }
 
 /// The selectors that matched nothing, each with its config key and what it missed.
@@ -312,6 +280,7 @@ impl Unmatches {
 }
 
 /// The links a page's follow selector matched that the crawl does not follow.
+#[derive(Default)]
 struct RefusedLinks {
     /// At most [`MAX_REFUSED_SHOWN`], with why.
     refused: Vec<Refused>,

@@ -483,3 +483,34 @@ async fn a_json_api_page_shows_its_items_and_record_read_with_jsonpath() {
     assert_eq!(report["record"]["natural_key"], sku);
     assert_eq!(report["record"]["fields"]["title"], expected[0]["title"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_product_page_without_a_required_field_fails_naming_the_field_not_the_key() {
+    let shop = Shop::start(1, 3).await;
+    let base = &shop.base;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), base, ".sku", "", "");
+    let strict = std::fs::read_to_string(&cfg).unwrap().replacen(
+        "fields = { title = \"h1\", price = \".price\", status = \".status\" }",
+        "fields = { title = \"h1\", gtin = { jsonld = \"Product\", path = \"$.gtin13\", required = true } }",
+        1,
+    );
+    std::fs::write(&cfg, strict).unwrap();
+    let sku = products(base).await[0]["sku"].as_str().unwrap().to_owned();
+    let out = seedlock(
+        &cfg,
+        &["try", "shop", &format!("{base}/product/{sku}"), "--json"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        report["no_record"],
+        "record.fields.gtin: required, and nothing on the page matched"
+    );
+    assert_eq!(
+        report["unmatched"],
+        serde_json::json!([]),
+        "the natural key matched: no line blames it"
+    );
+}
