@@ -123,6 +123,23 @@ fn config_with(
             1,
         );
     }
+    let seeds = format!("{{ url = \"{seeds}\", format = \"lines\" }}");
+    write_config(dir, uri, database, &seeds, &rules, crawl, mode, listen)
+}
+
+/// The config file of a bot "shop" with `seeds` (a TOML value) and `rules` (its
+/// `[bots.crawl]` tables); `crawl` holds extra `[crawl]` lines, `listen` the `[http]` address.
+#[allow(clippy::too_many_arguments)]
+fn write_config(
+    dir: &Path,
+    uri: &str,
+    database: &str,
+    seeds: &str,
+    rules: &str,
+    crawl: &str,
+    mode: &str,
+    listen: &str,
+) -> PathBuf {
     let text = format!(
         r#"
 [mongo]
@@ -140,7 +157,7 @@ listen = "{listen}"
 level = "info"
 [[bots]]
 id = "shop"
-seeds = {{ url = "{seeds}", format = "lines" }}
+seeds = {seeds}
 refresh = "1h"
 {rules}[bots.crawl.incremental]
 mode = "{mode}"
@@ -149,6 +166,12 @@ mode = "{mode}"
     let path = dir.join(format!("{database}.toml"));
     std::fs::write(&path, text).unwrap();
     path
+}
+
+/// The middle of `values` (the upper one of an even count).
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
 
 fn seedlock(config: &Path, instance: &str, args: &[&str]) -> Child {
@@ -1045,31 +1068,8 @@ async fn http_ceiling(base: &str, concurrency: usize) -> (u64, f64) {
 /// with its first page.
 fn config_api(dir: &Path, uri: &str, database: &str, base: &str) -> PathBuf {
     let rules = seedlock::demo_site::api_rules_toml(&[base.trim_start_matches("http://")]);
-    let text = format!(
-        r#"
-[mongo]
-uri = "{uri}"
-database = "{database}"
-[lock]
-ttl = "5s"
-poll = "200ms"
-[crawl]
-timeout = "5s"
-[http]
-listen = "off"
-[log]
-level = "info"
-[[bots]]
-id = "shop"
-seeds = ["{base}/api/products?page=1"]
-refresh = "1h"
-{rules}[bots.crawl.incremental]
-mode = "fingerprint"
-"#
-    );
-    let path = dir.join(format!("{database}.toml"));
-    std::fs::write(&path, text).unwrap();
-    path
+    let seeds = format!("[\"{base}/api/products?page=1\"]");
+    write_config(dir, uri, database, &seeds, &rules, "", "fingerprint", "off")
 }
 
 /// The same catalogue of 5,000 products crawled as HTML pages and as the JSON API (one
@@ -1145,10 +1145,6 @@ async fn json_vs_html(uri: &str, runs: usize) {
             let _ = db.drop().await;
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        v[v.len() / 2]
-    };
     let html = median(rates.get_mut("html").unwrap());
     let json = median(rates.get_mut("json").unwrap());
     println!();
@@ -1256,10 +1252,6 @@ async fn network(uri: &str, runs: usize) {
             let _ = db.drop().await;
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let base = median(rates.get_mut(&rtts[0]).unwrap());
     println!();
     println!("| RTT (ms) | median pages/s | share of 0 ms |");

@@ -59,31 +59,28 @@ impl ValueSpec {
             Some(selector) => scope.select(selector).next()?,
             None => scope,
         };
+        self.value_of(element)
+    }
+
+    /// Every value inside `scope` (each match of the selector), empty ones left out.
+    pub(crate) fn read_all(&self, scope: ElementRef<'_>) -> Vec<String> {
+        match &self.selector {
+            Some(selector) => scope
+                .select(selector)
+                .filter_map(|e| self.value_of(e))
+                .collect(),
+            None => self.value_of(scope).into_iter().collect(),
+        }
+    }
+
+    /// One matched element's value: its attribute or its text, white space collapsed.
+    fn value_of(&self, element: ElementRef<'_>) -> Option<String> {
         let value = match &self.attr {
             Some(attr) => element.value().attr(attr)?.to_owned(),
             None => element.text().collect::<String>(),
         };
         let value = collapse_whitespace(&value);
         (!value.is_empty()).then_some(value)
-    }
-
-    /// Every value inside `scope` (each match of the selector), empty ones left out.
-    pub(crate) fn read_all(&self, scope: ElementRef<'_>) -> Vec<String> {
-        let elements: Vec<ElementRef<'_>> = match &self.selector {
-            Some(selector) => scope.select(selector).collect(),
-            None => vec![scope],
-        };
-        elements
-            .into_iter()
-            .filter_map(|element| {
-                let value = match &self.attr {
-                    Some(attr) => element.value().attr(attr)?.to_owned(),
-                    None => element.text().collect::<String>(),
-                };
-                let value = collapse_whitespace(&value);
-                (!value.is_empty()).then_some(value)
-            })
-            .collect()
     }
 }
 

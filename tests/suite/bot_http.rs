@@ -10,7 +10,6 @@ use std::time::Duration;
 use bson::doc;
 use kit::crawl::*;
 use kit::test_db;
-use seedlock::urls::NormalizedUrl;
 
 /// The shop's HTML rules for `scope`, with `extra` lines in `[bots.crawl]`.
 fn rules_with(scope: &str, extra: &str) -> String {
@@ -18,14 +17,6 @@ fn rules_with(scope: &str, extra: &str) -> String {
         "[bots.crawl]\n",
         &format!("[bots.crawl]\n{extra}\n"),
         1,
-    )
-}
-
-fn seeds(urls: &[String]) -> seedlock::config::SeedSource {
-    seedlock::config::SeedSource::Static(
-        urls.iter()
-            .map(|u| NormalizedUrl::parse(u).unwrap())
-            .collect(),
     )
 }
 
@@ -53,7 +44,7 @@ async fn a_cookie_a_page_sets_is_sent_back_and_configured_cookies_are_sent_but_n
         ..Setup::default()
     };
     let mut s = settings(&db, &base, &setup, "a");
-    s.bots[0].seeds = seeds(&[format!("{base}/members")]);
+    s.bots[0].seeds = static_seeds(&[format!("{base}/members")]);
     assert!(
         !format!("{s:?}").contains("s3cr3t-value"),
         "the settings never show the cookie's value"
@@ -137,7 +128,7 @@ async fn every_request_of_a_bot_with_a_proxy_goes_through_it() {
         ..Setup::default()
     };
     let mut s = settings(&db, &base, &setup, "a");
-    s.bots[0].seeds = seeds(&[format!("http://{unreachable}/list/1")]);
+    s.bots[0].seeds = static_seeds(&[format!("http://{unreachable}/list/1")]);
     once(s).await;
     let truth = truth(&base).await;
     assert_eq!(live_records(&db).await, truth);
@@ -165,7 +156,7 @@ async fn a_page_whose_canonical_url_is_another_stores_its_record_under_that_url(
         ..Setup::default()
     };
     let mut s = settings(&db, &base, &setup, "a");
-    s.bots[0].seeds = seeds(&[
+    s.bots[0].seeds = static_seeds(&[
         format!("{base}/product/{sku}/red"),
         format!("{base}/product/{sku}/blue"),
     ]);

@@ -330,18 +330,6 @@ async fn a_record_marked_removed_that_a_listing_page_shows_again_is_restored() {
     assert_eq!(live_records(&db).await, truth(&base).await);
 }
 
-/// The SKUs a `/__mutate` report lists under `name`.
-fn skus(report: &Value, name: &str) -> Vec<String> {
-    let mut out: Vec<String> = report[name]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s.as_str().unwrap().to_owned())
-        .collect();
-    out.sort();
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_pass_writes_only_what_changed_however_the_pagination_shifted() {
     // Five items added at the top of the shop shift every later item onto another page: every

@@ -120,10 +120,7 @@ async fn non_html_seeds_are_skipped() {
     let db = test_db("crawl_non_html").await;
     let base = shop(1, 3).await;
     let mut s = settings(&db, &base, &Setup::default(), "a");
-    s.bots[0].seeds = seedlock::config::SeedSource::Static(vec![
-        seedlock::urls::NormalizedUrl::parse(&format!("{base}/sitemap.xml")).unwrap(),
-        seedlock::urls::NormalizedUrl::parse(&format!("{base}/list/1")).unwrap(),
-    ]);
+    s.bots[0].seeds = static_seeds(&[format!("{base}/sitemap.xml"), format!("{base}/list/1")]);
     once(s).await;
     let sitemap = frontier(
         &db,

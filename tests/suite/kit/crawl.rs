@@ -33,6 +33,27 @@ pub async fn post(url: &str, body: Value) -> Value {
         .unwrap()
 }
 
+/// Seeds given as a list of URLs (no seed source).
+pub fn static_seeds(urls: &[String]) -> seedlock::config::SeedSource {
+    seedlock::config::SeedSource::Static(
+        urls.iter()
+            .map(|u| seedlock::urls::NormalizedUrl::parse(u).unwrap())
+            .collect(),
+    )
+}
+
+/// The SKUs a `/__mutate` report lists under `name`, sorted.
+pub fn skus(report: &Value, name: &str) -> Vec<String> {
+    let mut out: Vec<String> = report[name]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_owned())
+        .collect();
+    out.sort();
+    out
+}
+
 pub async fn get_json(url: &str) -> Value {
     reqwest::get(url).await.unwrap().json().await.unwrap()
 }
