@@ -161,6 +161,9 @@ pub enum Command {
         /// SKUs are PREFIX-0000001…: give shops on different ports different prefixes.
         #[arg(long, default_value = "SKU", value_parser = sku_prefix)]
         sku_prefix: String,
+        /// Product URLs per file of the gzipped sitemaps (/sitemaps/index.xml.gz).
+        #[arg(long, default_value_t = 50_000, value_parser = clap::value_parser!(u32).range(1..=50_000))]
+        sitemap_urls: u32,
     },
 }
 
@@ -177,6 +180,7 @@ pub fn main(cli: Cli) -> ExitCode {
         per_list,
         seed,
         sku_prefix,
+        sitemap_urls,
     } = &cli.command
     {
         init_tracing(LogFormat::Text, "info");
@@ -185,6 +189,7 @@ pub fn main(cli: Cli) -> ExitCode {
             per_list: *per_list,
             seed: *seed,
             sku_prefix: sku_prefix.clone(),
+            sitemap_urls: *sitemap_urls,
         };
         return demo_site(addr, options);
     }

@@ -11,13 +11,16 @@ use chrono::{DateTime, Utc};
 pub use crate::extract::BodyFormat;
 use crate::urls::NormalizedUrl;
 
-/// A fetched HTML or JSON page. Invalid UTF-8 is read lossily.
+/// A fetched HTML or JSON page (invalid UTF-8 is read lossily), or a sitemap file.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Page {
     pub url: NormalizedUrl,
     /// From the `Content-Type` (HTML when there is none).
     pub format: BodyFormat,
+    /// An HTML or JSON page's body (empty for a sitemap: it is read as it arrives).
     pub body: String,
+    /// A sitemap file, read as a stream while its body arrived (never held whole).
+    pub sitemap: Option<Box<crate::extract::sitemap::Sitemap>>,
     pub etag: Option<String>,
     pub last_modified: Option<String>,
 }
@@ -546,10 +549,15 @@ impl HttpClient {
             .unwrap_or("")
             .trim()
             .to_ascii_lowercase();
-        let Some(format) = BodyFormat::of_content_type(&essence) else {
-            return FetchOutcome::Skipped {
-                reason: format!("neither HTML nor JSON ({essence})"),
-            };
+        let gz_file = essence == "application/octet-stream" && url.as_str().ends_with(".gz");
+        let format = match BodyFormat::of_content_type(&essence) {
+            Some(format) => format,
+            None if gz_file => BodyFormat::Sitemap,
+            None => {
+                return FetchOutcome::Skipped {
+                    reason: format!("neither HTML, JSON nor a sitemap ({essence})"),
+                }
+            }
         };
         let (etag, last_modified) = (
             header(reqwest::header::ETAG),
@@ -557,6 +565,20 @@ impl HttpClient {
         );
         let final_url =
             NormalizedUrl::parse(response.url().as_str()).unwrap_or_else(|_| url.clone());
+        if format == BodyFormat::Sitemap {
+            let sitemap = match read_sitemap(&mut response).await {
+                Ok(sitemap) => sitemap,
+                Err(outcome) => return outcome,
+            };
+            return FetchOutcome::Ok(Page {
+                url: final_url,
+                format,
+                body: String::new(),
+                sitemap: Some(Box::new(sitemap)),
+                etag,
+                last_modified,
+            });
+        }
         if response
             .content_length()
             .is_some_and(|len| len > self.max_bytes as u64)
@@ -571,6 +593,7 @@ impl HttpClient {
             url: final_url,
             format,
             body: String::from_utf8_lossy(&body).into_owned(),
+            sitemap: None,
             etag,
             last_modified,
         })
@@ -637,6 +660,92 @@ impl HttpClient {
         FetchOutcome::Permanent {
             reason: format!("body larger than {} bytes (cut off)", self.max_bytes),
         }
+    }
+}
+
+/// Reads a sitemap file as it arrives: the body's chunks go through a small channel to a
+/// reader on the blocking pool (gunzipping a `.xml.gz` file, told by its magic bytes), so at
+/// most a few chunks and the entries read so far are held, never the whole file. Its limits
+/// are the protocol's ([`crate::extract::sitemap`]), not a page's `max_page_bytes`.
+async fn read_sitemap(
+    response: &mut reqwest::Response,
+) -> Result<crate::extract::sitemap::Sitemap, FetchOutcome> {
+    use crate::extract::sitemap::{self, SitemapError};
+    use std::io::BufRead;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
+    let reader = tokio::task::spawn_blocking(move || {
+        let mut input = std::io::BufReader::with_capacity(
+            64 * 1024,
+            ChunkReader {
+                rx,
+                chunk: Vec::new(),
+                at: 0,
+            },
+        );
+        let gzip = input
+            .fill_buf()
+            .map_err(|e| SitemapError::Broken(e.to_string()))?
+            .starts_with(&[0x1f, 0x8b]);
+        if gzip {
+            sitemap::read(flate2::bufread::MultiGzDecoder::new(input))
+        } else {
+            sitemap::read(input)
+        }
+    });
+    let mut failed = None;
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if tx.send(chunk.to_vec()).await.is_err() {
+                    break; // the reader is done (or gave up): the rest is not needed
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                failed = Some(classify_error(&e));
+                break;
+            }
+        }
+    }
+    drop(tx);
+    let read = reader.await.map_err(|e| FetchOutcome::Transient {
+        reason: format!("the sitemap reader failed: {e}"),
+    })?;
+    if let Some(outcome) = failed {
+        return Err(outcome);
+    }
+    read.map_err(|e| match e {
+        SitemapError::NotASitemap(_) => FetchOutcome::Skipped {
+            reason: e.to_string(),
+        },
+        SitemapError::TooLarge | SitemapError::Broken(_) => FetchOutcome::Permanent {
+            reason: e.to_string(),
+        },
+    })
+}
+
+/// The body's chunks, as they arrive, as a blocking reader.
+struct ChunkReader {
+    rx: tokio::sync::mpsc::Receiver<Vec<u8>>,
+    chunk: Vec<u8>,
+    at: usize,
+}
+
+impl std::io::Read for ChunkReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.at == self.chunk.len() {
+            match self.rx.blocking_recv() {
+                Some(chunk) => {
+                    self.chunk = chunk;
+                    self.at = 0;
+                }
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.chunk.len() - self.at);
+        buf[..n].copy_from_slice(&self.chunk[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
     }
 }
 

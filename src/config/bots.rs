@@ -104,6 +104,17 @@ pub struct CrawlSettings {
     pub headers: crate::http_client::RequestHeaders,
     /// The bot's user agent, proxy and cookies.
     pub http: crate::http_client::BotHttp,
+    /// Sitemap files read as listings every pass (`sitemaps`), beside the seeds.
+    pub sitemaps: Vec<NormalizedUrl>,
+    /// Also the sitemaps the `Sitemap:` lines of the seeds' hosts' robots.txt name.
+    pub sitemaps_from_robots: bool,
+}
+
+impl CrawlSettings {
+    /// Whether the bot lists items from sitemaps: a listing source beside `[bots.crawl.list]`.
+    pub fn reads_sitemaps(&self) -> bool {
+        !self.sitemaps.is_empty() || self.sitemaps_from_robots
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -213,6 +224,10 @@ pub(super) struct RawCrawl {
     pub(super) proxy: Option<RawEnv>,
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub(super) cookies: std::collections::BTreeMap<String, RawHeader>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(super) sitemaps: Vec<String>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(super) sitemaps_from_robots: bool,
 }
 
 /// `proxy = { env = "SHOP_PROXY" }`: a value read from the instance's environment only.
@@ -323,8 +338,22 @@ impl RawCrawl {
         let links = self.link_rules(keys)?;
         let list = self.list.as_ref().map(|l| l.validate(keys)).transpose()?;
         let record = self.record.as_ref().map(|r| r.validate(keys)).transpose()?;
-        let incremental = self.incremental.validate(keys, list.as_ref())?;
+        let mut sitemaps = Vec::with_capacity(self.sitemaps.len());
+        for raw in &self.sitemaps {
+            let url = NormalizedUrl::parse_with(raw, &links.strip)
+                .map_err(|e| format!("key `{}`: {raw:?}: {e}", keys.key("sitemaps")))?;
+            if !sitemaps.contains(&url) {
+                sitemaps.push(url);
+            }
+        }
+        let listings = Listings {
+            list: list.as_ref(),
+            sitemaps: !sitemaps.is_empty() || self.sitemaps_from_robots,
+        };
+        let incremental = self.incremental.validate(keys, listings)?;
         Ok(CrawlSettings {
+            sitemaps,
+            sitemaps_from_robots: self.sitemaps_from_robots,
             links,
             list,
             record,
@@ -512,14 +541,22 @@ impl RawRecord {
     }
 }
 
+/// Where a bot's listing items come from: its `[bots.crawl.list]` rules, sitemaps, or both.
+#[derive(Clone, Copy)]
+pub(super) struct Listings<'a> {
+    pub(super) list: Option<&'a crate::extract::ListRules>,
+    pub(super) sitemaps: bool,
+}
+
 impl RawIncremental {
-    /// The mode and its overlap; the modes that decide from the listings need `list` (and
-    /// `updated_at` its `list.updated_at`).
+    /// The mode and its overlap; the modes that decide from the listings need `list` or
+    /// sitemaps (and `updated_at` a time: `list.updated_at`, or the sitemaps' `lastmod`).
     pub(super) fn validate(
         &self,
         keys: CrawlKeys<'_>,
-        list: Option<&crate::extract::ListRules>,
+        listings: Listings<'_>,
     ) -> Result<Incremental, String> {
+        let Listings { list, sitemaps } = listings;
         let mode = match self.mode.as_str() {
             "fingerprint" => IncrementalMode::Fingerprint,
             "watermark" => IncrementalMode::Watermark,
@@ -532,16 +569,19 @@ impl RawIncremental {
                 ))
             }
         };
-        if mode != IncrementalMode::Full && list.is_none() {
+        if mode != IncrementalMode::Full && list.is_none() && !sitemaps {
             return Err(format!(
-                "key `{}`: {:?} needs a [bots.crawl.list] section (or use \"full\")",
+                "key `{}`: {:?} needs a [bots.crawl.list] section or `sitemaps` (or use \"full\")",
                 keys.key("incremental.mode"),
                 self.mode
             ));
         }
-        if mode == IncrementalMode::UpdatedAt && list.is_some_and(|l| l.updated_at.is_empty()) {
+        if mode == IncrementalMode::UpdatedAt
+            && !sitemaps
+            && list.is_some_and(|l| l.updated_at.is_empty())
+        {
             return Err(format!(
-                "key `{}`: \"updated_at\" needs `list.updated_at` (where an item shows when it changed)",
+                "key `{}`: \"updated_at\" needs `list.updated_at` (where an item shows when it changed) or `sitemaps` (their lastmod)",
                 keys.key("incremental.mode")
             ));
         }

@@ -243,6 +243,8 @@ fn every_key() -> std::collections::BTreeSet<String> {
                 ]
                 .into(),
                 user_agent: Some("ua".into()),
+                sitemaps: vec!["http://h/s.xml".into()],
+                sitemaps_from_robots: true,
                 proxy: Some(RawEnv { env: "P".into() }),
                 cookies: [("c".to_owned(), RawHeader::Env { env: "C".into() })].into(),
             }),

@@ -59,6 +59,11 @@ impl Fetcher {
         self.requests.load(Ordering::Relaxed)
     }
 
+    /// The sitemaps `origin`'s robots.txt names, asked with the bot's client.
+    pub(crate) async fn robots_sitemaps(&self, origin: &str) -> Result<Vec<String>, String> {
+        self.robots.sitemaps(&self.client, origin).await
+    }
+
     /// The fetch stage for one admitted URL: robots.txt, then the page (raced against
     /// shutdown); the host's limiter learns from the answer. A redirect is followed hop by hop,
     /// each hop judged before it is requested: out of the bot's scope (or its allow/deny

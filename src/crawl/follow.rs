@@ -72,13 +72,17 @@ enum StoredAs<'a> {
 /// Whether a listed item's detail page is fetched this pass by the incremental `mode`, given
 /// how it is known stored (`None`: not known stored) and, for `updated_at`, the time since
 /// which a change counts. `None`: that is not enough to say — never in `full` mode or for an
-/// item not known stored (fetch it), or an `updated_at` item without a readable time.
+/// item not known stored (fetch it), an item without a change signal (a sitemap `<url>`
+/// without `<lastmod>`), or an `updated_at` item without a readable time.
 fn fetch_item(
     mode: IncrementalMode,
     item: &ListItem,
     stored: Option<StoredAs<'_>>,
     since: Option<DateTime<Utc>>,
 ) -> Option<bool> {
+    if item.unversioned {
+        return None;
+    }
     match (mode, stored) {
         (IncrementalMode::Full, _) | (_, None) => None,
         (IncrementalMode::Fingerprint, Some(StoredAs::AsListed)) => Some(false),

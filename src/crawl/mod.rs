@@ -37,6 +37,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+/// Hosts whose robots.txt a pass start reads for `Sitemap:` lines, at most.
+const MAX_ROBOTS_ORIGINS: usize = 16;
+
 use crate::clock::ServerClock;
 use crate::config::{CrawlLimits, CrawlSettings};
 use crate::error::Result;
@@ -190,13 +193,50 @@ impl Crawler {
         &self.shared.bot
     }
 
-    /// Parses stored seed strings for a pass; the unparsable are skipped (refresh stored only
-    /// valid URLs, so this drops nothing in practice).
-    pub(crate) fn seed_urls(&self, seeds: &[String]) -> Vec<NormalizedUrl> {
-        seeds
-            .iter()
-            .filter_map(|s| NormalizedUrl::parse_with(s, &self.shared.rules.links.strip).ok())
-            .collect()
+    /// What a pass starts from: the stored seeds (the unparsable skipped: refresh stored only
+    /// valid URLs, so this drops nothing in practice), then the bot's `sitemaps`, then — with
+    /// `sitemaps_from_robots` — the sitemaps the robots.txt of the seeds' and sitemaps' in-scope
+    /// hosts name, each URL once. A robots.txt that cannot be read now is passed over with a
+    /// warning: the pass starts without its sitemaps, and the coverage gate counts the sitemap
+    /// files an earlier pass read and this one did not, so nothing they list is removed.
+    pub(crate) async fn pass_sources(&self, seeds: &[String]) -> Vec<NormalizedUrl> {
+        let rules = &self.shared.rules;
+        let parse = |s: &str| NormalizedUrl::parse_with(s, &rules.links.strip).ok();
+        let mut urls: Vec<NormalizedUrl> = seeds.iter().filter_map(|s| parse(s)).collect();
+        let mut seen: std::collections::HashSet<NormalizedUrl> = urls.iter().cloned().collect();
+        for url in &rules.sitemaps {
+            if seen.insert(url.clone()) {
+                urls.push(url.clone());
+            }
+        }
+        if !rules.sitemaps_from_robots {
+            return urls;
+        }
+        let mut origins: Vec<String> = Vec::new();
+        for url in &urls {
+            let new = !origins.contains(&url.origin());
+            if rules.links.in_scope(url) && new && origins.len() < MAX_ROBOTS_ORIGINS {
+                origins.push(url.origin());
+            }
+        }
+        for origin in origins {
+            match self.fetcher.robots_sitemaps(&origin).await {
+                Ok(found) => {
+                    for url in found.iter().filter_map(|s| parse(s)) {
+                        if seen.insert(url.clone()) {
+                            urls.push(url);
+                        }
+                    }
+                }
+                Err(why) => tracing::warn!(
+                    bot = %self.shared.bot,
+                    %origin,
+                    %why,
+                    "the pass starts without the sitemaps of this robots.txt"
+                ),
+            }
+        }
+        urls
     }
 
     /// Crawls `pass` through the pipeline until the pass is over, there is nothing to lease,

@@ -41,27 +41,43 @@ impl Parser {
         };
         let rules = self.rules.clone();
         let page_url = page.url.to_url();
-        let data = tokio::task::spawn_blocking(move || {
-            extract(
+        let sitemap = page.sitemap.is_some();
+        let data = tokio::task::spawn_blocking(move || match page.sitemap {
+            // A sitemap file was read as it arrived; its entries become links or items here.
+            Some(sitemap) => crate::extract::sitemap::page_data(
+                &page_url,
+                *sitemap,
+                &rules.links,
+                rules.record.as_ref(),
+            ),
+            None => extract(
                 &page_url,
                 &page.body,
                 page.format,
                 &rules.links,
                 rules.list.as_ref(),
                 rules.record.as_ref(),
-            )
+            ),
         })
         .await
         .map_err(|e| Error::Task {
             what: "extract",
             detail: format!("the extraction task failed: {e}"),
         })?;
-        if data.dropped > 0 {
+        if data.dropped > 0 && !sitemap {
             tracing::warn!(
                 url = %page.url,
                 kept = self.rules.links.max,
                 dropped = data.dropped,
                 "the page has more links or listing items than bots.crawl.max_links; followed the first"
+            );
+        }
+        if data.dropped > 0 && sitemap {
+            tracing::warn!(
+                url = %page.url,
+                kept = crate::extract::sitemap::MAX_URLS,
+                dropped = data.dropped,
+                "the sitemap lists more URLs than the protocol's limit; read the first"
             );
         }
         Ok(Parsed::Page {

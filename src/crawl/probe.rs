@@ -168,26 +168,53 @@ pub(crate) fn kind_of(rules: &CrawlSettings, url: &NormalizedUrl, seeds: &[Norma
     }
 }
 
-/// Reads `body` (fetched from `page_url`, written in `format`) as the crawl would a page of
-/// `kind`.
+/// A page as `try` has it: its text and format, or a sitemap file read as it arrived.
+pub(crate) enum Body<'a> {
+    Text(&'a str, BodyFormat),
+    Sitemap(&'a crate::extract::sitemap::Sitemap),
+}
+
+/// Reads `body` (fetched from `page_url`) as the crawl would a page of `kind`.
 pub(crate) fn examine(
     bot: &str,
     rules: &CrawlSettings,
     kind: Kind,
     page_url: &Url,
-    body: &str,
-    format: BodyFormat,
+    body: Body<'_>,
 ) -> Examined {
     let listing = kind != Kind::Detail;
     let list = rules.list.as_ref().filter(|_| listing);
     let record = rules.record.as_ref().filter(|_| !listing);
     // What the crawl takes: its own extraction.
-    let data = extract(page_url, body, format, &rules.links, list, record);
+    let sitemap_data = |read: crate::extract::sitemap::Sitemap| {
+        crate::extract::sitemap::page_data(page_url, read, &rules.links, rules.record.as_ref())
+    };
+    let (body, format, data) = match body {
+        Body::Text(text, BodyFormat::Sitemap) => (
+            text,
+            BodyFormat::Sitemap,
+            match crate::extract::sitemap::read(text.as_bytes()) {
+                Ok(read) => sitemap_data(read),
+                Err(e) => crate::extract::PageData {
+                    record: Some(Err(e.to_string())),
+                    ..Default::default()
+                },
+            },
+        ),
+        Body::Text(text, format) => (
+            text,
+            format,
+            extract(page_url, text, format, &rules.links, list, record),
+        ),
+        Body::Sitemap(read) => ("", BodyFormat::Sitemap, sitemap_data(read.clone())),
+    };
     let mut unmatched = Unmatches::default();
     // Beside it, what only an HTML page can say: the links refused, and each selector that
     // matched nothing.
+    let sitemap = format == BodyFormat::Sitemap;
     let (items, refused) = match format {
         BodyFormat::Json => (json_items(list, &data), RefusedLinks::default()),
+        BodyFormat::Sitemap => (sitemap_items(&data), RefusedLinks::default()),
         BodyFormat::Html => {
             let document = Html::parse_document(body);
             let root = document.root_element();
@@ -220,7 +247,7 @@ pub(crate) fn examine(
         (None, _) => Ok(None),
     };
     let follows: Vec<String> = data.links.iter().map(ToString::to_string).collect();
-    let (mut ok, mut verdict) = verdict(kind, list.is_some(), &items, &follows, &record);
+    let (mut ok, mut verdict) = verdict(kind, list.is_some() || sitemap, &items, &follows, &record);
     if let (Err(why), false) = (&record, kind == Kind::Detail) {
         (ok, verdict) = (false, why.clone());
     }
@@ -237,6 +264,33 @@ pub(crate) fn examine(
         ok,
         verdict,
     }
+}
+
+/// A sitemap's pages as the crawl keeps them: each one's link is its id, its `lastmod` its
+/// fingerprint (none: fetched every pass).
+fn sitemap_items(data: &crate::extract::PageData) -> Vec<ItemView> {
+    data.items
+        .iter()
+        .map(|item| ItemView {
+            id: item
+                .url
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default(),
+            link: item.url.as_ref().map(ToString::to_string),
+            fingerprint_fields: vec![FingerprintField {
+                spec: "lastmod".into(),
+                value: if item.unversioned {
+                    "(none: fetched every pass)".into()
+                } else {
+                    item.fingerprint.clone()
+                },
+            }],
+            fingerprint: format!("{:016x}", fingerprint_hash(&item.fingerprint)),
+            updated_at: item.updated_at.map(|t| t.to_rfc3339()),
+            updated_at_parsed: item.updated_at.map(|t| t.to_rfc3339()),
+        })
+        .collect()
 }
 
 /// A JSON page's items as the crawl keeps them, each fingerprint value beside its JSONPath.

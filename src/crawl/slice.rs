@@ -42,12 +42,16 @@ pub(super) struct Storing {
     pub(super) _ticket: Ticket,
 }
 
-/// The weight of a fetched page in the byte budget, in KiB (the budget's unit): its body,
+/// The weight of a fetched page in the byte budget, in KiB (the budget's unit): its body (a
+/// sitemap's entries as read),
 /// rounded up, at least 1 and at most the whole budget (a page larger than the budget waits
 /// until nothing else is uncommitted, then goes alone).
 pub(super) fn body_weight(fetched: &Fetched, budget_kib: u32) -> u32 {
     let bytes = match fetched {
-        Fetched::Outcome(crate::http_client::FetchOutcome::Ok(page)) => page.body.len(),
+        Fetched::Outcome(crate::http_client::FetchOutcome::Ok(page)) => page
+            .sitemap
+            .as_ref()
+            .map_or(page.body.len(), |sitemap| sitemap.weight()),
         _ => 0,
     };
     u32::try_from(bytes.div_ceil(1024))
@@ -135,6 +139,7 @@ mod tests {
                     url: NormalizedUrl::parse("http://shop/").unwrap(),
                     format: crate::http_client::BodyFormat::Html,
                     body: "x".repeat(len),
+                    sitemap: None,
                     etag: None,
                     last_modified: None,
                 },

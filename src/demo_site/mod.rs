@@ -15,6 +15,9 @@
 //!   `/api/product/<sku>` (one product, with `sku`).
 //! - The seed source: `/seeds.txt` and `/seeds.json` (the first listing page), `/sitemap.xml`
 //!   (every listing page).
+//! - Sitemaps of the products, gzipped: `/sitemaps/index.xml.gz` (an index, each file with the
+//!   `lastmod` of its newest change) and `/sitemaps/products-N.xml.gz` (`sitemap_urls` products
+//!   a file, by SKU, each with the `lastmod` of its last change: a mutation moves it).
 //! - Control: `POST /__mutate` `{"change": K, "add": K, "delete": K, "remove": [SKU…]}` answers which products it
 //!   touched; `POST /__faults` installs fault rules (latency, a status such as 429 with
 //!   `Retry-After`, huge bodies, gzip bombs, redirect loops or redirects elsewhere) on path
@@ -41,6 +44,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
+use tower_http::compression::predicate::{DefaultPredicate, NotForContentType, Predicate};
 
 #[derive(Clone, Debug)]
 pub struct SiteOptions {
@@ -53,6 +57,8 @@ pub struct SiteOptions {
     /// SKUs are `PREFIX-0000001`…: shops with different prefixes sell different products (a
     /// crawl of several shops, one per port, stores them apart).
     pub sku_prefix: String,
+    /// Product URLs per file of the gzipped sitemaps (`/sitemaps/…`), at most 50,000.
+    pub sitemap_urls: u32,
 }
 
 impl Default for SiteOptions {
@@ -62,6 +68,7 @@ impl Default for SiteOptions {
             per_list: 20,
             seed: 1,
             sku_prefix: "SKU".into(),
+            sitemap_urls: 50_000,
         }
     }
 }
@@ -87,6 +94,32 @@ natural_key = "{natural_key}"
 fields = {{ title = "h1", price = ".price", status = ".status" }}
 "#,
         scope = scope.join(", ")
+    )
+}
+
+/// The `[bots.crawl]` rules that crawl this shop from sitemaps (TOML): no listing rules — the
+/// items come from the sitemap files `sitemaps` names (such as `/sitemaps/index.xml.gz`, each
+/// product's `lastmod` its fingerprint) — and the product pages' records as
+/// [`crawl_rules_toml`] reads them; `follow` names the links an HTML seed page leads to.
+pub fn sitemap_rules_toml(scope: &[&str], sitemaps: &[&str], follow: &str) -> String {
+    let quoted = |list: &[&str]| {
+        list.iter()
+            .map(|h| format!("{h:?}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        r#"[bots.crawl]
+scope = [{scope}]
+sitemaps = [{sitemaps}]
+follow = {follow:?}
+[bots.crawl.record]
+match = "/product/"
+natural_key = ".sku"
+fields = {{ title = "h1", price = ".price", status = ".status" }}
+"#,
+        scope = quoted(scope),
+        sitemaps = quoted(sitemaps),
     )
 }
 
@@ -148,6 +181,8 @@ struct Catalog {
     headers: BTreeMap<String, std::collections::BTreeSet<String>>,
     /// Responses sent, by `Content-Encoding` (`identity` without one), for `GET /__stats`.
     encodings: BTreeMap<String, u64>,
+    /// Product URLs per sitemap file.
+    sitemap_urls: usize,
 }
 
 const MAX_LOG: usize = 100_000;
@@ -175,6 +210,7 @@ impl Catalog {
             log: Default::default(),
             headers: Default::default(),
             encodings: Default::default(),
+            sitemap_urls: options.sitemap_urls.clamp(1, 50_000) as usize,
         };
         let total = u64::from(options.lists) * u64::from(options.per_list);
         let now = Utc::now();
@@ -424,6 +460,8 @@ pub async fn serve(
         .route("/seeds.txt", get(seeds_txt))
         .route("/seeds.json", get(seeds_json))
         .route("/sitemap.xml", get(sitemap))
+        .route("/sitemaps/index.xml.gz", get(sitemap_index))
+        .route("/sitemaps/{file}", get(sitemap_file))
         .route("/list/{page}", get(list_page))
         .route("/product/{sku}", get(product_page))
         .route("/product/{sku}/{variant}", get(product_variant))
@@ -440,7 +478,11 @@ pub async fn serve(
         .route("/__headers", get(headers_seen))
         .fallback(not_found)
         // Compressed when the client asks (`Accept-Encoding`), as shops serve pages.
-        .layer(tower_http::compression::CompressionLayer::new())
+        .layer(
+            tower_http::compression::CompressionLayer::new().compress_when(
+                DefaultPredicate::new().and(NotForContentType::const_new("application/gzip")),
+            ),
+        )
         .layer(axum::middleware::from_fn_with_state(
             catalog.clone(),
             note_headers,
@@ -629,6 +671,97 @@ async fn sitemap(State(c): State<Shared>, uri: Uri, headers: HeaderMap) -> Respo
     }
     body.push_str("</urlset>\n");
     ([(header::CONTENT_TYPE, "application/xml")], body).into_response()
+}
+
+/// The products by SKU, in files of `sitemap_urls`: each file's (products, newest change).
+fn sitemap_files(catalog: &Catalog) -> Vec<(Vec<&Product>, DateTime<Utc>)> {
+    let mut by_sku: Vec<&Product> = catalog.products.iter().collect();
+    by_sku.sort_unstable_by(|a, b| a.sku.cmp(&b.sku));
+    by_sku
+        .chunks(catalog.sitemap_urls)
+        .map(|chunk| {
+            let newest = chunk.iter().map(|p| p.changed_at).max().unwrap_or_default();
+            (chunk.to_vec(), newest)
+        })
+        .collect()
+}
+
+fn w3c(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// A gzip file, as `.xml.gz` sitemaps are served (the compression layer leaves it alone).
+fn gzip_file(xml: &str) -> Response {
+    use std::io::Write;
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    let _ = encoder.write_all(xml.as_bytes());
+    match encoder.finish() {
+        Ok(bytes) => ([(header::CONTENT_TYPE, "application/gzip")], bytes).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+const SITEMAP_NS: &str = "http://www.sitemaps.org/schemas/sitemap/0.9";
+
+/// `GET /sitemaps/index.xml.gz`: a gzipped sitemap index of the product sitemaps, each with the
+/// `lastmod` of its newest change.
+async fn sitemap_index(State(c): State<Shared>, uri: Uri, headers: HeaderMap) -> Response {
+    fault_first!(c, uri);
+    let host = host(&headers);
+    let xml = {
+        let catalog = lock(&c);
+        let mut xml = format!(
+            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<sitemapindex xmlns=\"{SITEMAP_NS}\">\n"
+        );
+        for (i, (_, newest)) in sitemap_files(&catalog).iter().enumerate() {
+            xml.push_str(&format!(
+                "  <sitemap><loc>http://{host}/sitemaps/products-{}.xml.gz</loc><lastmod>{}</lastmod></sitemap>\n",
+                i + 1,
+                w3c(*newest)
+            ));
+        }
+        xml.push_str("</sitemapindex>\n");
+        xml
+    };
+    gzip_file(&xml)
+}
+
+/// `GET /sitemaps/products-N.xml.gz`: a gzipped sitemap of the products of file N (by SKU),
+/// each with the `lastmod` of its last change.
+async fn sitemap_file(
+    State(c): State<Shared>,
+    uri: Uri,
+    headers: HeaderMap,
+    Path(file): Path<String>,
+) -> Response {
+    fault_first!(c, uri);
+    let n = file
+        .strip_prefix("products-")
+        .and_then(|f| f.strip_suffix(".xml.gz"))
+        .and_then(|n| n.parse::<usize>().ok())
+        .filter(|n| *n >= 1);
+    let host = host(&headers);
+    let xml = {
+        let catalog = lock(&c);
+        let files = sitemap_files(&catalog);
+        let Some((products, _)) = n.and_then(|n| files.get(n - 1)) else {
+            return (StatusCode::NOT_FOUND, "no such sitemap\n").into_response();
+        };
+        let mut xml = String::with_capacity(products.len() * 110);
+        xml.push_str(&format!(
+            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<urlset xmlns=\"{SITEMAP_NS}\">\n"
+        ));
+        for p in products {
+            xml.push_str(&format!(
+                "<url><loc>http://{host}/product/{}</loc><lastmod>{}</lastmod></url>\n",
+                p.sku,
+                w3c(p.changed_at)
+            ));
+        }
+        xml.push_str("</urlset>\n");
+        xml
+    };
+    gzip_file(&xml)
 }
 
 async fn list_page(State(c): State<Shared>, uri: Uri, Path(page): Path<String>) -> Response {

@@ -156,6 +156,7 @@ fn read_items(
             url,
             fingerprint,
             updated_at,
+            unversioned: false,
         });
     }
     matched

@@ -5,6 +5,7 @@
 
 mod embedded;
 mod json;
+pub mod sitemap;
 mod typed;
 
 pub use embedded::HtmlRead;
@@ -262,6 +263,15 @@ pub struct LinkRules {
 }
 
 impl LinkRules {
+    /// True when `url`'s `host:port` (or host) is one of `scope`.
+    pub(crate) fn in_scope(&self, url: &NormalizedUrl) -> bool {
+        let (host, port) = url.host_and_port();
+        let here = format!("{host}:{port}");
+        self.scope
+            .iter()
+            .any(|s| s.eq_ignore_ascii_case(&here) || s.eq_ignore_ascii_case(host))
+    }
+
     /// True when `url` is on an in-scope host and passes the allow/deny patterns.
     pub(crate) fn admits(&self, url: &NormalizedUrl) -> bool {
         self.refusal(url).is_none()
@@ -270,14 +280,8 @@ impl LinkRules {
     /// Why `url` is not followed: out of scope (its `host:port`), not matched by `allow`, or
     /// matched by a `deny` pattern; `None` when it is followed.
     pub(crate) fn refusal(&self, url: &NormalizedUrl) -> Option<String> {
-        let (host, port) = url.host_and_port();
-        let here = format!("{host}:{port}");
-        let in_scope = self
-            .scope
-            .iter()
-            .any(|s| s.eq_ignore_ascii_case(&here) || s.eq_ignore_ascii_case(host));
-        if !in_scope {
-            return Some(format!("out of scope: {here}"));
+        if !self.in_scope(url) {
+            return Some(format!("out of scope: {}", url.host_port()));
         }
         if !self.allow.is_empty() && !self.allow.iter().any(|r| r.is_match(url.as_str())) {
             return Some("matches no `allow` pattern".into());
@@ -298,6 +302,9 @@ pub(crate) struct ListItem {
     pub fingerprint: String,
     /// When the item says it last changed (`list.updated_at`), if it says so readably.
     pub updated_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// The item carries no change signal (a sitemap `<url>` without `<lastmod>`): its detail
+    /// page is fetched every pass, as in `full` mode.
+    pub unversioned: bool,
 }
 
 /// An item's change time: RFC 3339, or an HTTP date.
@@ -334,6 +341,9 @@ pub enum BodyFormat {
     Html,
     /// `application/json`, or any `…/…+json`.
     Json,
+    /// XML (`application/xml`, `text/xml`, any `…/…+xml`) or a gzip file: read as a sitemap
+    /// (`sitemap.rs`) when it is one, as a stream.
+    Sitemap,
 }
 
 impl BodyFormat {
@@ -343,6 +353,10 @@ impl BodyFormat {
             "" | "text/html" | "application/xhtml+xml" => Some(Self::Html),
             "application/json" => Some(Self::Json),
             e if e.ends_with("+json") && e.contains('/') => Some(Self::Json),
+            "application/xml" | "text/xml" | "application/gzip" | "application/x-gzip" => {
+                Some(Self::Sitemap)
+            }
+            e if e.ends_with("+xml") && e.contains('/') => Some(Self::Sitemap),
             _ => None,
         }
     }
@@ -362,6 +376,13 @@ pub(crate) fn extract(
     match format {
         BodyFormat::Html => extract_html(page_url, body, links, list, record),
         BodyFormat::Json => json::extract(page_url, body, links, list, record),
+        BodyFormat::Sitemap => match sitemap::read(body.as_bytes()) {
+            Ok(read) => sitemap::page_data(page_url, read, links, record),
+            Err(e) => PageData {
+                record: Some(Err(e.to_string())),
+                ..PageData::default()
+            },
+        },
     }
 }
 
@@ -504,6 +525,7 @@ fn read_items(root: ElementRef<'_>, rules: &ListRules, resolver: &Resolver, data
             url,
             fingerprint,
             updated_at,
+            unversioned: false,
         });
     }
 }

@@ -170,31 +170,105 @@ impl RobotsCache {
         if let Some(verdict) = fresh(&slot) {
             return verdict;
         }
-        let body = match fetcher.fetch_robots(&origin).await {
-            RobotsFetch::Found(body) => Some(Arc::new(body)),
-            RobotsFetch::Missing { .. } => None,
-            RobotsFetch::Unavailable(reason) => {
-                return Verdict::Unavailable {
-                    reason: format!("robots.txt unavailable: {reason}"),
-                }
-            }
+        let rules = match Self::fetch(fetcher, &origin).await {
+            Ok(rules) => Some(rules),
+            Err(reason) => return Verdict::Unavailable { reason },
         };
-        let rules = Some(Rules {
-            body,
-            parsed: Default::default(),
-            fetched: Instant::now(),
-        });
         let verdict = self
             .verdict(&rules, agent, url)
             .unwrap_or(Verdict::Allowed { crawl_delay: None });
         *slot.rules.write().unwrap_or_else(|p| p.into_inner()) = rules;
         verdict
     }
+
+    /// `origin`'s robots.txt read now.
+    async fn fetch(fetcher: &HttpClient, origin: &str) -> Result<Rules, String> {
+        let body = match fetcher.fetch_robots(origin).await {
+            RobotsFetch::Found(body) => Some(Arc::new(body)),
+            RobotsFetch::Missing { .. } => None,
+            RobotsFetch::Unavailable(reason) => {
+                return Err(format!("robots.txt unavailable: {reason}"))
+            }
+        };
+        Ok(Rules {
+            body,
+            parsed: Default::default(),
+            fetched: Instant::now(),
+        })
+    }
+
+    /// The sitemaps `origin`'s robots.txt names (its `Sitemap:` lines, whoever the agent): from
+    /// the cache while it is fresh, else read now (and cached) — even with robots.txt turned
+    /// off, as this is where the site says where its sitemaps are. A file that is missing (a 4xx)
+    /// names none; one that cannot be read now is an error.
+    pub(crate) async fn sitemaps(
+        &self,
+        fetcher: &HttpClient,
+        origin: &str,
+    ) -> Result<Vec<String>, String> {
+        let slot = self
+            .hosts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(origin.to_owned())
+            .or_default()
+            .clone();
+        let cached = |slot: &Origin| {
+            slot.rules
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .filter(|r| r.fetched.elapsed() < self.ttl)
+                .map(|r| r.body.clone())
+        };
+        let body = match cached(&slot) {
+            Some(body) => body,
+            None => {
+                let _fetching = slot.fetching.lock().await;
+                match cached(&slot) {
+                    Some(body) => body,
+                    None => {
+                        let rules = Self::fetch(fetcher, origin).await?;
+                        let body = rules.body.clone();
+                        *slot.rules.write().unwrap_or_else(|p| p.into_inner()) = Some(rules);
+                        body
+                    }
+                }
+            }
+        };
+        Ok(body.map_or_else(Vec::new, |b| sitemap_lines(&b)))
+    }
+}
+
+/// The `Sitemap:` lines of a robots.txt (RFC 9309 §2.2.4: independent of any group), in order,
+/// each once.
+fn sitemap_lines(body: &[u8]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for line in String::from_utf8_lossy(body).lines() {
+        let line = line.split('#').next().unwrap_or("");
+        let Some((key, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim();
+        if key.trim().eq_ignore_ascii_case("sitemap")
+            && !value.is_empty()
+            && !out.iter().any(|v| v == value)
+        {
+            out.push(value.to_owned());
+        }
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sitemap_lines_are_read_whatever_the_group() {
+        let txt = b"User-agent: *\nDisallow: /x\nSITEMAP: http://a/s.xml # main\n\nUser-agent: b\nsitemap:http://a/t.xml.gz\nSitemap: http://a/s.xml\nSitemap:\n";
+        assert_eq!(sitemap_lines(txt), ["http://a/s.xml", "http://a/t.xml.gz"]);
+    }
 
     #[test]
     fn the_product_token_names_the_agent() {

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{BotSettings, CrawlLimits, CrawlSettings, SeedSource, Settings};
 use crate::crawl::probe::{self, Examined, Hop, Kind};
 use crate::flow::robots::RobotsCache;
-use crate::http_client::{BodyFormat, HttpClient};
+use crate::http_client::{BodyFormat, HttpClient, Page};
 use crate::ops::{bot_arg, fail, EXIT_FAILED, EXIT_USAGE};
 use crate::urls::NormalizedUrl;
 
@@ -76,9 +76,13 @@ pub(crate) async fn command(settings: Settings, request: Request) -> ExitCode {
             Ok(obtained) => obtained,
             Err(code) => return code,
         };
-    let examined = page.as_ref().ok().map(|(at, body, format)| {
-        let kind = probe::kind_of(&rules, at, &seeds);
-        probe::examine(id.as_str(), &rules, kind, &at.to_url(), body, *format)
+    let examined = page.as_ref().ok().map(|page| {
+        let kind = probe::kind_of(&rules, &page.url, &seeds);
+        let body = match &page.sitemap {
+            Some(read) => probe::Body::Sitemap(read),
+            None => probe::Body::Text(&page.body, page.format),
+        };
+        probe::examine(id.as_str(), &rules, kind, &page.url.to_url(), body)
     });
     let report = Report {
         bot: id.as_str(),
@@ -87,7 +91,11 @@ pub(crate) async fn command(settings: Settings, request: Request) -> ExitCode {
         headers,
         redirects: &hops,
         fetch_error: page.as_ref().err().map(String::as_str),
-        bytes: page.as_ref().ok().map(|(_, body, _)| body.len()),
+        bytes: page.as_ref().ok().map(|page| {
+            page.sitemap.as_ref().map_or(page.body.len(), |s| {
+                usize::try_from(s.bytes).unwrap_or(usize::MAX)
+            })
+        }),
         examined: examined.as_ref(),
     };
     if let Err(code) = print_report(&report, request.json) {
@@ -125,7 +133,7 @@ fn page_url(request: &Request) -> Result<NormalizedUrl, ExitCode> {
 /// or why there is none, and where it came from (`fetched`, or the saved file's path).
 struct Obtained {
     hops: Vec<Hop>,
-    page: Result<(NormalizedUrl, String, BodyFormat), String>,
+    page: Result<Page, String>,
     source: String,
 }
 
@@ -144,7 +152,14 @@ async fn obtain(
                 hops: Vec::new(),
                 page: {
                     let format = saved_format(path, &body);
-                    Ok((url.clone(), body, format))
+                    Ok(Page {
+                        url: url.clone(),
+                        format,
+                        body,
+                        sitemap: None,
+                        etag: None,
+                        last_modified: None,
+                    })
                 },
                 source: path.display().to_string(),
             }),
@@ -163,18 +178,23 @@ async fn obtain(
     let (hops, page) = probe::fetch(&fetcher, &robots, rules, url).await;
     Ok(Obtained {
         hops,
-        page: page.map(|p| (p.url, p.body, p.format)),
+        page,
         source: "fetched".to_owned(),
     })
 }
 
-/// A saved page's format: JSON when its name ends in `.json` or its text opens with `{` or `[`.
+/// A saved page's format: JSON when its name ends in `.json` or its text opens with `{` or `[`;
+/// a sitemap when its name ends in `.xml` or its text opens with `<?xml`.
 fn saved_format(path: &std::path::Path, body: &str) -> BodyFormat {
-    let named = path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
-    if named || body.trim_start().starts_with(['{', '[']) {
+    let named = |ext: &str| {
+        path.extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case(ext))
+    };
+    let text = body.trim_start();
+    if named("json") || text.starts_with(['{', '[']) {
         BodyFormat::Json
+    } else if named("xml") || text.starts_with("<?xml") {
+        BodyFormat::Sitemap
     } else {
         BodyFormat::Html
     }

@@ -146,7 +146,7 @@ impl BotRunner {
         seeds: &[String],
     ) -> Result<()> {
         let ctx = &self.ctx;
-        let seeds = crawler.seed_urls(seeds);
+        let seeds = crawler.pass_sources(seeds).await;
         let (bot, passes) = (crawler.bot(), ctx.store.passes());
         let (now, spec) = (ctx.clock.now(), self.pass_spec());
         let started = match which {

@@ -303,7 +303,7 @@ impl BotRunner {
                 .prepare(
                     &self.bot.id,
                     held.crawl_pass,
-                    &crawler.seed_urls(seeds),
+                    &crawler.pass_sources(seeds).await,
                     now,
                 )
                 .await

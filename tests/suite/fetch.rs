@@ -157,10 +157,18 @@ async fn every_failure_has_its_outcome() {
         ),
         "JSON is a page to read"
     );
+    assert!(
+        matches!(
+            f.fetch(&get("/sitemap.xml"), &Validators::default()).await,
+            FetchOutcome::Ok(page) if page.format == BodyFormat::Sitemap
+                && page.sitemap.as_ref().is_some_and(|s| s.entries.len() == 2)
+        ),
+        "a sitemap is read as it arrives"
+    );
     assert_eq!(
-        f.fetch(&get("/sitemap.xml"), &Validators::default()).await,
+        f.fetch(&get("/seeds.txt"), &Validators::default()).await,
         FetchOutcome::Skipped {
-            reason: "neither HTML nor JSON (application/xml)".into()
+            reason: "neither HTML, JSON nor a sitemap (text/plain)".into()
         }
     );
     assert!(matches!(

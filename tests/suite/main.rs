@@ -32,5 +32,6 @@ mod partition;
 mod processes;
 mod records;
 mod seeds;
+mod sitemaps;
 mod status_page;
 mod try_page;

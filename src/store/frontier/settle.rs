@@ -399,6 +399,7 @@ mod tests {
                 fingerprints: vec![7; ids.len()],
                 fetched: vec![],
                 evaluated: PassNumber::new(2),
+                ..Manifest::default()
             })),
         };
         let marks = [

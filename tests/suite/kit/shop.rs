@@ -26,15 +26,21 @@ impl Shop {
     /// A shop of `lists × per_list` products, SKUs `prefix-…`, catalogue and mutations from
     /// `seed`.
     pub async fn start_with(lists: u32, per_list: u32, prefix: &str, seed: u64) -> Shop {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base = format!("http://{}", listener.local_addr().unwrap());
-        let stop = CancellationToken::new();
-        let options = SiteOptions {
+        Self::start_options(SiteOptions {
             lists,
             per_list,
             seed,
             sku_prefix: prefix.to_owned(),
-        };
+            ..SiteOptions::default()
+        })
+        .await
+    }
+
+    /// A shop made as `options` say.
+    pub async fn start_options(options: SiteOptions) -> Shop {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let stop = CancellationToken::new();
         tokio::spawn(serve(listener, options, stop.clone()));
         Shop { base, stop }
     }
