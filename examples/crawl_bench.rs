@@ -1591,6 +1591,113 @@ async fn incremental(uri: &str, items: u32, change: u32, add: u32, delete: u32) 
     }
 }
 
+// ---- sitemaps -----------------------------------------------------------------------------------
+
+/// A catalogue of `items` products read from its gzipped sitemap index (files of 50,000 URLs,
+/// each with its `lastmod`), seeded with the index itself: a full pass, then `change` products
+/// changed (their `lastmod` moves). The second pass must fetch exactly the changed pages and
+/// write exactly their records; peak RSS of both passes.
+async fn sitemaps(uri: &str, items: u32, change: u32) {
+    let dir = tempfile::tempdir().unwrap();
+    let shop = Shop::start_options(seedlock::demo_site::SiteOptions {
+        lists: items.div_ceil(100),
+        per_list: 100,
+        seed: 1,
+        ..Default::default()
+    })
+    .await;
+    let db = fresh_db(uri, "sitemaps").await;
+    let host = shop.base.trim_start_matches("http://");
+    let index = format!("{}/sitemaps/index.xml.gz", shop.base);
+    let rules = seedlock::demo_site::sitemap_rules_toml(&[host], &[&index], "a.next");
+    let seeds = format!("[\"{index}\"]");
+    let extra = std::env::var("BENCH_CRAWL").unwrap_or_default();
+    let config = write_config(
+        dir.path(),
+        uri,
+        db.name(),
+        &seeds,
+        &rules,
+        &extra,
+        "fingerprint",
+        "off",
+    );
+    let files = items.div_ceil(50_000);
+    println!(
+        "## Sitemaps as listings: {items} products in {files} gzipped files of at most 50,000 URLs"
+    );
+    println!();
+    let full = crawl_measured(&config, &db, 1).await;
+    let full_pass = pass_with_evaluation(&db).await.unwrap_or(full.pass);
+    let full_details = frontier_done(&db, &["detail"]).await;
+    let full_records = db
+        .collection::<Document>("records")
+        .count_documents(doc! {})
+        .await
+        .unwrap();
+    shop.stats().await;
+    let report = shop.post("/__mutate", json!({"change": change})).await;
+    let changed: HashSet<String> = report["changed"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let since = operation_time(&db).await;
+    request_refresh(&db).await;
+    let second = crawl_measured(&config, &db, 1).await;
+    let stop = CancellationToken::new();
+    let record_writes = count_writes(&db, "records", since, stop.clone()).await;
+    stop.cancel();
+    let record_writes = record_writes.await.unwrap();
+    let second_pass = pass_with_evaluation(&db).await.unwrap_or(second.pass);
+    let stats = shop.stats().await;
+    let mut fetched: Vec<String> = stats
+        .keys()
+        .filter_map(|k| k.strip_prefix("/product/"))
+        .map(str::to_owned)
+        .collect();
+    fetched.sort();
+    let mut expected: Vec<String> = changed.iter().cloned().collect();
+    expected.sort();
+    let sitemap_requests = under(&stats, "/sitemaps/");
+    let writes: u64 = record_writes.values().sum();
+    let truth = shop.truth().await;
+    let (_, _, correct) = judge_records(&db, &truth).await;
+    println!("| pass | sitemap files | detail requests | record documents written | pass (s) | peak RSS (MiB) |");
+    println!("|---|---|---|---|---|---|");
+    println!(
+        "| full | {} | {full_details} | {full_records} | {:.1} | {:.1} |",
+        files + 1,
+        full_pass.as_secs_f64(),
+        full.peak_kib as f64 / 1024.0
+    );
+    println!(
+        "| after {} changed ({:.2}%) | {sitemap_requests} | {} | {writes} | {:.2} | {:.1} |",
+        changed.len(),
+        100.0 * changed.len() as f64 / f64::from(items),
+        fetched.len(),
+        second_pass.as_secs_f64(),
+        second.peak_kib as f64 / 1024.0
+    );
+    println!();
+    let exact = fetched == expected && writes == changed.len() as u64;
+    println!(
+        "Second pass: {} detail requests and {writes} record documents written for {} changed lastmods (exactly those: {exact}); {:.1}% of the full pass's time; records correct: {correct}/{}.",
+        fetched.len(),
+        changed.len(),
+        100.0 * second_pass.as_secs_f64() / full_pass.as_secs_f64(),
+        truth.len()
+    );
+    let _ = db.drop().await;
+    if !exact || correct != truth.len() {
+        eprintln!("sitemaps: the second pass did not cost exactly what changed");
+        std::process::exit(1);
+    }
+}
+
 // ---- flow control -----------------------------------------------------------------------------
 
 /// Pages per second between the first and the last page request in `times`.
@@ -2076,6 +2183,12 @@ async fn main() {
             )
             .await
         }
+        Some("sitemaps") => {
+            let items = number(1, 1_000_000);
+            // 0.35% of the lastmods moved by default (seed 003's share).
+            let change = number(2, (u64::from(items) * 35 / 10_000).max(1) as u32);
+            sitemaps(&uri, items, change).await
+        }
         Some("deletion") => deletion(&uri).await,
         Some("head-of-line") => head_of_line(&uri).await,
         Some("throttling") => throttling(&uri).await,
@@ -2083,7 +2196,7 @@ async fn main() {
         Some("export") => export(&uri, number(1, 1_000_000)).await,
         _ => {
             eprintln!(
-                "usage: crawl_bench kill [RUNS] | kill-new-ids [RUNS] | network [RUNS] | throughput | json [RUNS] | ceilings | indexes | incremental [ITEMS [CHANGED ADDED DELETED]] | deletion | head-of-line | throttling | memory [URLS] | export [RECORDS]"
+                "usage: crawl_bench kill [RUNS] | kill-new-ids [RUNS] | network [RUNS] | throughput | json [RUNS] | ceilings | indexes | incremental [ITEMS [CHANGED ADDED DELETED]] | sitemaps [ITEMS [CHANGED]] | deletion | head-of-line | throttling | memory [URLS] | export [RECORDS]"
             );
             std::process::exit(2);
         }

@@ -164,6 +164,9 @@ pub enum Command {
         /// Product URLs per file of the gzipped sitemaps (/sitemaps/index.xml.gz).
         #[arg(long, default_value_t = 50_000, value_parser = clap::value_parser!(u32).range(1..=50_000))]
         sitemap_urls: u32,
+        /// Serve a crawl trap: listing pages link to an endless calendar (/calendar/2026-01).
+        #[arg(long)]
+        calendar: bool,
     },
 }
 
@@ -181,6 +184,7 @@ pub fn main(cli: Cli) -> ExitCode {
         seed,
         sku_prefix,
         sitemap_urls,
+        calendar,
     } = &cli.command
     {
         init_tracing(LogFormat::Text, "info");
@@ -190,6 +194,7 @@ pub fn main(cli: Cli) -> ExitCode {
             seed: *seed,
             sku_prefix: sku_prefix.clone(),
             sitemap_urls: *sitemap_urls,
+            calendar: *calendar,
         };
         return demo_site(addr, options);
     }

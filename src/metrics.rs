@@ -336,6 +336,7 @@ struct CrawlMetrics {
     requests: Family<BotLabel, Counter>,
     records: Family<KindLabels, Counter>,
     url_leases_lost: Family<BotLabel, Counter>,
+    urls_dropped: Family<KindLabels, Counter>,
     lease_queries: Family<KindLabels, Counter>,
     crawl_pass: Family<BotLabel, Gauge>,
     passes_finished: Family<BotLabel, Counter>,
@@ -368,6 +369,12 @@ impl CrawlMetrics {
             "URL leases this instance lost: pages whose lease went to another worker before their commit, and leases that ran out while the URL waited for its host (not fetched)",
             url_leases_lost.clone(),
         );
+        let urls_dropped = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "crawl_urls_dropped",
+            "URLs this instance did not follow because a crawl-trap bound dropped them, by bound (max_depth, max_url_length, repeated_segment, max_pages, max_pages_per_host)",
+            urls_dropped.clone(),
+        );
         let lease_queries = Family::<KindLabels, Counter>::default();
         registry.register(
             "crawl_lease_queries",
@@ -391,6 +398,7 @@ impl CrawlMetrics {
             requests,
             records,
             url_leases_lost,
+            urls_dropped,
             lease_queries,
             crawl_pass,
             passes_finished,
@@ -539,6 +547,14 @@ impl Metrics {
             .url_leases_lost
             .get_or_create(&Self::bot(bot))
             .inc();
+    }
+
+    /// `n` URLs a crawl-trap bound (`kind`: its name) dropped.
+    pub(crate) fn urls_dropped(&self, bot: &BotId, bound: &str, n: u64) {
+        self.crawl
+            .urls_dropped
+            .get_or_create(&Self::kind(bot, bound))
+            .inc_by(n);
     }
 
     /// One lease attempt (a turn of the leaser, one or more queries): `leased` or `empty`.
@@ -854,6 +870,7 @@ mod tests {
         m.edit_lock_lost(&bot);
         m.refresh_finished(&bot, "ok", Duration::from_millis(20));
         m.waited(&bot, Duration::from_millis(5));
+        m.urls_dropped(&bot, "max_depth", 4);
         let text = m.encode();
         for needle in [
             r#"seedlock_bot_state{bot="shop",state="updating"} 1"#,
@@ -864,6 +881,7 @@ mod tests {
             r#"seedlock_refreshes_total{bot="shop",kind="ok"} 1"#,
             "seedlock_refresh_duration_seconds_count",
             "seedlock_wait_duration_seconds_count",
+            r#"seedlock_crawl_urls_dropped_total{bot="shop",kind="max_depth"} 4"#,
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

@@ -108,6 +108,20 @@ pub struct CrawlSettings {
     pub sitemaps: Vec<NormalizedUrl>,
     /// Also the sitemaps the `Sitemap:` lines of the seeds' hosts' robots.txt name.
     pub sitemaps_from_robots: bool,
+    /// The crawl-trap bounds of a pass (`max_url_length` is in `links`).
+    pub bounds: CrawlBounds,
+}
+
+/// How far one pass of a bot goes, at most: what stops a crawl trap (a calendar, a faceted
+/// search with endless links) and never binds a normal shop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CrawlBounds {
+    /// Links followed from a seed (pagination counts too).
+    pub max_depth: u32,
+    /// Pages in one pass.
+    pub max_pages: u64,
+    /// Pages of one host in one pass.
+    pub max_pages_per_host: u64,
 }
 
 impl CrawlSettings {
@@ -228,6 +242,30 @@ pub(super) struct RawCrawl {
     pub(super) sitemaps: Vec<String>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(super) sitemaps_from_robots: bool,
+    #[serde(default = "default_max_depth")]
+    pub(super) max_depth: u64,
+    #[serde(default = "default_max_pages")]
+    pub(super) max_pages: u64,
+    #[serde(default = "default_max_pages_per_host")]
+    pub(super) max_pages_per_host: u64,
+    #[serde(default = "default_max_url_length")]
+    pub(super) max_url_length: u64,
+}
+
+pub(super) fn default_max_depth() -> u64 {
+    50
+}
+
+pub(super) fn default_max_pages() -> u64 {
+    10_000_000
+}
+
+pub(super) fn default_max_pages_per_host() -> u64 {
+    5_000_000
+}
+
+pub(super) fn default_max_url_length() -> u64 {
+    2048
 }
 
 /// `proxy = { env = "SHOP_PROXY" }`: a value read from the instance's environment only.
@@ -351,7 +389,21 @@ impl RawCrawl {
             sitemaps: !sitemaps.is_empty() || self.sitemaps_from_robots,
         };
         let incremental = self.incremental.validate(keys, listings)?;
+        let positive = |k: &str, n: u64| {
+            if n == 0 {
+                Err(format!("key `{}`: must be at least 1", keys.key(k)))
+            } else {
+                Ok(n)
+            }
+        };
+        let bounds = CrawlBounds {
+            max_depth: u32::try_from(positive("max_depth", self.max_depth)?)
+                .map_err(|_| format!("key `{}`: too large", keys.key("max_depth")))?,
+            max_pages: positive("max_pages", self.max_pages)?,
+            max_pages_per_host: positive("max_pages_per_host", self.max_pages_per_host)?,
+        };
         Ok(CrawlSettings {
+            bounds,
             sitemaps,
             sitemaps_from_robots: self.sitemaps_from_robots,
             links,
@@ -472,6 +524,15 @@ impl RawCrawl {
             deny: keys.regexes("deny", &self.deny)?,
             strip: crate::urls::StripQuery::parse(&self.strip_query)
                 .map_err(keys.named("strip_query"))?,
+            max_url_length: match usize::try_from(self.max_url_length) {
+                Ok(n) if n >= 16 => n,
+                _ => {
+                    return Err(format!(
+                        "key `{}`: must be at least 16 (bytes)",
+                        keys.key("max_url_length")
+                    ))
+                }
+            },
             max: match usize::try_from(self.max_links) {
                 Ok(0) | Err(_) => {
                     return Err(format!(

@@ -411,6 +411,7 @@ mod tests {
                 reclaimed: false,
                 priority: 0,
                 sheds: 0,
+                depth: 0,
                 eligible_since: None,
             },
             ticket: stages.host_queue.enter(),

@@ -20,7 +20,7 @@ use super::pass::Pass;
 use super::shared::{PassMemory, Shared};
 use crate::config::IncrementalMode;
 use crate::error::Result;
-use crate::extract::{ListItem, PageData};
+use crate::extract::{Bound, Dropped, ListItem, PageData};
 use crate::store::frontier::{
     fingerprint_hash, url_id, KnownPage, LeaseTo, Manifest, NewUrl, PageKind, UrlLease, UrlStatus,
 };
@@ -59,6 +59,8 @@ struct Listing {
     changed: Vec<NewUrl>,
     /// Watermark mode met an item known stored: the listing's pagination ends here.
     stop_paginating: bool,
+    /// The depth of the detail pages it enqueues (one below the page).
+    depth: u32,
 }
 
 /// How a listed item is known stored: with the fingerprint it is listed with now (its
@@ -130,6 +132,24 @@ impl Follower {
         now: DateTime<Utc>,
     ) -> Result<Followed> {
         let mode = self.shared.mode(pass);
+        // What the trap bounds drop of this page's links: by their shape (read with the page),
+        // by depth (all of them, past `max_depth`), by the pass's page bounds (as enqueued).
+        let mut dropped = data.bounded;
+        let depth = lease.depth.saturating_add(1);
+        if depth > self.shared.rules.bounds.max_depth {
+            let links = data.links.len() + data.items.iter().filter(|i| i.url.is_some()).count();
+            dropped.add(Bound::Depth, links as u64);
+            self.note_dropped(lease, &dropped).await?;
+            return Ok(Followed {
+                manifest: lease.kind.is_listing().then(|| {
+                    Box::new(Manifest {
+                        evaluated: pass.evaluated,
+                        ..Manifest::default()
+                    })
+                }),
+                ..Followed::default()
+            });
+        }
         let PageLinks {
             items,
             detail_links,
@@ -144,7 +164,7 @@ impl Follower {
             (lists, plain) = plain
                 .into_iter()
                 .partition(|(link, _)| self.shared.kind_of(link) == PageKind::List);
-            self.follow_pagination(lease, &lists, queues, now, &mut followed)
+            self.follow_pagination(lease, &lists, queues, now, &mut followed, &mut dropped)
                 .await?;
         }
         let (mut listed, known) = self
@@ -157,6 +177,7 @@ impl Follower {
                 queues,
                 now,
                 &mut followed,
+                &mut dropped,
             )
             .await?;
         if let Some(m) = listed.manifest.as_mut() {
@@ -165,7 +186,8 @@ impl Follower {
             }
         }
         followed.manifest = listed.manifest.take().map(Box::new);
-        let (new, ids) = self.plain_links(plain, &mut listed);
+        let (new, ids) = self.plain_links(plain, &mut listed, depth);
+        let new = self.within_bounds(lease, new, &mut dropped).await?;
         if !new.is_empty() {
             let (added, leased) = self
                 .enqueue_leasing_what_fits(lease, new, &known, queues, now)
@@ -174,7 +196,39 @@ impl Follower {
             followed.leased += leased;
             self.memory.remember_enqueued(lease.pass, ids);
         }
+        self.note_dropped(lease, &dropped).await?;
         Ok(followed)
+    }
+
+    /// The links of `links` the pass's page bounds admit (see `crawl::bounds`); the rest are
+    /// counted into `dropped`.
+    async fn within_bounds(
+        &self,
+        lease: &UrlLease,
+        links: Vec<NewUrl>,
+        dropped: &mut Dropped,
+    ) -> Result<Vec<NewUrl>> {
+        if links.is_empty() {
+            return Ok(links);
+        }
+        let bounds = self.shared.rules.bounds;
+        self.memory
+            .budget
+            .admit(
+                &self.shared.store,
+                &self.shared.bot,
+                lease.pass,
+                bounds.max_pages,
+                bounds.max_pages_per_host,
+                links,
+                dropped,
+            )
+            .await
+    }
+
+    /// Counts what the trap bounds dropped of a page's links ([`super::bounds::note_dropped`]).
+    async fn note_dropped(&self, lease: &UrlLease, dropped: &Dropped) -> Result<()> {
+        super::bounds::note_dropped(&self.shared, lease.pass, dropped).await
     }
 
     /// Decides a listing page's items (see [`Listing`]): from the manifests of earlier passes
@@ -192,6 +246,7 @@ impl Follower {
         queues: &HostQueues,
         now: DateTime<Utc>,
         followed: &mut Followed,
+        dropped: &mut Dropped,
     ) -> Result<(Listing, HashMap<String, KnownPage>)> {
         let since = pass.last_run_at.map(|t| {
             t - chrono::Duration::from_std(self.shared.rules.incremental.overlap)
@@ -202,6 +257,7 @@ impl Follower {
                 evaluated: pass.evaluated,
                 ..Manifest::default()
             }),
+            depth: lease.depth.saturating_add(1),
             ..Listing::default()
         };
         // Each item's frontier id and fingerprint hash, once for every decision below.
@@ -235,6 +291,8 @@ impl Follower {
         };
         let ids = items.iter().zip(hashed);
         self.decide_items(ids, &decided, &known, mode, since, &mut listed);
+        let changed = std::mem::take(&mut listed.changed);
+        listed.changed = self.within_bounds(lease, changed, dropped).await?;
         if !listed.changed.is_empty() {
             listed.changed.sort_by_key(|n| -n.priority);
             let (added, leased) = self
@@ -253,6 +311,7 @@ impl Follower {
         &self,
         plain: Vec<(&NormalizedUrl, String)>,
         listed: &mut Listing,
+        depth: u32,
     ) -> (Vec<NewUrl>, Vec<String>) {
         let mut new = std::mem::take(&mut listed.new);
         let mut ids = Vec::with_capacity(plain.len());
@@ -266,6 +325,7 @@ impl Follower {
                 kind,
                 fingerprint: None,
                 priority: self.shared.priority_of(link, kind),
+                depth,
             });
             ids.push(id);
         }
@@ -280,9 +340,12 @@ impl Follower {
         queues: &HostQueues,
         now: DateTime<Utc>,
         followed: &mut Followed,
+        dropped: &mut Dropped,
     ) -> Result<()> {
         let t0 = tokio::time::Instant::now();
-        let (f, ids) = self.follow_listing(lease, lists, queues, now).await?;
+        let (f, ids) = self
+            .follow_listing(lease, lists, queues, now, dropped)
+            .await?;
         tracing::trace!(took = ?t0.elapsed(), leased = f.leased, "listing links enqueued");
         followed.added += f.added;
         followed.leased += f.leased;
@@ -405,6 +468,7 @@ impl Follower {
                     kind: PageKind::Detail,
                     fingerprint: Some(item.fingerprint.clone()),
                     priority: self.shared.priority_of(url, PageKind::Detail),
+                    depth: listed.depth,
                 };
                 if decided.contains_key(&i) {
                     listed.changed.push(link);
@@ -526,6 +590,7 @@ impl Follower {
         lists: &[(&NormalizedUrl, String)],
         queues: &HostQueues,
         now: DateTime<Utc>,
+        dropped: &mut Dropped,
     ) -> Result<(Followed, Vec<String>)> {
         if lists.is_empty() {
             return Ok((Followed::default(), Vec::new()));
@@ -537,8 +602,10 @@ impl Follower {
                 kind: PageKind::List,
                 fingerprint: None,
                 priority: self.shared.priority_of(url, PageKind::List),
+                depth: lease.depth.saturating_add(1),
             })
             .collect();
+        let links = self.within_bounds(lease, links, dropped).await?;
         let (added, leased) = self.upsert_links(lease, &links, queues, true, now).await?;
         let ids = lists.iter().map(|(_, id)| id.clone()).collect();
         Ok((

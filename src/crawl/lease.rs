@@ -638,6 +638,7 @@ impl Leaser {
                     url,
                     kind: PageKind::List,
                     fingerprint: None,
+                    depth: page.known.depth,
                 },
                 id: page.id,
                 known: page.known,
@@ -669,6 +670,16 @@ impl Leaser {
         let mut leased = 0;
         if !waiting.is_empty() {
             let links: Vec<NewUrl> = waiting.iter().map(|w| w.url.clone()).collect();
+            let links =
+                match super::bounds::admit_listings(&self.shared, &self.memory.budget, pass, links)
+                    .await
+                {
+                    Ok(links) => links,
+                    Err(e) => {
+                        self.memory.wait_again(pass, waiting);
+                        return Err(e);
+                    }
+                };
             let known: HashMap<String, KnownPage> = waiting
                 .iter()
                 .map(|w| (w.id.clone(), w.known.clone()))
@@ -789,18 +800,28 @@ impl Leaser {
             %bot, pass = pass.number.get(), pages = missed.len(),
             "listing pages the last pass read were not reached (a broken pagination chain?); enqueuing them"
         );
-        for url in &missed {
-            self.memory.note_host(pass.number, url.host_port());
+        let links: Vec<NewUrl> = missed
+            .into_iter()
+            .map(|url| NewUrl {
+                priority: self.shared.priority_of(&url, PageKind::List),
+                url,
+                kind: PageKind::List,
+                fingerprint: None,
+                depth: 0,
+            })
+            .collect();
+        let links =
+            super::bounds::admit_listings(&self.shared, &self.memory.budget, pass.number, links)
+                .await?;
+        if links.is_empty() {
+            return Ok(false);
+        }
+        for link in &links {
+            self.memory.note_host(pass.number, link.url.host_port());
         }
         store
             .frontier()
-            .enqueue(
-                bot,
-                pass.number,
-                PageKind::List,
-                &missed,
-                self.shared.clock.now(),
-            )
+            .enqueue_urls(bot, pass.number, &links, self.shared.clock.now())
             .await?;
         Ok(true)
     }

@@ -52,6 +52,7 @@ use crate::store::frontier::{Mark, UrlLease};
 use crate::store::Store;
 use crate::urls::NormalizedUrl;
 
+pub(crate) mod bounds;
 pub(crate) mod commit;
 pub(crate) mod dispatch;
 pub(crate) mod fetch;

@@ -171,6 +171,8 @@ pub(crate) struct PassMemory {
     waiting: Mutex<(PassNumber, HashMap<String, VecDeque<WaitingListing>>)>,
     /// The listed items known stored, read from the manifests once per pass.
     known: tokio::sync::Mutex<Option<Arc<Known>>>,
+    /// The pass's page bounds, as this instance counts them.
+    pub(crate) budget: super::bounds::PageBudget,
 }
 
 impl PassMemory {
@@ -352,6 +354,7 @@ mod tests {
                 kind: PageKind::List,
                 fingerprint: None,
                 priority: 1,
+                depth: 0,
             },
             id: url.to_owned(),
             known: KnownPage {
@@ -360,6 +363,7 @@ mod tests {
                 fingerprint: None,
                 record_id: None,
                 validators: Default::default(),
+                depth: 0,
             },
         };
         let memory = PassMemory::default();

@@ -18,6 +18,8 @@
 //! - Sitemaps of the products, gzipped: `/sitemaps/index.xml.gz` (an index, each file with the
 //!   `lastmod` of its newest change) and `/sitemaps/products-N.xml.gz` (`sitemap_urls` products
 //!   a file, by SKU, each with the `lastmod` of its last change: a mutation moves it).
+//! - With `calendar`, a crawl trap: every listing page links to `/calendar/2026-01`, and each
+//!   month's page to the months before and after it, without end.
 //! - Control: `POST /__mutate` `{"change": K, "add": K, "delete": K, "remove": [SKU…]}` answers which products it
 //!   touched; `POST /__faults` installs fault rules (latency, a status such as 429 with
 //!   `Retry-After`, huge bodies, gzip bombs, redirect loops or redirects elsewhere) on path
@@ -59,6 +61,9 @@ pub struct SiteOptions {
     pub sku_prefix: String,
     /// Product URLs per file of the gzipped sitemaps (`/sitemaps/…`), at most 50,000.
     pub sitemap_urls: u32,
+    /// A crawl trap: every listing page links to `/calendar/2026-01`, and each month's page to
+    /// the months before and after it, without end.
+    pub calendar: bool,
 }
 
 impl Default for SiteOptions {
@@ -69,6 +74,7 @@ impl Default for SiteOptions {
             seed: 1,
             sku_prefix: "SKU".into(),
             sitemap_urls: 50_000,
+            calendar: false,
         }
     }
 }
@@ -183,6 +189,8 @@ struct Catalog {
     encodings: BTreeMap<String, u64>,
     /// Product URLs per sitemap file.
     sitemap_urls: usize,
+    /// Listing pages link to the calendar trap.
+    calendar: bool,
 }
 
 const MAX_LOG: usize = 100_000;
@@ -211,6 +219,7 @@ impl Catalog {
             headers: Default::default(),
             encodings: Default::default(),
             sitemap_urls: options.sitemap_urls.clamp(1, 50_000) as usize,
+            calendar: options.calendar,
         };
         let total = u64::from(options.lists) * u64::from(options.per_list);
         let now = Utc::now();
@@ -462,6 +471,7 @@ pub async fn serve(
         .route("/sitemap.xml", get(sitemap))
         .route("/sitemaps/index.xml.gz", get(sitemap_index))
         .route("/sitemaps/{file}", get(sitemap_file))
+        .route("/calendar/{month}", get(calendar_month))
         .route("/list/{page}", get(list_page))
         .route("/product/{sku}", get(product_page))
         .route("/product/{sku}/{variant}", get(product_variant))
@@ -764,6 +774,27 @@ async fn sitemap_file(
     gzip_file(&xml)
 }
 
+/// `GET /calendar/YYYY-MM` (with `--calendar`): a month's page linking to the months before and
+/// after it, for ever — the crawl trap a shop's event calendar is.
+async fn calendar_month(State(c): State<Shared>, uri: Uri, Path(month): Path<String>) -> Response {
+    fault_first!(c, uri);
+    let parsed = month
+        .split_once('-')
+        .and_then(|(y, m)| Some((y.parse::<i32>().ok()?, m.parse::<u32>().ok()?)))
+        .filter(|(y, m)| (1..=9999).contains(y) && (1..=12).contains(m));
+    let Some((year, m)) = parsed.filter(|_| lock(&c).calendar) else {
+        return (StatusCode::NOT_FOUND, "no such month\n").into_response();
+    };
+    let index = year * 12 + (m as i32 - 1);
+    let name = |i: i32| format!("{:04}-{:02}", i.div_euclid(12), i.rem_euclid(12) + 1);
+    let body = format!(
+        "<!doctype html>\n<html><head><title>Events, {month}</title></head><body>\n<h1>Events in {month}</h1>\n<p>No events.</p>\n<nav><a class=\"prev\" href=\"/calendar/{}\">earlier</a> <a class=\"next\" href=\"/calendar/{}\">later</a></nav>\n</body></html>\n",
+        name(index - 1),
+        name(index + 1),
+    );
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], body).into_response()
+}
+
 async fn list_page(State(c): State<Shared>, uri: Uri, Path(page): Path<String>) -> Response {
     fault_first!(c, uri);
     let catalog = lock(&c);
@@ -799,6 +830,9 @@ async fn list_page(State(c): State<Shared>, uri: Uri, Path(page): Path<String>) 
             "<a class=\"next\" href=\"/list/{}\">next</a>",
             page + 1
         ));
+    }
+    if catalog.calendar {
+        body.push_str(" <a class=\"calendar\" href=\"/calendar/2026-01\">calendar</a>");
     }
     body.push_str("</nav>\n</body></html>\n");
     ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], body).into_response()

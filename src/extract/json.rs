@@ -41,6 +41,7 @@ pub(super) fn extract(
     if !matched {
         data.record = Some(Err(unmatched(links, list)));
     }
+    data.bounded = resolver.bounded();
     data
 }
 
@@ -273,6 +274,7 @@ mod tests {
             deny: vec![],
             strip: StripQuery::parse(&[]).unwrap(),
             max: 10_000,
+            max_url_length: 2048,
         }
     }
 

@@ -260,6 +260,85 @@ pub struct LinkRules {
     /// Links, and listing items, read from one page at most (`bots.crawl.max_links`); the rest
     /// are counted in [`PageData::dropped`].
     pub max: usize,
+    /// A URL longer than this (bytes) is a crawl trap (`bots.crawl.max_url_length`).
+    pub max_url_length: usize,
+}
+
+/// A crawl-trap bound: what drops a URL the rules would otherwise follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bound {
+    /// More links from a seed than `max_depth`.
+    Depth,
+    /// Longer than `max_url_length`.
+    UrlLength,
+    /// A path that repeats one segment more than [`MAX_SEGMENT_REPEATS`] times.
+    RepeatedSegment,
+    /// The pass holds `max_pages` pages.
+    MaxPages,
+    /// The pass holds `max_pages_per_host` pages of the URL's host.
+    MaxPagesPerHost,
+}
+
+/// A path segment may appear this many times in one path; once more is a trap (`/a/b/a/b/a/b/a/b`).
+pub const MAX_SEGMENT_REPEATS: usize = 3;
+
+impl Bound {
+    pub const ALL: [Bound; 5] = [
+        Bound::Depth,
+        Bound::UrlLength,
+        Bound::RepeatedSegment,
+        Bound::MaxPages,
+        Bound::MaxPagesPerHost,
+    ];
+
+    /// The bound's name: its config key, or the rule.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Bound::Depth => "max_depth",
+            Bound::UrlLength => "max_url_length",
+            Bound::RepeatedSegment => "repeated_segment",
+            Bound::MaxPages => "max_pages",
+            Bound::MaxPagesPerHost => "max_pages_per_host",
+        }
+    }
+
+    /// Whether a pass that hit it is incomplete (it left pages of the site uncrawled): no
+    /// removals follow from it.
+    pub fn cuts_the_pass_short(self) -> bool {
+        matches!(self, Bound::MaxPages | Bound::MaxPagesPerHost)
+    }
+}
+
+/// URLs dropped by each [`Bound`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dropped([u64; 5]);
+
+impl Dropped {
+    pub fn add(&mut self, bound: Bound, n: u64) {
+        self.0[bound as usize] += n;
+    }
+
+    pub fn get(&self, bound: Bound) -> u64 {
+        self.0[bound as usize]
+    }
+
+    pub fn merge(&mut self, other: &Dropped) {
+        for bound in Bound::ALL {
+            self.add(bound, other.get(bound));
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(|n| *n == 0)
+    }
+
+    /// The bounds that dropped something, with their counts.
+    pub fn counts(&self) -> impl Iterator<Item = (Bound, u64)> + '_ {
+        Bound::ALL
+            .into_iter()
+            .map(|b| (b, self.get(b)))
+            .filter(|(_, n)| *n > 0)
+    }
 }
 
 impl LinkRules {
@@ -272,14 +351,61 @@ impl LinkRules {
             .any(|s| s.eq_ignore_ascii_case(&here) || s.eq_ignore_ascii_case(host))
     }
 
-    /// True when `url` is on an in-scope host and passes the allow/deny patterns.
+    /// True when `url` is on an in-scope host, passes the allow/deny patterns and is no trap.
     pub(crate) fn admits(&self, url: &NormalizedUrl) -> bool {
         self.refusal(url).is_none()
+    }
+
+    /// The trap bound a URL the rules admit hits by its shape (its length, a path segment
+    /// repeated), if any.
+    pub(crate) fn trap(&self, url: &NormalizedUrl) -> Option<Bound> {
+        if url.as_str().len() > self.max_url_length {
+            return Some(Bound::UrlLength);
+        }
+        let path = url.as_str().split(['?', '#']).next().unwrap_or("");
+        let path = path.splitn(4, '/').nth(3).unwrap_or("");
+        let mut counts: HashMap<&str, usize> = HashMap::new();
+        for segment in path.split('/').filter(|s| !s.is_empty()) {
+            let n = counts.entry(segment).or_default();
+            *n += 1;
+            if *n > MAX_SEGMENT_REPEATS {
+                return Some(Bound::RepeatedSegment);
+            }
+        }
+        None
+    }
+
+    /// As [`LinkRules::admits`], counting a URL a trap bound drops into `dropped`.
+    pub(crate) fn admits_counting(&self, url: &NormalizedUrl, dropped: &mut Dropped) -> bool {
+        if self.refusal_by_rules(url).is_some() {
+            return false;
+        }
+        match self.trap(url) {
+            Some(bound) => {
+                dropped.add(bound, 1);
+                false
+            }
+            None => true,
+        }
     }
 
     /// Why `url` is not followed: out of scope (its `host:port`), not matched by `allow`, or
     /// matched by a `deny` pattern; `None` when it is followed.
     pub(crate) fn refusal(&self, url: &NormalizedUrl) -> Option<String> {
+        self.refusal_by_rules(url).or_else(|| {
+            self.trap(url).map(|bound| match bound {
+                Bound::UrlLength => {
+                    format!("longer than max_url_length ({} bytes)", self.max_url_length)
+                }
+                _ => format!(
+                    "a path segment repeats more than {MAX_SEGMENT_REPEATS} times (a crawl trap)"
+                ),
+            })
+        })
+    }
+
+    /// Why the scope or the allow/deny patterns refuse `url`.
+    fn refusal_by_rules(&self, url: &NormalizedUrl) -> Option<String> {
         if !self.in_scope(url) {
             return Some(format!("out of scope: {}", url.host_port()));
         }
@@ -332,6 +458,8 @@ pub(crate) struct PageData {
     /// Why the page fails though it was read (JSON embedded in it is broken, naming the key);
     /// [`extract`] moves it into `record`.
     pub page_error: Option<String>,
+    /// Links the crawl-trap bounds of their shape dropped (length, repeated segments).
+    pub bounded: Dropped,
 }
 
 /// What a page's body is written in, from its `Content-Type`.
@@ -408,6 +536,7 @@ fn extract_html(
     if let Some(why) = data.page_error.take() {
         data.record = Some(Err(why));
     }
+    data.bounded = resolver.bounded();
     data
 }
 
@@ -434,6 +563,8 @@ pub(super) struct Resolver<'a> {
     page_url: &'a Url,
     rules: &'a LinkRules,
     resolved: HashMap<&'a str, Option<NormalizedUrl>>,
+    /// What the trap bounds dropped of the links resolved.
+    bounded: std::cell::Cell<Dropped>,
 }
 
 impl<'a> Resolver<'a> {
@@ -442,7 +573,13 @@ impl<'a> Resolver<'a> {
             page_url,
             rules,
             resolved: HashMap::new(),
+            bounded: Default::default(),
         }
+    }
+
+    /// What the trap bounds dropped so far.
+    pub(super) fn bounded(&self) -> Dropped {
+        self.bounded.get()
     }
 
     /// `href` resolved, if it is followable.
@@ -450,9 +587,11 @@ impl<'a> Resolver<'a> {
         if let Some(url) = self.resolved.get(href) {
             return url.clone();
         }
-        NormalizedUrl::join_with(self.page_url, href, &self.rules.strip)
-            .ok()
-            .filter(|u| self.rules.admits(u))
+        let url = NormalizedUrl::join_with(self.page_url, href, &self.rules.strip).ok()?;
+        let mut bounded = self.bounded.get();
+        let admitted = self.rules.admits_counting(&url, &mut bounded);
+        self.bounded.set(bounded);
+        admitted.then_some(url)
     }
 }
 
@@ -582,6 +721,48 @@ mod tests {
         HtmlRead::Css(ValueSpec::parse(spec).unwrap())
     }
 
+    #[test]
+    fn long_urls_and_repeated_path_segments_are_traps_counted_by_bound() {
+        let (links, _, _) = rules();
+        let url =
+            |path: &str| NormalizedUrl::parse(&format!("http://shop.test:8080{path}")).unwrap();
+        assert_eq!(
+            links.trap(&url("/a/b/a/b/a/b")),
+            None,
+            "three times is fine"
+        );
+        assert_eq!(
+            links.trap(&url("/a/b/a/b/a/b/a")),
+            Some(Bound::RepeatedSegment)
+        );
+        assert_eq!(
+            links.trap(&url("/x?q=/a/a/a/a")),
+            None,
+            "the query is not the path"
+        );
+        assert_eq!(
+            links.trap(&url(&format!("/{}", "y".repeat(40)))),
+            Some(Bound::UrlLength)
+        );
+        let page = Url::parse("http://shop.test:8080/list/1").unwrap();
+        let html = format!(
+            r#"<a href="/ok">a</a><a href="/a/a/a/a">b</a><a href="/{}">c</a><a href="/a/a/a/a">again</a>"#,
+            "z".repeat(50)
+        );
+        let data = extract(&page, &html, BodyFormat::Html, &links, None, None);
+        assert_eq!(data.links, [url("/ok")]);
+        assert_eq!(
+            data.bounded.get(Bound::RepeatedSegment),
+            1,
+            "each link once"
+        );
+        assert_eq!(data.bounded.get(Bound::UrlLength), 1);
+        assert_eq!(
+            links.refusal(&url("/a/a/a/a")).unwrap(),
+            "a path segment repeats more than 3 times (a crawl trap)"
+        );
+    }
+
     fn rules() -> (LinkRules, ListRules, RecordRules) {
         let links = LinkRules {
             scope: vec!["shop.test:8080".into()],
@@ -591,6 +772,7 @@ mod tests {
             deny: vec![regex::Regex::new("/logout").unwrap()],
             strip: StripQuery::parse(&["utm_*".into()]).unwrap(),
             max: 10_000,
+            max_url_length: 60,
         };
         let list = ListRules {
             item: Pick::html(selector(".item").unwrap()),

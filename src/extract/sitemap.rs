@@ -268,7 +268,7 @@ pub(crate) fn page_data(
     for entry in sitemap.entries {
         let Some(url) = NormalizedUrl::join_with(page_url, &entry.loc, &links.strip)
             .ok()
-            .filter(|u| links.admits(u))
+            .filter(|u| links.admits_counting(u, &mut data.bounded))
         else {
             continue;
         };
@@ -386,6 +386,7 @@ mod tests {
             deny: vec![regex::Regex::new("/C$").unwrap()],
             strip: crate::urls::StripQuery::default(),
             max: 10,
+            max_url_length: 2048,
         };
         let page = Url::parse("http://shop/sitemap.xml").unwrap();
         let data = page_data(&page, read(URLSET.as_bytes()).unwrap(), &rules, None);

@@ -33,6 +33,9 @@ pub(crate) struct StatusRow {
     /// The last completed pass's deletion evaluation: how many records it removed and restored,
     /// or why it removed nothing (`crawlLastPass`).
     pub last_evaluation: Option<String>,
+    /// URLs the crawl-trap bounds dropped in the bot's latest pass that dropped any:
+    /// `pass 5: max_depth 12, max_pages_per_host 340` (`crawlPassDropped`).
+    pub dropped: Option<String>,
     /// The current crawl pass, for bots that crawl (filled in by [`with_pass`]).
     pub crawl: Option<CrawlColumns>,
     /// Why the bot needs an operator's look, if it does (an error, a refresh past its time,
@@ -221,6 +224,23 @@ pub(crate) fn evaluation_text(raw: &Document) -> Option<String> {
     })
 }
 
+/// What the crawl-trap bounds dropped in the latest pass that dropped anything, in a few words:
+/// `pass 5: max_depth 12, max_pages_per_host 340`.
+pub(crate) fn dropped_text(raw: &Document) -> Option<String> {
+    let dropped = raw
+        .get_document(crate::store::document::field::CRAWL_PASS_DROPPED)
+        .ok()?;
+    let pass = dropped
+        .get("pass")
+        .and_then(crate::store::document::integer)?;
+    let counts: Vec<String> = dropped
+        .iter()
+        .filter(|(k, _)| k.as_str() != "pass")
+        .filter_map(|(k, v)| Some(format!("{k} {}", crate::store::document::integer(v)?)))
+        .collect();
+    (!counts.is_empty()).then(|| format!("pass {pass}: {}", counts.join(", ")))
+}
+
 /// Builds rows for every document read, plus configured bots (with their refresh schedules)
 /// that have no document yet, in that order ([`problems_first`] orders them for the views).
 pub(crate) fn status_rows(
@@ -269,12 +289,16 @@ fn document_row(
     let schedule = schedule_of(&raw, configured);
     let name = bot_name(&raw);
     let last_evaluation = evaluation_text(&raw);
+    let dropped = dropped_text(&raw);
     let observed = crate::store::document::observe(Some(raw));
     let state = state_of(&observed).as_str().to_owned();
     match observed {
         Observed::Valid(doc) => {
             let attention = attention(&state, Some(&doc), schedule, now);
-            valid_row(name, state, doc, attention, last_evaluation, now)
+            StatusRow {
+                dropped,
+                ..valid_row(name, state, doc, attention, last_evaluation, now)
+            }
         }
         Observed::Malformed { problems, .. } => StatusRow {
             attention: attention(&state, None, None, now),
@@ -318,6 +342,7 @@ fn valid_row(
         last_error: doc.last_error,
         problems: Vec::new(),
         last_evaluation,
+        dropped: None,
         crawl: None,
     }
 }
@@ -344,6 +369,7 @@ fn bare_row(bot: String, state: String) -> StatusRow {
         last_error: None,
         problems: Vec::new(),
         last_evaluation: None,
+        dropped: None,
         crawl: None,
     }
 }
@@ -531,7 +557,12 @@ fn table_cells(r: &StatusRow) -> Vec<String> {
         r.last_refresh.clone().unwrap_or_else(|| "-".into()),
     ];
     cells.extend(crawl_cells(r.crawl.as_ref()));
-    cells.push(r.last_evaluation.clone().unwrap_or_else(|| "-".into()));
+    cells.push(match (&r.last_evaluation, &r.dropped) {
+        (Some(evaluation), Some(dropped)) => format!("{evaluation}; dropped {dropped}"),
+        (None, Some(dropped)) => format!("dropped {dropped}"),
+        (Some(evaluation), None) => evaluation.clone(),
+        (None, None) => "-".into(),
+    });
     cells.push(r.attention.clone().unwrap_or_else(|| "-".into()));
     cells.push(last_error_cell(r));
     cells

@@ -133,6 +133,13 @@ fn crawl_cell(r: &StatusRow) -> String {
             escape(evaluation)
         );
     }
+    if let Some(dropped) = &r.dropped {
+        let _ = write!(
+            out,
+            "<div class=\"small\">trap bounds dropped: {}</div>",
+            escape(dropped)
+        );
+    }
     out
 }
 

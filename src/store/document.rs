@@ -152,6 +152,9 @@ pub(crate) mod field {
     pub(crate) const CRAWL_PASS_ENDED_AT: &str = "crawlPassEndedAt";
     pub(crate) const CRAWL_LAST_RUN_AT: &str = "crawlLastRunAt";
     pub(crate) const CRAWL_LAST_PASS: &str = "crawlLastPass";
+    /// URLs the crawl-trap bounds dropped in a pass: `{pass, max_depth: n, …}`, one count per
+    /// bound that dropped any (written only when one does).
+    pub(crate) const CRAWL_PASS_DROPPED: &str = "crawlPassDropped";
     /// A refresh succeeded while the pass ran: the next pass starts when it ends.
     pub(crate) const CRAWL_NEXT_PASS_AT: &str = "crawlNextPassAt";
     /// The bot's definition (a `[[bots]]` entry, every default filled in), for instances that

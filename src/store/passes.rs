@@ -158,6 +158,7 @@ impl Passes<'_> {
                 kind: PageKind::Seed,
                 fingerprint: None,
                 priority: PageKind::Seed.default_priority(),
+                depth: 0,
             })
             .collect();
         self.store
@@ -317,6 +318,80 @@ impl Passes<'_> {
         Ok((progress, (lists, lists_done, all, failed)))
     }
 
+    /// Adds `dropped` (URLs a crawl-trap bound dropped, by bound name) to pass `pass`'s counts
+    /// in the bot document: an `$inc` of this pass's counts, or — the first drop of the pass —
+    /// a `$set` that starts them (while `pass` is the bot's current one). One write per page
+    /// that drops a URL; none otherwise.
+    pub async fn add_dropped(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        dropped: &[(&str, u64)],
+    ) -> Result<()> {
+        if dropped.is_empty() {
+            return Ok(());
+        }
+        let at = |k: &str| format!("{}.{k}", field::CRAWL_PASS_DROPPED);
+        let mut inc = Document::new();
+        let mut fresh = doc! { "pass": pass };
+        for (bound, n) in dropped {
+            inc.insert(at(bound), i64::try_from(*n).unwrap_or(i64::MAX));
+            fresh.insert(*bound, i64::try_from(*n).unwrap_or(i64::MAX));
+        }
+        let this_pass = doc! { field::ID: bot.as_str(), at("pass"): pass };
+        let bots = &self.store.bots;
+        for _ in 0..2 {
+            let added = self
+                .store
+                .bounded(
+                    "count dropped URLs",
+                    bots.update_one(this_pass.clone(), doc! { "$inc": inc.clone() }),
+                )
+                .await?;
+            if added.matched_count == 1 {
+                return Ok(());
+            }
+            let started = self
+                .store
+                .bounded(
+                    "count dropped URLs",
+                    bots.update_one(
+                        doc! {
+                            field::ID: bot.as_str(),
+                            field::CRAWL_PASS: pass,
+                            at("pass"): { "$ne": pass },
+                        },
+                        doc! { "$set": { field::CRAWL_PASS_DROPPED: fresh.clone() } },
+                    ),
+                )
+                .await?;
+            if started.matched_count == 1 {
+                return Ok(());
+            }
+            // Another instance started the counts meanwhile (then the `$inc` matches), or the
+            // pass is over (then neither does, and there is nothing to count into).
+        }
+        Ok(())
+    }
+
+    /// What the crawl-trap bounds dropped in pass `pass`, by bound name (none recorded: empty).
+    pub async fn dropped(self, bot: &BotId, pass: PassNumber) -> Result<Vec<(String, u64)>> {
+        let found = self
+            .store
+            .bounded(
+                "read dropped URLs",
+                self.store
+                    .bots
+                    .find_one(doc! { field::ID: bot.as_str() })
+                    .projection(doc! { field::CRAWL_PASS_DROPPED: 1 }),
+            )
+            .await?;
+        Ok(found
+            .as_ref()
+            .and_then(|d| dropped_of(d, pass))
+            .unwrap_or_default())
+    }
+
     /// Ends pass `pass` (the caller saw nothing pending or leased): the conditional write that
     /// records the end, then (by its winner) deletion detection. Safe to run on several
     /// instances at once, and on a pass a refresh has replaced (then it does nothing).
@@ -354,7 +429,20 @@ impl Passes<'_> {
                 finished: false,
             });
         }
-        let deletion_skipped = rules.skipped(coverage, error_rate);
+        let dropped = self.dropped(bot, pass).await?;
+        let bounded: Vec<String> = dropped
+            .iter()
+            .filter(|(bound, _)| bound == "max_pages" || bound == "max_pages_per_host")
+            .map(|(bound, n)| format!("{bound} ({n} URLs not crawled)"))
+            .collect();
+        let deletion_skipped = if bounded.is_empty() {
+            rules.skipped(coverage, error_rate)
+        } else {
+            Some(format!(
+                "the pass is incomplete: it hit {}",
+                bounded.join(" and ")
+            ))
+        };
         let sweep = self.needs_sweep(bot).await?;
         let summary = doc! {
             "sweep": sweep,
@@ -364,6 +452,7 @@ impl Passes<'_> {
             "failed": progress.failed as i64,
             "listCoverage": coverage,
             "errorRate": error_rate,
+            "dropped": dropped.iter().map(|(k, n)| (k.clone(), Bson::Int64(i64::try_from(*n).unwrap_or(i64::MAX)))).collect::<Document>(),
             "deletion": deletion_skipped.clone().map_or_else(|| Bson::String("applied".into()), |why| Bson::String(format!("skipped: {why}"))),
             "endedAt": date(now),
             "evaluation": "pending",
@@ -736,4 +825,22 @@ impl Passes<'_> {
             }),
         })
     }
+}
+
+/// The counts of `crawlPassDropped` in a bot document, when they are pass `pass`'s.
+pub(crate) fn dropped_of(bot: &Document, pass: PassNumber) -> Option<Vec<(String, u64)>> {
+    let dropped = bot.get_document(field::CRAWL_PASS_DROPPED).ok()?;
+    let of = dropped
+        .get("pass")
+        .and_then(crate::store::document::integer)?;
+    (of == pass.get()).then(|| {
+        dropped
+            .iter()
+            .filter(|(k, _)| k.as_str() != "pass")
+            .filter_map(|(k, v)| {
+                let n = crate::store::document::integer(v)?;
+                Some((k.clone(), u64::try_from(n).unwrap_or(0)))
+            })
+            .collect()
+    })
 }

@@ -694,6 +694,7 @@ async fn links_enqueued_leased_go_to_the_enqueuer_alone() {
             kind: PageKind::Detail,
             fingerprint: None,
             priority: 0,
+            depth: 1,
         })
         .collect();
     let no_known = std::collections::HashMap::new();

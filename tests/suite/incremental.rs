@@ -754,6 +754,7 @@ async fn a_record_stored_without_its_mark_whose_page_is_then_gone_is_removed() {
                 kind: PageKind::Detail,
                 fingerprint: None,
                 priority: 0,
+                depth: 1,
             }],
             &HashMap::new(),
             Some(LeaseTo {

@@ -10,6 +10,7 @@ mod branches;
 mod chaos;
 mod cli;
 mod crawl;
+mod crawl_traps;
 mod cursors;
 mod dashboard;
 mod demo_site;

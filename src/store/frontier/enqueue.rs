@@ -87,6 +87,7 @@ impl<'a> Taking<'a> {
             f::NOT_BEFORE: date(self.now), f::SLOT: i64::from(rand::random_range(0..SLOTS)),
             f::HOST: link.url.host_port(), f::PRIORITY: link.priority,
             f::LIST_FINGERPRINT: text(link.fingerprint.as_deref()),
+            f::DEPTH: i64::from(link.depth),
         };
         for (name, value) in self.lease_fields(leased) {
             entry.insert(name, value);
@@ -113,6 +114,7 @@ impl<'a> Taking<'a> {
             reclaimed: false,
             priority: link.priority,
             sheds: 0,
+            depth: link.depth,
             eligible_since: Some(self.now),
         }
     }
@@ -131,8 +133,17 @@ pub(super) fn reset_statement(taking: &Taking<'_>, chunk: &[Reset<'_>]) -> Docum
     // entry — with one random slot for the chunk. (Not for pending links: the lease queries
     // sample pending entries by slot, and a hundred in one slot would make that lumpy.)
     let alike = |a: &Reset<'_>, b: &Reset<'_>| {
-        (a.link.kind, a.link.priority, &a.link.fingerprint)
-            == (b.link.kind, b.link.priority, &b.link.fingerprint)
+        (
+            a.link.kind,
+            a.link.priority,
+            &a.link.fingerprint,
+            a.link.depth,
+        ) == (
+            b.link.kind,
+            b.link.priority,
+            &b.link.fingerprint,
+            b.link.depth,
+        )
     };
     if chunk.iter().all(|r| r.leased) && chunk.windows(2).all(|w| alike(&w[0], &w[1])) {
         if let Some(first) = chunk.first() {
@@ -156,6 +167,7 @@ pub(super) fn reset_statement(taking: &Taking<'_>, chunk: &[Reset<'_>]) -> Docum
         f::SLOT: column(&|_| Bson::Int64(i64::from(rand::random_range(0..SLOTS)))),
         f::PRIORITY: column(&|r| Bson::Int64(r.link.priority)),
         f::LIST_FINGERPRINT: column(&|r| text(r.link.fingerprint.as_deref())),
+        f::DEPTH: column(&|r| Bson::Int64(i64::from(r.link.depth))),
     };
     if chunk.iter().any(|r| r.leased) {
         for name in [
@@ -198,6 +210,7 @@ impl Frontier<'_> {
                 kind,
                 fingerprint: None,
                 priority: kind.default_priority(),
+                depth: 0,
             })
             .collect();
         self.enqueue_urls(bot, pass, &urls, now).await
@@ -545,6 +558,7 @@ mod tests {
             fingerprint: None,
             record_id: None,
             validators: Default::default(),
+            depth: 0,
         };
         let leased: Vec<Reset<'_>> = vec![
             Reset {

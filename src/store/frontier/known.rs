@@ -13,6 +13,8 @@ pub struct KnownPage {
     pub fingerprint: Option<String>,
     pub record_id: Option<String>,
     pub validators: Validators,
+    /// Links followed from a seed to reach it when it was last enqueued (0 when not stored).
+    pub depth: u32,
 }
 
 impl KnownPage {
@@ -20,7 +22,7 @@ impl KnownPage {
     pub(crate) fn projection(extra: &[&str]) -> Document {
         let mut projection = doc! {
             f::PASS: 1, f::STATUS: 1, f::FINGERPRINT: 1, f::RECORD_ID: 1, f::ETAG: 1,
-            f::LAST_MODIFIED: 1,
+            f::LAST_MODIFIED: 1, f::DEPTH: 1,
         };
         for name in extra {
             projection.insert(*name, 1);
@@ -43,6 +45,7 @@ impl KnownPage {
             status: doc.get_str(f::STATUS).ok().and_then(UrlStatus::parse),
             fingerprint: get_text(doc, f::FINGERPRINT),
             record_id: get_text(doc, f::RECORD_ID),
+            depth: depth_of(doc),
             validators: Validators {
                 etag: get_text(doc, f::ETAG),
                 last_modified: get_text(doc, f::LAST_MODIFIED),

@@ -128,6 +128,7 @@ pub(super) fn lease_of(
         reclaimed,
         priority: get_int(doc, f::PRIORITY).unwrap_or_else(|| kind.default_priority()),
         sheds: get_int(doc, f::SHEDS).unwrap_or(0),
+        depth: depth_of(doc),
         eligible_since: get_date(doc, f::NOT_BEFORE),
         url,
         kind,
@@ -157,7 +158,7 @@ pub(super) fn lease_projection() -> Document {
     doc! {
         f::URL: 1, f::KIND: 1, f::ATTEMPTS: 1, f::ETAG: 1, f::LAST_MODIFIED: 1,
         f::LIST_FINGERPRINT: 1, f::RECORD_ID: 1, f::PRIORITY: 1, f::SHEDS: 1, f::NOT_BEFORE: 1,
-        f::HOST: 1, f::SLOT: 1, f::LEASE_TOKEN: 1, f::STATUS: 1,
+        f::HOST: 1, f::SLOT: 1, f::LEASE_TOKEN: 1, f::STATUS: 1, f::DEPTH: 1,
     }
 }
 

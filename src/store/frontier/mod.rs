@@ -98,6 +98,8 @@ pub(crate) mod field {
     pub(crate) const SLOT: &str = "slot";
     pub(crate) const HOST: &str = "host";
     pub(crate) const PRIORITY: &str = "priority";
+    /// Links followed from a seed to reach the page (seeds 0; pagination counts too).
+    pub(crate) const DEPTH: &str = "depth";
     pub(crate) const LEASE_OWNER: &str = "leaseOwner";
     pub(crate) const LEASE_TOKEN: &str = "leaseToken";
     pub(crate) const LEASED_AT: &str = "leasedAt";
@@ -247,6 +249,8 @@ pub struct UrlLease {
     pub priority: i64,
     /// Times this URL was shed in this pass.
     pub sheds: i64,
+    /// Links followed from a seed to reach it (its links are one deeper).
+    pub depth: u32,
     /// Since when the URL could be leased (its `notBefore`): how long it waited.
     pub eligible_since: Option<DateTime<Utc>>,
 }
@@ -266,6 +270,8 @@ pub struct NewUrl {
     pub fingerprint: Option<String>,
     /// Leased first when higher (see [`PageKind::default_priority`]).
     pub priority: i64,
+    /// Links followed from a seed to reach it (seeds 0).
+    pub depth: u32,
 }
 
 /// The frontier `_id`: a hash of (bot, normalized URL), the same on every instance and every run.
@@ -293,6 +299,11 @@ fn get_date(doc: &Document, name: &str) -> Option<DateTime<Utc>> {
 
 fn get_text(doc: &Document, name: &str) -> Option<String> {
     doc.get_str(name).ok().map(str::to_owned)
+}
+
+/// An entry's `depth` (0 when it has none: an entry written before depths were kept).
+fn depth_of(doc: &Document) -> u32 {
+    get_int(doc, f::DEPTH).map_or(0, |d| u32::try_from(d.max(0)).unwrap_or(u32::MAX))
 }
 
 fn get_int(doc: &Document, name: &str) -> Option<i64> {
@@ -349,5 +360,6 @@ fn listing_link(path: &str) -> NewUrl {
         kind: PageKind::List,
         fingerprint: None,
         priority: 1,
+        depth: 0,
     }
 }

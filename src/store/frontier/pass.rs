@@ -37,6 +37,30 @@ pub fn status_filter(bot: &BotId, pass: PassNumber, status: UrlStatus) -> Docume
 }
 
 impl Frontier<'_> {
+    /// The URLs in pass `pass` (of `host` alone, when given): one count per status, each a
+    /// range of the crawl index. What the page bounds (`max_pages`, `max_pages_per_host`) are
+    /// checked against, rarely (see `crawl::bounds`).
+    pub async fn pages_in_pass(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        host: Option<&str>,
+    ) -> Result<u64> {
+        let collection = self.collection();
+        let counts = UrlStatus::ALL.map(|status| {
+            let mut filter = status_filter(bot, pass, status);
+            if let Some(host) = host {
+                filter.insert(f::HOST, host);
+            }
+            self.store
+                .bounded("count the pass's pages", collection.count_documents(filter))
+        });
+        Ok(futures_util::future::try_join_all(counts)
+            .await?
+            .iter()
+            .sum())
+    }
+
     /// The highest pass any of the bot's URLs is in, or `floor` when none is above it: a new pass
     /// numbers above it. `floor` is the bot document's pass, which every URL is at or below
     /// unless a pass was prepared and never recorded, or the document was set back (restored,
