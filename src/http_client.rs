@@ -19,8 +19,9 @@ pub struct Page {
     pub format: BodyFormat,
     /// An HTML or JSON page's body (empty for a sitemap: it is read as it arrives).
     pub body: String,
-    /// A sitemap file, read as a stream while its body arrived (never held whole).
-    pub sitemap: Option<Box<crate::extract::sitemap::Sitemap>>,
+    /// A sitemap file, read as a stream while its body arrived (never held whole), with its
+    /// client's sitemap permit: one file of a bot is read and held at a time.
+    pub sitemap: Option<(Box<crate::extract::sitemap::Sitemap>, SitemapPermit)>,
     pub etag: Option<String>,
     pub last_modified: Option<String>,
 }
@@ -303,6 +304,20 @@ impl PassJar {
     }
 }
 
+/// A client's one permit to read and hold a sitemap file: a file of 50,000 URLs weighs
+/// megabytes once read, so a bot reads the next only when the one before is parsed (its
+/// entries moved into the crawl's own budget).
+#[derive(Clone, Debug, Default)]
+pub struct SitemapPermit {
+    _held: Option<std::sync::Arc<tokio::sync::OwnedSemaphorePermit>>,
+}
+
+impl PartialEq for SitemapPermit {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
 #[derive(Clone)]
 pub struct HttpClient {
     /// Follows no redirect: each hop is a fetch of its own ([`FetchOutcome::Redirect`]).
@@ -324,6 +339,8 @@ pub struct HttpClient {
     /// Why the bot's own client could not be built: every request fails with it (never sent
     /// around the bot's proxy).
     broken: Option<String>,
+    /// One sitemap file read at a time ([`SitemapPermit`]); a bot's client has its own.
+    sitemaps: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for HttpClient {
@@ -371,6 +388,7 @@ impl HttpClient {
             user_agent: None,
             jar: None,
             broken: None,
+            sitemaps: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
         })
     }
 
@@ -407,6 +425,7 @@ impl HttpClient {
         let mut out = Self {
             headers: std::sync::Arc::new(headers.clone()),
             user_agent,
+            sitemaps: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
             ..self.clone()
         };
         // A bot that sends a `Cookie` header of its own keeps no jar: one `Cookie` header a
@@ -566,15 +585,19 @@ impl HttpClient {
         let final_url =
             NormalizedUrl::parse(response.url().as_str()).unwrap_or_else(|_| url.clone());
         if format == BodyFormat::Sitemap {
+            let permit = self.sitemaps.clone().acquire_owned().await.ok();
             let sitemap = match read_sitemap(&mut response).await {
                 Ok(sitemap) => sitemap,
                 Err(outcome) => return outcome,
+            };
+            let permit = SitemapPermit {
+                _held: permit.map(std::sync::Arc::new),
             };
             return FetchOutcome::Ok(Page {
                 url: final_url,
                 format,
                 body: String::new(),
-                sitemap: Some(Box::new(sitemap)),
+                sitemap: Some((Box::new(sitemap), permit)),
                 etag,
                 last_modified,
             });

@@ -44,7 +44,8 @@ impl Parser {
         let sitemap = page.sitemap.is_some();
         let data = tokio::task::spawn_blocking(move || match page.sitemap {
             // A sitemap file was read as it arrived; its entries become links or items here.
-            Some(sitemap) => crate::extract::sitemap::page_data(
+            // Its permit goes once it is parsed: the bot's next file may be read.
+            Some((sitemap, _permit)) => crate::extract::sitemap::page_data(
                 &page_url,
                 *sitemap,
                 &rules.links,

@@ -51,7 +51,7 @@ pub(super) fn body_weight(fetched: &Fetched, budget_kib: u32) -> u32 {
         Fetched::Outcome(crate::http_client::FetchOutcome::Ok(page)) => page
             .sitemap
             .as_ref()
-            .map_or(page.body.len(), |sitemap| sitemap.weight()),
+            .map_or(page.body.len(), |(sitemap, _)| sitemap.weight()),
         _ => 0,
     };
     u32::try_from(bytes.div_ceil(1024))

@@ -447,8 +447,12 @@ mod tests {
             ("application/ld+json", Some(BodyFormat::Json)),
             ("application/vnd.api+json", Some(BodyFormat::Json)),
             ("text/plain", None),
-            ("application/xml", None),
+            ("application/xml", Some(BodyFormat::Sitemap)),
+            ("text/xml", Some(BodyFormat::Sitemap)),
+            ("application/x-gzip", Some(BodyFormat::Sitemap)),
+            ("image/png", None),
             ("+json", None),
+            ("+xml", None),
         ] {
             assert_eq!(BodyFormat::of_content_type(essence), format, "{essence}");
         }

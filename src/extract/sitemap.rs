@@ -264,7 +264,17 @@ pub(crate) fn page_data(
         dropped: sitemap.dropped,
         ..PageData::default()
     };
-    let mut seen = std::collections::HashSet::new();
+    if !sitemap.index {
+        data.items.reserve_exact(sitemap.entries.len());
+    }
+    // Each URL once, told by a 64-bit hash of its text (a copy of every URL would weigh as much
+    // as the items); two URLs that share a hash are compared in full.
+    let mut seen = std::collections::HashSet::with_capacity(sitemap.entries.len());
+    let hash = |url: &NormalizedUrl| {
+        use std::hash::{BuildHasher, BuildHasherDefault};
+        BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+            .hash_one(url.as_str())
+    };
     for entry in sitemap.entries {
         let Some(url) = NormalizedUrl::join_with(page_url, &entry.loc, &links.strip)
             .ok()
@@ -272,8 +282,12 @@ pub(crate) fn page_data(
         else {
             continue;
         };
-        if !seen.insert(url.as_str().to_owned()) {
-            continue;
+        if !seen.insert(hash(&url)) {
+            let again = data.links.contains(&url)
+                || data.items.iter().any(|i| i.url.as_ref() == Some(&url));
+            if again {
+                continue;
+            }
         }
         let detail = record.is_none_or(|r| r.url_match.is_match(url.as_str()));
         if sitemap.index || !detail {
@@ -334,6 +348,34 @@ mod tests {
             ]
         );
         assert_eq!(read.bytes, URLSET.len() as u64);
+    }
+
+    #[test]
+    fn a_page_listed_twice_is_one_item() {
+        let twice = r#"<urlset><url><loc>http://shop/p/1</loc><lastmod>2026-01-01</lastmod></url>
+            <url><loc>http://shop/p/2</loc></url><url><loc>http://shop/p/1</loc></url></urlset>"#;
+        let rules = LinkRules {
+            scope: vec!["shop".into()],
+            follow: None,
+            follow_json: Vec::new(),
+            allow: Vec::new(),
+            deny: Vec::new(),
+            strip: crate::urls::StripQuery::default(),
+            max: 10,
+            max_url_length: 2048,
+        };
+        let page = Url::parse("http://shop/sitemap.xml").unwrap();
+        let data = page_data(&page, read(twice.as_bytes()).unwrap(), &rules, None);
+        let urls: Vec<_> = data
+            .items
+            .iter()
+            .map(|i| i.url.as_ref().unwrap().as_str())
+            .collect();
+        assert_eq!(urls, ["http://shop/p/1", "http://shop/p/2"]);
+        assert_eq!(
+            data.items[0].fingerprint, "2026-01-01",
+            "the first listing of it counts"
+        );
     }
 
     #[test]

@@ -79,7 +79,7 @@ pub(crate) async fn command(settings: Settings, request: Request) -> ExitCode {
     let examined = page.as_ref().ok().map(|page| {
         let kind = probe::kind_of(&rules, &page.url, &seeds);
         let body = match &page.sitemap {
-            Some(read) => probe::Body::Sitemap(read),
+            Some((read, _)) => probe::Body::Sitemap(read),
             None => probe::Body::Text(&page.body, page.format),
         };
         probe::examine(id.as_str(), &rules, kind, &page.url.to_url(), body)
@@ -93,7 +93,7 @@ pub(crate) async fn command(settings: Settings, request: Request) -> ExitCode {
         fetch_error: page.as_ref().err().map(String::as_str),
         bytes: page.as_ref().ok().map(|page| {
             page.sitemap.as_ref().map_or(page.body.len(), |s| {
-                usize::try_from(s.bytes).unwrap_or(usize::MAX)
+                usize::try_from(s.0.bytes).unwrap_or(usize::MAX)
             })
         }),
         examined: examined.as_ref(),

@@ -71,7 +71,7 @@ impl Frontier<'_> {
         bot: &BotId,
         ids: &[String],
     ) -> Result<HashMap<String, KnownPage>> {
-        let mut known = HashMap::with_capacity(ids.len());
+        let mut known = HashMap::new();
         for chunk in ids.chunks(CHUNK) {
             let found: Vec<Document> = self
                 .store
