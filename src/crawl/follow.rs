@@ -26,6 +26,10 @@ use crate::store::frontier::{
 };
 use crate::urls::NormalizedUrl;
 
+/// How many of a listing page's items are decided and enqueued at a time: all of an HTML
+/// listing's, a slice of a sitemap file's.
+const ITEMS_AT_ONCE: usize = 2_000;
+
 /// What following a page's links did.
 #[derive(Debug, Default, PartialEq)]
 pub(crate) struct Followed {
@@ -167,19 +171,50 @@ impl Follower {
             self.follow_pagination(lease, &lists, queues, now, &mut followed, &mut dropped)
                 .await?;
         }
-        let (mut listed, known) = self
-            .list_items(
-                lease,
-                pass,
-                mode,
-                &items,
-                &plain,
-                queues,
-                now,
-                &mut followed,
-                &mut dropped,
-            )
-            .await?;
+        // A listing's items in slices of `ITEMS_AT_ONCE` (a sitemap file lists up to 50,000):
+        // each slice is decided and its detail pages enqueued before the next, so what the
+        // decision holds (ids, frontier entries, links) stays small. The page's other links go
+        // with the last slice.
+        let mut manifest = lease.kind.is_listing().then(|| Manifest {
+            evaluated: pass.evaluated,
+            ..Manifest::default()
+        });
+        let mut stop_paginating = false;
+        let mut slices = items.chunks(ITEMS_AT_ONCE).peekable();
+        let (mut listed, known) = loop {
+            let slice = slices.next().unwrap_or_default();
+            let last = slices.peek().is_none();
+            let (mut listed, known) = self
+                .list_items(
+                    lease,
+                    pass,
+                    mode,
+                    slice,
+                    if last { &plain } else { &[] },
+                    manifest.take(),
+                    queues,
+                    now,
+                    &mut followed,
+                    &mut dropped,
+                )
+                .await?;
+            listed.stop_paginating |= stop_paginating;
+            if last {
+                break (listed, known);
+            }
+            stop_paginating = listed.stop_paginating;
+            manifest = listed.manifest.take();
+            let new = self
+                .within_bounds(lease, std::mem::take(&mut listed.new), &mut dropped)
+                .await?;
+            if !new.is_empty() {
+                let (added, leased) = self
+                    .enqueue_leasing_what_fits(lease, new, &known, queues, now)
+                    .await?;
+                followed.added += added;
+                followed.leased += leased;
+            }
+        };
         if let Some(m) = listed.manifest.as_mut() {
             for link in &detail_links {
                 m.push(url_id(&self.shared.bot, link), 0, false);
@@ -243,6 +278,7 @@ impl Follower {
         mode: IncrementalMode,
         items: &[(&ListItem, &NormalizedUrl)],
         plain: &[(&NormalizedUrl, String)],
+        manifest: Option<Manifest>,
         queues: &HostQueues,
         now: DateTime<Utc>,
         followed: &mut Followed,
@@ -253,10 +289,7 @@ impl Follower {
                 .unwrap_or_default()
         });
         let mut listed = Listing {
-            manifest: lease.kind.is_listing().then(|| Manifest {
-                evaluated: pass.evaluated,
-                ..Manifest::default()
-            }),
+            manifest,
             depth: lease.depth.saturating_add(1),
             ..Listing::default()
         };

@@ -8,7 +8,7 @@ use super::fetch::Fetched;
 use crate::config::CrawlSettings;
 use crate::error::{Error, Result};
 use crate::extract::{extract, PageData};
-use crate::http_client::{FetchOutcome, Validators};
+use crate::http_client::{FetchOutcome, SitemapPermit, Validators};
 
 /// What the settle stage receives: an extracted page, or any other answer as it came.
 #[derive(Debug)]
@@ -16,6 +16,9 @@ pub(crate) enum Parsed {
     Page {
         data: Box<PageData>,
         validators: Validators,
+        /// A sitemap file's permit, held until its items are followed: a bot's next file is
+        /// read only then, so one file's items are in memory at a time.
+        held: SitemapPermit,
     },
     Other(Fetched),
 }
@@ -42,22 +45,27 @@ impl Parser {
         let rules = self.rules.clone();
         let page_url = page.url.to_url();
         let sitemap = page.sitemap.is_some();
-        let data = tokio::task::spawn_blocking(move || match page.sitemap {
+        let (data, held) = tokio::task::spawn_blocking(move || match page.sitemap {
             // A sitemap file was read as it arrived; its entries become links or items here.
-            // Its permit goes once it is parsed: the bot's next file may be read.
-            Some((sitemap, _permit)) => crate::extract::sitemap::page_data(
-                &page_url,
-                *sitemap,
-                &rules.links,
-                rules.record.as_ref(),
+            Some((sitemap, held)) => (
+                crate::extract::sitemap::page_data(
+                    &page_url,
+                    *sitemap,
+                    &rules.links,
+                    rules.record.as_ref(),
+                ),
+                held,
             ),
-            None => extract(
-                &page_url,
-                &page.body,
-                page.format,
-                &rules.links,
-                rules.list.as_ref(),
-                rules.record.as_ref(),
+            None => (
+                extract(
+                    &page_url,
+                    &page.body,
+                    page.format,
+                    &rules.links,
+                    rules.list.as_ref(),
+                    rules.record.as_ref(),
+                ),
+                SitemapPermit::default(),
             ),
         })
         .await
@@ -84,6 +92,7 @@ impl Parser {
         Ok(Parsed::Page {
             data: Box::new(data),
             validators,
+            held,
         })
     }
 }

@@ -100,17 +100,22 @@ impl Resolver {
         pass: &Pass,
         queues: &HostQueues,
     ) -> Result<Settled> {
-        let Parsed::Page { data, validators } = parsed else {
+        let Parsed::Page {
+            data,
+            validators,
+            held: _held,
+        } = parsed
+        else {
             return self.step(lease, parsed, pass, queues).await;
         };
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let parsed = Parsed::Page {
-                data: data.clone(),
-                validators: validators.clone(),
-            };
-            match self.step(lease.clone(), parsed, pass, queues).await {
+            let now = self.shared.clock.now();
+            let settled = self
+                .page(lease.clone(), &data, validators.clone(), pass, queues, now)
+                .await;
+            match settled {
                 Err(e) if e.is_transient() && attempt < 3 => {
                     tokio::time::sleep(full_jitter(
                         Duration::from_millis(50),
@@ -135,8 +140,10 @@ impl Resolver {
     ) -> Result<Settled> {
         let now = self.shared.clock.now();
         let outcome = match parsed {
-            Parsed::Page { data, validators } => {
-                return self.page(lease, data, validators, pass, queues, now).await;
+            Parsed::Page {
+                data, validators, ..
+            } => {
+                return self.page(lease, &data, validators, pass, queues, now).await;
             }
             Parsed::Other(Fetched::Released) => {
                 let mark = Mark::Release {
@@ -165,33 +172,33 @@ impl Resolver {
     async fn page(
         &self,
         mut lease: UrlLease,
-        data: Box<PageData>,
+        data: &PageData,
         validators: Validators,
         pass: &Pass,
         queues: &HostQueues,
         now: DateTime<Utc>,
     ) -> Result<Settled> {
         lease.validators = validators;
-        let followed = self.follower.step(&lease, pass, &data, queues, now).await?;
+        let followed = self.follower.step(&lease, pass, data, queues, now).await?;
         let done = Mark::Done {
             validators: lease.validators.clone(),
             record_id: None,
             manifest: followed.manifest,
         };
-        let mut page = match data.record {
+        let mut page = match &data.record {
             Some(Ok((natural_key, fields))) => {
                 let record = Extracted {
                     bot: self.shared.bot.clone(),
-                    natural_key,
-                    data: fields,
-                    url: data.canonical,
+                    natural_key: natural_key.clone(),
+                    data: fields.clone(),
+                    url: data.canonical.clone(),
                 };
                 let stored = PageResult::Stored(RecordWrite::Unchanged);
                 let mut s = Settled::new(lease, done, Some(stored));
                 s.record = Some(record);
                 s
             }
-            Some(Err(reason)) => self.fail(lease, &reason),
+            Some(Err(reason)) => self.fail(lease, reason),
             None => Settled::new(lease, done, Some(PageResult::Done)),
         };
         page.new_pending = followed.added.saturating_sub(followed.leased as u64);
