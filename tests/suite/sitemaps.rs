@@ -1,7 +1,8 @@
 //! Sitemaps as listings: the demo shop's gzipped sitemap index crawled exactly, then only the
 //! products whose `lastmod` moved (one fetch and one record write each); a product gone from a
 //! complete pass's sitemaps removed, none from a pass that missed a sitemap file; the sitemaps
-//! a robots.txt names read with `sitemaps_from_robots`; `try` on a sitemap printing its items.
+//! a robots.txt names read with `sitemaps_from_robots`; `try` on a sitemap printing its items; a
+//! file longer than one decision slice crawled and passed again as exactly.
 
 use crate::kit;
 
@@ -230,4 +231,47 @@ async fn try_on_a_sitemap_prints_its_items_with_their_lastmods() {
         );
         assert_eq!(item["fingerprint_fields"][0]["spec"], "lastmod");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sitemap_file_longer_than_a_decision_slice_is_crawled_exactly_then_only_what_moved() {
+    let db = test_db("sitemap_slices").await;
+    // One file of 4,500 products: its items are decided in three slices.
+    let base = sitemap_shop(45, 100, 5_000).await;
+    sitemap_pass(&db, &base, false).await;
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    let files = frontier(
+        &db,
+        doc! { "kind": "list", "url": { "$regex": "products-" } },
+    )
+    .await;
+    assert_eq!(files.len(), 1, "one sitemap file");
+    assert_eq!(
+        manifest_len(&files[0]),
+        Some(4_500),
+        "the file's manifest lists every item once"
+    );
+
+    let report = post(
+        &format!("{base}/__mutate"),
+        json!({"change": 4, "delete": 2}),
+    )
+    .await;
+    let deleted = skus(&report, "deleted");
+    let mut moved: Vec<String> = skus(&report, "changed")
+        .into_iter()
+        .filter(|s| !deleted.contains(s))
+        .collect();
+    moved.sort();
+    Requests::take(&base).await;
+    request_refresh(&db).await;
+    sitemap_pass(&db, &base, false).await;
+    let second = Requests::take(&base).await;
+    assert_eq!(
+        products_fetched(&second),
+        moved,
+        "exactly the changed products fetched"
+    );
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    assert_eq!(removed_keys(&db).await, deleted, "the deleted ones removed");
 }
