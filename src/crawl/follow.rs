@@ -204,16 +204,17 @@ impl Follower {
             }
             stop_paginating = listed.stop_paginating;
             manifest = listed.manifest.take();
-            let new = self
-                .within_bounds(lease, std::mem::take(&mut listed.new), &mut dropped)
-                .await?;
-            if !new.is_empty() {
-                let (added, leased) = self
-                    .enqueue_leasing_what_fits(lease, new, &known, queues, now)
-                    .await?;
-                followed.added += added;
-                followed.leased += leased;
-            }
+            let new = std::mem::take(&mut listed.new);
+            self.enqueue_within_bounds(
+                lease,
+                new,
+                &known,
+                queues,
+                now,
+                &mut followed,
+                &mut dropped,
+            )
+            .await?;
         };
         if let Some(m) = listed.manifest.as_mut() {
             for link in &detail_links {
@@ -222,17 +223,39 @@ impl Follower {
         }
         followed.manifest = listed.manifest.take().map(Box::new);
         let (new, ids) = self.plain_links(plain, &mut listed, depth);
-        let new = self.within_bounds(lease, new, &mut dropped).await?;
-        if !new.is_empty() {
-            let (added, leased) = self
-                .enqueue_leasing_what_fits(lease, new, &known, queues, now)
-                .await?;
-            followed.added += added;
-            followed.leased += leased;
+        if self
+            .enqueue_within_bounds(lease, new, &known, queues, now, &mut followed, &mut dropped)
+            .await?
+        {
             self.memory.remember_enqueued(lease.pass, ids);
         }
         self.note_dropped(lease, &dropped).await?;
         Ok(followed)
+    }
+
+    /// Enqueues the links of `new` the pass's page bounds admit
+    /// ([`Follower::enqueue_leasing_what_fits`]), into `followed`; whether any were.
+    #[allow(clippy::too_many_arguments)]
+    async fn enqueue_within_bounds(
+        &self,
+        lease: &UrlLease,
+        new: Vec<NewUrl>,
+        known: &HashMap<String, KnownPage>,
+        queues: &HostQueues,
+        now: DateTime<Utc>,
+        followed: &mut Followed,
+        dropped: &mut Dropped,
+    ) -> Result<bool> {
+        let new = self.within_bounds(lease, new, dropped).await?;
+        if new.is_empty() {
+            return Ok(false);
+        }
+        let (added, leased) = self
+            .enqueue_leasing_what_fits(lease, new, known, queues, now)
+            .await?;
+        followed.added += added;
+        followed.leased += leased;
+        Ok(true)
     }
 
     /// The links of `links` the pass's page bounds admit (see `crawl::bounds`); the rest are

@@ -320,6 +320,20 @@ fn parse_lastmod(raw: &str) -> Option<chrono::DateTime<chrono::Utc>> {
 mod tests {
     use super::*;
 
+    /// Link rules in the scope `shop`, refusing the URLs `deny` matches.
+    fn shop_links(deny: &[&str]) -> LinkRules {
+        LinkRules {
+            scope: vec!["shop".into()],
+            follow: None,
+            follow_json: Vec::new(),
+            allow: Vec::new(),
+            deny: deny.iter().map(|d| regex::Regex::new(d).unwrap()).collect(),
+            strip: crate::urls::StripQuery::default(),
+            max: 10,
+            max_url_length: 2048,
+        }
+    }
+
     const URLSET: &str = r#"<?xml version="1.0" encoding="UTF-8"?>
 <urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">
   <url><loc> http://shop/product/A?x=1&amp;y=2 </loc><lastmod>2026-01-02</lastmod></url>
@@ -354,16 +368,7 @@ mod tests {
     fn a_page_listed_twice_is_one_item() {
         let twice = r#"<urlset><url><loc>http://shop/p/1</loc><lastmod>2026-01-01</lastmod></url>
             <url><loc>http://shop/p/2</loc></url><url><loc>http://shop/p/1</loc></url></urlset>"#;
-        let rules = LinkRules {
-            scope: vec!["shop".into()],
-            follow: None,
-            follow_json: Vec::new(),
-            allow: Vec::new(),
-            deny: Vec::new(),
-            strip: crate::urls::StripQuery::default(),
-            max: 10,
-            max_url_length: 2048,
-        };
+        let rules = shop_links(&[]);
         let page = Url::parse("http://shop/sitemap.xml").unwrap();
         let data = page_data(&page, read(twice.as_bytes()).unwrap(), &rules, None);
         let urls: Vec<_> = data
@@ -420,16 +425,7 @@ mod tests {
 
     #[test]
     fn a_files_pages_become_items_fingerprinted_by_lastmod() {
-        let rules = LinkRules {
-            scope: vec!["shop".into()],
-            follow: None,
-            follow_json: Vec::new(),
-            allow: Vec::new(),
-            deny: vec![regex::Regex::new("/C$").unwrap()],
-            strip: crate::urls::StripQuery::default(),
-            max: 10,
-            max_url_length: 2048,
-        };
+        let rules = shop_links(&["/C$"]);
         let page = Url::parse("http://shop/sitemap.xml").unwrap();
         let data = page_data(&page, read(URLSET.as_bytes()).unwrap(), &rules, None);
         let got: Vec<_> = data

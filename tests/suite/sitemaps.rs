@@ -51,6 +51,13 @@ async fn sitemap_pass(db: &kit::TestDb, base: &str, from_robots: bool) {
     once(s).await;
 }
 
+/// Another pass of the sitemap bot, asked for as an admin would; the requests it made.
+async fn pass_again(db: &kit::TestDb, base: &str) -> Requests {
+    request_refresh(db).await;
+    sitemap_pass(db, base, false).await;
+    Requests::take(base).await
+}
+
 /// The product pages a pass fetched, by SKU, sorted.
 fn products_fetched(requests: &Requests) -> Vec<String> {
     let mut out: Vec<String> = requests
@@ -98,10 +105,8 @@ async fn a_gzipped_sitemap_index_is_crawled_exactly_then_only_the_lastmods_that_
         .collect();
     moved.sort();
     let writes = WriteCount::start(&db, "records").await;
-    request_refresh(&db).await;
-    sitemap_pass(&db, &base, false).await;
+    let second = pass_again(&db, &base).await;
     let writes = writes.stop().await;
-    let second = Requests::take(&base).await;
     assert_eq!(
         products_fetched(&second),
         moved,
@@ -264,9 +269,7 @@ async fn a_sitemap_file_longer_than_a_decision_slice_is_crawled_exactly_then_onl
         .collect();
     moved.sort();
     Requests::take(&base).await;
-    request_refresh(&db).await;
-    sitemap_pass(&db, &base, false).await;
-    let second = Requests::take(&base).await;
+    let second = pass_again(&db, &base).await;
     assert_eq!(
         products_fetched(&second),
         moved,
