@@ -312,6 +312,13 @@ pub struct SitemapPermit {
     _held: Option<std::sync::Arc<tokio::sync::OwnedSemaphorePermit>>,
 }
 
+impl SitemapPermit {
+    /// Whether this is a file's permit (not the empty one a page that is no sitemap carries).
+    pub fn holds_a_file(&self) -> bool {
+        self._held.is_some()
+    }
+}
+
 impl PartialEq for SitemapPermit {
     fn eq(&self, _: &Self) -> bool {
         true

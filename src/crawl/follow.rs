@@ -34,7 +34,7 @@ const ITEMS_AT_ONCE: usize = 2_000;
 #[derive(Debug, Default, PartialEq)]
 pub(crate) struct Followed {
     /// What a listing or seed page listed (for its done mark).
-    pub manifest: Option<Box<Manifest>>,
+    pub manifest: Option<Arc<Manifest>>,
     /// Links added to the pass (new, or back from an earlier pass).
     pub added: u64,
     /// Of those, leased to this instance as they were enqueued (now in its host queues).
@@ -146,7 +146,7 @@ impl Follower {
             self.note_dropped(lease, &dropped).await?;
             return Ok(Followed {
                 manifest: lease.kind.is_listing().then(|| {
-                    Box::new(Manifest {
+                    Arc::new(Manifest {
                         evaluated: pass.evaluated,
                         ..Manifest::default()
                     })
@@ -218,10 +218,10 @@ impl Follower {
         };
         if let Some(m) = listed.manifest.as_mut() {
             for link in &detail_links {
-                m.push(url_id(&self.shared.bot, link), 0, false);
+                m.push(&url_id(&self.shared.bot, link), 0, false);
             }
         }
-        followed.manifest = listed.manifest.take().map(Box::new);
+        followed.manifest = listed.manifest.take().map(Arc::new);
         let (new, ids) = self.plain_links(plain, &mut listed, depth);
         if self
             .enqueue_within_bounds(lease, new, &known, queues, now, &mut followed, &mut dropped)
@@ -516,7 +516,7 @@ impl Follower {
                 }
             };
             if let Some(m) = listed.manifest.as_mut() {
-                m.push(id, fingerprint, fetch);
+                m.push(&id, fingerprint, fetch);
             }
             if fetch {
                 let link = NewUrl {

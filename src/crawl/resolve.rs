@@ -103,13 +103,13 @@ impl Resolver {
         let Parsed::Page {
             data,
             validators,
-            held: _held,
+            held,
         } = parsed
         else {
             return self.step(lease, parsed, pass, queues).await;
         };
         let mut attempt = 0;
-        loop {
+        let settled = loop {
             attempt += 1;
             let now = self.shared.clock.now();
             let settled = self
@@ -124,9 +124,17 @@ impl Resolver {
                     ))
                     .await;
                 }
-                other => return other,
+                other => break other,
             }
+        };
+        // A sitemap file's items are followed: their megabytes go back to the system before
+        // the bot's next file is read (freed in the heap's middle, they would stay resident).
+        drop(data);
+        if held.holds_a_file() {
+            drop(held);
+            release_free_memory();
         }
+        settled
     }
 
     /// The settle step: what the page came to, as the group commit will store it. A parsed page
@@ -309,5 +317,14 @@ impl Resolver {
             reason: reason.to_owned(),
         };
         Settled::new(lease, mark, Some(PageResult::Retry))
+    }
+}
+
+/// Gives the heap's free pages back to the system (glibc's `malloc_trim`; elsewhere nothing).
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free memory of the allocator's own arenas.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }

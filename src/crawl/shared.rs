@@ -24,8 +24,17 @@ use crate::store::passes::DeletionRules;
 use crate::store::Store;
 use crate::urls::NormalizedUrl;
 
-/// Links remembered per pass as already enqueued (about 100 bytes each).
+/// Links remembered per pass as already enqueued (about 20 bytes each: their ids as numbers).
 const ENQUEUED_CACHE: usize = 100_000;
+
+/// A frontier id as [`PassMemory`] remembers it: its 128 bits as one number (every `url_id` is
+/// 32 hex digits; another id is not remembered, so it is never taken as enqueued).
+fn id_bits(id: &str) -> Option<u128> {
+    let lower_hex = |c: u8| c.is_ascii_digit() || (b'a'..=b'f').contains(&c);
+    (id.len() == 32 && id.bytes().all(lower_hex))
+        .then(|| u128::from_str_radix(id, 16).ok())
+        .flatten()
+}
 
 /// The bot a crawler crawls, its rules, and the instance's handles every stage reads.
 pub(crate) struct Shared {
@@ -163,7 +172,7 @@ pub(crate) struct PassMemory {
     /// Hosts with work in a pass, as far as this instance knows.
     hosts: Mutex<(PassNumber, BTreeSet<String>)>,
     /// Frontier ids of links this instance enqueued in a pass (bounded; cleared when full).
-    enqueued: Mutex<(PassNumber, HashSet<String>)>,
+    enqueued: Mutex<(PassNumber, HashSet<u128>)>,
     /// The pass into which this instance enqueued the last complete pass's listing pages.
     listings_in: AtomicI64,
     /// The last complete pass's listing pages still to be leased into a pass, per host (see
@@ -201,14 +210,14 @@ impl PassMemory {
         if cache.0 != pass || cache.1.len() + ids.len() > ENQUEUED_CACHE {
             *cache = (pass, HashSet::new());
         }
-        cache.1.extend(ids);
+        cache.1.extend(ids.iter().filter_map(|id| id_bits(id)));
     }
 
     /// Whether this instance put the link with frontier id `id` into `pass` (as far as it
     /// remembers).
     pub(crate) fn enqueued(&self, pass: PassNumber, id: &str) -> bool {
         let cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
-        cache.0 == pass && cache.1.contains(id)
+        cache.0 == pass && id_bits(id).is_some_and(|bits| cache.1.contains(&bits))
     }
 
     /// Whether this instance enqueued the last pass's listing pages into `pass` (then none can
@@ -337,11 +346,25 @@ mod tests {
     fn what_is_remembered_of_a_pass_is_forgotten_in_the_next() {
         let memory = PassMemory::default();
         let (one, two) = (PassNumber::new(1), PassNumber::new(2));
+        let x = "0123456789abcdef0123456789abcdef";
         memory.note_host(one, "a:80".into());
-        memory.remember_enqueued(one, vec!["x".into()]);
+        memory.remember_enqueued(one, vec![x.into(), "not-an-id".into()]);
         assert!(memory.hosts(one).contains("a:80"));
-        assert!(memory.enqueued(one, "x"));
-        assert!(memory.hosts(two).is_empty() && !memory.enqueued(two, "x"));
+        assert!(memory.enqueued(one, x));
+        assert!(
+            !memory.enqueued(one, "not-an-id"),
+            "an id that is not 32 hex digits is never taken as enqueued"
+        );
+        memory.remember_enqueued(one, vec![x.to_uppercase()]);
+        assert!(
+            !memory.enqueued(one, &x.to_uppercase()),
+            "nor one in capitals (no url_id is spelt so)"
+        );
+        assert!(
+            !memory.enqueued(one, "0123456789abcdef0123456789abcdee"),
+            "every bit of an id counts"
+        );
+        assert!(memory.hosts(two).is_empty() && !memory.enqueued(two, x));
         memory.note_host(two, "b:80".into());
         assert!(memory.hosts(one).is_empty(), "a new pass starts afresh");
     }

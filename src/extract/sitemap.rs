@@ -17,19 +17,17 @@ pub const MAX_URLS: usize = 50_000;
 /// Decoded bytes one sitemap file holds at most (the protocol's 50 MiB).
 pub const MAX_DECODED_BYTES: u64 = 50 * 1024 * 1024;
 
-/// One entry of a sitemap file: a page (in a `<urlset>`) or a sitemap file (in an index).
-#[derive(Clone, Debug, PartialEq)]
-pub struct SitemapEntry {
-    pub loc: String,
-    pub lastmod: Option<String>,
-}
-
-/// One sitemap file, read.
+/// One sitemap file, read: its entries packed into one text (a file of 50,000 URLs is one
+/// allocation of a few MB, not 100,000 small ones that outlive it as a fragmented heap).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Sitemap {
     /// A `<sitemapindex>`: the entries are sitemap files, not pages.
     pub index: bool,
-    pub entries: Vec<SitemapEntry>,
+    /// Every entry's `<loc>` then its `<lastmod>`, back to back.
+    text: String,
+    /// Per entry, where its `<loc>` ends in `text` and where its `<lastmod>` ends (the same
+    /// place: none).
+    ends: Vec<(u32, u32)>,
     /// Entries past [`MAX_URLS`], not kept.
     pub dropped: usize,
     /// The file's decoded size.
@@ -39,10 +37,39 @@ pub struct Sitemap {
 impl Sitemap {
     /// About what the file holds in memory once read (for the crawl's byte budget).
     pub fn weight(&self) -> usize {
-        self.entries
-            .iter()
-            .map(|e| 64 + e.loc.len() + e.lastmod.as_ref().map_or(0, String::len))
-            .sum()
+        self.text.len() + 8 * self.ends.len()
+    }
+
+    /// How many entries it lists.
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// Its entries in file order: each `<loc>` and its `<lastmod>`, if any — a page (in a
+    /// `<urlset>`) or a sitemap file (in an index).
+    pub fn entries(&self) -> impl Iterator<Item = (&str, Option<&str>)> + '_ {
+        let mut start = 0;
+        self.ends.iter().map(move |&(loc, lastmod)| {
+            let (loc, lastmod) = (loc as usize, lastmod as usize);
+            let entry = (
+                &self.text[start..loc],
+                (lastmod > loc).then(|| &self.text[loc..lastmod]),
+            );
+            start = lastmod;
+            entry
+        })
+    }
+
+    /// Adds an entry (at most [`MAX_DECODED_BYTES`] of text, so its offsets fit).
+    fn push(&mut self, loc: &str, lastmod: Option<&str>) {
+        self.text.push_str(loc);
+        let loc_end = self.text.len() as u32;
+        self.text.push_str(lastmod.unwrap_or_default());
+        self.ends.push((loc_end, self.text.len() as u32));
     }
 }
 
@@ -118,10 +145,7 @@ fn read_capped(
     let mut root_seen = false;
     let mut field: Option<Field> = None;
     let mut text = String::new();
-    let mut entry = SitemapEntry {
-        loc: String::new(),
-        lastmod: None,
-    };
+    let (mut loc, mut lastmod) = (String::new(), String::new());
     let broken = |e: quick_xml::Error| match e {
         quick_xml::Error::Io(io) if io.to_string() == TOO_LARGE => SitemapError::TooLarge,
         e => SitemapError::Broken(e.to_string()),
@@ -165,28 +189,22 @@ fn read_capped(
                     3 => {
                         let value = text.trim();
                         match field.take() {
-                            Some(Field::Loc) => entry.loc = value.to_owned(),
-                            Some(Field::Lastmod) if !value.is_empty() => {
-                                entry.lastmod = Some(value.to_owned())
-                            }
+                            Some(Field::Loc) => value.clone_into(&mut loc),
+                            Some(Field::Lastmod) => value.clone_into(&mut lastmod),
                             _ => {}
                         }
                     }
                     2 => {
-                        let done = std::mem::replace(
-                            &mut entry,
-                            SitemapEntry {
-                                loc: String::new(),
-                                lastmod: None,
-                            },
-                        );
-                        if !done.loc.is_empty() {
-                            if sitemap.entries.len() < max_urls {
-                                sitemap.entries.push(done);
+                        if !loc.is_empty() {
+                            if sitemap.len() < max_urls {
+                                sitemap
+                                    .push(&loc, Some(lastmod.as_str()).filter(|m| !m.is_empty()));
                             } else {
                                 sitemap.dropped += 1;
                             }
                         }
+                        loc.clear();
+                        lastmod.clear();
                     }
                     _ => {}
                 }
@@ -238,6 +256,8 @@ fn read_capped(
         ));
     }
     sitemap.bytes = reader.get_ref().get_ref().read;
+    sitemap.text.shrink_to_fit();
+    sitemap.ends.shrink_to_fit();
     Ok(sitemap)
 }
 
@@ -265,18 +285,18 @@ pub(crate) fn page_data(
         ..PageData::default()
     };
     if !sitemap.index {
-        data.items.reserve_exact(sitemap.entries.len());
+        data.items.reserve_exact(sitemap.len());
     }
     // Each URL once, told by a 64-bit hash of its text (a copy of every URL would weigh as much
     // as the items); two URLs that share a hash are compared in full.
-    let mut seen = std::collections::HashSet::with_capacity(sitemap.entries.len());
+    let mut seen = std::collections::HashSet::with_capacity(sitemap.len());
     let hash = |url: &NormalizedUrl| {
         use std::hash::{BuildHasher, BuildHasherDefault};
         BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
             .hash_one(url.as_str())
     };
-    for entry in sitemap.entries {
-        let Some(url) = NormalizedUrl::join_with(page_url, &entry.loc, &links.strip)
+    for (loc, lastmod) in sitemap.entries() {
+        let Some(url) = NormalizedUrl::join_with(page_url, loc, &links.strip)
             .ok()
             .filter(|u| links.admits_counting(u, &mut data.bounded))
         else {
@@ -293,13 +313,12 @@ pub(crate) fn page_data(
         if sitemap.index || !detail {
             data.links.push(url);
         } else {
-            let updated_at = entry.lastmod.as_deref().and_then(parse_lastmod);
             data.items.push(ListItem {
                 id: String::new(),
                 url: Some(url),
-                unversioned: entry.lastmod.is_none(),
-                fingerprint: entry.lastmod.unwrap_or_default(),
-                updated_at,
+                unversioned: lastmod.is_none(),
+                fingerprint: lastmod.unwrap_or_default().to_owned(),
+                updated_at: lastmod.and_then(parse_lastmod),
             });
         }
     }
@@ -342,11 +361,8 @@ mod tests {
   <url><priority>0.5</priority><loc>http://shop/product/&#67;</loc><lastmod>2026-01-03T04:05:06Z</lastmod></url>
 </urlset>"#;
 
-    fn entry(loc: &str, lastmod: Option<&str>) -> SitemapEntry {
-        SitemapEntry {
-            loc: loc.into(),
-            lastmod: lastmod.map(str::to_owned),
-        }
+    fn entry<'a>(loc: &'a str, lastmod: Option<&'a str>) -> (&'a str, Option<&'a str>) {
+        (loc, lastmod)
     }
 
     #[test]
@@ -354,7 +370,7 @@ mod tests {
         let read = read(URLSET.as_bytes()).unwrap();
         assert!(!read.index);
         assert_eq!(
-            read.entries,
+            read.entries().collect::<Vec<_>>(),
             [
                 entry("http://shop/product/A?x=1&y=2", Some("2026-01-02")),
                 entry("http://shop/product/B", None),
@@ -389,7 +405,10 @@ mod tests {
             <sm:sitemap><sm:loc>http://shop/s1.xml.gz</sm:loc></sm:sitemap></sm:sitemapindex>"#;
         let read = read(index.as_bytes()).unwrap();
         assert!(read.index);
-        assert_eq!(read.entries, [entry("http://shop/s1.xml.gz", None)]);
+        assert_eq!(
+            read.entries().collect::<Vec<_>>(),
+            [entry("http://shop/s1.xml.gz", None)]
+        );
         assert_eq!(
             super::read("<rss><channel/></rss>".as_bytes()),
             Err(SitemapError::NotASitemap("rss".into()))
@@ -416,7 +435,7 @@ mod tests {
     #[test]
     fn the_entry_limit_drops_and_counts_and_the_size_limit_fails() {
         let read = read_capped(URLSET.as_bytes(), MAX_DECODED_BYTES, 2).unwrap();
-        assert_eq!((read.entries.len(), read.dropped), (2, 1));
+        assert_eq!((read.len(), read.dropped), (2, 1));
         assert_eq!(
             read_capped(URLSET.as_bytes(), 100, MAX_URLS),
             Err(SitemapError::TooLarge)

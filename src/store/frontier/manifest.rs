@@ -16,7 +16,7 @@ use super::*;
 /// evaluation (`store::deletions`).
 #[derive(Clone, Debug, Default)]
 pub struct Manifest {
-    pub listed: Vec<String>,
+    pub listed: ListedIds,
     pub fingerprints: Vec<i64>,
     pub fetched: Vec<i32>,
     /// The last pass whose evaluation applied its removals, as the reader knew it: a page whose
@@ -46,11 +46,11 @@ impl PartialEq for Manifest {
 impl Manifest {
     /// Adds a detail page (once: a page that lists an item twice lists it once, told by the
     /// id's key first — a sitemap of 50,000 pages costs no quadratic scan).
-    pub(crate) fn push(&mut self, id: String, fingerprint: i64, fetched: bool) -> bool {
+    pub(crate) fn push(&mut self, id: &str, fingerprint: i64, fetched: bool) -> bool {
         if self.keys.len() < self.listed.len() {
-            self.keys = self.listed.iter().map(|i| id_key(i)).collect();
+            self.keys = (0..self.listed.len()).map(|i| self.listed.key(i)).collect();
         }
-        if !self.keys.insert(id_key(&id)) && self.listed.contains(&id) {
+        if !self.keys.insert(id_key(id)) && self.listed.contains(id) {
             return false;
         }
         if fetched {
@@ -64,12 +64,118 @@ impl Manifest {
 
     /// A hash of the list as a set (order and repeats do not count).
     pub(crate) fn hash(&self) -> String {
-        let mut ids: Vec<&str> = self.listed.iter().map(String::as_str).collect();
+        let mut ids: Vec<String> = (0..self.listed.len()).map(|i| self.listed.id(i)).collect();
         ids.sort_unstable();
         ids.dedup();
         let joined = ids.join("\n");
         crate::ids::sha256_hex(&[joined.as_bytes()], 16)
     }
+}
+
+/// A manifest's frontier ids as a listing page's follow step gathers them: 16 bytes an id while
+/// every id is 32 hex digits (every `url_id` is; the bytes are the stored binary itself), else
+/// the ids as strings (the stored array of strings).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ListedIds {
+    Packed(Vec<u8>),
+    Strings(Vec<String>),
+}
+
+impl Default for ListedIds {
+    fn default() -> Self {
+        ListedIds::Packed(Vec::new())
+    }
+}
+
+impl ListedIds {
+    pub fn len(&self) -> usize {
+        match self {
+            ListedIds::Packed(bytes) => bytes.len() / ID_BYTES,
+            ListedIds::Strings(ids) => ids.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Adds `id` at the end.
+    pub fn push(&mut self, id: &str) {
+        if let ListedIds::Packed(bytes) = self {
+            if let Some(packed) = packed_id(id) {
+                bytes.extend_from_slice(&packed);
+                return;
+            }
+            let ids = (0..self.len()).map(|i| self.id(i)).collect();
+            *self = ListedIds::Strings(ids);
+        }
+        if let ListedIds::Strings(ids) = self {
+            ids.push(id.to_owned());
+        }
+    }
+
+    /// Id `i` in full, as the frontier's `_id` spells it.
+    pub fn id(&self, i: usize) -> String {
+        match self {
+            ListedIds::Packed(bytes) => Ids::Packed(bytes).id(i),
+            ListedIds::Strings(ids) => ids[i].clone(),
+        }
+    }
+
+    /// The key ([`id_key`]) of id `i`.
+    fn key(&self, i: usize) -> u64 {
+        match self {
+            ListedIds::Packed(bytes) => Ids::Packed(bytes).key(i),
+            ListedIds::Strings(ids) => id_key(&ids[i]),
+        }
+    }
+
+    pub fn contains(&self, id: &str) -> bool {
+        match self {
+            ListedIds::Packed(bytes) => packed_id(id).is_some_and(|packed| {
+                bytes
+                    .chunks_exact(ID_BYTES)
+                    .any(|one| one == packed.as_slice())
+            }),
+            ListedIds::Strings(ids) => ids.iter().any(|one| one == id),
+        }
+    }
+
+    /// The ids as they are stored: one binary value, or an array of strings.
+    pub(super) fn to_bson(&self) -> Bson {
+        match self {
+            ListedIds::Packed(bytes) => Bson::Binary(bson::Binary {
+                subtype: bson::spec::BinarySubtype::Generic,
+                bytes: bytes.clone(),
+            }),
+            ListedIds::Strings(ids) => Bson::from(ids.clone()),
+        }
+    }
+}
+
+impl<S: AsRef<str>> FromIterator<S> for ListedIds {
+    fn from_iter<I: IntoIterator<Item = S>>(ids: I) -> Self {
+        let mut listed = ListedIds::default();
+        for id in ids {
+            listed.push(id.as_ref());
+        }
+        listed
+    }
+}
+
+/// The 16 bytes of an id of 32 hex digits (lower case, as every `url_id` is spelt: its bytes
+/// give the id back exactly).
+fn packed_id(id: &str) -> Option<[u8; ID_BYTES]> {
+    let hex = id.as_bytes();
+    let lower_hex = |c: &u8| c.is_ascii_digit() || (b'a'..=b'f').contains(c);
+    if hex.len() != 2 * ID_BYTES || !hex.iter().all(lower_hex) {
+        return None;
+    }
+    let mut packed = [0u8; ID_BYTES];
+    for (byte, pair) in packed.iter_mut().zip(hex.chunks_exact(2)) {
+        *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(packed)
 }
 
 /// A listing fingerprint as a manifest keeps it: 64 bits of its hash, never 0 (0 marks a plain
@@ -220,30 +326,6 @@ pub(in crate::store) fn baseline_lists(page: &bson::RawDocument) -> Vec<Ids<'_>>
     }
 }
 
-/// A manifest's ids as this version stores them: packed when every id is 32 hex digits (every
-/// `url_id` is), else as an array of strings.
-pub(super) fn pack_ids(ids: &[String]) -> Bson {
-    let mut bytes = Vec::with_capacity(ids.len() * ID_BYTES);
-    for id in ids {
-        if id.len() != 2 * ID_BYTES {
-            return Bson::from(ids.to_vec());
-        }
-        for pair in id.as_bytes().chunks(2) {
-            match std::str::from_utf8(pair)
-                .ok()
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-            {
-                Some(b) => bytes.push(b),
-                None => return Bson::from(ids.to_vec()),
-            }
-        }
-    }
-    Bson::Binary(bson::Binary {
-        subtype: bson::spec::BinarySubtype::Generic,
-        bytes,
-    })
-}
-
 /// Fingerprint hashes as this version stores them: 8 bytes each (little-endian) in one binary.
 pub(super) fn pack_numbers(values: &[i64]) -> Bson {
     Bson::Binary(bson::Binary {
@@ -383,5 +465,55 @@ mod tests {
             .map(|filter| filter.get_str(f::KIND).unwrap().to_owned())
             .collect();
         assert_eq!(kinds, ["list", "seed"]);
+    }
+
+    #[test]
+    fn listed_ids_are_held_packed_and_read_back_exactly_as_stored() {
+        let (a, b) = ("00ff".repeat(8), "0123456789abcdef".repeat(2));
+        let listed: ListedIds = [&a, &b].into_iter().collect();
+        assert!(matches!(&listed, ListedIds::Packed(bytes) if bytes.len() == 32));
+        assert_eq!((listed.id(0), listed.id(1)), (a.clone(), b.clone()));
+        assert!(listed.contains(&b) && !listed.contains(&"1".repeat(32)));
+        let Bson::Binary(stored) = listed.to_bson() else {
+            panic!("packed ids are stored as one binary");
+        };
+        let ids = Ids::Packed(&stored.bytes);
+        assert_eq!((ids.len(), ids.id(0), ids.id(1)), (2, a.clone(), b.clone()));
+        assert_eq!(ids.key(1), id_key(&b), "keys agree with the stored form's");
+    }
+
+    #[test]
+    fn an_id_that_is_not_lower_case_hex_keeps_every_id_as_a_string() {
+        let a = "ab".repeat(16);
+        let signed = format!("+{}", "a".repeat(31));
+        for odd in ["not-hex", "AB".repeat(16).as_str(), "abc", signed.as_str()] {
+            let listed: ListedIds = [a.as_str(), odd].into_iter().collect();
+            assert_eq!(
+                listed,
+                ListedIds::Strings(vec![a.clone(), odd.to_owned()]),
+                "{odd}"
+            );
+            assert!(listed.contains(odd) && listed.contains(&a));
+            assert_eq!(
+                listed.to_bson(),
+                Bson::from(vec![a.clone(), odd.to_owned()])
+            );
+        }
+    }
+
+    #[test]
+    fn a_manifest_lists_each_id_once_with_its_fingerprint_and_fetch() {
+        let mut manifest = Manifest::default();
+        let (a, b) = ("a".repeat(32), "b".repeat(32));
+        assert!(manifest.push(&a, 7, true));
+        assert!(manifest.push(&b, 8, false));
+        assert!(!manifest.push(&a, 9, true), "listed twice, listed once");
+        assert_eq!(manifest.listed.len(), 2);
+        assert_eq!(manifest.fingerprints, [7, 8]);
+        assert_eq!(manifest.fetched, [0]);
+        let mut swapped = Manifest::default();
+        swapped.push(&b, 1, false);
+        swapped.push(&a, 2, false);
+        assert_eq!(manifest.hash(), swapped.hash(), "the hash is of the set");
     }
 }
