@@ -370,9 +370,23 @@ pub(in crate::store) fn raw_integer(doc: &bson::RawDocument, name: &str) -> Opti
     }
 }
 
+/// About how many bytes of manifests one cursor reply carries when they are streamed: a batch
+/// of a hundred HTML listing pages (a few KiB each) is far below it; one sitemap file's page
+/// (50,000 items: 1-3 MB with its baseline) is a batch of its own.
+const MANIFEST_REPLY_BYTES: usize = 2 * 1024 * 1024;
+
+/// Entries per batch for manifests of about `bytes` each: at most `at_most`, at least one.
+fn batch_for(bytes: usize, at_most: u32) -> u32 {
+    u32::try_from(MANIFEST_REPLY_BYTES / bytes.max(1))
+        .unwrap_or(u32::MAX)
+        .clamp(1, at_most.max(1))
+}
+
 impl Frontier<'_> {
     /// Streams the seed and listing entries that `filters` (from [`listing_filters`], one per
-    /// listing kind) read to `visit`, raw, with `projection` (and `batch` entries to a batch).
+    /// listing kind) read to `visit`, raw, with `projection`, at most `batch` entries to a batch
+    /// — fewer when the first entries of the kind are large (sized by what they weigh, so a
+    /// reply of sitemap manifests does not hold megabytes per entry times the batch).
     pub(in crate::store) async fn each_listing(
         self,
         what: &'static str,
@@ -386,6 +400,10 @@ impl Frontier<'_> {
             .database()
             .collection::<bson::RawDocumentBuf>(FRONTIER);
         for filter in filters {
+            let batch = match batch {
+                Some(n) => Some(self.listing_batch(what, &filter, &projection, n).await?),
+                None => None,
+            };
             let find = frontier.find(filter).projection(projection.clone());
             match batch {
                 Some(n) => {
@@ -397,6 +415,27 @@ impl Frontier<'_> {
             }
         }
         Ok(())
+    }
+
+    /// The batch for streaming what `filter` reads: at most `at_most` entries, fewer when the
+    /// first two it reads (one round trip) weigh more than [`MANIFEST_REPLY_BYTES`] a batch.
+    async fn listing_batch(
+        self,
+        what: &'static str,
+        filter: &Document,
+        projection: &Document,
+        at_most: u32,
+    ) -> Result<u32> {
+        let first = self
+            .store
+            .find_once(what, FRONTIER, filter.clone(), projection.clone(), 1, None)
+            .await?;
+        let bytes = first
+            .iter()
+            .filter_map(|d| bson::to_vec(d).ok().map(|b| b.len()))
+            .max()
+            .unwrap_or(0);
+        Ok(batch_for(bytes, at_most))
     }
 
     /// Every manifest the bot's listing and seed pages carry (one per page, as its last read
@@ -465,6 +504,22 @@ mod tests {
             .map(|filter| filter.get_str(f::KIND).unwrap().to_owned())
             .collect();
         assert_eq!(kinds, ["list", "seed"]);
+    }
+
+    #[test]
+    fn a_batch_of_manifests_is_sized_by_what_they_weigh() {
+        assert_eq!(
+            batch_for(4 * 1024, 100),
+            100,
+            "HTML listings: the batch as asked"
+        );
+        assert_eq!(batch_for(100 * 1024, 100), 20);
+        assert_eq!(
+            batch_for(2_400_000, 100),
+            1,
+            "a sitemap file's page: one a batch"
+        );
+        assert_eq!(batch_for(0, 25), 25, "none read: the batch as asked");
     }
 
     #[test]

@@ -80,8 +80,9 @@ pub(in crate::store) const CHUNK: usize = 1000;
 /// `$in` against every document it updates, so a statement of 1,000 ids costs half as much
 /// again per document as ten of 100 in one command (measured: 51 against 35 µs a document).
 pub(in crate::store) const IN_CHUNK: usize = 100;
-/// Listing pages per cursor batch when manifests are streamed (each several KiB: a reply stays
-/// small enough that decoding it never takes much memory at once).
+/// Listing pages per cursor batch when manifests are streamed, at most (an HTML listing's is a
+/// few KiB, so a reply stays small; large ones, a sitemap file's, go fewer to a batch:
+/// `Frontier::each_listing`).
 pub(in crate::store) const MANIFESTS_PER_BATCH: u32 = 25;
 
 /// Frontier document field names.
