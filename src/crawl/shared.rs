@@ -30,10 +30,7 @@ const ENQUEUED_CACHE: usize = 100_000;
 /// A frontier id as [`PassMemory`] remembers it: its 128 bits as one number (every `url_id` is
 /// 32 hex digits; another id is not remembered, so it is never taken as enqueued).
 fn id_bits(id: &str) -> Option<u128> {
-    let lower_hex = |c: u8| c.is_ascii_digit() || (b'a'..=b'f').contains(&c);
-    (id.len() == 32 && id.bytes().all(lower_hex))
-        .then(|| u128::from_str_radix(id, 16).ok())
-        .flatten()
+    crate::store::frontier::packed_id(id).map(u128::from_be_bytes)
 }
 
 /// The bot a crawler crawls, its rules, and the instance's handles every stage reads.

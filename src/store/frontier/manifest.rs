@@ -165,7 +165,7 @@ impl<S: AsRef<str>> FromIterator<S> for ListedIds {
 
 /// The 16 bytes of an id of 32 hex digits (lower case, as every `url_id` is spelt: its bytes
 /// give the id back exactly).
-fn packed_id(id: &str) -> Option<[u8; ID_BYTES]> {
+pub(crate) fn packed_id(id: &str) -> Option<[u8; ID_BYTES]> {
     let hex = id.as_bytes();
     let lower_hex = |c: &u8| c.is_ascii_digit() || (b'a'..=b'f').contains(c);
     if hex.len() != 2 * ID_BYTES || !hex.iter().all(lower_hex) {
