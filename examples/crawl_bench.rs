@@ -10,6 +10,9 @@
 //!   after the last kill (dead owners' URL leases are taken at their registration's expiry).
 //! - `network [RUNS]`: one instance, 5,000 products, the database behind a delay proxy adding a
 //!   round trip of 0, 2 and 10 ms: pages/s at each, and as a share of the 0 ms speed.
+//! - `chain [RUNS]`: the pagination chain's hop (25 listing pages of 1 and of 20 products, 200 of
+//!   5; the database local and 10 ms away), and the 525-page shop from process start to exit
+//!   next to seed 000's reference crawler and Scrapy (see `chain.rs`).
 //! - `throughput`: pages/s over the pass, process wall, database commands per detail page (the
 //!   whole run, and the steady state from `/metrics`), 500 and 10,000 products, 1 and 3
 //!   instances, peak RSS.
@@ -51,6 +54,9 @@ use tokio_util::sync::CancellationToken;
 
 #[path = "../tests/suite/kit/mod.rs"]
 mod kit;
+
+#[path = "crawl_bench/chain.rs"]
+mod chain;
 
 use kit::crawl::{free_addr, seeds_of};
 use kit::shop::Shop;
@@ -707,6 +713,12 @@ fn commands_in_log(log: &Path) -> u64 {
 
 /// Runs `instances` × `run --once` on `config` together, sampling their `/metrics`.
 async fn crawl_measured(config: &Path, db: &Database, instances: usize) -> Crawl {
+    let bin = std::env::var("SEEDLOCK_BIN").expect("SEEDLOCK_BIN");
+    crawl_measured_by(&bin, config, db, instances).await
+}
+
+/// [`crawl_measured`] with the seedlock binary `bin` (an A/B against another build).
+async fn crawl_measured_by(bin: &str, config: &Path, db: &Database, instances: usize) -> Crawl {
     let logs = tempfile::tempdir().unwrap();
     // BENCH_LOG_DIR=DIR keeps the instances' logs: DIR/run-<unix ms>-<instance>.log.
     let kept = std::env::var("BENCH_LOG_DIR").ok();
@@ -714,12 +726,13 @@ async fn crawl_measured(config: &Path, db: &Database, instances: usize) -> Crawl
     let started = Instant::now();
     let mut children: Vec<Child> = (0..instances)
         .map(|i| {
-            let bin = std::env::var("SEEDLOCK_BIN").expect("SEEDLOCK_BIN");
             let log = std::fs::File::create(logs.path().join(format!("{i}.log"))).unwrap();
             Command::new(bin)
                 .arg("-c")
                 .arg(config)
-                .args(["run", "--once", "--timeout", "3600s"])
+                .args(["run", "--once", "--timeout"])
+                // BENCH_TIMEOUT (default 3600s): how long a run may take (a contended machine).
+                .arg(std::env::var("BENCH_TIMEOUT").unwrap_or_else(|_| "3600s".into()))
                 .env("SEEDLOCK_INSTANCE_ID", format!("bench-{i}"))
                 .env("SEEDLOCK_HTTP_LISTEN", &addrs[i])
                 // BENCH_SEEDLOCK_LOG adds directives (say `seedlock::crawl=trace`) to the log.
@@ -2166,6 +2179,7 @@ async fn main() {
         Some("network") => network(&uri, number(1, 3) as usize).await,
         Some("kill-new-ids") => kill_new_ids(&uri, number(1, 3) as usize).await,
         Some("throughput") => throughput(&uri).await,
+        Some("chain") => chain::chain(&uri, number(1, 3) as usize).await,
         Some("json") => json_vs_html(&uri, number(1, 3) as usize).await,
         Some("ceilings") => ceilings(&uri).await,
         Some("indexes") => indexes(&uri).await,
@@ -2196,7 +2210,7 @@ async fn main() {
         Some("export") => export(&uri, number(1, 1_000_000)).await,
         _ => {
             eprintln!(
-                "usage: crawl_bench kill [RUNS] | kill-new-ids [RUNS] | network [RUNS] | throughput | json [RUNS] | ceilings | indexes | incremental [ITEMS [CHANGED ADDED DELETED]] | sitemaps [ITEMS [CHANGED]] | deletion | head-of-line | throttling | memory [URLS] | export [RECORDS]"
+                "usage: crawl_bench kill [RUNS] | kill-new-ids [RUNS] | network [RUNS] | throughput | chain [RUNS] | json [RUNS] | ceilings | indexes | incremental [ITEMS [CHANGED ADDED DELETED]] | sitemaps [ITEMS [CHANGED]] | deletion | head-of-line | throttling | memory [URLS] | export [RECORDS]"
             );
             std::process::exit(2);
         }
