@@ -721,7 +721,9 @@ impl Follower {
         // product page's link back to its listing) wait for the write, and so does the chain
         // while its host's queue is more than half full: the chain does not pace the crawl
         // then, and running it ahead would reveal detail pages with no room to be leased on
-        // enqueue (measured: 0.91–0.93 of the speed at 10,000 products without this).
+        // enqueue. (Measured at 10,000 products with the database local: 0.91–0.93 of the
+        // speed of waiting for every write without this gate, and still 0.91 with it; see
+        // BENCHMARKS.md, "The pagination chain".)
         let fetch_ahead = always_first
             && lease.kind.is_listing()
             && !self.memory.ahead_missed(lease.pass)
