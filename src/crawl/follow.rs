@@ -13,9 +13,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use tokio::sync::watch;
 
-use super::dispatch::{Confirmation, HostQueues, QueueSizing, Queued};
+use super::dispatch::{HostQueues, QueueSizing, Queued};
 use super::known::Listed;
 use super::pass::Pass;
 use super::shared::{PassMemory, Shared};
@@ -400,24 +399,13 @@ impl Follower {
         dropped: &mut Dropped,
     ) -> Result<()> {
         let t0 = tokio::time::Instant::now();
-        // Remembered before the write is sent: the pages fetched ahead of it (see
-        // `upsert_links`) link back to these, and must not fetch them ahead again. A failed
-        // write forgets them, and the page is followed again.
-        let ids: Vec<String> = lists.iter().map(|(_, id)| id.clone()).collect();
-        self.memory.remember_enqueued(lease.pass, ids.clone());
-        let f = match self
+        let (f, ids) = self
             .follow_listing(lease, lists, queues, now, dropped)
-            .await
-        {
-            Ok(f) => f,
-            Err(e) => {
-                self.memory.forget_enqueued(lease.pass, &ids);
-                return Err(e);
-            }
-        };
+            .await?;
         tracing::trace!(took = ?t0.elapsed(), leased = f.leased, "listing links enqueued");
         followed.added += f.added;
         followed.leased += f.leased;
+        self.memory.remember_enqueued(lease.pass, ids);
         Ok(())
     }
 
@@ -636,7 +624,10 @@ impl Follower {
         let outcome = result.map(|enqueued| {
             let leased = enqueued.leased.len();
             for lease in enqueued.leased {
-                self.queue(queues, lease, None);
+                queues.push(Queued {
+                    ticket: self.shared.stages.host_queue.enter(),
+                    lease,
+                });
             }
             (enqueued.added, leased)
         });
@@ -648,7 +639,7 @@ impl Follower {
 
     /// Enqueues listing links in one write ([`Follower::upsert_links`]) — the first of each host
     /// leased here whatever the room (the pagination never waits for a lease round), more if
-    /// there is room. Returns what it did.
+    /// there is room. Returns what it did and the links' frontier ids.
     async fn follow_listing(
         &self,
         lease: &UrlLease,
@@ -656,9 +647,9 @@ impl Follower {
         queues: &HostQueues,
         now: DateTime<Utc>,
         dropped: &mut Dropped,
-    ) -> Result<Followed> {
+    ) -> Result<(Followed, Vec<String>)> {
         if lists.is_empty() {
-            return Ok(Followed::default());
+            return Ok((Followed::default(), Vec::new()));
         }
         let links: Vec<NewUrl> = lists
             .iter()
@@ -672,11 +663,15 @@ impl Follower {
             .collect();
         let links = self.within_bounds(lease, links, dropped).await?;
         let (added, leased) = self.upsert_links(lease, &links, queues, true, now).await?;
-        Ok(Followed {
-            manifest: None,
-            added,
-            leased,
-        })
+        let ids = lists.iter().map(|(_, id)| id.clone()).collect();
+        Ok((
+            Followed {
+                manifest: None,
+                added,
+                leased,
+            },
+            ids,
+        ))
     }
 
     /// Enqueues `links` in one write without reading what the frontier holds of them
@@ -712,26 +707,6 @@ impl Follower {
             *granted.entry(host).or_default() += 1;
             first += 1;
         }
-        // The pagination chain (the listing links of a listing page): the leases are queued
-        // for their hosts as the write is sent, each with a confirmation its page waits for
-        // before it is committed — the next listing page is fetched while its write is on its
-        // way, and kept only if the write took its lease. A lease the write did not take was a
-        // wasted request (another instance walks the same chain, or the pass resumed): after
-        // one, this instance waits for the write for the rest of the pass. Other links (a
-        // product page's link back to its listing) wait for the write, and so does the chain
-        // while its host's queue is more than half full: the chain does not pace the crawl
-        // then, and running it ahead would reveal detail pages with no room to be leased on
-        // enqueue. (Measured at 10,000 products with the database local: 0.91–0.93 of the
-        // speed of waiting for every write without this gate, and still 0.91 with it; see
-        // BENCHMARKS.md, "The pagination chain".)
-        let fetch_ahead = always_first
-            && lease.kind.is_listing()
-            && !self.memory.ahead_missed(lease.pass)
-            && links.iter().take(first).all(|l| {
-                let host = l.url.host_port();
-                queues.half_empty(&host, self.sizing.target(&host, queues))
-            });
-        let mut ahead: Vec<(String, watch::Sender<Option<bool>>)> = Vec::new();
         let result = self
             .shared
             .store
@@ -746,51 +721,8 @@ impl Follower {
                     first,
                 },
                 now,
-                |leases| {
-                    if !fetch_ahead {
-                        return;
-                    }
-                    for lease in leases {
-                        let (tx, confirm) = Confirmation::pending();
-                        ahead.push((lease.id.clone(), tx));
-                        self.queue(queues, lease, Some(confirm));
-                    }
-                    for (host, n) in &granted {
-                        queues.unreserve(host, *n);
-                    }
-                },
             )
             .await;
-        if !fetch_ahead {
-            return self.take_reserved(queues, &granted, result);
-        }
-        let taken: HashSet<&str> = match &result {
-            Ok(enqueued) => enqueued.leased.iter().map(|l| l.id.as_str()).collect(),
-            Err(_) => HashSet::new(),
-        };
-        for (id, tx) in &ahead {
-            let took = taken.contains(id.as_str());
-            if !took && result.is_ok() {
-                self.memory.note_ahead_missed(lease.pass);
-            }
-            let _ = tx.send(Some(took));
-        }
-        result.map(|enqueued| (enqueued.added, enqueued.leased.len()))
-    }
-
-    /// Queues a leased URL for its host (a listing page as the pagination chain, see
-    /// [`HostQueues::push_chain`]).
-    fn queue(&self, queues: &HostQueues, lease: UrlLease, confirm: Option<Confirmation>) {
-        let queued = Queued {
-            ticket: self.shared.stages.host_queue.enter(),
-            lease,
-            confirm,
-        };
-        if queued.lease.kind.is_listing() {
-            let target = self.sizing.target(&queued.lease.host(), queues);
-            queues.push_chain(queued, target);
-        } else {
-            queues.push(queued);
-        }
+        self.take_reserved(queues, &granted, result)
     }
 }

@@ -172,8 +172,6 @@ pub(crate) struct PassMemory {
     enqueued: Mutex<(PassNumber, HashSet<u128>)>,
     /// The pass into which this instance enqueued the last complete pass's listing pages.
     listings_in: AtomicI64,
-    /// The pass in which a page fetched ahead of its enqueue's answer was not this instance's.
-    ahead_missed_in: AtomicI64,
     /// The last complete pass's listing pages still to be leased into a pass, per host (see
     /// [`PassMemory::wait_listings`]).
     waiting: Mutex<(PassNumber, HashMap<String, VecDeque<WaitingListing>>)>,
@@ -210,26 +208,6 @@ impl PassMemory {
             *cache = (pass, HashSet::new());
         }
         cache.1.extend(ids.iter().filter_map(|id| id_bits(id)));
-    }
-
-    /// Whether a page this instance fetched ahead of its enqueue's answer in `pass` turned out
-    /// not to be its own (then it fetches no more ahead in that pass).
-    pub(crate) fn ahead_missed(&self, pass: PassNumber) -> bool {
-        self.ahead_missed_in.load(Ordering::Relaxed) == pass.get()
-    }
-
-    pub(crate) fn note_ahead_missed(&self, pass: PassNumber) {
-        self.ahead_missed_in.store(pass.get(), Ordering::Relaxed);
-    }
-
-    /// Forgets frontier ids remembered for `pass` whose enqueue failed.
-    pub(crate) fn forget_enqueued(&self, pass: PassNumber, ids: &[String]) {
-        let mut cache = self.enqueued.lock().unwrap_or_else(|p| p.into_inner());
-        if cache.0 == pass {
-            for bits in ids.iter().filter_map(|id| id_bits(id)) {
-                cache.1.remove(&bits);
-            }
-        }
     }
 
     /// Whether this instance put the link with frontier id `id` into `pass` (as far as it
@@ -374,9 +352,6 @@ mod tests {
             !memory.enqueued(one, "not-an-id"),
             "an id that is not 32 hex digits is never taken as enqueued"
         );
-        memory.forget_enqueued(one, &[x.to_owned()]);
-        assert!(!memory.enqueued(one, x), "a failed enqueue is forgotten");
-        memory.remember_enqueued(one, vec![x.into()]);
         memory.remember_enqueued(one, vec![x.to_uppercase()]);
         assert!(
             !memory.enqueued(one, &x.to_uppercase()),

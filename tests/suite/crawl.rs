@@ -9,9 +9,8 @@ use seedlock::ids::PassNumber;
 use std::time::Duration;
 
 use bson::{doc, Bson, Document};
-use kit::blackhole::Blackhole;
 use kit::crawl::*;
-use kit::{eventually, test_db, Proc, ProcConfig};
+use kit::test_db;
 use serde_json::json;
 
 async fn a_full_pass_stores_one_correct_record_per_product(transactions: &str) {
@@ -783,49 +782,4 @@ async fn refreshes_more_frequent_than_a_pass_do_not_starve_the_passes() {
         "{history:?}"
     );
     assert_eq!(live_records(&db).await, truth(&base).await);
-}
-
-/// The pagination chain does not wait for the database: the next listing page is fetched while
-/// the write that enqueues and leases it is on its way. The database is cut off (its traffic
-/// swallowed) while listing page 2 is being answered: the shop still gets listing page 3, named
-/// by page 2, before the database answers anything again. Healed, the pass ends exactly, every
-/// page fetched once — the page fetched ahead was kept, as its write took its lease.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_next_listing_page_is_fetched_while_its_enqueue_is_on_its_way() {
-    let db = test_db("crawl_ahead").await;
-    let base = shop(3, 1).await;
-    post(
-        &format!("{base}/__faults"),
-        json!([{"path": "/list/2", "latency_ms": 600}]),
-    )
-    .await;
-    let proxy = Blackhole::start(&kit::blackhole::server_of(&db.uri)).await;
-    let dir = tempfile::tempdir().unwrap();
-    let uri = proxy.uri(&db.uri);
-    let mut config = ProcConfig::new(&db, crawl_bot_toml(&base));
-    config.uri = &uri;
-    let config = config.write(dir.path());
-    let mut run = Proc::spawn(dir.path(), &config, "solo", &["run", "--once"], &[]);
-    eventually(
-        "listing page 2 is requested",
-        Duration::from_secs(30),
-        || async { Requests::peek(&base).await.under("/list/2") >= 1 },
-    )
-    .await;
-    proxy.cut();
-    eventually(
-        "listing page 3 is requested while the database is cut off",
-        Duration::from_secs(10),
-        || async { Requests::peek(&base).await.under("/list/3") >= 1 },
-    )
-    .await;
-    proxy.heal();
-    let status = run.wait(Duration::from_secs(60)).await;
-    assert!(status.success(), "{}", run.log());
-    assert_eq!(live_records(&db).await, truth(&base).await);
-    assert_eq!(
-        Requests::peek(&base).await.repeated(),
-        0,
-        "every page fetched once"
-    );
 }
