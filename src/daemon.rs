@@ -189,8 +189,11 @@ async fn context(settings: &Settings, store: &Store) -> Result<Arc<Context>, Run
         .map_err(RunError::Startup)?;
     let patience = settings.mongo.connect_timeout;
     with_patience("create the bots and hosts indexes", patience, || async {
-        store.bots().ensure_indexes().await?;
-        store.hosts().ensure_indexes().await
+        tokio::try_join!(
+            store.bots().ensure_indexes(),
+            store.hosts().ensure_indexes()
+        )
+        .map(|_| ())
     })
     .await
     .map_err(|e| RunError::Startup(e.to_string()))?;
@@ -423,15 +426,14 @@ async fn crawl_context(
     let startup = |e: crate::error::Error| RunError::Startup(e.to_string());
     info!("ensuring the frontier and records indexes (building one on a large collection takes a while)");
     let patience = settings.mongo.connect_timeout;
-    with_patience("create the frontier indexes", patience, || {
-        store.frontier().ensure_indexes()
-    })
-    .await
-    .map_err(startup)?;
-    with_patience("create the records index", patience, || {
-        store.records().ensure_indexes()
-    })
-    .await
+    tokio::try_join!(
+        with_patience("create the frontier indexes", patience, || {
+            store.frontier().ensure_indexes()
+        }),
+        with_patience("create the records index", patience, || {
+            store.records().ensure_indexes()
+        }),
+    )
     .map_err(startup)?;
     let supports_transactions = || {
         with_patience("ask whether the server runs transactions", patience, || {

@@ -660,6 +660,7 @@ impl Store {
         let sent = std::time::Instant::now();
         let result = self.unaccounted_for(what, limit, op, true).await;
         self.commands.took(what, sent.elapsed());
+        tracing::trace!(what, took = ?sent.elapsed(), "database command");
         result
     }
 

@@ -405,12 +405,24 @@ impl Passes<'_> {
         now: DateTime<Utc>,
     ) -> Result<PassEnd> {
         let t0 = std::time::Instant::now();
-        let (progress, (mut lists, lists_done, all, failed)) = self.coverage(bot, pass).await?;
+        // Read side by side (one round trip, not four, at the end of every pass): what the end
+        // records needs all of them once the count says the pass is over, which it almost
+        // always does here.
+        let unreached = async {
+            match (rules.enabled, rules.known_since) {
+                (true, Some(since)) => self.unreached_lists(bot, pass, since).await,
+                _ => Ok(0),
+            }
+        };
+        let ((progress, (mut lists, lists_done, all, failed)), unreached, dropped, sweep) = tokio::try_join!(
+            self.coverage(bot, pass),
+            unreached,
+            self.dropped(bot, pass),
+            self.needs_sweep(bot),
+        )?;
         tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), "pass end: counted");
         if rules.enabled && progress.is_finished() {
-            if let Some(since) = rules.known_since {
-                lists += self.unreached_lists(bot, pass, since).await?;
-            }
+            lists += unreached;
         }
         let coverage = share(lists_done, lists);
         let error_rate = share(failed, all);
@@ -429,7 +441,6 @@ impl Passes<'_> {
                 finished: false,
             });
         }
-        let dropped = self.dropped(bot, pass).await?;
         let bounded: Vec<String> = dropped
             .iter()
             .filter(|(bound, _)| bound == "max_pages" || bound == "max_pages_per_host")
@@ -443,7 +454,6 @@ impl Passes<'_> {
                 bounded.join(" and ")
             ))
         };
-        let sweep = self.needs_sweep(bot).await?;
         let summary = doc! {
             "sweep": sweep,
             "pass": pass,

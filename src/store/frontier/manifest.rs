@@ -382,11 +382,24 @@ fn batch_for(bytes: usize, at_most: u32) -> u32 {
         .clamp(1, at_most.max(1))
 }
 
+/// How [`Frontier::each_listing`] reads one listing kind's entries.
+#[derive(Clone, Copy)]
+enum Read {
+    /// Weighed and found to have none: not read.
+    Empty,
+    /// Streamed in batches of this many entries.
+    Batched(u32),
+    /// Streamed in the driver's batches (not weighed).
+    Whole,
+}
+
 impl Frontier<'_> {
     /// Streams the seed and listing entries that `filters` (from [`listing_filters`], one per
     /// listing kind) read to `visit`, raw, with `projection`, at most `batch` entries to a batch
     /// — fewer when the first entries of the kind are large (sized by what they weigh, so a
-    /// reply of sitemap manifests does not hold megabytes per entry times the batch).
+    /// reply of sitemap manifests does not hold megabytes per entry times the batch). The kinds
+    /// are weighed side by side (one round trip for all) and a kind with no entry is not read
+    /// again; the entries are then streamed one kind after another (one reply held at a time).
     pub(in crate::store) async fn each_listing(
         self,
         what: &'static str,
@@ -399,43 +412,55 @@ impl Frontier<'_> {
             .store
             .database()
             .collection::<bson::RawDocumentBuf>(FRONTIER);
-        for filter in filters {
-            let batch = match batch {
-                Some(n) => Some(self.listing_batch(what, &filter, &projection, n).await?),
-                None => None,
-            };
+        let reads: Vec<Read> = match batch {
+            Some(n) => {
+                futures_util::future::try_join_all(
+                    filters
+                        .iter()
+                        .map(|filter| self.listing_batch(what, filter, &projection, n)),
+                )
+                .await?
+            }
+            None => vec![Read::Whole; filters.len()],
+        };
+        for (filter, read) in filters.into_iter().zip(reads) {
             let find = frontier.find(filter).projection(projection.clone());
-            match batch {
-                Some(n) => {
+            match read {
+                Read::Empty => {}
+                Read::Batched(n) => {
                     self.store
                         .each_raw(what, find.batch_size(n), &mut visit)
                         .await?
                 }
-                None => self.store.each_raw(what, find, &mut visit).await?,
+                Read::Whole => self.store.each_raw(what, find, &mut visit).await?,
             }
         }
         Ok(())
     }
 
     /// The batch for streaming what `filter` reads: at most `at_most` entries, fewer when the
-    /// first two it reads (one round trip) weigh more than [`MANIFEST_REPLY_BYTES`] a batch.
+    /// first two it reads (one round trip) weigh more than [`MANIFEST_REPLY_BYTES`] a batch;
+    /// [`Read::Empty`] when it reads none.
     async fn listing_batch(
         self,
         what: &'static str,
         filter: &Document,
         projection: &Document,
         at_most: u32,
-    ) -> Result<u32> {
+    ) -> Result<Read> {
         let first = self
             .store
             .find_once(what, FRONTIER, filter.clone(), projection.clone(), 1, None)
             .await?;
+        if first.is_empty() {
+            return Ok(Read::Empty);
+        }
         let bytes = first
             .iter()
             .filter_map(|d| bson::to_vec(d).ok().map(|b| b.len()))
             .max()
             .unwrap_or(0);
-        Ok(batch_for(bytes, at_most))
+        Ok(Read::Batched(batch_for(bytes, at_most)))
     }
 
     /// Every manifest the bot's listing and seed pages carry (one per page, as its last read
