@@ -1069,3 +1069,38 @@ async fn an_ended_pass_reports_the_counts_its_end_recorded_without_counting_the_
         .unwrap();
     assert_eq!((counted.pages, counted.failed), (3, 0));
 }
+
+/// The end of a pass reads its listing entries one kind at a time (one reply held at a time),
+/// but weighs the kinds side by side first, and a kind with no entry is not read again: with
+/// listing pages and no seed entry in the pass, two weighings and one read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_kind_without_entries_is_weighed_and_not_read() {
+    let db = test_db("fr_listing_kinds").await;
+    let store = db.store();
+    store.frontier().ensure_indexes().await.unwrap();
+    let pass = PassNumber::new(1);
+    store
+        .frontier()
+        .enqueue(&bot(), pass, PageKind::List, &urls(3), Utc::now())
+        .await
+        .unwrap();
+    let counted = |store: &seedlock::store::Store| {
+        store
+            .command_counts()
+            .get("read this pass's listings")
+            .copied()
+            .unwrap_or(0)
+    };
+    let before = counted(&store);
+    store
+        .deletions()
+        .evaluate(&bot(), pass, false, false, Utc::now())
+        .await
+        .unwrap();
+    assert_eq!(
+        counted(&store) - before,
+        3,
+        "both kinds weighed, the listing pages read: {:?}",
+        store.command_counts()
+    );
+}
