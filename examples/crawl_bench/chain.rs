@@ -68,11 +68,15 @@ pub(crate) async fn chain(uri: &str, runs: usize) {
     println!("| build | listing pages × products | RTT (ms) | run | pass (ms) | ms a hop | records correct |");
     println!("|---|---|---|---|---|---|---|");
     let mut passes: HashMap<(usize, usize), Vec<f64>> = HashMap::new();
-    // BENCH_CHAIN_CASES=0,1 runs only those cases (by their place in `CASES`).
-    let only: Option<Vec<usize>> = std::env::var("BENCH_CHAIN_CASES")
+    // BENCH_CHAIN_CASES=0,1 runs only those cases (by their place in `CASES`), and `shop` the
+    // 525-page shop.
+    let picked: Option<Vec<String>> = std::env::var("BENCH_CHAIN_CASES")
         .ok()
-        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect());
-    let chosen = |c: usize| only.as_ref().is_none_or(|o| o.contains(&c));
+        .map(|v| v.split(',').map(|x| x.trim().to_owned()).collect());
+    let chosen = |c: usize| picked.as_ref().is_none_or(|o| o.contains(&c.to_string()));
+    let shop_too = picked
+        .as_ref()
+        .is_none_or(|o| o.iter().any(|x| x == "shop"));
     for run in 1..=runs {
         for (c, case) in CASES.iter().enumerate().filter(|(c, _)| chosen(*c)) {
             for (b, (name, bin)) in builds.iter().enumerate() {
@@ -125,7 +129,7 @@ pub(crate) async fn chain(uri: &str, runs: usize) {
         }
     }
     println!();
-    for (b, (name, _)) in builds.iter().enumerate().filter(|_| only.is_none()) {
+    for (b, (name, _)) in builds.iter().enumerate().filter(|_| picked.is_none()) {
         println!(
             "- {name}: 25 pages with 20 products against 1 product, local: **{:.2}×**; a hop of the one-product chain 10 ms away: **{:.1} ms** (the floor + {:.1} ms).",
             medians[&(1, b)] / medians[&(0, b)],
@@ -133,9 +137,9 @@ pub(crate) async fn chain(uri: &str, runs: usize) {
             medians[&(2, b)] / 25.0 - floor
         );
     }
-    if only.is_none() {
+    if shop_too {
         println!();
-        whole_shop(uri, dir.path(), &builds, runs).await;
+        whole_shop(uri, &upstream, dir.path(), &builds, runs).await;
     }
 }
 
@@ -178,8 +182,16 @@ async fn fetch_floor(lists: u32) -> f64 {
 }
 
 /// The 525-page shop (25 listing pages, 500 products) from process start to exit: seedlock
-/// (each build), the reference crawler and Scrapy, interleaved; medians of `runs`.
-async fn whole_shop(uri: &str, dir: &Path, builds: &[(&'static str, String)], runs: usize) {
+/// (each build, with the database local and 10 ms away — the pass's first and last
+/// milliseconds are mostly round trips), the reference crawler and Scrapy, interleaved; medians
+/// of `runs`.
+async fn whole_shop(
+    uri: &str,
+    upstream: &str,
+    dir: &Path,
+    builds: &[(&'static str, String)],
+    runs: usize,
+) {
     let python = std::env::var("BENCH_PYTHON").ok();
     println!("## The 525-page shop from process start to exit (25 listing pages, 500 products)");
     println!();
@@ -189,26 +201,30 @@ async fn whole_shop(uri: &str, dir: &Path, builds: &[(&'static str, String)], ru
     println!("|---|---|---|---|");
     let mut walls: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     for run in 1..=runs {
-        for (name, bin) in builds {
+        for ((name, bin), rtt) in builds.iter().flat_map(|b| [(b, 0), (b, 10)]) {
+            let proxy =
+                (rtt > 0).then(|| kit::delay::Delay::start(upstream, Duration::from_millis(rtt)));
+            let through = proxy.as_ref().map_or(uri.to_owned(), |p| p.uri(uri));
             let shop = Shop::start(25, 20).await;
             let db = fresh_db(uri, "shop525").await;
             let run_of = Run {
                 crawl: "",
                 mode: "fingerprint",
             };
-            let config = config(dir, uri, db.name(), &shop.base, &run_of);
+            let config = config(dir, &through, db.name(), &shop.base, &run_of);
             let crawl = crawl_measured_by(bin, &config, &db, 1).await;
             let truth = shop.truth().await;
             let (_, _, correct) = judge_records(&db, &truth).await;
             let ms = crawl.wall.as_secs_f64() * 1e3;
+            let who = match rtt {
+                0 => format!("seedlock, {name}"),
+                _ => format!("seedlock, {name}, database {rtt} ms away"),
+            };
             println!(
-                "| seedlock, {name} | {run} | {ms:.0} | {correct}/{} correct |",
+                "| {who} | {run} | {ms:.0} | {correct}/{} correct |",
                 truth.len()
             );
-            walls
-                .entry(format!("seedlock, {name}"))
-                .or_default()
-                .push(ms);
+            walls.entry(who).or_default().push(ms);
             let _ = db.drop().await;
         }
         let Some(python) = &python else { continue };
