@@ -184,19 +184,16 @@ pub async fn run_with_store(
 /// seed fetcher, the metrics (the store's command counts among them), the crawl's context when
 /// any bot crawls, and the lock hub.
 async fn context(settings: &Settings, store: &Store) -> Result<Arc<Context>, RunError> {
-    let clock = server_clock(store, settings.mongo.connect_timeout)
-        .await
-        .map_err(RunError::Startup)?;
     let patience = settings.mongo.connect_timeout;
-    with_patience("create the bots and hosts indexes", patience, || async {
-        tokio::try_join!(
-            store.bots().ensure_indexes(),
-            store.hosts().ensure_indexes()
-        )
-        .map(|_| ())
-    })
-    .await
-    .map_err(|e| RunError::Startup(e.to_string()))?;
+    let crawls = settings.bots_from_database() || settings.bots.iter().any(|b| b.crawl.is_some());
+    // The clock's samples and every collection's indexes side by side: a database across a
+    // network is paid a round trip at a time here, before anything else can start.
+    let clock = async {
+        server_clock(store, patience)
+            .await
+            .map_err(RunError::Startup)
+    };
+    let (clock, ()) = tokio::try_join!(clock, ensure_indexes(store, patience, crawls))?;
     let fetcher = SeedReader::new(settings.refresh.clone()).map_err(RunError::Startup)?;
     let metrics = Arc::new(Metrics::new());
     {
@@ -209,7 +206,6 @@ async fn context(settings: &Settings, store: &Store) -> Result<Arc<Context>, Run
         }));
     }
     let started_at = clock.now();
-    let crawls = settings.bots_from_database() || settings.bots.iter().any(|b| b.crawl.is_some());
     let crawl = if crawls {
         Some(crawl_context(settings, store, &clock, started_at, &metrics).await?)
     } else {
@@ -411,8 +407,38 @@ async fn publish_hosts(
     }
 }
 
-/// What crawling bots share: the page fetcher, the indexes, and `crawl.transactions` resolved
-/// against what the server supports.
+/// The indexes of the bots and hosts collections, and of the frontier and records when any bot
+/// crawls: each collection's at once.
+async fn ensure_indexes(store: &Store, patience: Duration, crawls: bool) -> Result<(), RunError> {
+    let lock = with_patience("create the bots and hosts indexes", patience, || async {
+        tokio::try_join!(
+            store.bots().ensure_indexes(),
+            store.hosts().ensure_indexes()
+        )
+        .map(|_| ())
+    });
+    let crawl = async {
+        if !crawls {
+            return Ok(());
+        }
+        info!("ensuring the frontier and records indexes (building one on a large collection takes a while)");
+        tokio::try_join!(
+            with_patience("create the frontier indexes", patience, || {
+                store.frontier().ensure_indexes()
+            }),
+            with_patience("create the records index", patience, || {
+                store.records().ensure_indexes()
+            }),
+        )
+        .map(|_| ())
+    };
+    tokio::try_join!(lock, crawl)
+        .map(|_| ())
+        .map_err(|e| RunError::Startup(e.to_string()))
+}
+
+/// What crawling bots share: the page fetcher, and `crawl.transactions` resolved against what
+/// the server supports.
 async fn crawl_context(
     settings: &Settings,
     store: &Store,
@@ -424,17 +450,7 @@ async fn crawl_context(
     let fetcher = HttpClient::new(&limits.user_agent, limits.timeout, limits.max_page_bytes)
         .map_err(RunError::Startup)?;
     let startup = |e: crate::error::Error| RunError::Startup(e.to_string());
-    info!("ensuring the frontier and records indexes (building one on a large collection takes a while)");
     let patience = settings.mongo.connect_timeout;
-    tokio::try_join!(
-        with_patience("create the frontier indexes", patience, || {
-            store.frontier().ensure_indexes()
-        }),
-        with_patience("create the records index", patience, || {
-            store.records().ensure_indexes()
-        }),
-    )
-    .map_err(startup)?;
     let supports_transactions = || {
         with_patience("ask whether the server runs transactions", patience, || {
             store.records().supports_transactions()
