@@ -388,6 +388,12 @@ pub(crate) fn plus(at: DateTime<Utc>, d: Duration) -> DateTime<Utc> {
 /// The longest an index build at start-up may take.
 const INDEX_BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
+/// The longest a read of a whole pass or of all a bot's records may take (the count that ends a
+/// pass): the test server reads about 150,000 entries a second, so a pass of a million took 7
+/// s quiet and over 10 s (the default `op_timeout`) on a busy machine — and a pass whose end
+/// count never fits in `op_timeout` would never end.
+const SCAN_TIMEOUT: Duration = Duration::from_secs(120);
+
 impl Store {
     /// Connects and checks the server answers within `connect_timeout`. The error never carries
     /// the URI's password.
@@ -662,6 +668,16 @@ impl Store {
         self.commands.took(what, sent.elapsed());
         tracing::trace!(what, took = ?sent.elapsed(), "database command");
         result
+    }
+
+    /// As [`Store::bounded`], for a read of a whole pass or of all a bot's records: within
+    /// [`SCAN_TIMEOUT`] (or `op_timeout`, if longer).
+    pub(crate) async fn bounded_scan<T, F>(&self, what: &'static str, op: F) -> Result<T>
+    where
+        F: std::future::IntoFuture<Output = mongodb::error::Result<T>>,
+    {
+        self.bounded_for(what, SCAN_TIMEOUT.max(self.op_timeout), op)
+            .await
     }
 
     /// As [`Store::bounded`] for a status view's read: within `op_timeout` even while no primary

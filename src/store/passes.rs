@@ -275,7 +275,7 @@ impl Passes<'_> {
         ];
         let rows: Vec<Document> = self
             .store
-            .bounded("pass coverage", async {
+            .bounded_scan("pass coverage", async {
                 self.store
                     .frontier()
                     .collection()

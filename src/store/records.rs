@@ -435,7 +435,7 @@ impl Records<'_> {
     /// How many records the bot has, live or marked removed (over the `bot_removed_at` index).
     pub(crate) async fn count_all(self, bot: &BotId) -> Result<u64> {
         self.store
-            .bounded(
+            .bounded_scan(
                 "count records",
                 self.collection()
                     .count_documents(doc! { f::BOT: bot.as_str() }),
