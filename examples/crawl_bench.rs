@@ -1032,6 +1032,13 @@ async fn db_ceiling(
     (rate, lease / done.max(1), commit / done.max(1))
 }
 
+/// The path of the next listing page a demo-shop listing page links to.
+fn next_listing_path(body: &str) -> Option<&str> {
+    body.split_once("class=\"next\" href=\"")
+        .and_then(|(_, rest)| rest.split_once('"'))
+        .map(|(path, _)| path)
+}
+
 /// The HTTP ceiling: every page of the shop fetched, nothing parsed (beyond finding the links)
 /// or stored — listing pages one after the other, each one's product pages `concurrency` at a
 /// time.
@@ -1057,11 +1064,7 @@ async fn http_ceiling(base: &str, concurrency: usize) -> (u64, f64) {
             .filter_map(|s| s.split('"').next())
             .map(|sku| format!("{base}/product/{sku}"))
             .collect();
-        next = body
-            .split("class=\"next\" href=\"")
-            .nth(1)
-            .and_then(|s| s.split('"').next())
-            .map(|path| format!("{base}{path}"));
+        next = next_listing_path(&body).map(|path| format!("{base}{path}"));
         let got: Vec<()> = futures_util::stream::iter(products)
             .map(|url| {
                 let client = client.clone();

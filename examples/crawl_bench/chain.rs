@@ -170,10 +170,7 @@ async fn fetch_floor(lists: u32) -> f64 {
                 .await
                 .unwrap();
             hops += 1;
-            next = page
-                .split_once("class=\"next\" href=\"")
-                .and_then(|(_, rest)| rest.split_once('"'))
-                .map(|(href, _)| href.to_owned());
+            next = next_listing_path(&page).map(str::to_owned);
         }
         assert_eq!(hops, lists, "the walk reached every listing page");
         walks.push(started.elapsed().as_secs_f64() * 1e3 / f64::from(lists));
