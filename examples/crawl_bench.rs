@@ -1228,8 +1228,17 @@ async fn network(uri: &str, runs: usize) {
         .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
         .filter(|v: &Vec<u64>| !v.is_empty())
         .unwrap_or_else(|| vec![0, 2, 10]);
+    // `BENCH_NETWORK_SHOP=10,500` crawls 10 listing pages of 500 products instead of 50 of 100
+    // (a shorter pagination chain under the same detail pages).
+    let (listings, per) = std::env::var("BENCH_NETWORK_SHOP")
+        .ok()
+        .and_then(|v| {
+            let (a, b) = v.split_once(',')?;
+            Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
+        })
+        .unwrap_or((50, 100));
     let dir = tempfile::tempdir().unwrap();
-    println!("## The database across a network: 5,000 products, one instance, a delay proxy in front of the database");
+    println!("## The database across a network: {listings} listing pages of {per} products, one instance, a delay proxy in front of the database");
     println!();
     println!("The proxy holds every byte for half the round trip in each direction (no bandwidth limit). `0 ms` goes through the proxy too. Runs interleaved; medians of {runs}.");
     println!();
@@ -1241,7 +1250,7 @@ async fn network(uri: &str, runs: usize) {
         for &rtt in &rtts {
             let proxy = kit::delay::Delay::start(&upstream, Duration::from_millis(rtt));
             let through = proxy.uri(uri);
-            let shop = Shop::start(50, 100).await;
+            let shop = Shop::start(listings, per).await;
             let db = fresh_db(uri, "network").await;
             let config = config(
                 dir.path(),
