@@ -142,6 +142,36 @@ pub enum Command {
         /// Also the records marked removed.
         #[arg(long)]
         include_removed: bool,
+        /// The change feed's released events instead of the records (needs --since-pass): JSON
+        /// lines as `seedlock changes --json` prints them, or CSV with one row per changed field.
+        #[arg(long, requires = "since_pass", conflicts_with_all = ["changed_since", "include_removed"])]
+        delta: bool,
+        /// With --delta: the events of this pass and every later released one.
+        #[arg(long, requires = "delta")]
+        since_pass: Option<i64>,
+    },
+    /// A bot's change feed: each released event (added, changed with each field's old and new
+    /// value, removed, restored) with its sequence number, oldest first. Events of a pass appear
+    /// once the pass is released.
+    Changes {
+        bot: String,
+        /// Only events after this sequence number (the last one a reader saw).
+        #[arg(long, conflicts_with = "since_pass")]
+        since: Option<i64>,
+        /// Only events of this pass and later ones.
+        #[arg(long)]
+        since_pass: Option<i64>,
+        /// Then wait for each next release and print it, until interrupted.
+        #[arg(long)]
+        follow: bool,
+        /// JSON lines (the event documents).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Settle a pass the drift gate withheld (see `seedlock status`).
+    Pass {
+        #[command(subcommand)]
+        command: PassCommand,
     },
     /// Serve the demo shop: listing and product pages, a seed source (/seeds.txt, /seeds.json,
     /// /sitemap.xml) and control endpoints (/__mutate, /__faults, /__stats, /__truth). Needs no config.
@@ -168,6 +198,16 @@ pub enum Command {
         #[arg(long)]
         calendar: bool,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PassCommand {
+    /// Release a gated pass: its change events become visible and the removals it held back
+    /// apply (while it is the bot's latest pass).
+    Release { bot: String, pass: i64 },
+    /// Discard a gated pass: its change events are deleted and nothing it held back is removed;
+    /// its records keep the values it read.
+    Discard { bot: String, pass: i64 },
 }
 
 fn rfc3339(raw: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
@@ -340,9 +380,53 @@ async fn dispatch(command: Command, mut settings: Settings) -> ExitCode {
         Command::Export {
             bot,
             format,
+            delta: true,
+            since_pass,
+            ..
+        } => {
+            let shape = match format {
+                crate::ops::export::Format::Jsonl => crate::ops::changes::Shape::Json,
+                crate::ops::export::Format::Csv => crate::ops::changes::Shape::Csv,
+            };
+            let since = crate::ops::changes::Since::Pass(since_pass.unwrap_or(0));
+            crate::ops::changes::command(settings, &bot, since, false, shape).await
+        }
+        Command::Export {
+            bot,
+            format,
             changed_since,
             include_removed,
+            ..
         } => crate::ops::bots::export(settings, &bot, format, changed_since, include_removed).await,
+        Command::Changes {
+            bot,
+            since,
+            since_pass,
+            follow,
+            json,
+        } => {
+            let from = match since_pass {
+                Some(pass) => crate::ops::changes::Since::Pass(pass),
+                None => crate::ops::changes::Since::Seq(since.unwrap_or(0)),
+            };
+            let shape = if json {
+                crate::ops::changes::Shape::Json
+            } else {
+                crate::ops::changes::Shape::Lines
+            };
+            crate::ops::changes::command(settings, &bot, from, follow, shape).await
+        }
+        Command::Pass { command } => {
+            let (bot, pass, how) = match command {
+                PassCommand::Release { bot, pass } => {
+                    (bot, pass, crate::store::release::Settle::Release)
+                }
+                PassCommand::Discard { bot, pass } => {
+                    (bot, pass, crate::store::release::Settle::Discard)
+                }
+            };
+            crate::ops::changes::settle(settings, &bot, pass, how).await
+        }
         Command::DemoSite { .. } => unreachable!("handled before the config is read"),
     }
 }

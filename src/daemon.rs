@@ -193,7 +193,10 @@ async fn context(settings: &Settings, store: &Store) -> Result<Arc<Context>, Run
             .await
             .map_err(RunError::Startup)
     };
-    let (clock, ()) = tokio::try_join!(clock, ensure_indexes(store, patience, crawls))?;
+    let (clock, ()) = tokio::try_join!(
+        clock,
+        ensure_indexes(store, patience, crawls, settings.changes_ttl)
+    )?;
     let fetcher = SeedReader::new(settings.refresh.clone()).map_err(RunError::Startup)?;
     let metrics = Arc::new(Metrics::new());
     {
@@ -409,7 +412,12 @@ async fn publish_hosts(
 
 /// The indexes of the bots and hosts collections, and of the frontier and records when any bot
 /// crawls: each collection's at once.
-async fn ensure_indexes(store: &Store, patience: Duration, crawls: bool) -> Result<(), RunError> {
+async fn ensure_indexes(
+    store: &Store,
+    patience: Duration,
+    crawls: bool,
+    changes_ttl: Duration,
+) -> Result<(), RunError> {
     let lock = with_patience("create the bots and hosts indexes", patience, || async {
         tokio::try_join!(
             store.bots().ensure_indexes(),
@@ -428,6 +436,9 @@ async fn ensure_indexes(store: &Store, patience: Duration, crawls: bool) -> Resu
             }),
             with_patience("create the records index", patience, || {
                 store.records().ensure_indexes()
+            }),
+            with_patience("create the change feed's indexes", patience, || {
+                store.changes().ensure_indexes(changes_ttl)
             }),
         )
         .map(|_| ())

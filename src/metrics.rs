@@ -415,6 +415,8 @@ struct CatalogueMetrics {
     removed: Family<BotLabel, Counter>,
     live_records: Family<BotLabel, Gauge>,
     refresh_interval: Family<BotLabel, Ratio>,
+    gated: Family<BotLabel, Gauge>,
+    events_released: Family<BotLabel, Counter>,
 }
 
 impl CatalogueMetrics {
@@ -449,12 +451,26 @@ impl CatalogueMetrics {
             "How often this instance refreshes the bot's seeds (a day for \"daily\")",
             refresh_interval.clone(),
         );
+        let gated = Family::<BotLabel, Gauge>::default();
+        registry.register(
+            "pass_gated",
+            "1 while one of the bot's passes is gated by the drift gate (its change events and removals wait for `seedlock pass release` or `discard`)",
+            gated.clone(),
+        );
+        let events_released = Family::<BotLabel, Counter>::default();
+        registry.register(
+            "change_events_released",
+            "Change feed events the bot's released passes made visible, in all (kept in the bot's document)",
+            events_released.clone(),
+        );
         Self {
             last_complete_pass,
             coverage,
             removed,
             live_records,
             refresh_interval,
+            gated,
+            events_released,
         }
     }
 }
@@ -598,6 +614,14 @@ impl Metrics {
             }
             if let Some(live) = stats.live_records {
                 c.live_records.get_or_create(&label).set(live);
+            }
+            c.gated.get_or_create(&label).set(i64::from(stats.gated));
+            let released = c.events_released.get_or_create(&label);
+            if let Ok(total) = u64::try_from(stats.events_released) {
+                let shown = released.get();
+                if total > shown {
+                    released.inc_by(total - shown);
+                }
             }
             // The document's total, carried into the counter: it only grows.
             let removed = c.removed.get_or_create(&label);

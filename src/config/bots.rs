@@ -110,6 +110,32 @@ pub struct CrawlSettings {
     pub sitemaps_from_robots: bool,
     /// The crawl-trap bounds of a pass (`max_url_length` is in `links`).
     pub bounds: CrawlBounds,
+    /// When a pass is gated instead of released (`[bots.crawl.drift]`).
+    pub drift: DriftRules,
+}
+
+/// The drift gate (`[bots.crawl.drift]`): a pass whose fields' fill rates fell, or that would
+/// remove too much of the catalogue, is **gated** — its records keep their new values, but its
+/// change events and removals wait for an operator's `seedlock pass release` or `discard`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DriftRules {
+    /// A field's fill rate (the share of the records a pass wrote that hold a value for it)
+    /// falling by more than this (absolute) against the last released pass gates the pass.
+    pub max_fill_drop: f64,
+    /// A pass that would remove more than this share of the bot's live records is gated.
+    pub max_removed: f64,
+    /// Fill rates are judged only on passes that wrote at least this many records.
+    pub min_records: u64,
+}
+
+impl Default for DriftRules {
+    fn default() -> Self {
+        DriftRules {
+            max_fill_drop: 0.2,
+            max_removed: 0.1,
+            min_records: 20,
+        }
+    }
 }
 
 /// How far one pass of a bot goes, at most: what stops a crawl trap (a calendar, a faceted
@@ -250,6 +276,39 @@ pub(super) struct RawCrawl {
     pub(super) max_pages_per_host: u64,
     #[serde(default = "default_max_url_length")]
     pub(super) max_url_length: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) drift: Option<RawDrift>,
+}
+
+/// `[bots.crawl.drift]`.
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDrift {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) max_fill_drop: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) max_removed: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) min_records: Option<u64>,
+}
+
+impl RawDrift {
+    fn validate(&self, keys: CrawlKeys<'_>) -> Result<DriftRules, String> {
+        let d = DriftRules::default();
+        let share = |k: &str, v: Option<f64>, default: f64| match v {
+            None => Ok(default),
+            Some(x) if (0.0..=1.0).contains(&x) => Ok(x),
+            Some(x) => Err(format!(
+                "key `{}`: {x} is not a share between 0 and 1",
+                keys.key(k)
+            )),
+        };
+        Ok(DriftRules {
+            max_fill_drop: share("drift.max_fill_drop", self.max_fill_drop, d.max_fill_drop)?,
+            max_removed: share("drift.max_removed", self.max_removed, d.max_removed)?,
+            min_records: self.min_records.unwrap_or(d.min_records).max(1),
+        })
+    }
 }
 
 pub(super) fn default_max_depth() -> u64 {
@@ -402,7 +461,12 @@ impl RawCrawl {
             max_pages: positive("max_pages", self.max_pages)?,
             max_pages_per_host: positive("max_pages_per_host", self.max_pages_per_host)?,
         };
+        let drift = match &self.drift {
+            Some(raw) => raw.validate(keys)?,
+            None => DriftRules::default(),
+        };
         Ok(CrawlSettings {
+            drift,
             bounds,
             sitemaps,
             sitemaps_from_robots: self.sitemaps_from_robots,

@@ -49,6 +49,8 @@ pub struct Settings {
     pub lock: LockSettings,
     pub refresh: RefreshLimits,
     pub crawl: CrawlLimits,
+    /// How long the change feed keeps an event (`changes.ttl`).
+    pub changes_ttl: Duration,
     pub http_listen: Option<String>,
     pub log: LogSettings,
     /// The file's `[[bots]]`; empty: the instance runs the bots defined in the database.
@@ -125,8 +127,26 @@ struct RawConfig {
     #[serde(default)]
     log: RawLog,
     #[serde(default)]
+    changes: RawChanges,
+    #[serde(default)]
     bots: Vec<RawBot>,
 }
+
+/// `[changes]`: the change feed.
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawChanges {
+    ttl: String,
+}
+
+impl Default for RawChanges {
+    fn default() -> Self {
+        Self { ttl: "30d".into() }
+    }
+}
+
+/// The longest `changes.ttl`: ten years.
+const MAX_CHANGES_TTL: Duration = Duration::from_secs(10 * 366 * 24 * 3600);
 
 #[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -194,6 +214,7 @@ impl Settings {
             crawl: RawCrawlLimits::default(),
             http: RawHttp::default(),
             log: RawLog::default(),
+            changes: RawChanges::default(),
             bots: Vec::new(),
         }))
         .merge(Toml::string(text));
@@ -269,6 +290,13 @@ impl RawConfig {
         let lock = self.lock.validate()?;
         let refresh = self.refresh.validate()?;
         let crawl = self.crawl.validate(&refresh.user_agent)?;
+        let changes_ttl = duration("changes.ttl", &self.changes.ttl)?;
+        if changes_ttl < Duration::from_secs(3600) || changes_ttl > MAX_CHANGES_TTL {
+            return Err(format!(
+                "key `changes.ttl`: {:?} is not between 1h and 10 years",
+                self.changes.ttl
+            ));
+        }
         let listen = self.http.listen.trim();
         let http_listen = if listen.is_empty() || listen == "off" {
             None
@@ -299,6 +327,7 @@ impl RawConfig {
             lock,
             refresh,
             crawl,
+            changes_ttl,
             http_listen,
             log: LogSettings {
                 format: self.log.format,

@@ -125,6 +125,7 @@ fn key_paths(value: &toml::Value, prefix: &str, out: &mut std::collections::BTre
 /// added, and then the test below fails until the README documents it.
 fn every_key() -> std::collections::BTreeSet<String> {
     let full = RawConfig {
+        changes: RawChanges { ttl: "7d".into() },
         mongo: RawMongo {
             uri: "mongodb://h".into(),
             database: "d".into(),
@@ -251,6 +252,11 @@ fn every_key() -> std::collections::BTreeSet<String> {
                 max_url_length: 100,
                 proxy: Some(RawEnv { env: "P".into() }),
                 cookies: [("c".to_owned(), RawHeader::Env { env: "C".into() })].into(),
+                drift: Some(RawDrift {
+                    max_fill_drop: Some(0.3),
+                    max_removed: Some(0.5),
+                    min_records: Some(10),
+                }),
             }),
         }],
     };

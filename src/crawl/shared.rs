@@ -119,6 +119,7 @@ impl Shared {
             enabled: self.rules.incremental.mode != IncrementalMode::Watermark,
             min_coverage: self.limits.min_coverage,
             max_error_rate: self.limits.max_error_rate,
+            drift: self.rules.drift,
         }
     }
 

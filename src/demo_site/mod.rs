@@ -23,7 +23,9 @@
 //! - Control: `POST /__mutate` `{"change": K, "add": K, "delete": K, "remove": [SKU…]}` answers which products it
 //!   touched; `POST /__faults` installs fault rules (latency, a status such as 429 with
 //!   `Retry-After`, huge bodies, gzip bombs, redirect loops or redirects elsewhere) on path
-//!   patterns, `DELETE /__faults` clears them; `GET /__stats` counts requests per path and
+//!   patterns, `DELETE /__faults` clears them; `POST /__layout` `{"price_class": "cost"}`
+//!   renames the price's class on every page (a layout drift), `DELETE /__layout` undoes it;
+//!   `GET /__stats` counts requests per path and
 //!   responses per `Content-Encoding`; `GET /__truth` lists every current product;
 //!   `POST /__robots` sets the text of `/robots.txt` (404 until then); `GET /__headers` shows the
 //!   request headers received (each name with its distinct values), to check what a bot sends.
@@ -174,6 +176,9 @@ struct Catalog {
     next_sku: u64,
     stats: BTreeMap<String, u64>,
     faults: Vec<FaultRule>,
+    /// The class of the price's element on listing and product pages (`POST /__layout` renames
+    /// it: a layout drift).
+    price_class: String,
     sku_prefix: String,
     /// `GET /robots.txt` (`POST /__robots` sets it); `None`: 404.
     robots: Option<String>,
@@ -212,6 +217,7 @@ impl Catalog {
             next_sku: 1,
             stats: BTreeMap::new(),
             faults: Vec::new(),
+            price_class: "price".into(),
             sku_prefix: options.sku_prefix.clone(),
             robots: None,
             in_flight: 0,
@@ -481,6 +487,7 @@ pub async fn serve(
         .route("/api/product/{sku}", get(api_product))
         .route("/__mutate", post(mutate))
         .route("/__faults", post(set_faults).delete(clear_faults))
+        .route("/__layout", post(set_layout).delete(clear_layout))
         .route("/__stats", get(stats))
         .route("/robots.txt", get(robots_txt))
         .route("/__robots", post(set_robots))
@@ -810,7 +817,8 @@ async fn list_page(State(c): State<Shared>, uri: Uri, Path(page): Path<String>) 
     let start = (page - 1) * catalog.per_list;
     for p in catalog.products.iter().skip(start).take(catalog.per_list) {
         body.push_str(&format!(
-            "<div class=\"item\" data-id=\"{sku}\" data-updated=\"{updated}\"><a href=\"/product/{sku}\"><span class=\"title\">{title}</span></a> <span class=\"price\">{price}</span> <span class=\"status\">{status}</span></div>\n",
+            "<div class=\"item\" data-id=\"{sku}\" data-updated=\"{updated}\"><a href=\"/product/{sku}\"><span class=\"title\">{title}</span></a> <span class=\"{price_class}\">{price}</span> <span class=\"status\">{status}</span></div>\n",
+            price_class = catalog.price_class,
             sku = p.sku,
             updated = p.changed_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             title = html_escape(&p.title),
@@ -920,7 +928,10 @@ async fn product_page(
     Path(sku): Path<String>,
 ) -> Response {
     fault_first!(c, uri);
-    let product = lock(&c).find(&sku).cloned();
+    let (product, price_class) = {
+        let catalog = lock(&c);
+        (catalog.find(&sku).cloned(), catalog.price_class.clone())
+    };
     let Some(p) = product else {
         return (StatusCode::NOT_FOUND, "no such product\n").into_response();
     };
@@ -940,7 +951,7 @@ async fn product_page(
     .to_string()
     .replace("</", "<\\/");
     let body = format!(
-        "<!doctype html>\n<html><head><title>{title}</title>\n<link rel=\"canonical\" href=\"/product/{sku}\">\n<script type=\"application/ld+json\">{json_ld}</script></head><body>\n<h1>{title}</h1>\n<div class=\"sku\">{sku}</div>\n<div class=\"price\">{price}</div>\n<div class=\"status\">{status}</div>\n<a href=\"/list/1\">all products</a>\n</body></html>\n",
+        "<!doctype html>\n<html><head><title>{title}</title>\n<link rel=\"canonical\" href=\"/product/{sku}\">\n<script type=\"application/ld+json\">{json_ld}</script></head><body>\n<h1>{title}</h1>\n<div class=\"sku\">{sku}</div>\n<div class=\"{price_class}\">{price}</div>\n<div class=\"status\">{status}</div>\n<a href=\"/list/1\">all products</a>\n</body></html>\n",
         title = html_escape(&p.title),
         sku = p.sku,
         price = html_escape(&p.price),
@@ -1055,6 +1066,37 @@ async fn set_faults(State(c): State<Shared>, Json(rules): Json<Vec<FaultRule>>) 
     let n = rules.len();
     lock(&c).faults = rules;
     Json(serde_json::json!({ "faults": n })).into_response()
+}
+
+/// `POST /__layout`: `{"price_class": "cost"}` renames the price's class on every listing and
+/// product page, as a shop's redesign would.
+#[derive(Deserialize)]
+struct Layout {
+    price_class: String,
+}
+
+async fn set_layout(State(c): State<Shared>, Json(layout): Json<Layout>) -> Response {
+    let class = layout.price_class.trim();
+    if class.is_empty()
+        || class.len() > 32
+        || !class
+            .chars()
+            .all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_')
+    {
+        return (
+            StatusCode::BAD_REQUEST,
+            "price_class: letters, digits, - and _, at most 32\n",
+        )
+            .into_response();
+    }
+    lock(&c).price_class = class.to_owned();
+    Json(serde_json::json!({ "price_class": class })).into_response()
+}
+
+/// `DELETE /__layout`: the price's class is `price` again.
+async fn clear_layout(State(c): State<Shared>) -> Response {
+    lock(&c).price_class = "price".into();
+    Json(serde_json::json!({ "price_class": "price" })).into_response()
 }
 
 async fn clear_faults(State(c): State<Shared>) -> Response {

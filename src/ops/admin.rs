@@ -205,6 +205,33 @@ pub(crate) fn with_pass(
 /// 1 restored`, `pass 4: nothing removed (listing coverage 80.0% is under 95.0%), 0 restored`,
 /// `pass 4: evaluating`.
 pub(crate) fn evaluation_text(raw: &Document) -> Option<String> {
+    let text = last_evaluation_text(raw);
+    match gate_text(raw) {
+        Some(gate) => Some(match text {
+            Some(text) => format!("{gate}; {text}"),
+            None => gate,
+        }),
+        None => text,
+    }
+}
+
+/// The pass the drift gate withholds, and why: `pass 5 gated: field price filled 3% (last
+/// pass 99%)`.
+pub(crate) fn gate_text(raw: &Document) -> Option<String> {
+    let gate = raw
+        .get_document(crate::store::release::FEED)
+        .ok()?
+        .get_document(crate::store::release::feed::GATE)
+        .ok()?;
+    let pass = gate.get("pass").and_then(crate::store::document::integer)?;
+    let reasons: Vec<&str> = gate
+        .get_array("reasons")
+        .map(|a| a.iter().filter_map(Bson::as_str).collect())
+        .unwrap_or_default();
+    Some(format!("pass {pass} gated: {}", reasons.join("; ")))
+}
+
+fn last_evaluation_text(raw: &Document) -> Option<String> {
     let last = crate::store::document::last_evaluation(raw)?;
     let pass = last.pass;
     Some(match last.evaluation.as_deref() {
@@ -289,12 +316,14 @@ fn document_row(
     let schedule = schedule_of(&raw, configured);
     let name = bot_name(&raw);
     let last_evaluation = evaluation_text(&raw);
+    let gated = gate_text(&raw).is_some();
     let dropped = dropped_text(&raw);
     let observed = crate::store::document::observe(Some(raw));
     let state = state_of(&observed).as_str().to_owned();
     match observed {
         Observed::Valid(doc) => {
-            let attention = attention(&state, Some(&doc), schedule, now);
+            let attention = attention(&state, Some(&doc), schedule, now)
+                .or_else(|| gated.then(|| "pass gated".to_owned()));
             StatusRow {
                 dropped,
                 ..valid_row(name, state, doc, attention, last_evaluation, now)

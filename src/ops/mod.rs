@@ -2,6 +2,7 @@
 //!
 //! - [`admin`]: `status`, `inspect`, `unlock`, `refresh`;
 //! - [`bots`]: `bots apply | list | remove`, `pause`, `resume`, `export`;
+//! - [`changes`]: `changes` (the change feed), `pass release | discard`, `export --delta`;
 //! - [`export`]: `seedlock export`'s JSON lines and CSV;
 //! - [`fleet`]: the fleet as the database shows it, read once for every status view;
 //! - [`http`]: the instance's HTTP endpoint (`/`, `/status.json`, `/healthz`, `/metrics`);
@@ -10,6 +11,7 @@
 
 pub mod admin;
 pub(crate) mod bots;
+pub mod changes;
 pub mod export;
 pub(crate) mod overview;
 pub(crate) mod page;

@@ -45,6 +45,7 @@ use std::collections::HashSet;
 use bson::{doc, Bson, Document, RawDocumentBuf};
 use chrono::{DateTime, Utc};
 
+use super::changes::{pending_event, ChangeKind};
 use super::frontier::{
     baseline_lists, field as fr, listing_filters, raw_integer, unreached_listings_filters, url_id,
     Ids, UrlStatus, FRONTIER, IN_CHUNK,
@@ -54,6 +55,11 @@ use super::{date, Store};
 use crate::error::Result;
 use crate::ids::BotId;
 use crate::urls::NormalizedUrl;
+
+/// A `removed` event of pass `pass`.
+fn removed_event(pass: PassNumber, now: DateTime<Utc>) -> Document {
+    pending_event(pass, ChangeKind::Removed, Document::new(), now)
+}
 
 /// What an evaluation did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -68,6 +74,11 @@ pub struct Evaluation {
     pub removed: u64,
     /// Records marked removed earlier that a listing of this pass shows again.
     pub restored: u64,
+    /// Records the pass would have removed and held back instead: more than its share of the
+    /// live records (the drift gate's `max_removed`). Removed only if the pass is released.
+    pub held: u64,
+    /// The bot's live records before the evaluation, when they were counted (a removal to judge).
+    pub live_before: Option<u64>,
 }
 
 /// The key of a detail page's frontier id in the sets below (see [`super::frontier::id_key`]).
@@ -176,12 +187,16 @@ impl Deletions<'_> {
     /// no listing page has a baseline yet, so every live record that no listing of this pass
     /// shows and whose detail page this pass did not fetch is a candidate (one read of the live
     /// records, once).
+    ///
+    /// `max_removed`: when the departures' records are more than this share of the live records,
+    /// they are held back (`hold_removed`), not removed, and no baseline moves.
     pub async fn evaluate(
         self,
         bot: &BotId,
         pass: PassNumber,
         remove: bool,
         sweep: bool,
+        max_removed: Option<f64>,
         now: DateTime<Utc>,
     ) -> Result<Evaluation> {
         let mut outcome = Evaluation::default();
@@ -201,9 +216,21 @@ impl Deletions<'_> {
                 .departed_ids(bot, &read.pages, &read.departures)
                 .await?;
             outcome.candidates = candidates.len() as u64;
-            outcome.removed = self
-                .remove_departed(bot, pass, &candidates, &present, now)
-                .await?;
+            let gone = self.departed_records(bot, &candidates, &present).await?;
+            let hold = match max_removed {
+                Some(share) if !gone.is_empty() => {
+                    let live = self.store.records().count_live(bot).await?;
+                    outcome.live_before = Some(live);
+                    gone.len() as f64 > share * live as f64
+                }
+                _ => false,
+            };
+            if hold {
+                self.hold_removed(bot, pass, &gone, now).await?;
+                outcome.held = gone.len() as u64;
+            } else {
+                outcome.removed = self.mark_removed(bot, pass, &gone, now).await?;
+            }
             if sweep {
                 let (swept, removed) = self.sweep_unlisted(bot, pass, &present, now).await?;
                 outcome.candidates += swept;
@@ -213,7 +240,7 @@ impl Deletions<'_> {
         tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), "evaluation: removals done");
         outcome.restored = self.restore_listed(bot, pass, &present, now).await?;
         tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), "evaluation: restorations done");
-        if remove {
+        if remove && outcome.held == 0 {
             self.clear_baselines(bot, pass, &unreached).await?;
         }
         Ok(outcome)
@@ -337,17 +364,15 @@ impl Deletions<'_> {
         Ok(ids.into_iter().collect())
     }
 
-    /// Marks removed the records of the detail pages `departed` (frontier ids), unless a
-    /// record's own URL is present after all. Returns how many were marked.
-    async fn remove_departed(
+    /// The live records of the detail pages `departed` (frontier ids), less those whose own URL
+    /// is present after all: what the pass would mark removed.
+    async fn departed_records(
         self,
         bot: &BotId,
-        pass: PassNumber,
         departed: &[String],
         present: &Present,
-        now: DateTime<Utc>,
-    ) -> Result<u64> {
-        let mut removed = 0;
+    ) -> Result<Vec<String>> {
+        let mut gone: Vec<String> = Vec::new();
         for chunk in departed.chunks(IN_CHUNK) {
             let mut records: Vec<String> = Vec::new();
             let frontier = self.store.frontier().collection();
@@ -365,7 +390,6 @@ impl Deletions<'_> {
                 continue;
             }
             // A record stored from another URL that is still listed stays.
-            let mut gone: Vec<String> = Vec::new();
             let collection = self.store.records().collection();
             let find = collection
                 .find(doc! { rf::ID: { "$in": &records }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null })
@@ -379,12 +403,28 @@ impl Deletions<'_> {
                     Ok(())
                 })
                 .await?;
-            if gone.is_empty() {
-                continue;
-            }
+        }
+        Ok(gone)
+    }
+
+    /// Marks the live records `gone` removed in pass `pass`, each with its `removed` event.
+    /// Returns how many were marked.
+    async fn mark_removed(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        gone: &[String],
+        now: DateTime<Utc>,
+    ) -> Result<u64> {
+        let mut removed = 0;
+        let collection = self.store.records().collection();
+        for chunk in gone.chunks(IN_CHUNK) {
             let update = collection.update_many(
-                doc! { rf::ID: { "$in": &gone }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null },
-                doc! { "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass } },
+                doc! { rf::ID: { "$in": chunk }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null },
+                doc! {
+                    "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass },
+                    "$push": { rf::PENDING: removed_event(pass, now) },
+                },
             );
             removed += self
                 .store
@@ -393,6 +433,70 @@ impl Deletions<'_> {
                 .modified_count;
         }
         Ok(removed)
+    }
+
+    /// Holds back the removal of the live records `gone` in a gated pass: each gets its
+    /// `removed` event, and stays live until the pass is released (`Passes::release`). Run again,
+    /// a record gets the event twice, which staging folds into one.
+    async fn hold_removed(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        gone: &[String],
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let collection = self.store.records().collection();
+        for chunk in gone.chunks(IN_CHUNK) {
+            let update = collection.update_many(
+                doc! { rf::ID: { "$in": chunk }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null },
+                doc! { "$push": { rf::PENDING: removed_event(pass, now) } },
+            );
+            self.store.bounded("hold removals", update).await?;
+        }
+        Ok(())
+    }
+
+    /// Applies the removals a gated pass `pass` held back (its staged `removed` events), on its
+    /// release: only to records still live and not written since the pass. Returns the records
+    /// removed and those it could not remove (written again since: their events are dropped).
+    pub(crate) async fn apply_held(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        held: &[String],
+        now: DateTime<Utc>,
+    ) -> Result<(u64, Vec<String>)> {
+        let collection = self.store.records().collection();
+        let mut removed = 0;
+        for chunk in held.chunks(IN_CHUNK) {
+            let update = collection.update_many(
+                doc! {
+                    rf::ID: { "$in": chunk }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null,
+                    rf::FETCHED_PASS: { "$lte": pass },
+                },
+                doc! { "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass } },
+            );
+            removed += self
+                .store
+                .bounded("apply held removals", update)
+                .await?
+                .modified_count;
+        }
+        // Which held records did not become removed by this pass (written again since).
+        let mut kept = Vec::new();
+        for chunk in held.chunks(IN_CHUNK) {
+            let find = collection
+                .find(doc! { rf::ID: { "$in": chunk }, rf::BOT: bot.as_str(), rf::REMOVED_IN_PASS: { "$ne": pass } })
+                .projection(doc! { rf::ID: 1 })
+                .batch_size(u32::try_from(chunk.len() + 1).unwrap_or(u32::MAX));
+            self.store
+                .each_doc("read unapplied removals", find, |r| {
+                    kept.extend(r.get_str(rf::ID).ok().map(str::to_owned));
+                    Ok(())
+                })
+                .await?;
+        }
+        Ok((removed, kept))
     }
 
     /// The upgrade's sweep (see [`Deletions::evaluate`]): live records that no listing of this
@@ -450,7 +554,10 @@ impl Deletions<'_> {
             }
             let update = collection.update_many(
                 doc! { rf::ID: { "$in": &gone }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null },
-                doc! { "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass } },
+                doc! {
+                    "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass },
+                    "$push": { rf::PENDING: removed_event(pass, now) },
+                },
             );
             removed += self
                 .store
@@ -495,10 +602,13 @@ impl Deletions<'_> {
         for chunk in back.chunks(IN_CHUNK) {
             let update = collection.update_many(
                 doc! { rf::ID: { "$in": chunk }, rf::BOT: bot.as_str(), rf::REMOVED_AT: { "$ne": Bson::Null } },
-                doc! { "$set": {
-                    rf::REMOVED_AT: Bson::Null, rf::REMOVED_IN_PASS: Bson::Null,
-                    rf::LAST_CHANGED: date(now),
-                } },
+                doc! {
+                    "$set": {
+                        rf::REMOVED_AT: Bson::Null, rf::REMOVED_IN_PASS: Bson::Null,
+                        rf::LAST_CHANGED: date(now),
+                    },
+                    "$push": { rf::PENDING: pending_event(pass, ChangeKind::Restored, Document::new(), now) },
+                },
             );
             restored += self
                 .store

@@ -613,6 +613,10 @@ pub(crate) struct CatalogueStats {
     pub removed_total: i64,
     /// Live records after the last evaluation.
     pub live_records: Option<i64>,
+    /// A pass is gated: its change events wait for an operator.
+    pub gated: bool,
+    /// Change events released so far, in all.
+    pub events_released: i64,
 }
 
 /// The [`CatalogueStats`] of a raw bot document (none for a bot that never ended a pass).
@@ -625,6 +629,7 @@ pub(crate) fn catalogue_stats(raw: &bson::RawDocument) -> Option<CatalogueStats>
         _ => None,
     };
     let last = raw.get_document(field::CRAWL_LAST_PASS).ok()?;
+    let feed = raw.get_document(super::release::FEED).ok();
     Some(CatalogueStats {
         last_complete_pass: match raw.get(field::CRAWL_LAST_COMPLETE_PASS_AT) {
             Ok(Some(R::DateTime(d))) => Some(d.to_chrono()),
@@ -634,5 +639,9 @@ pub(crate) fn catalogue_stats(raw: &bson::RawDocument) -> Option<CatalogueStats>
         removed_total: number(raw.get(field::CRAWL_REMOVED_TOTAL).ok().flatten())
             .map_or(0, |n| n as i64),
         live_records: number(last.get("liveRecords").ok().flatten()).map(|n| n as i64),
+        gated: feed.is_some_and(|f| matches!(f.get(super::release::feed::GATE), Ok(Some(_)))),
+        events_released: feed
+            .and_then(|f| number(f.get(super::release::feed::EVENTS).ok().flatten()))
+            .map_or(0, |n| n as i64),
     })
 }

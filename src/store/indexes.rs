@@ -35,6 +35,8 @@ pub(crate) struct IndexDef {
     pub partial: Option<Document>,
     /// A TTL index: documents expire this long after the indexed date.
     pub expire_after: Option<Duration>,
+    /// No two documents share its keys.
+    pub unique: bool,
 }
 
 impl IndexDef {
@@ -44,6 +46,7 @@ impl IndexDef {
             keys,
             partial: None,
             expire_after: None,
+            unique: false,
         }
     }
 
@@ -55,6 +58,7 @@ impl IndexDef {
                     .name(self.name.to_owned())
                     .partial_filter_expression(self.partial.clone())
                     .expire_after(self.expire_after)
+                    .unique(self.unique.then_some(true))
                     .build(),
             )
             .build()
@@ -66,6 +70,7 @@ impl IndexDef {
             &self.keys,
             self.partial.as_ref(),
             self.expire_after,
+            self.unique,
             existing,
         )
     }
@@ -83,6 +88,9 @@ impl IndexDef {
                 i64::try_from(expire.as_secs()).unwrap_or(i64::MAX),
             );
         }
+        if self.unique {
+            d.insert("unique", true);
+        }
         d
     }
 
@@ -96,7 +104,7 @@ impl IndexDef {
                 && o.hidden != Some(true)
                 && o.collation.is_none()
         });
-        plain && self.is(existing)
+        plain && !self.unique && self.is(existing)
     }
 }
 
@@ -104,12 +112,14 @@ fn same_definition(
     keys: &Document,
     partial: Option<&Document>,
     expire_after: Option<Duration>,
+    unique: bool,
     existing: &IndexModel,
 ) -> bool {
     let options = existing.options.as_ref();
     same_keys(keys, &existing.keys)
         && options.and_then(|o| o.partial_filter_expression.as_ref()) == partial
         && options.and_then(|o| o.expire_after) == expire_after
+        && options.and_then(|o| o.unique).unwrap_or(false) == unique
 }
 
 /// Whether `existing` is the definition an instance recorded as `recorded` (see
@@ -129,6 +139,7 @@ fn recorded_is(recorded: &Document, existing: &IndexModel) -> bool {
         keys,
         recorded.get_document("partialFilterExpression").ok(),
         expire_after,
+        recorded.get_bool("unique").unwrap_or(false),
         existing,
     )
 }

@@ -44,6 +44,7 @@ use crate::error::{is_duplicate_key, Error, Result};
 use crate::ids::BotId;
 
 pub(crate) mod bots;
+pub mod changes;
 pub(crate) mod deletions;
 pub mod document;
 pub mod frontier;
@@ -52,6 +53,7 @@ pub(crate) mod indexes;
 pub(crate) mod instances;
 pub mod passes;
 pub mod records;
+pub mod release;
 pub(crate) mod reply;
 pub(crate) mod startup;
 
@@ -614,6 +616,11 @@ impl Store {
     /// Deletion detection at a pass's end, from the listing manifests.
     pub fn deletions(&self) -> Deletions<'_> {
         Deletions { store: self }
+    }
+
+    /// The change feed (`changes`), staged and released at passes' ends.
+    pub fn changes(&self) -> changes::Changes<'_> {
+        changes::Changes { store: self }
     }
 
     /// The `instances` collection.

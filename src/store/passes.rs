@@ -43,6 +43,8 @@ pub struct DeletionRules {
     /// this pass count against its coverage (a broken pagination chain — one failed listing
     /// page — hides every page after it from this pass's own count).
     pub known_since: Option<DateTime<Utc>>,
+    /// When the pass is gated instead of released (the drift gate).
+    pub drift: crate::config::DriftRules,
 }
 
 impl DeletionRules {
@@ -95,6 +97,8 @@ pub struct PassEnd {
     pub deletion_skipped: Option<String>,
     /// True for the instance whose write recorded the end (the others found it recorded).
     pub recorded: bool,
+    /// What the end did to the change feed (for the instance that recorded it).
+    pub judged: Box<super::release::Judged>,
     /// False when the count found work left after all: the pass goes on.
     pub finished: bool,
 }
@@ -438,6 +442,7 @@ impl Passes<'_> {
                 restored: 0,
                 deletion_skipped: Some("the pass is not finished".to_owned()),
                 recorded: false,
+                judged: Box::default(),
                 finished: false,
             });
         }
@@ -468,6 +473,7 @@ impl Passes<'_> {
             "evaluation": "pending",
             "evaluatingBy": me.as_str(),
             "evaluatingUntil": date(super::plus(now, self.evaluation_claim())),
+            "drift": drift_doc(&rules.drift),
         };
         let recorded = self.record_end(bot, pass, summary, started_at).await?;
         tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), recorded, "pass end: recorded");
@@ -477,9 +483,17 @@ impl Passes<'_> {
         // here loses nothing: another instance takes the claim over once it expires, or the next
         // complete pass evaluates everything since the last evaluation that finished.
         let mut evaluation = super::deletions::Evaluation::default();
+        let mut judged = super::release::Judged::default();
         if recorded {
-            evaluation = self
-                .evaluate_and_record(bot, pass, deletion_skipped.is_none(), sweep, now)
+            (evaluation, judged) = self
+                .evaluate_and_record(
+                    bot,
+                    pass,
+                    deletion_skipped.is_none(),
+                    sweep,
+                    &rules.drift,
+                    now,
+                )
                 .await?;
         }
         Ok(PassEnd {
@@ -491,6 +505,7 @@ impl Passes<'_> {
             restored: evaluation.restored,
             deletion_skipped,
             recorded,
+            judged: Box::new(judged),
             finished: true,
         })
     }
@@ -657,20 +672,37 @@ impl Passes<'_> {
         pass: PassNumber,
         remove: bool,
         sweep: bool,
+        drift: &crate::config::DriftRules,
         now: DateTime<Utc>,
-    ) -> Result<super::deletions::Evaluation> {
+    ) -> Result<(super::deletions::Evaluation, super::release::Judged)> {
+        let feed = self.feed_state(bot).await?;
+        self.settle_earlier(bot, pass, &feed, now).await?;
+        // Read again if an earlier gate was settled just now (its release moved the fill).
+        let feed = if feed.gate.is_some() {
+            self.feed_state(bot).await?
+        } else {
+            feed
+        };
         // The live records, counted once a pass by the instance that evaluates it (the
         // stale-catalogue metrics read them from the document; nothing counts records per
         // scrape): all of the bot's records, counted while the evaluation runs (it changes no
         // record's existence), less those marked removed once it is done (few: a short range
         // of the `bot_removed_at` index).
         let (evaluation, all) = tokio::join!(
-            self.store
-                .deletions()
-                .evaluate(bot, pass, remove, sweep, now),
+            self.store.deletions().evaluate(
+                bot,
+                pass,
+                remove,
+                sweep,
+                (drift.max_removed < 1.0).then_some(drift.max_removed),
+                now
+            ),
             self.store.records().count_all(bot),
         );
         let evaluation = evaluation?;
+        let (feed_set, judged) = self
+            .stage_and_judge(bot, pass, &feed, &evaluation, drift, now)
+            .await?;
         let live = all?.saturating_sub(self.store.records().count_removed(bot).await?);
         let last = field::CRAWL_LAST_PASS;
         let mut unset = doc! {
@@ -680,20 +712,33 @@ impl Passes<'_> {
             // A sweep that did not run (removals gated off) waits for the next complete pass.
             unset.insert(format!("{last}.sweep"), "");
         }
-        let mut update = doc! {
-                "$set": {
+        let released = judged.gated.is_empty();
+        let mut set = doc! {
                     format!("{last}.evaluation"): "done",
                     format!("{last}.removed"): evaluation.removed as i64,
                     format!("{last}.restored"): evaluation.restored as i64,
                     format!("{last}.candidates"): evaluation.candidates as i64,
                     format!("{last}.changedPages"): evaluation.changed_pages as i64,
                     format!("{last}.liveRecords"): live as i64,
-                },
+                    format!("{last}.held"): evaluation.held as i64,
+                    format!("{last}.events"): judged.staged.events() as i64,
+                    format!("{last}.gated"): judged.gated.clone(),
+        };
+        set.extend(feed_set);
+        let mut inc = doc! { field::CRAWL_REMOVED_TOTAL: evaluation.removed as i64 };
+        if released {
+            inc.insert(
+                format!("{}.{}", super::release::FEED, super::release::feed::EVENTS),
+                judged.staged.events() as i64,
+            );
+        }
+        let mut update = doc! {
+                "$set": set,
                 "$currentDate": { format!("{last}.evaluatedAt"): true },
                 "$unset": unset,
-                "$inc": { field::CRAWL_REMOVED_TOTAL: evaluation.removed as i64 },
+                "$inc": inc,
         };
-        if remove {
+        if remove && evaluation.held == 0 {
             // The pages this pass read start their baselines anew from that read; the pass is
             // complete (trusted to remove).
             update.insert(
@@ -718,9 +763,16 @@ impl Passes<'_> {
         tracing::info!(
             bot = %bot, pass = pass.get(), removed = evaluation.removed, restored = evaluation.restored,
             candidates = evaluation.candidates, changed_pages = evaluation.changed_pages,
+            events = judged.staged.events(), held = evaluation.held,
             "deletion evaluation done"
         );
-        Ok(evaluation)
+        if !released {
+            tracing::warn!(
+                bot = %bot, pass = pass.get(), reasons = %judged.gated.join("; "),
+                "pass gated: its change events and removals wait for `seedlock pass release` or `discard`"
+            );
+        }
+        Ok((evaluation, judged))
     }
 
     /// Takes over the evaluation of pass `pass` whose claim expired (its instance died or hung
@@ -754,10 +806,12 @@ impl Passes<'_> {
         let summary = doc.get_document(last).ok();
         let remove = summary.and_then(|l| l.get_str("deletion").ok()) == Some("applied");
         let sweep = summary.is_some_and(|l| l.get_bool("sweep") == Ok(true));
+        let drift = drift_of(summary.and_then(|l| l.get_document("drift").ok()));
         tracing::warn!(bot = %bot, pass = pass.get(), "taking over a pass evaluation whose instance stopped mid-way");
         Ok(Some(
-            self.evaluate_and_record(bot, pass, remove, sweep, now)
-                .await?,
+            self.evaluate_and_record(bot, pass, remove, sweep, &drift, now)
+                .await?
+                .0,
         ))
     }
 
@@ -834,6 +888,36 @@ impl Passes<'_> {
                 _ => None,
             }),
         })
+    }
+}
+
+/// The drift rules a pass's end recorded, for whoever finishes its evaluation.
+fn drift_doc(rules: &crate::config::DriftRules) -> Document {
+    doc! {
+        "maxFillDrop": rules.max_fill_drop, "maxRemoved": rules.max_removed,
+        "minRecords": i64::try_from(rules.min_records).unwrap_or(i64::MAX),
+    }
+}
+
+/// The drift rules of [`drift_doc`]. A pass ended by a version without the gate (no rules
+/// recorded) is not gated: it is evaluated as that version would have.
+fn drift_of(doc: Option<&Document>) -> crate::config::DriftRules {
+    let d = crate::config::DriftRules::default();
+    let Some(doc) = doc else {
+        return crate::config::DriftRules {
+            max_fill_drop: 1.0,
+            max_removed: 1.0,
+            ..d
+        };
+    };
+    crate::config::DriftRules {
+        max_fill_drop: doc.get_f64("maxFillDrop").unwrap_or(d.max_fill_drop),
+        max_removed: doc.get_f64("maxRemoved").unwrap_or(d.max_removed),
+        min_records: doc
+            .get("minRecords")
+            .and_then(crate::store::document::integer)
+            .and_then(|n| u64::try_from(n).ok())
+            .unwrap_or(d.min_records),
     }
 }
 

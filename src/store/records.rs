@@ -25,6 +25,7 @@ use chrono::{DateTime, Utc};
 use futures_util::TryStreamExt;
 use mongodb::{ClientSession, Collection};
 
+use super::changes::{diff, pending_event, ChangeKind};
 use super::indexes::IndexDef;
 
 use super::frontier::{field as fr, settle_statements, Mark, UrlLease, UrlStatus, FRONTIER};
@@ -60,6 +61,9 @@ pub(crate) mod field {
     pub(crate) const FETCHED_PASS: &str = "fetchedPass";
     pub(crate) const REMOVED_AT: &str = "removedAt";
     pub(crate) const REMOVED_IN_PASS: &str = "removedInPass";
+    /// The record's events not yet staged into the change feed (`store::changes`), each pushed
+    /// by the write that made the change.
+    pub(crate) const PENDING: &str = "pending";
 }
 
 use field as f;
@@ -200,6 +204,35 @@ fn plan(
     };
     let (mut update, on_insert, write) =
         swap_update(record, lease, &hash, old_hash != hash, removed, now);
+    if write != RecordWrite::Unchanged {
+        let kind = if removed {
+            ChangeKind::Restored
+        } else {
+            ChangeKind::Changed
+        };
+        let fields = diff(old.get_document(f::DATA).ok(), &record.data);
+        // The entries of passes before the last are staged (or their pass was abandoned):
+        // rewritten away here, in the write that happens anyway.
+        let mut pending: Vec<Bson> = old
+            .get_array(f::PENDING)
+            .map(|entries| {
+                entries
+                    .iter()
+                    .filter(|e| {
+                        e.as_document()
+                            .and_then(|e| e.get(super::changes::pending::PASS))
+                            .and_then(super::document::integer)
+                            .is_some_and(|p| p + 1 >= lease.pass.get())
+                    })
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        pending.push(Bson::Document(pending_event(lease.pass, kind, fields, now)));
+        if let Ok(set) = update.get_document_mut("$set") {
+            set.insert(f::PENDING, pending);
+        }
+    }
     if report_misses {
         update.insert("$setOnInsert", on_insert);
     }
@@ -212,8 +245,10 @@ fn plan(
 
 /// A record as it is first inserted, with content hash `hash`.
 fn new_record(record: &Extracted, lease: &UrlLease, hash: &str, now: DateTime<Utc>) -> Document {
+    let event = pending_event(lease.pass, ChangeKind::Added, diff(None, &record.data), now);
     let now = date(now);
     doc! {
+        f::PENDING: [event],
         f::ID: record.id(), f::BOT: record.bot.as_str(), f::NATURAL_KEY: &record.natural_key,
         f::URL: record.url_of(lease), f::DATA: record.data.clone(), f::CONTENT_HASH: hash,
         f::FIRST_SEEN: now.clone(), f::LAST_CHANGED: now,
@@ -311,6 +346,7 @@ fn removed_statements(pages: &[&PageCommit<'_>], now: DateTime<Utc>) -> Vec<Docu
                 "u": {
                     "$set": { f::REMOVED_AT: date(now), f::REMOVED_IN_PASS: page.lease.pass },
                     "$max": { f::FETCHED_AT: leased_at },
+                    "$push": { f::PENDING: pending_event(page.lease.pass, ChangeKind::Removed, Document::new(), now) },
                 },
             })
         })
@@ -356,6 +392,10 @@ impl Records<'_> {
             IndexDef::new("bot_natural_key", doc! { f::BOT: 1, f::NATURAL_KEY: 1 }),
             IndexDef::new("bot_last_changed", doc! { f::BOT: 1, f::LAST_CHANGED: 1 }),
             IndexDef::new("bot_removed_at", doc! { f::BOT: 1, f::REMOVED_AT: 1 }),
+            IndexDef::new(
+                "bot_pending_pass",
+                doc! { f::BOT: 1, format!("{}.{}", f::PENDING, super::changes::pending::PASS): 1 },
+            ),
         ];
         super::indexes::ensure(self.store, RECORDS, &wanted, &RETIRED_RECORD_INDEXES).await
     }
@@ -421,7 +461,7 @@ impl Records<'_> {
                 "read records",
                 RECORDS,
                 doc! { f::ID: { "$in": ids }, f::BOT: bot.as_str() },
-                doc! { f::CONTENT_HASH: 1, f::FETCHED_AT: 1, f::REMOVED_AT: 1 },
+                doc! { f::CONTENT_HASH: 1, f::FETCHED_AT: 1, f::REMOVED_AT: 1, f::DATA: 1, f::PENDING: 1 },
                 ids.len(),
                 session,
             )
@@ -441,6 +481,12 @@ impl Records<'_> {
                     .count_documents(doc! { f::BOT: bot.as_str() }),
             )
             .await
+    }
+
+    /// How many of the bot's records are live (not marked removed).
+    pub(crate) async fn count_live(self, bot: &BotId) -> Result<u64> {
+        let (all, removed) = tokio::try_join!(self.count_all(bot), self.count_removed(bot))?;
+        Ok(all.saturating_sub(removed))
     }
 
     /// How many of the bot's records are marked removed.
@@ -963,6 +1009,8 @@ impl Records<'_> {
                     .views
                     .collection::<Document>(super::records::RECORDS)
                     .find(filter)
+                    // The feed's pending events are the store's own bookkeeping.
+                    .projection(doc! { rf::PENDING: 0 })
                     .batch_size(1000),
             )
             .await?;

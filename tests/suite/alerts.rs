@@ -24,6 +24,11 @@ use tokio_util::sync::CancellationToken;
 /// produces it.
 const ALERTS: &[(&str, &str, &str)] = &[
     (
+        "SeedlockPassGated",
+        "seedlock_pass_gated",
+        "a_pass_that_removes_records_is_exported_from_the_document_by_every_instance",
+    ),
+    (
         "SeedlockLockHeldPastMaxRefresh",
         "seedlock_lock_takeovers_total",
         "a_lock_held_past_max_refresh_is_counted_as_a_stuck_takeover",
@@ -538,7 +543,8 @@ async fn a_small_connection_pool_shows_its_waits_in_the_metrics() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pass_that_removes_records_is_exported_from_the_document_by_every_instance() {
     // Instance a crawls the shop twice; between the passes the shop drops 4 of its 20
-    // products. Instance b, which crawled nothing, exports what a's passes kept in the bot's
+    // products, more than the drift gate lets a pass remove (10%): the pass is gated until it is
+    // released. Instance b, which crawled nothing, exports what a's passes kept in the bot's
     // document: the rules read `max by (bot)` over every instance.
     let db = test_db("alert_catalogue").await;
     let base = shop(2, 10).await;
@@ -547,7 +553,7 @@ async fn a_pass_that_removes_records_is_exported_from_the_document_by_every_inst
     request_refresh(&db).await;
     let before_second = Utc::now();
     once(settings(&db, &base, &Setup::default(), "a")).await;
-    assert_eq!(removed_keys(&db).await.len(), 4);
+    assert_eq!(removed_keys(&db).await.len(), 0, "held by the gate");
 
     let listen = free_addr();
     let setup = Setup {
@@ -561,6 +567,23 @@ async fn a_pass_that_removes_records_is_exported_from_the_document_by_every_inst
         stop.clone(),
     ));
     let series = |name: &str| format!(r#"{name}{{bot="shop"}}"#);
+    eventually("b exports the gated pass", Duration::from_secs(20), || {
+        let (listen, gated) = (listen.clone(), series("seedlock_pass_gated"));
+        async move { metric(&listen, &gated).await == Some(1.0) }
+    })
+    .await;
+    let released = db
+        .store()
+        .passes()
+        .settle(
+            &seedlock::ids::BotId::parse("shop").unwrap(),
+            seedlock::ids::PassNumber::new(2),
+            seedlock::store::release::Settle::Release,
+            Utc::now(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(released.map(|r| r.removed), Some(4));
     eventually(
         "b exports the removed total",
         Duration::from_secs(20),
@@ -575,6 +598,12 @@ async fn a_pass_that_removes_records_is_exported_from_the_document_by_every_inst
         async move { metric(&listen, &name).await }
     };
     assert_eq!(value("seedlock_live_records").await, Some(16.0));
+    assert_eq!(value("seedlock_pass_gated").await, Some(0.0));
+    assert_eq!(
+        value("seedlock_change_events_released_total").await,
+        Some(24.0),
+        "20 added, then 4 removed"
+    );
     assert_eq!(value("seedlock_pass_coverage_ratio").await, Some(1.0));
     // The settings' `refresh = "1h"`: the rule's "twice the refresh interval".
     assert_eq!(

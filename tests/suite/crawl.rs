@@ -126,7 +126,8 @@ async fn three_instances_share_one_pass_without_fetching_a_page_twice() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkilled_crawlers_end_with_one_correct_record_per_product_and_few_repeats() {
+async fn sigkilled_crawlers_end_with_one_correct_record_and_one_event_per_product_and_few_repeats()
+{
     use kit::{Proc, ProcConfig};
     let db = test_db("crawl_kill").await;
     let base = shop(5, 10).await;
@@ -176,6 +177,12 @@ async fn sigkilled_crawlers_end_with_one_correct_record_per_product_and_few_repe
     }
     assert_eq!(live_records(&db).await, truth(&base).await);
     assert_eq!(records(&db).await.len(), 50);
+    // Each record's `added` event exactly once, however often its page was fetched again.
+    let events = events(&db).await;
+    let mut added = keys_of(&events, 1, "added");
+    assert_eq!(events.len(), 50, "{events:?}");
+    added.dedup();
+    assert_eq!(added.len(), 50);
     let requests = Requests::take(&base).await;
     assert!(
         requests.repeated() <= kills * IN_FLIGHT_CAP,
@@ -396,6 +403,10 @@ fn always_delete() -> seedlock::store::passes::DeletionRules {
         enabled: true,
         min_coverage: 0.0,
         max_error_rate: 1.0,
+        drift: seedlock::config::DriftRules {
+            max_removed: 1.0,
+            ..Default::default()
+        },
     }
 }
 
@@ -602,7 +613,7 @@ async fn an_evaluation_cut_short_is_taken_over_once_its_claim_expires_and_runs_o
         .is_none());
     let again = store
         .deletions()
-        .evaluate(&bot, PassNumber::new(2), true, false, now)
+        .evaluate(&bot, PassNumber::new(2), true, false, None, now)
         .await
         .unwrap();
     assert_eq!((again.removed, again.restored), (0, 0));

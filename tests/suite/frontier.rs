@@ -1094,7 +1094,7 @@ async fn a_listing_kind_without_entries_is_weighed_and_not_read() {
     let before = counted(&store);
     store
         .deletions()
-        .evaluate(&bot(), pass, false, false, Utc::now())
+        .evaluate(&bot(), pass, false, false, None, Utc::now())
         .await
         .unwrap();
     assert_eq!(

@@ -17,6 +17,7 @@ mod demo_site;
 mod durability;
 mod elections;
 mod faults;
+mod feed;
 mod fetch;
 mod fleet;
 mod flow;

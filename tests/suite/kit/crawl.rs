@@ -33,6 +33,16 @@ pub async fn post(url: &str, body: Value) -> Value {
         .unwrap()
 }
 
+pub async fn delete(url: &str) {
+    let status = reqwest::Client::new()
+        .delete(url)
+        .send()
+        .await
+        .unwrap()
+        .status();
+    assert!(status.is_success(), "DELETE {url}: {status}");
+}
+
 /// Seeds given as a list of URLs (no seed source).
 pub fn static_seeds(urls: &[String]) -> seedlock::config::SeedSource {
     seedlock::config::SeedSource::Static(
@@ -510,4 +520,45 @@ pub fn manifest_len(page: &Document) -> Option<usize> {
         bson::Bson::Array(a) => Some(a.len()),
         _ => None,
     }
+}
+
+/// Bot `shop`'s released change events, oldest first (what `seedlock changes` shows).
+pub async fn events(db: &TestDb) -> Vec<Document> {
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    let store = db.store();
+    let (upto, _) = store
+        .changes()
+        .watermark(&bot)
+        .await
+        .unwrap()
+        .unwrap_or((0, 0));
+    store
+        .changes()
+        .read(&bot, 0, upto, 1_000_000)
+        .await
+        .unwrap()
+}
+
+/// Every event in `changes`, released or not.
+pub async fn staged_events(db: &TestDb) -> Vec<Document> {
+    db.db
+        .collection::<Document>("changes")
+        .find(doc! {})
+        .sort(doc! { "seq": 1 })
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+/// The natural keys of `events` of `kind` in pass `pass`, sorted.
+pub fn keys_of(events: &[Document], pass: i64, kind: &str) -> Vec<String> {
+    let mut keys: Vec<String> = events
+        .iter()
+        .filter(|e| e.get_i64("pass").ok() == Some(pass) && e.get_str("kind").ok() == Some(kind))
+        .map(|e| e.get_str("naturalKey").unwrap().to_owned())
+        .collect();
+    keys.sort();
+    keys
 }

@@ -53,6 +53,29 @@ pub fn url_bot(id: &str, url: &str) -> String {
     format!("[[bots]]\nid = \"{id}\"\nseeds = {{ url = \"{url}\", format = \"lines\" }}\n")
 }
 
+/// Runs `seedlock ARGS…` to its end against `db` (a config with no bots: the database's),
+/// off the async workers.
+pub async fn run_cli(db: &TestDb, args: &[&str]) -> std::process::Output {
+    let dir = tempfile::tempdir().unwrap();
+    let config = ProcConfig::new(db, String::new()).write(dir.path());
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    tokio::task::spawn_blocking(move || {
+        let out = std::process::Command::new(seedlock_bin())
+            .arg("-c")
+            .arg(&config)
+            .args(&args)
+            .env_remove("MONGODB_URI")
+            .env_remove("SEEDLOCK_DATABASE")
+            .env_remove("SEEDLOCK_HTTP_LISTEN")
+            .output()
+            .expect("run seedlock");
+        drop(dir);
+        out
+    })
+    .await
+    .unwrap()
+}
+
 /// The `seedlock` binary: cargo's for the tests, `SEEDLOCK_BIN` for the examples.
 pub fn seedlock_bin() -> PathBuf {
     option_env!("CARGO_BIN_EXE_seedlock")

@@ -1,0 +1,678 @@
+//! The change feed (collection `changes`): one document per record event of a pass — `added`,
+//! `changed` (with each field's `from` and `to`), `removed`, `restored` — numbered per bot by
+//! `seq`, and visible only once its pass is **released**.
+//!
+//! Exactly once without transactions: the write that changes a record also pushes its event
+//! onto the record (`pending`, one entry per write, each naming its pass) — the record's insert,
+//! its compare-and-swap, a 404's removal, and the `update_many` of the removals and
+//! restorations at a pass's end. A record and its event are therefore one write: a crash leaves
+//! both or neither. At the pass's end the instance that evaluates it **stages** the pass: it
+//! reads the records holding events of the pass (an index on `{botId, pending.pass}`), folds each
+//! record's events of the pass into one (an item added and changed in one pass is one `added`),
+//! and inserts them into `changes` with `_id` = a hash of (bot, record, pass) — a second staging
+//! (a crash, a claim taken over) inserts nothing twice — and `seq` past the bot's highest (a
+//! unique index on `{botId, seq}` refuses two events one number). Staged events are still
+//! invisible: readers read only up to the bot's released watermark (`crawlFeed.seq` in its
+//! `bots` document), which the pass's release moves past all of them in one conditional write —
+//! the write that records the pass's evaluation. A record's entries stay until its next write,
+//! which keeps only those of the pass before its own and later (older ones are staged, or their
+//! pass was abandoned): the feed writes nothing more per record than its event. Staging reads
+//! only its own pass's entries, so the ones left behind cost it nothing.
+//!
+//! A **gated** pass (its fields' fill rates fell, or it would remove too much: `store::passes`)
+//! stays staged: `crawlFeed.gate` names it and why. `seedlock pass release` moves the watermark
+//! past it (and applies the removals it held back, while it is still the bot's latest pass);
+//! `seedlock pass discard` — or the end of the next pass — deletes its staged events.
+
+use std::collections::BTreeMap;
+
+use bson::{doc, Bson, Document};
+use chrono::{DateTime, Utc};
+
+use super::indexes::IndexDef;
+use super::records::field as rf;
+use super::{date, reply, Store};
+use crate::error::{Error, Result};
+use crate::ids::{BotId, PassNumber};
+
+pub(crate) const CHANGES: &str = "changes";
+
+/// `changes` document field names.
+pub(crate) mod field {
+    pub(crate) const ID: &str = "_id";
+    pub(crate) const BOT: &str = "botId";
+    pub(crate) const PASS: &str = "pass";
+    pub(crate) const SEQ: &str = "seq";
+    pub(crate) const RECORD: &str = "recordId";
+    pub(crate) const NATURAL_KEY: &str = "naturalKey";
+    pub(crate) const KIND: &str = "kind";
+    pub(crate) const FIELDS: &str = "fields";
+    pub(crate) const AT: &str = "at";
+}
+
+use field as f;
+
+/// Field names of a pending event on a record (`records.pending`, an array).
+pub(crate) mod pending {
+    pub(crate) const PASS: &str = "pass";
+    pub(crate) const KIND: &str = "kind";
+    pub(crate) const FIELDS: &str = "fields";
+    pub(crate) const AT: &str = "at";
+}
+
+/// What happened to a record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChangeKind {
+    Added,
+    Changed,
+    Removed,
+    Restored,
+}
+
+impl ChangeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChangeKind::Added => "added",
+            ChangeKind::Changed => "changed",
+            ChangeKind::Removed => "removed",
+            ChangeKind::Restored => "restored",
+        }
+    }
+
+    fn parse(text: &str) -> Option<ChangeKind> {
+        Some(match text {
+            "added" => ChangeKind::Added,
+            "changed" => ChangeKind::Changed,
+            "removed" => ChangeKind::Removed,
+            "restored" => ChangeKind::Restored,
+            _ => return None,
+        })
+    }
+}
+
+/// One event as the write that makes the change pushes it onto the record.
+pub(crate) fn pending_event(
+    pass: PassNumber,
+    kind: ChangeKind,
+    fields: Document,
+    at: DateTime<Utc>,
+) -> Document {
+    doc! {
+        pending::PASS: pass, pending::KIND: kind.as_str(), pending::FIELDS: fields,
+        pending::AT: date(at),
+    }
+}
+
+/// The fields that differ between a record's stored data and its new data, each as
+/// `{from, to}` (a field missing on one side is `null` there). With no stored data (an added
+/// record) every field of the new data, from `null`.
+pub(crate) fn diff(old: Option<&Document>, new: &Document) -> Document {
+    let mut out = Document::new();
+    let empty = Document::new();
+    let old_data = old.unwrap_or(&empty);
+    for (name, to) in new {
+        let from = old_data.get(name).cloned().unwrap_or(Bson::Null);
+        if old.is_none() || from != *to {
+            out.insert(name.clone(), doc! { "from": from, "to": to.clone() });
+        }
+    }
+    for (name, from) in old_data {
+        if !new.contains_key(name) && !matches!(from, Bson::Null) {
+            out.insert(
+                name.clone(),
+                doc! { "from": from.clone(), "to": Bson::Null },
+            );
+        }
+    }
+    out
+}
+
+/// One record's events of a pass, folded into the one its readers see: the first `from` and the
+/// last `to` of each field, and a kind that says what the pass did to the record as a whole
+/// (added then removed in one pass: nothing; removed then back with other values: changed).
+/// `None` when the pass left the record as it found it.
+fn fold(events: &[&Document]) -> Option<(ChangeKind, Document, Bson)> {
+    let kinds: Vec<ChangeKind> = events
+        .iter()
+        .filter_map(|e| ChangeKind::parse(e.get_str(pending::KIND).ok()?))
+        .collect();
+    let (first, last) = (*kinds.first()?, *kinds.last()?);
+    let mut fields: BTreeMap<String, (Bson, Bson)> = BTreeMap::new();
+    for event in events {
+        let Ok(changed) = event.get_document(pending::FIELDS) else {
+            continue;
+        };
+        for (name, change) in changed {
+            let Some(change) = change.as_document() else {
+                continue;
+            };
+            let to = change.get("to").cloned().unwrap_or(Bson::Null);
+            let from = change.get("from").cloned().unwrap_or(Bson::Null);
+            fields
+                .entry(name.clone())
+                .and_modify(|(_, t)| *t = to.clone())
+                .or_insert((from, to));
+        }
+    }
+    let kind = match (first, last) {
+        (ChangeKind::Added, ChangeKind::Removed) => return None,
+        (ChangeKind::Added, _) => ChangeKind::Added,
+        (_, ChangeKind::Removed) => ChangeKind::Removed,
+        (ChangeKind::Removed, _) => ChangeKind::Changed,
+        (ChangeKind::Restored, _) => ChangeKind::Restored,
+        _ if kinds.contains(&ChangeKind::Restored) => ChangeKind::Restored,
+        _ => ChangeKind::Changed,
+    };
+    if kind != ChangeKind::Added {
+        fields.retain(|_, (from, to)| from != to);
+    }
+    if kind == ChangeKind::Changed && fields.is_empty() {
+        return None;
+    }
+    let at = events
+        .last()
+        .and_then(|e| e.get(pending::AT).cloned())
+        .unwrap_or(Bson::Null);
+    let fields = fields
+        .into_iter()
+        .map(|(name, (from, to))| (name, Bson::Document(doc! { "from": from, "to": to })))
+        .collect();
+    Some((kind, fields, at))
+}
+
+/// What staging a pass found: its events by kind, and the fill of each field over the records
+/// the pass wrote (added, changed or restored).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Staged {
+    pub added: u64,
+    pub changed: u64,
+    pub removed: u64,
+    pub restored: u64,
+    /// Records the pass wrote with data: the fill rates' denominator.
+    pub written: u64,
+    /// Per field: of the records written, how many hold a non-null value.
+    pub filled: BTreeMap<String, u64>,
+    /// The highest `seq` of the pass's events (0 when it has none).
+    pub last_seq: i64,
+}
+
+impl Staged {
+    pub fn events(&self) -> u64 {
+        self.added + self.changed + self.removed + self.restored
+    }
+
+    /// Each field's fill rate, of the records the pass wrote.
+    pub fn fill(&self) -> BTreeMap<String, f64> {
+        self.filled
+            .iter()
+            .map(|(k, n)| (k.clone(), *n as f64 / self.written.max(1) as f64))
+            .collect()
+    }
+}
+
+/// The `_id` of a record's event of a pass: the same however often the pass is staged.
+fn event_id(bot: &BotId, record: &str, pass: PassNumber) -> String {
+    crate::ids::sha256_hex(
+        &[
+            bot.as_str().as_bytes(),
+            &[0],
+            record.as_bytes(),
+            &[0],
+            &pass.get().to_be_bytes(),
+        ],
+        16,
+    )
+}
+
+/// Events staged per `insert`.
+const STAGE_BATCH: usize = 1000;
+
+/// The change feed, reached through [`Store::changes`].
+#[derive(Clone, Copy, Debug)]
+pub struct Changes<'a> {
+    pub(super) store: &'a Store,
+}
+
+/// One event as a reader gets it.
+pub type Event = Document;
+
+impl Changes<'_> {
+    fn collection(self) -> mongodb::Collection<Document> {
+        self.store.database().collection(CHANGES)
+    }
+
+    /// The feed's indexes: a bot's events by `seq` (unique: two events never share a number),
+    /// by pass, and the expiry of events older than `ttl`. The records' pending events by pass
+    /// are indexed with the records.
+    pub async fn ensure_indexes(self, ttl: std::time::Duration) -> Result<()> {
+        let mut by_seq = IndexDef::new("bot_seq", doc! { f::BOT: 1, f::SEQ: 1 });
+        by_seq.unique = true;
+        let mut expiry = IndexDef::new("expire_at", doc! { f::AT: 1 });
+        expiry.expire_after = Some(ttl);
+        let wanted = [
+            by_seq,
+            IndexDef::new("bot_pass_seq", doc! { f::BOT: 1, f::PASS: 1, f::SEQ: 1 }),
+            expiry,
+        ];
+        super::indexes::ensure(self.store, CHANGES, &wanted, &[]).await
+    }
+
+    /// The highest `seq` among the bot's events, staged or released (0 when it has none).
+    async fn highest_seq(self, bot: &BotId) -> Result<i64> {
+        let collection = self.collection();
+        let read = collection
+            .find_one(doc! { f::BOT: bot.as_str() })
+            .sort(doc! { f::BOT: -1, f::SEQ: -1 })
+            .projection(doc! { f::SEQ: 1 });
+        Ok(self
+            .store
+            .bounded("read the last event", read)
+            .await?
+            .and_then(|d| d.get(f::SEQ).and_then(super::document::integer))
+            .unwrap_or(0))
+    }
+
+    /// Stages pass `pass` (see the module comment): every record's events of the pass, folded,
+    /// inserted once with the next numbers. Idempotent. Returns the pass's events by kind and its
+    /// fields' fill.
+    pub async fn stage(self, bot: &BotId, pass: PassNumber) -> Result<Staged> {
+        let mut staged = Staged::default();
+        let mut batch: Vec<Document> = Vec::new();
+        let records = self.store.records().collection();
+        let find = records
+            .find(
+                doc! { rf::BOT: bot.as_str(), format!("{}.{}", rf::PENDING, pending::PASS): pass },
+            )
+            .projection(doc! { rf::NATURAL_KEY: 1, rf::DATA: 1, rf::PENDING: 1, rf::REMOVED_AT: 1 })
+            .batch_size(1000);
+        let mut cursor = self.store.bounded("read pending events", find).await?;
+        use futures_util::TryStreamExt;
+        let mut next_seq = self.highest_seq(bot).await?;
+        loop {
+            let record = self
+                .store
+                .bounded("read pending events", cursor.try_next())
+                .await?;
+            let done = record.is_none();
+            if let Some(record) = record {
+                if let Some(event) = self.event_of(bot, pass, &record, &mut staged) {
+                    batch.push(event);
+                }
+            }
+            if batch.len() >= STAGE_BATCH || (done && !batch.is_empty()) {
+                next_seq = self.insert_numbered(bot, &mut batch, next_seq).await?;
+                staged.last_seq = staged.last_seq.max(next_seq);
+            }
+            if done {
+                break;
+            }
+        }
+        // A second staging inserts nothing new; its events were numbered by the first.
+        if staged.events() > 0 {
+            staged.last_seq = staged.last_seq.max(self.highest_seq_of(bot, pass).await?);
+        }
+        Ok(staged)
+    }
+
+    /// The highest `seq` of pass `pass`'s events (0 when none is staged).
+    async fn highest_seq_of(self, bot: &BotId, pass: PassNumber) -> Result<i64> {
+        let collection = self.collection();
+        let read = collection
+            .find_one(doc! { f::BOT: bot.as_str(), f::PASS: pass })
+            .sort(doc! { f::BOT: -1, f::PASS: -1, f::SEQ: -1 })
+            .projection(doc! { f::SEQ: 1 });
+        Ok(self
+            .store
+            .bounded("read the pass's last event", read)
+            .await?
+            .and_then(|d| d.get(f::SEQ).and_then(super::document::integer))
+            .unwrap_or(0))
+    }
+
+    /// The event a staged record carries for pass `pass` (`None`: the pass left it as it was),
+    /// counted into `staged`.
+    fn event_of(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        record: &Document,
+        staged: &mut Staged,
+    ) -> Option<Document> {
+        let id = record.get_str(rf::ID).ok()?;
+        let events: Vec<&Document> = record
+            .get_array(rf::PENDING)
+            .ok()?
+            .iter()
+            .filter_map(Bson::as_document)
+            .filter(|e| {
+                e.get(pending::PASS)
+                    .and_then(super::document::integer)
+                    .map(PassNumber::new)
+                    == Some(pass)
+            })
+            .collect();
+        let (kind, fields, at) = fold(&events)?;
+        match kind {
+            ChangeKind::Added => staged.added += 1,
+            ChangeKind::Changed => staged.changed += 1,
+            ChangeKind::Removed => staged.removed += 1,
+            ChangeKind::Restored => staged.restored += 1,
+        }
+        if kind != ChangeKind::Removed {
+            if let Ok(data) = record.get_document(rf::DATA) {
+                staged.written += 1;
+                for (name, value) in data {
+                    let n = staged.filled.entry(name.clone()).or_default();
+                    if !matches!(value, Bson::Null) {
+                        *n += 1;
+                    }
+                }
+            }
+        }
+        Some(doc! {
+            f::ID: event_id(bot, id, pass), f::BOT: bot.as_str(), f::PASS: pass,
+            f::RECORD: id, f::NATURAL_KEY: record.get_str(rf::NATURAL_KEY).unwrap_or_default(),
+            f::KIND: kind.as_str(), f::FIELDS: fields, f::AT: at,
+        })
+    }
+
+    /// Inserts `batch` (emptied) numbered from `after + 1`; an event already staged (its `_id`)
+    /// keeps its number, one whose number another stager took is numbered again past the
+    /// highest. Returns the highest number given.
+    async fn insert_numbered(
+        self,
+        bot: &BotId,
+        batch: &mut Vec<Document>,
+        mut after: i64,
+    ) -> Result<i64> {
+        let mut todo = std::mem::take(batch);
+        let mut highest = after;
+        for _ in 0..5 {
+            if todo.is_empty() {
+                return Ok(highest);
+            }
+            for event in &mut todo {
+                after += 1;
+                event.insert(f::SEQ, after);
+            }
+            let reply = self
+                .store
+                .command(
+                    "stage events",
+                    doc! { "insert": CHANGES, "documents": &todo, "ordered": false },
+                    None,
+                )
+                .await?;
+            let refused = reply::duplicates("stage events", &reply)?;
+            let numbered: Vec<i64> = (0..todo.len())
+                .filter(|i| !refused.contains(i))
+                .filter_map(|i| todo[i].get_i64(f::SEQ).ok())
+                .collect();
+            highest = highest.max(numbered.into_iter().max().unwrap_or(highest));
+            if refused.is_empty() {
+                return Ok(highest);
+            }
+            // Refused: staged before (a repeated staging) or a number taken. Only the latter go again.
+            let ids: Vec<&str> = refused
+                .iter()
+                .filter_map(|i| todo[*i].get_str(f::ID).ok())
+                .collect();
+            let present = self
+                .store
+                .find_once(
+                    "read staged events",
+                    CHANGES,
+                    doc! { f::ID: { "$in": &ids }, f::BOT: bot.as_str() },
+                    doc! { f::ID: 1 },
+                    ids.len(),
+                    None,
+                )
+                .await?;
+            let present: std::collections::HashSet<&str> = present
+                .iter()
+                .filter_map(|d| d.get_str(f::ID).ok())
+                .collect();
+            let again: Vec<Document> = refused
+                .iter()
+                .map(|i| todo[*i].clone())
+                .filter(|e| !e.get_str(f::ID).is_ok_and(|id| present.contains(id)))
+                .collect();
+            todo = again;
+            after = self.highest_seq(bot).await?;
+        }
+        Err(Error::Protocol {
+            what: "stage events",
+            detail: "event numbers kept being taken by another instance".into(),
+        })
+    }
+
+    /// Deletes pass `pass`'s staged events (a discarded gated pass).
+    pub(crate) async fn delete_pass(self, bot: &BotId, pass: PassNumber) -> Result<u64> {
+        let collection = self.collection();
+        let delete = collection.delete_many(doc! { f::BOT: bot.as_str(), f::PASS: pass });
+        Ok(self
+            .store
+            .bounded("delete a pass's events", delete)
+            .await?
+            .deleted_count)
+    }
+
+    /// The record ids of pass `pass`'s staged removals.
+    pub(crate) async fn removed_in(self, bot: &BotId, pass: PassNumber) -> Result<Vec<String>> {
+        let mut ids = Vec::new();
+        let collection = self.collection();
+        let find = collection
+            .find(
+                doc! { f::BOT: bot.as_str(), f::PASS: pass, f::KIND: ChangeKind::Removed.as_str() },
+            )
+            .projection(doc! { f::RECORD: 1 })
+            .batch_size(1000);
+        self.store
+            .each_doc("read held removals", find, |e| {
+                ids.extend(e.get_str(f::RECORD).ok().map(str::to_owned));
+                Ok(())
+            })
+            .await?;
+        Ok(ids)
+    }
+
+    /// Deletes pass `pass`'s staged removal events of `records` (removals a release could not
+    /// apply: the records were written again since).
+    pub(crate) async fn delete_removals(
+        self,
+        bot: &BotId,
+        pass: PassNumber,
+        records: &[String],
+    ) -> Result<()> {
+        for chunk in records.chunks(super::frontier::IN_CHUNK) {
+            let collection = self.collection();
+            let delete = collection.delete_many(doc! {
+                f::BOT: bot.as_str(), f::PASS: pass, f::RECORD: { "$in": chunk },
+            });
+            self.store
+                .bounded("drop unapplied removals", delete)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// At most `limit` released events of the bot after `after` (by `seq`), up to the released
+    /// watermark `upto`, in order.
+    pub async fn read(
+        self,
+        bot: &BotId,
+        after: i64,
+        upto: i64,
+        limit: usize,
+    ) -> Result<Vec<Event>> {
+        if after >= upto {
+            return Ok(Vec::new());
+        }
+        let find = doc! {
+            "find": CHANGES,
+            "filter": { f::BOT: bot.as_str(), f::SEQ: { "$gt": after, "$lte": upto } },
+            "sort": { f::BOT: 1, f::SEQ: 1 },
+            "limit": i64::try_from(limit).unwrap_or(i64::MAX),
+            "batchSize": i64::try_from(limit.saturating_add(1)).unwrap_or(i64::MAX),
+            "singleBatch": true,
+        };
+        let reply = self.store.command("read events", find, None).await?;
+        Ok(reply
+            .get_document("cursor")
+            .and_then(|c| c.get_array("firstBatch"))
+            .map(|a| a.iter().filter_map(|d| d.as_document().cloned()).collect())
+            .unwrap_or_default())
+    }
+
+    /// The `seq` just before pass `pass`'s first released event (or of the first pass after
+    /// it): where `--since-pass` starts.
+    pub async fn seq_before_pass(self, bot: &BotId, pass: PassNumber) -> Result<i64> {
+        let collection = self.collection();
+        let read = collection
+            .find_one(doc! { f::BOT: bot.as_str(), f::PASS: { "$gte": pass } })
+            .sort(doc! { f::BOT: 1, f::PASS: 1, f::SEQ: 1 })
+            .projection(doc! { f::SEQ: 1 });
+        Ok(self
+            .store
+            .bounded("read a pass's first event", read)
+            .await?
+            .and_then(|d| d.get(f::SEQ).and_then(super::document::integer))
+            .map_or(i64::MAX, |s| s - 1))
+    }
+
+    /// How many events the bot has staged and not released (`after`: its watermark).
+    pub async fn unreleased(self, bot: &BotId, after: i64) -> Result<u64> {
+        let collection = self.collection();
+        self.store
+            .bounded(
+                "count unreleased events",
+                collection.count_documents(doc! { f::BOT: bot.as_str(), f::SEQ: { "$gt": after } }),
+            )
+            .await
+    }
+}
+
+/// A wake-up for a reader waiting for a bot's next release: a change stream on the bot's
+/// document, or — where the server has none — nothing (the reader polls).
+pub struct FeedWakeups {
+    stream: Option<
+        mongodb::change_stream::ChangeStream<
+            mongodb::change_stream::event::ChangeStreamEvent<Document>,
+        >,
+    >,
+}
+
+impl FeedWakeups {
+    /// Waits until the bot's document changes, at most `poll` (then the caller reads again).
+    pub async fn next(&mut self, poll: std::time::Duration) {
+        use futures_util::StreamExt;
+        match &mut self.stream {
+            Some(stream) => {
+                if let Ok(None | Some(Err(_))) = tokio::time::timeout(poll, stream.next()).await {
+                    // The stream ended or failed: poll from now on.
+                    self.stream = None;
+                    tokio::time::sleep(poll).await;
+                }
+            }
+            None => tokio::time::sleep(poll).await,
+        }
+    }
+
+    /// Whether a change stream carries the wake-ups (false: polling).
+    pub fn streams(&self) -> bool {
+        self.stream.is_some()
+    }
+}
+
+impl Changes<'_> {
+    /// The bot's released watermark and last released pass (`crawlFeed.seq`, `.pass`).
+    pub async fn watermark(self, bot: &BotId) -> Result<Option<(i64, i64)>> {
+        let read = self
+            .store
+            .bots
+            .find_one(doc! { super::document::field::ID: bot.as_str() })
+            .projection(doc! { super::release::FEED: 1 });
+        let doc = self.store.bounded("read the feed", read).await?;
+        Ok(doc.map(|d| {
+            let feed = d.get_document(super::release::FEED).ok();
+            let get = |k: &str| {
+                feed.and_then(|f| f.get(k))
+                    .and_then(super::document::integer)
+                    .unwrap_or(0)
+            };
+            (
+                get(super::release::feed::SEQ),
+                get(super::release::feed::PASS),
+            )
+        }))
+    }
+
+    /// Wake-ups on the bot's document changing: a change stream when the server offers one.
+    pub async fn wakeups(self, bot: &BotId) -> FeedWakeups {
+        let bots = self.store.database().collection::<Document>("bots");
+        let watch = bots.watch().pipeline([doc! { "$match": {
+            "documentKey._id": bot.as_str(), "operationType": { "$in": ["update", "replace"] },
+        } }]);
+        let stream = self.store.bounded("watch the feed", watch).await.ok();
+        FeedWakeups { stream }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(kind: ChangeKind, fields: Document) -> Document {
+        pending_event(PassNumber::new(3), kind, fields, Utc::now())
+    }
+
+    #[test]
+    fn a_diff_names_each_changed_field_with_its_old_and_new_value() {
+        let old = doc! { "price": 10, "name": "a", "gone": "x" };
+        let new = doc! { "price": 12, "name": "a", "color": "red" };
+        let d = diff(Some(&old), &new);
+        assert_eq!(
+            d.get_document("price").unwrap(),
+            &doc! { "from": 10, "to": 12 }
+        );
+        assert_eq!(
+            d.get_document("color").unwrap(),
+            &doc! { "from": Bson::Null, "to": "red" }
+        );
+        assert_eq!(
+            d.get_document("gone").unwrap(),
+            &doc! { "from": "x", "to": Bson::Null }
+        );
+        assert!(!d.contains_key("name"));
+        let added = diff(None, &new);
+        assert_eq!(added.len(), 3);
+    }
+
+    #[test]
+    fn one_pass_of_events_folds_into_what_the_pass_did_to_the_record() {
+        let added = event(
+            ChangeKind::Added,
+            doc! { "p": { "from": Bson::Null, "to": 1 } },
+        );
+        let changed = event(ChangeKind::Changed, doc! { "p": { "from": 1, "to": 2 } });
+        let back = event(ChangeKind::Changed, doc! { "p": { "from": 2, "to": 1 } });
+        let removed = event(ChangeKind::Removed, doc! {});
+        let restored = event(ChangeKind::Restored, doc! {});
+        let (kind, fields, _) = fold(&[&added, &changed]).unwrap();
+        assert_eq!(kind, ChangeKind::Added);
+        assert_eq!(
+            fields.get_document("p").unwrap(),
+            &doc! { "from": Bson::Null, "to": 2 }
+        );
+        assert_eq!(fold(&[&added, &removed]), None);
+        assert_eq!(
+            fold(&[&changed, &back]),
+            None,
+            "changed and back is no change"
+        );
+        assert_eq!(fold(&[&changed, &removed]).unwrap().0, ChangeKind::Removed);
+        assert_eq!(fold(&[&restored]).unwrap().0, ChangeKind::Restored);
+        assert_eq!(fold(&[&removed, &restored]), None);
+        assert_eq!(fold(&[]), None);
+    }
+}

@@ -1,0 +1,483 @@
+//! The change feed and the drift gate against the demo shop: every change of the shop's
+//! mutation log is one released event and nothing else is, with transactions off and on;
+//! events stay invisible until their pass is released; a layout drift and a mass removal gate a
+//! pass, which an operator releases or discards; `seedlock changes --follow` resumes where it
+//! stopped; `export --delta` writes the same events.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use bson::{Bson, Document};
+use kit::crawl::*;
+use kit::test_db;
+use serde_json::json;
+
+use crate::kit;
+
+/// The shop's HTML rules with `drift` lines under `[bots.crawl.drift]`.
+fn rules_with_drift(base: &str, drift: &str) -> String {
+    let host = base.trim_start_matches("http://");
+    format!(
+        "{}[bots.crawl.drift]\n{drift}\n",
+        seedlock::demo_site::crawl_rules_toml(&[host], ".sku")
+    )
+}
+
+/// A record's data field as the shop's truth gives it (title, price, status).
+fn field<'a>(
+    truth: &'a HashMap<String, (String, String, String)>,
+    key: &str,
+    name: &str,
+) -> &'a str {
+    let (title, price, status) = &truth[key];
+    match name {
+        "title" => title,
+        "price" => price,
+        "status" => status,
+        other => panic!("no field {other}"),
+    }
+}
+
+async fn every_change_is_one_event(transactions: &str) {
+    let db = test_db(&format!("feed_once_{transactions}")).await;
+    let base = shop(5, 20).await;
+    let setup = Setup {
+        transactions,
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    let first = truth(&base).await;
+    let events1 = events(&db).await;
+    assert_eq!(events1.len(), 100, "one `added` per product");
+    assert_eq!(keys_of(&events1, 1, "added").len(), 100);
+    for e in &events1 {
+        let key = e.get_str("naturalKey").unwrap();
+        let fields = e.get_document("fields").unwrap();
+        for name in ["title", "price", "status"] {
+            let change = fields.get_document(name).unwrap();
+            assert_eq!(change.get("from"), Some(&Bson::Null), "{e}");
+            assert_eq!(
+                change.get_str("to").unwrap(),
+                field(&first, key, name),
+                "{e}"
+            );
+        }
+    }
+    let report = post(
+        &format!("{base}/__mutate"),
+        json!({"change": 6, "add": 3, "delete": 2}),
+    )
+    .await;
+    let deleted = skus(&report, "deleted");
+    let changed: Vec<String> = skus(&report, "changed")
+        .into_iter()
+        .filter(|s| !deleted.contains(s))
+        .collect();
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    let now = truth(&base).await;
+    let all = events(&db).await;
+    let events2: Vec<Document> = all
+        .iter()
+        .filter(|e| e.get_i64("pass").unwrap() == 2)
+        .cloned()
+        .collect();
+    assert_eq!(keys_of(&events2, 2, "added"), skus(&report, "added"));
+    assert_eq!(keys_of(&events2, 2, "changed"), changed);
+    assert_eq!(keys_of(&events2, 2, "removed"), deleted);
+    assert_eq!(
+        events2.len(),
+        changed.len() + 3 + deleted.len(),
+        "nothing else: {events2:?}"
+    );
+    for e in events2
+        .iter()
+        .filter(|e| e.get_str("kind").unwrap() == "changed")
+    {
+        let key = e.get_str("naturalKey").unwrap();
+        let price = e
+            .get_document("fields")
+            .unwrap()
+            .get_document("price")
+            .unwrap();
+        assert_eq!(price.get_str("from").unwrap(), field(&first, key, "price"));
+        assert_eq!(price.get_str("to").unwrap(), field(&now, key, "price"));
+        assert_eq!(
+            e.get_document("fields").unwrap().len(),
+            1,
+            "only the price moved: {e}"
+        );
+    }
+    // Numbered once each, in order, with no gap.
+    let seqs: Vec<i64> = all.iter().map(|e| e.get_i64("seq").unwrap()).collect();
+    assert_eq!(seqs, (1..=all.len() as i64).collect::<Vec<_>>());
+    // A pass that finds nothing changed adds nothing.
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    assert_eq!(events(&db).await.len(), all.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_change_of_the_shop_is_one_event_and_nothing_else_is_without_transactions() {
+    every_change_is_one_event("off").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_change_of_the_shop_is_one_event_and_nothing_else_is_in_transactions() {
+    every_change_is_one_event("on").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layout_drift_gates_the_pass_its_events_stay_invisible_until_it_is_released() {
+    let db = test_db("feed_drift_release").await;
+    let base = shop(3, 20).await;
+    let setup = Setup {
+        rules: Some(rules_with_drift(&base, "")),
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    assert_eq!(events(&db).await.len(), 60);
+    // The shop renames the price's class: every listing fingerprint moves, every product page
+    // is read again, and the price selector matches nothing.
+    post(&format!("{base}/__layout"), json!({"price_class": "cost"})).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    let doc = bot_doc(&db).await;
+    let gate = doc
+        .get_document("crawlFeed")
+        .unwrap()
+        .get_document("gate")
+        .unwrap_or_else(|_| panic!("pass 2 is gated: {doc}"));
+    assert_eq!(gate.get_i64("pass").unwrap(), 2);
+    let reasons: Vec<&str> = gate
+        .get_array("reasons")
+        .unwrap()
+        .iter()
+        .filter_map(Bson::as_str)
+        .collect();
+    assert_eq!(reasons, vec!["field price filled 0% (last pass 100%)"]);
+    // The crawl's truth is kept: the records hold what the pages showed.
+    for r in records(&db).await {
+        assert_eq!(
+            r.get_document("data").unwrap().get("price"),
+            Some(&Bson::Null),
+            "{r}"
+        );
+    }
+    // Staged, not visible.
+    assert_eq!(
+        events(&db).await.len(),
+        60,
+        "pass 2's events are not visible"
+    );
+    assert_eq!(staged_events(&db).await.len(), 120);
+    let status = String::from_utf8(kit::run_cli(&db, &["status"]).await.stdout).unwrap();
+    assert!(
+        status.contains("pass 2 gated: field price filled 0% (last pass 100%)"),
+        "{status}"
+    );
+    let bot = seedlock::ids::BotId::parse("shop").unwrap();
+    let settled = db
+        .store()
+        .passes()
+        .settle(
+            &bot,
+            seedlock::ids::PassNumber::new(2),
+            seedlock::store::release::Settle::Release,
+            chrono::Utc::now(),
+        )
+        .await
+        .unwrap();
+    assert!(settled.is_some());
+    let all = events(&db).await;
+    assert_eq!(all.len(), 120);
+    assert_eq!(keys_of(&all, 2, "changed").len(), 60);
+    // Released once: a second release finds nothing gated.
+    let again = db
+        .store()
+        .passes()
+        .settle(
+            &bot,
+            seedlock::ids::PassNumber::new(2),
+            seedlock::store::release::Settle::Release,
+            chrono::Utc::now(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(again, None);
+    // The released pass is the new baseline: the same layout gates nothing.
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    assert!(bot_doc(&db)
+        .await
+        .get_document("crawlFeed")
+        .unwrap()
+        .get("gate")
+        .is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discarded_gated_pass_releases_nothing_and_the_next_pass_compares_with_the_last_released()
+{
+    let db = test_db("feed_drift_discard").await;
+    let base = shop(3, 20).await;
+    let setup = Setup {
+        rules: Some(rules_with_drift(&base, "min_records = 1")),
+        ..Setup::default()
+    };
+    let gate = |doc: Document| {
+        doc.get_document("crawlFeed")
+            .unwrap()
+            .get_document("gate")
+            .ok()
+            .cloned()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    post(&format!("{base}/__layout"), json!({"price_class": "cost"})).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    let out = kit::run_cli(&db, &["pass", "discard", "shop", "2"]).await;
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("pass 2 discarded"),
+        "{out:?}"
+    );
+    assert_eq!(
+        staged_events(&db).await.len(),
+        60,
+        "pass 2's events are gone"
+    );
+    let again = kit::run_cli(&db, &["pass", "discard", "shop", "2"]).await;
+    assert_eq!(again.status.code(), Some(1), "{again:?}");
+    assert!(
+        String::from_utf8_lossy(&again.stderr)
+            .contains("pass 2 is not gated (no pass is gated now)"),
+        "{again:?}"
+    );
+    // Still drifted, one product added: pass 3 writes one record, without a price. Compared
+    // with the discarded pass 2 (0% filled) it would pass; compared with pass 1, the last
+    // released (100%), it is gated.
+    post(&format!("{base}/__mutate"), json!({"add": 1})).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    let gated = gate(bot_doc(&db).await).expect("pass 3 is gated");
+    assert_eq!(gated.get_i64("pass").unwrap(), 3, "{gated}");
+    assert_eq!(
+        events(&db).await.len(),
+        60,
+        "only pass 1's events are visible"
+    );
+    // The shop is fixed; pass 4's end discards the unsettled pass 3, and pass 4 is released.
+    kit::crawl::delete(&format!("{base}/__layout")).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    let doc = bot_doc(&db).await;
+    assert_eq!(gate(doc.clone()), None, "{doc}");
+    assert_eq!(
+        doc.get_document("crawlFeed")
+            .unwrap()
+            .get_i64("pass")
+            .unwrap(),
+        4
+    );
+    let all = events(&db).await;
+    assert!(
+        all.iter()
+            .all(|e| [1, 4].contains(&e.get_i64("pass").unwrap())),
+        "{all:?}"
+    );
+    // Pass 4 read every product again (their fingerprints moved back): each one's price came
+    // back, the product pass 3 added included.
+    assert_eq!(keys_of(&all, 4, "changed").len(), 61);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mass_removal_is_held_until_released_then_applied_with_its_events() {
+    let db = test_db("feed_mass_removal").await;
+    let base = shop(4, 10).await;
+    let setup = Setup {
+        rules: Some(rules_with_drift(&base, "max_removed = 0.2")),
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    let report = post(&format!("{base}/__mutate"), json!({"delete": 9})).await;
+    let deleted = skus(&report, "deleted");
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    let gate = bot_doc(&db)
+        .await
+        .get_document("crawlFeed")
+        .unwrap()
+        .get_document("gate")
+        .unwrap()
+        .clone();
+    let reasons: Vec<&str> = gate
+        .get_array("reasons")
+        .unwrap()
+        .iter()
+        .filter_map(Bson::as_str)
+        .collect();
+    assert_eq!(
+        reasons,
+        vec!["would remove 9 of 40 records (22.5%, more than 20.0%)"]
+    );
+    assert!(
+        removed_keys(&db).await.is_empty(),
+        "nothing removed while gated"
+    );
+    let out = kit::run_cli(&db, &["pass", "release", "shop", "2"]).await;
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("9 held removals applied"),
+        "{out:?}"
+    );
+    assert_eq!(removed_keys(&db).await, deleted);
+    assert_eq!(keys_of(&events(&db).await, 2, "removed"), deleted);
+    // Within the threshold, a pass removes without a gate.
+    let report = post(&format!("{base}/__mutate"), json!({"delete": 2, "add": 2})).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &setup, "a")).await;
+    assert!(bot_doc(&db)
+        .await
+        .get_document("crawlFeed")
+        .unwrap()
+        .get("gate")
+        .is_none());
+    assert_eq!(
+        keys_of(&events(&db).await, 3, "removed"),
+        skus(&report, "deleted")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_follow_resumes_after_a_restart_without_gaps_or_repeats() {
+    use kit::{Proc, ProcConfig};
+    let db = test_db("feed_follow").await;
+    let base = shop(2, 10).await;
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = ProcConfig::new(&db, crawl_bot_toml(&base)).write(dir.path());
+    let mut reader = Proc::spawn(
+        dir.path(),
+        &config,
+        "r1",
+        &["changes", "shop", "--follow", "--json"],
+        &[],
+    );
+    let seen = |p: &Proc| -> Vec<Document> {
+        p.out()
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| {
+                bson::to_document(&serde_json::from_str::<serde_json::Value>(l).unwrap()).unwrap()
+            })
+            .collect()
+    };
+    kit::eventually(
+        "the first pass's events",
+        Duration::from_secs(30),
+        || async { seen(&reader).len() == 20 },
+    )
+    .await;
+    // A release while it waits reaches it.
+    post(&format!("{base}/__mutate"), json!({"change": 3})).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    kit::eventually("pass 2's events", Duration::from_secs(30), || async {
+        seen(&reader).len() == 23
+    })
+    .await;
+    let mut got = seen(&reader);
+    let last = got
+        .last()
+        .unwrap()
+        .get("seq")
+        .and_then(|v| v.as_i64())
+        .unwrap();
+    reader.kill9().await;
+    // Released while no reader runs.
+    post(&format!("{base}/__mutate"), json!({"change": 4, "add": 1})).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    let since = last.to_string();
+    let mut again = Proc::spawn(
+        dir.path(),
+        &config,
+        "r2",
+        &["changes", "shop", "--follow", "--json", "--since", &since],
+        &[],
+    );
+    kit::eventually("pass 3's events", Duration::from_secs(30), || async {
+        seen(&again).len() == 5
+    })
+    .await;
+    got.extend(seen(&again));
+    again.kill9().await;
+    let seqs: Vec<i64> = got
+        .iter()
+        .map(|e| e.get("seq").and_then(|v| v.as_i64()).unwrap())
+        .collect();
+    assert_eq!(
+        seqs,
+        (1..=28).collect::<Vec<_>>(),
+        "every event once, in order"
+    );
+    let stored: Vec<i64> = events(&db)
+        .await
+        .iter()
+        .map(|e| e.get_i64("seq").unwrap())
+        .collect();
+    assert_eq!(seqs, stored);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn export_delta_writes_the_released_events_of_a_pass_and_later_ones() {
+    let db = test_db("feed_export_delta").await;
+    let base = shop(2, 10).await;
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    let report = post(&format!("{base}/__mutate"), json!({"change": 2, "add": 1})).await;
+    request_refresh(&db).await;
+    once(settings(&db, &base, &Setup::default(), "a")).await;
+    let out = kit::run_cli(
+        &db,
+        &[
+            "export",
+            "shop",
+            "--delta",
+            "--since-pass",
+            "2",
+            "--format",
+            "csv",
+        ],
+    )
+    .await;
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(
+        lines.next(),
+        Some("seq,pass,kind,naturalKey,recordId,field,from,to,at")
+    );
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    let changed: BTreeSet<&str> = rows
+        .iter()
+        .filter(|r| r[2] == "changed")
+        .map(|r| r[3])
+        .collect();
+    let want = skus(&report, "changed");
+    assert_eq!(changed, want.iter().map(String::as_str).collect());
+    assert!(
+        rows.iter()
+            .filter(|r| r[2] == "changed")
+            .all(|r| r[5] == "price"),
+        "{text}"
+    );
+    // The added product: one row per field.
+    assert_eq!(rows.iter().filter(|r| r[2] == "added").count(), 3, "{text}");
+    assert!(rows.iter().all(|r| r[1] == "2"), "{text}");
+    let json = kit::run_cli(&db, &["export", "shop", "--delta", "--since-pass", "1"]).await;
+    assert_eq!(
+        String::from_utf8(json.stdout).unwrap().lines().count(),
+        20 + 3
+    );
+}
