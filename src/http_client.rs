@@ -144,6 +144,14 @@ impl RequestHeaders {
         Ok(())
     }
 
+    /// The headers to send.
+    pub(crate) fn header_map(&self) -> reqwest::header::HeaderMap {
+        self.entries
+            .iter()
+            .map(|e| (e.name.clone(), e.value.clone()))
+            .collect()
+    }
+
     /// Each header as it may be shown: a secret's value is `<from $NAME>`.
     pub(crate) fn shown(&self) -> Vec<(String, String)> {
         self.entries

@@ -417,6 +417,9 @@ struct CatalogueMetrics {
     refresh_interval: Family<BotLabel, Ratio>,
     gated: Family<BotLabel, Gauge>,
     events_released: Family<BotLabel, Counter>,
+    webhook_delivered: Family<BotLabel, Counter>,
+    webhook_failures: Family<BotLabel, Counter>,
+    webhook_lag: Family<BotLabel, Gauge>,
 }
 
 impl CatalogueMetrics {
@@ -463,6 +466,24 @@ impl CatalogueMetrics {
             "Change feed events the bot's released passes made visible, in all (kept in the bot's document)",
             events_released.clone(),
         );
+        let webhook_delivered = Family::<BotLabel, Counter>::default();
+        registry.register(
+            "webhook_events_delivered",
+            "Change events this instance delivered to the bot's webhook (a 2xx answer)",
+            webhook_delivered.clone(),
+        );
+        let webhook_failures = Family::<BotLabel, Counter>::default();
+        registry.register(
+            "webhook_failures",
+            "Webhook deliveries of the bot's events that failed (an error, a timeout or a non-2xx answer): retried with backoff",
+            webhook_failures.clone(),
+        );
+        let webhook_lag = Family::<BotLabel, Gauge>::default();
+        registry.register(
+            "webhook_lag_events",
+            "Released change events of the bot not yet delivered to its webhook, as the delivering instance last saw",
+            webhook_lag.clone(),
+        );
         Self {
             last_complete_pass,
             coverage,
@@ -471,6 +492,9 @@ impl CatalogueMetrics {
             refresh_interval,
             gated,
             events_released,
+            webhook_delivered,
+            webhook_failures,
+            webhook_lag,
         }
     }
 }
@@ -632,6 +656,23 @@ impl Metrics {
                 }
             }
         }
+    }
+
+    /// A webhook delivery of `events` events of `bot`'s; `lag`: those still to deliver after it.
+    pub(crate) fn webhook_delivered(&self, bot: &BotId, events: u64, lag: i64) {
+        let label = Self::bot(bot);
+        self.catalogue
+            .webhook_delivered
+            .get_or_create(&label)
+            .inc_by(events);
+        self.catalogue.webhook_lag.get_or_create(&label).set(lag);
+    }
+
+    /// A failed webhook delivery of `bot`'s events; `lag`: the events waiting.
+    pub(crate) fn webhook_failed(&self, bot: &BotId, lag: i64) {
+        let label = Self::bot(bot);
+        self.catalogue.webhook_failures.get_or_create(&label).inc();
+        self.catalogue.webhook_lag.get_or_create(&label).set(lag);
     }
 
     /// How often this instance refreshes `bot`'s seeds.

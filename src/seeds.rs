@@ -238,7 +238,8 @@ impl SeedReader {
     }
 }
 
-fn describe_reqwest(e: &reqwest::Error) -> String {
+/// A request error with its causes, in one line.
+pub(crate) fn describe_reqwest(e: &reqwest::Error) -> String {
     use std::error::Error as _;
     let mut text = e.to_string();
     let mut source = e.source();

@@ -112,6 +112,21 @@ pub struct CrawlSettings {
     pub bounds: CrawlBounds,
     /// When a pass is gated instead of released (`[bots.crawl.drift]`).
     pub drift: DriftRules,
+    /// Where released change events are pushed (`[bots.crawl.notify]`), if anywhere.
+    pub notify: Option<NotifySettings>,
+}
+
+/// `[bots.crawl.notify]`: a webhook that receives each released pass's change events, in
+/// batches of one pass, each with an idempotency key.
+#[derive(Clone, Debug)]
+pub struct NotifySettings {
+    pub url: reqwest::Url,
+    /// Sent with every delivery; values from the environment are secrets.
+    pub headers: crate::http_client::RequestHeaders,
+    /// Events per request, at most.
+    pub batch: usize,
+    /// Per request.
+    pub timeout: Duration,
 }
 
 /// The drift gate (`[bots.crawl.drift]`): a pass whose fields' fill rates fell, or that would
@@ -278,6 +293,57 @@ pub(super) struct RawCrawl {
     pub(super) max_url_length: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) drift: Option<RawDrift>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) notify: Option<RawNotify>,
+}
+
+/// `[bots.crawl.notify]`.
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawNotify {
+    pub(super) url: String,
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub(super) headers: std::collections::BTreeMap<String, RawHeader>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) batch: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) timeout: Option<String>,
+}
+
+impl RawNotify {
+    fn validate(&self, keys: CrawlKeys<'_>) -> Result<NotifySettings, String> {
+        let url = reqwest::Url::parse(self.url.trim())
+            .ok()
+            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
+            .ok_or_else(|| {
+                format!(
+                    "key `{}`: {:?} is not an http(s) URL",
+                    keys.key("notify.url"),
+                    self.url
+                )
+            })?;
+        let batch = match self.batch {
+            None => 100,
+            Some(n @ 1..=10_000) => n as usize,
+            Some(n) => {
+                return Err(format!(
+                    "key `{}`: {n} is not between 1 and 10000",
+                    keys.key("notify.batch")
+                ))
+            }
+        };
+        let timeout = match &self.timeout {
+            None => Duration::from_secs(10),
+            Some(raw) => super::positive(&keys.key("notify.timeout"), raw)?,
+        };
+        let headers = headers_at(&keys.key("notify.headers"), &self.headers)?;
+        Ok(NotifySettings {
+            url,
+            headers,
+            batch,
+            timeout,
+        })
+    }
 }
 
 /// `[bots.crawl.drift]`.
@@ -465,7 +531,13 @@ impl RawCrawl {
             Some(raw) => raw.validate(keys)?,
             None => DriftRules::default(),
         };
+        let notify = self
+            .notify
+            .as_ref()
+            .map(|raw| raw.validate(keys))
+            .transpose()?;
         Ok(CrawlSettings {
+            notify,
             drift,
             bounds,
             sitemaps,
@@ -751,9 +823,17 @@ pub(super) fn headers(
     keys: CrawlKeys<'_>,
     raw: &std::collections::BTreeMap<String, RawHeader>,
 ) -> Result<crate::http_client::RequestHeaders, String> {
+    headers_at(&keys.key("headers"), raw)
+}
+
+/// Headers under the config key `at`: each a value or the environment variable it is read from.
+fn headers_at(
+    at: &str,
+    raw: &std::collections::BTreeMap<String, RawHeader>,
+) -> Result<crate::http_client::RequestHeaders, String> {
     let mut headers = crate::http_client::RequestHeaders::default();
     for (name, raw) in raw {
-        let k = keys.key(&format!("headers.{name}"));
+        let k = format!("{at}.{name}");
         let pushed = match raw {
             RawHeader::Value(value) => headers.push(name, value, None),
             RawHeader::Env { env } => match std::env::var(env) {

@@ -71,6 +71,7 @@ fn the_shipped_configs_parse() {
     std::env::set_var("SHOP_TOKEN", "t");
     std::env::set_var("SHOP_PROXY", "socks5://127.0.0.1:1080");
     std::env::set_var("SHOP_COOKIE", "c");
+    std::env::set_var("HOOK_TOKEN", "h");
     let s = Settings::from_toml(readme_reference(), no_env)
         .unwrap_or_else(|e| panic!("README config: {e}"));
     assert_eq!(s.lock.heartbeat, Duration::from_secs(10));
@@ -99,6 +100,7 @@ fn key_paths(value: &toml::Value, prefix: &str, out: &mut std::collections::BTre
             let free_form = prefix.ends_with("crawl.hosts")
                 || prefix.ends_with("record.fields")
                 || prefix.ends_with("crawl.headers")
+                || prefix.ends_with("notify.headers")
                 || prefix.ends_with("crawl.cookies");
             for (key, child) in table {
                 let key = if free_form { "*" } else { key.as_str() };
@@ -252,6 +254,16 @@ fn every_key() -> std::collections::BTreeSet<String> {
                 max_url_length: 100,
                 proxy: Some(RawEnv { env: "P".into() }),
                 cookies: [("c".to_owned(), RawHeader::Env { env: "C".into() })].into(),
+                notify: Some(RawNotify {
+                    url: "http://h/hook".into(),
+                    headers: [
+                        ("a".to_owned(), RawHeader::Value("v".into())),
+                        ("b".to_owned(), RawHeader::Env { env: "E".into() }),
+                    ]
+                    .into(),
+                    batch: Some(10),
+                    timeout: Some("5s".into()),
+                }),
                 drift: Some(RawDrift {
                     max_fill_drop: Some(0.3),
                     max_removed: Some(0.5),

@@ -35,6 +35,7 @@ use crate::store::{EditLock, NextPass, Store};
 
 mod crawl_turn;
 pub mod hub;
+mod notify;
 pub mod presence;
 mod refresh;
 pub(crate) mod roster;
@@ -347,6 +348,19 @@ impl BotRunner {
         self.ctx
             .metrics
             .set_refresh_interval(&self.bot.id, interval);
+        // The bot's webhook, delivered beside the loop for as long as it runs.
+        let notify_stop = shutdown.child_token();
+        let _notify_guard = notify_stop.clone().drop_guard();
+        if let Some(notify) = self.bot.crawl.as_ref().and_then(|c| c.notify.clone()) {
+            if until == Until::Shutdown {
+                tokio::spawn(notify::deliver(
+                    self.ctx.clone(),
+                    self.bot.id.clone(),
+                    notify,
+                    notify_stop,
+                ));
+            }
+        }
         let mut db_failures: u32 = 0;
         let mut failover_since: Option<Instant> = None;
         let mut waiting_since: Option<Instant> = None;

@@ -618,6 +618,126 @@ impl Changes<'_> {
     }
 }
 
+/// Where each bot's webhook deliveries stand (collection `notifiers`, one document per bot):
+/// `seq` (every event up to it was delivered), `by` and `until` (the instance that delivers,
+/// until when), `failures` (in a row), `lastError`, `deliveredAt`. Kept apart from the bot
+/// document, whose every write wakes the bot's runners.
+pub(crate) const NOTIFIERS: &str = "notifiers";
+
+/// What a claimed notifier knows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notifier {
+    /// Every event up to this `seq` was delivered.
+    pub seq: i64,
+    /// Failed deliveries in a row.
+    pub failures: u32,
+}
+
+impl Changes<'_> {
+    fn notifiers(self) -> mongodb::Collection<Document> {
+        self.store.database().collection(NOTIFIERS)
+    }
+
+    /// Claims (or keeps) the delivery of the bot's events for `me` until `now + hold`: one
+    /// instance delivers at a time, and another takes over once the claim ran out. `None` while
+    /// another instance holds it.
+    pub async fn claim_notifier(
+        self,
+        bot: &BotId,
+        me: &str,
+        now: DateTime<Utc>,
+        hold: std::time::Duration,
+    ) -> Result<Option<Notifier>> {
+        let until = date(super::plus(now, hold));
+        let notifiers = self.notifiers();
+        let claim = notifiers
+            .find_one_and_update(
+                doc! { "_id": bot.as_str(), "$or": [ { "until": { "$lt": date(now) } }, { "by": me } ] },
+                doc! {
+                    "$set": { "by": me, "until": until },
+                    "$setOnInsert": { "seq": 0_i64, "failures": 0_i64 },
+                },
+            )
+            .upsert(true)
+            .return_document(mongodb::options::ReturnDocument::After);
+        match self.store.bounded("claim the notifier", claim).await {
+            Ok(Some(d)) => Ok(Some(Notifier {
+                seq: d.get("seq").and_then(super::document::integer).unwrap_or(0),
+                failures: d
+                    .get("failures")
+                    .and_then(super::document::integer)
+                    .and_then(|n| u32::try_from(n).ok())
+                    .unwrap_or(0),
+            })),
+            Ok(None) => Ok(None),
+            // Held by another instance: the upsert met its document.
+            Err(Error::Db(e)) if crate::error::is_duplicate_key(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Records a delivery of the events after `from` up to `to` by `me` (conditional on its
+    /// claim and on the position read): false when the claim was lost meanwhile.
+    pub async fn delivered(
+        self,
+        bot: &BotId,
+        me: &str,
+        from: i64,
+        to: i64,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let notifiers = self.notifiers();
+        let update = notifiers.update_one(
+            doc! { "_id": bot.as_str(), "by": me, "seq": from },
+            doc! { "$set": { "seq": to, "failures": 0_i64, "lastError": Bson::Null, "deliveredAt": date(now) } },
+        );
+        Ok(self
+            .store
+            .bounded("record a delivery", update)
+            .await?
+            .modified_count
+            == 1)
+    }
+
+    /// Records a failed delivery by `me`.
+    pub async fn delivery_failed(self, bot: &BotId, me: &str, error: &str) -> Result<()> {
+        let notifiers = self.notifiers();
+        let update = notifiers.update_one(
+            doc! { "_id": bot.as_str(), "by": me },
+            doc! { "$inc": { "failures": 1_i64 }, "$set": { "lastError": error } },
+        );
+        self.store
+            .bounded("record a failed delivery", update)
+            .await?;
+        Ok(())
+    }
+
+    /// Gives the claim up (a clean stop): another instance may deliver at once.
+    pub async fn release_notifier(self, bot: &BotId, me: &str) -> Result<()> {
+        let notifiers = self.notifiers();
+        let update = notifiers.update_one(
+            doc! { "_id": bot.as_str(), "by": me },
+            doc! { "$set": { "until": date(DateTime::<Utc>::UNIX_EPOCH) } },
+        );
+        self.store.bounded("release the notifier", update).await?;
+        Ok(())
+    }
+
+    /// The next delivery after `after`: the released events of one pass, at most `limit`.
+    pub async fn next_delivery(
+        self,
+        bot: &BotId,
+        after: i64,
+        upto: i64,
+        limit: usize,
+    ) -> Result<Vec<Event>> {
+        let mut events = self.read(bot, after, upto, limit).await?;
+        let pass = events.first().and_then(|e| e.get(f::PASS).cloned());
+        events.retain(|e| e.get(f::PASS).cloned() == pass);
+        Ok(events)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

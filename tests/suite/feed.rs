@@ -481,3 +481,184 @@ async fn export_delta_writes_the_released_events_of_a_pass_and_later_ones() {
         20 + 3
     );
 }
+
+/// A webhook receiver on a fixed address: it answers 500 to its first `fail` requests, then 200,
+/// and keeps every request it answered 200 (the `Idempotency-Key` and the body).
+struct Receiver {
+    got: std::sync::Arc<std::sync::Mutex<Vec<(String, serde_json::Value)>>>,
+    stop: tokio_util::sync::CancellationToken,
+    served: tokio::task::JoinHandle<()>,
+}
+
+impl Receiver {
+    async fn start(
+        addr: &str,
+        fail: usize,
+        got: std::sync::Arc<std::sync::Mutex<Vec<(String, serde_json::Value)>>>,
+    ) -> Receiver {
+        use axum::{http::HeaderMap, http::StatusCode, routing::post, Json, Router};
+        let failed = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let kept = got.clone();
+        let app = Router::new().route(
+            "/hook",
+            post(
+                move |headers: HeaderMap, Json(body): Json<serde_json::Value>| {
+                    let (kept, failed) = (kept.clone(), failed.clone());
+                    async move {
+                        if failed.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < fail {
+                            return StatusCode::INTERNAL_SERVER_ERROR;
+                        }
+                        let key = headers
+                            .get("idempotency-key")
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or_default()
+                            .to_owned();
+                        kept.lock().unwrap().push((key, body));
+                        StatusCode::OK
+                    }
+                },
+            ),
+        );
+        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let until = stop.clone();
+        let served = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move { until.cancelled().await })
+                .await
+                .unwrap();
+        });
+        Receiver { got, stop, served }
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        self.served.await.unwrap();
+    }
+
+    /// The event keys received, in order (repeats included).
+    fn keys(&self) -> Vec<String> {
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .flat_map(|(_, body)| {
+                body["events"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|e| e["key"].as_str().unwrap().to_owned())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_webhook_gets_every_event_through_failures_and_restarts_with_keys_that_dedupe_repeats()
+{
+    use seedlock::daemon::{run, Mode};
+    let db = test_db("feed_webhook").await;
+    let base = shop(2, 10).await;
+    let addr = free_addr();
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    // The receiver fails its first two requests.
+    let receiver = Receiver::start(&addr, 2, got.clone()).await;
+    let listen = free_addr();
+    let host = base.trim_start_matches("http://");
+    let rules = format!(
+        "{}[bots.crawl.notify]\nurl = \"http://{addr}/hook\"\nbatch = 6\nheaders = {{ Authorization = \"Bearer t\" }}\n",
+        seedlock::demo_site::crawl_rules_toml(&[host], ".sku")
+    );
+    let setup = Setup {
+        rules: Some(rules),
+        listen: &listen,
+        ..Setup::default()
+    };
+    let stop = tokio_util::sync::CancellationToken::new();
+    let daemon = tokio::spawn(run(
+        settings(&db, &base, &setup, "a"),
+        Mode::Daemon,
+        stop.clone(),
+    ));
+    kit::eventually(
+        "pass 1's 20 events delivered",
+        Duration::from_secs(60),
+        || async { receiver.keys().len() >= 20 },
+    )
+    .await;
+    assert_eq!(
+        metric(&listen, r#"seedlock_webhook_failures_total{bot="shop"}"#).await,
+        Some(2.0)
+    );
+    // Batches of one pass, at most 6 events, keyed by their first event.
+    for (key, body) in got.lock().unwrap().iter() {
+        let events = body["events"].as_array().unwrap();
+        assert!(!events.is_empty() && events.len() <= 6, "{body}");
+        assert_eq!(key, events[0]["key"].as_str().unwrap());
+        assert!(events.iter().all(|e| e["pass"] == body["pass"]), "{body}");
+    }
+    // The receiver goes away; pass 2 is released meanwhile; the instance stops and starts again.
+    receiver.stop().await;
+    post(&format!("{base}/__mutate"), json!({"change": 4})).await;
+    request_refresh(&db).await;
+    kit::eventually("pass 2 released", Duration::from_secs(60), || async {
+        keys_of(&events(&db).await, 2, "changed").len() == 4
+    })
+    .await;
+    kit::eventually("a delivery failed", Duration::from_secs(30), || async {
+        metric(&listen, r#"seedlock_webhook_failures_total{bot="shop"}"#)
+            .await
+            .is_some_and(|n| n >= 3.0)
+    })
+    .await;
+    stop.cancel();
+    daemon.await.unwrap().unwrap();
+    let before_restart = got.lock().unwrap().len();
+    let receiver = Receiver::start(&addr, 0, got.clone()).await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let daemon = tokio::spawn(run(
+        settings(&db, &base, &setup, "a"),
+        Mode::Daemon,
+        stop.clone(),
+    ));
+    kit::eventually(
+        "pass 2's events delivered",
+        Duration::from_secs(60),
+        || async {
+            let keys: BTreeSet<String> = receiver.keys().into_iter().collect();
+            keys.len() == 24
+        },
+    )
+    .await;
+    stop.cancel();
+    daemon.await.unwrap().unwrap();
+    // Every event's key, once each after deduplication, and nothing else.
+    let expected: BTreeSet<String> = events(&db)
+        .await
+        .iter()
+        .map(|e| {
+            format!(
+                "shop:{}:{}",
+                e.get_i64("pass").unwrap(),
+                e.get_i64("seq").unwrap()
+            )
+        })
+        .collect();
+    let received: BTreeSet<String> = receiver.keys().into_iter().collect();
+    assert_eq!(received, expected);
+    // Resumed from the stored position: after the restart only pass 2 was sent.
+    let after: Vec<String> = got.lock().unwrap()[before_restart..]
+        .iter()
+        .flat_map(|(_, b)| {
+            b["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["key"].as_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(after.iter().all(|k| k.starts_with("shop:2:")), "{after:?}");
+    receiver.stop().await;
+}
