@@ -75,6 +75,30 @@ pub(crate) async fn fetch(
     unreachable!("every hop returns or goes on")
 }
 
+/// The record a fetched detail page yields by the bot's rules (its natural key and fields, as the
+/// crawl would store them), or why it yields none.
+pub(crate) fn record_of(
+    rules: &CrawlSettings,
+    page: &Page,
+) -> Result<(String, bson::Document), String> {
+    let Some(record) = rules.record.as_ref() else {
+        return Err("the bot has no [bots.crawl.record] rules".into());
+    };
+    if page.format == BodyFormat::Sitemap {
+        return Err("a sitemap, not a detail page".into());
+    }
+    extract(
+        &page.url.to_url(),
+        &page.body,
+        page.format,
+        &rules.links,
+        None,
+        Some(record),
+    )
+    .record
+    .unwrap_or_else(|| Err("no record".into()))
+}
+
 /// Which kind of page this is by the bot's rules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]

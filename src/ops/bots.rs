@@ -33,6 +33,11 @@ pub enum BotsCommand {
         /// Print what would change; write nothing.
         #[arg(long)]
         dry_run: bool,
+        /// Write nothing; read a sample of each changed bot's stored detail pages with its new
+        /// spec and compare each field with what is stored (same, different, now missing). Exit 1
+        /// when a field would go missing on more than the bot's `drift.max_fill_drop` of them.
+        #[arg(long, conflicts_with_all = ["prune", "dry_run"])]
+        check: bool,
     },
     /// The bots in the database: id, spec version, state, paused, pass, last change.
     List {
@@ -51,9 +56,13 @@ pub enum BotsCommand {
 pub(crate) async fn command(settings: Settings, command: BotsCommand) -> ExitCode {
     match command {
         BotsCommand::Apply {
+            file, check: true, ..
+        } => crate::ops::check::check(settings, &file).await,
+        BotsCommand::Apply {
             file,
             prune,
             dry_run,
+            ..
         } => apply(settings, &file, prune, dry_run).await,
         BotsCommand::List { json } => list(settings, json).await,
         BotsCommand::Remove { bot, purge } => remove(settings, &bot, purge).await,

@@ -2,6 +2,7 @@
 //!
 //! - [`admin`]: `status`, `inspect`, `unlock`, `refresh`;
 //! - [`bots`]: `bots apply | list | remove`, `pause`, `resume`, `export`;
+//! - [`check`]: `bots apply --check`, a new spec read on stored pages;
 //! - [`changes`]: `changes` (the change feed), `pass release | discard`, `export --delta`;
 //! - [`export`]: `seedlock export`'s JSON lines and CSV;
 //! - [`fleet`]: the fleet as the database shows it, read once for every status view;
@@ -12,6 +13,7 @@
 pub mod admin;
 pub(crate) mod bots;
 pub mod changes;
+pub(crate) mod check;
 pub mod export;
 pub(crate) mod overview;
 pub(crate) mod page;

@@ -483,6 +483,25 @@ impl Records<'_> {
             .await
     }
 
+    /// Up to `n` of the bot's live records (their `url`, `naturalKey` and `data`), for
+    /// `bots apply --check`.
+    pub(crate) async fn sample_live(self, bot: &BotId, n: usize) -> Result<Vec<Document>> {
+        self.store
+            .find_once(
+                "sample records",
+                RECORDS,
+                doc! { f::BOT: bot.as_str(), f::REMOVED_AT: Bson::Null },
+                doc! { f::URL: 1, f::NATURAL_KEY: 1, f::DATA: 1 },
+                n,
+                None,
+            )
+            .await
+            .map(|mut docs| {
+                docs.truncate(n);
+                docs
+            })
+    }
+
     /// How many of the bot's records are live (not marked removed).
     pub(crate) async fn count_live(self, bot: &BotId) -> Result<u64> {
         let (all, removed) = tokio::try_join!(self.count_all(bot), self.count_removed(bot))?;

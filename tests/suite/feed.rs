@@ -662,3 +662,79 @@ async fn the_webhook_gets_every_event_through_failures_and_restarts_with_keys_th
     assert!(after.iter().all(|k| k.starts_with("shop:2:")), "{after:?}");
     receiver.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bots_apply_check_catches_a_selector_typo_on_stored_pages_and_writes_nothing() {
+    use kit::{Proc, ProcConfig};
+    let db = test_db("feed_apply_check").await;
+    let base = shop(2, 10).await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: String| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let good = file("bots.toml", crawl_bot_toml(&base));
+    let out = kit::run_cli(&db, &["bots", "apply", &good]).await;
+    assert!(out.status.success(), "{out:?}");
+    // A bot with no stored records yet says so and passes.
+    let typo = file(
+        "typo.toml",
+        crawl_bot_toml(&base).replace(r#"price = ".price""#, r#"price = ".prise""#),
+    );
+    let early = kit::run_cli(&db, &["bots", "apply", "--check", &typo]).await;
+    assert!(early.status.success(), "{early:?}");
+    assert!(
+        String::from_utf8_lossy(&early.stdout).contains("no stored records to compare with"),
+        "{early:?}"
+    );
+    let config = ProcConfig::new(&db, String::new()).write(dir.path());
+    let mut crawl = Proc::spawn(dir.path(), &config, "c", &["run", "--once"], &[]);
+    crawl.expect_ok(Duration::from_secs(60)).await;
+    assert_eq!(records(&db).await.len(), 20);
+    let version = bot_doc(&db).await.get("specVersion").cloned();
+    Requests::take(&base).await;
+
+    let out = kit::run_cli(&db, &["bots", "apply", "--check", &typo]).await;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(stdout.contains("shop: changed"), "{stdout}");
+    assert!(
+        stdout.contains("20 stored pages read with the new spec"),
+        "{stdout}"
+    );
+    let row = |name: &str| -> Vec<String> {
+        stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no row {name}: {stdout}"))
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect()
+    };
+    assert_eq!(row("price"), ["price", "0", "0", "20"], "{stdout}");
+    assert_eq!(row("title"), ["title", "20", "0", "0"], "{stdout}");
+    assert!(
+        stdout.contains("would go missing on more than 20% of the sample: price"),
+        "{stdout}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("nothing written"),
+        "{out:?}"
+    );
+    // It read the stored pages (and robots.txt), one at a time, and wrote nothing.
+    assert_eq!(Requests::take(&base).await.under("/product/"), 20);
+    assert_eq!(bot_doc(&db).await.get("specVersion").cloned(), version);
+    // A change that reads the same passes.
+    let same = file("same.toml", crawl_bot_toml_every(&base, "2h"));
+    let out = kit::run_cli(&db, &["bots", "apply", "--check", &same]).await;
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let price: Vec<&str> = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("price "))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(price, ["price", "20", "0", "0"], "{stdout}");
+}
