@@ -138,10 +138,7 @@ pub(crate) async fn check(settings: Settings, file: &std::path::Path) -> ExitCod
                     println!("{id}: unchanged");
                     continue;
                 }
-                Ok(Applied::Created) => {
-                    println!("{id}: new: no stored records to compare with (`seedlock try {id} URL` reads a page with it)");
-                    continue;
-                }
+                Ok(Applied::Created) => println!("{id}: new in the database"),
                 Ok(Applied::Changed(keys)) => println!("{id}: changed ({})", keys.join(", ")),
                 Err(e) => return fail(EXIT_FAILED, format!("{id}: {e}")),
             }
