@@ -44,7 +44,13 @@ impl Committer {
 
     /// The commit step: one group commit of `batch`. Returns what became of each page, in
     /// order.
-    pub(crate) async fn step(&self, batch: &[&Settled]) -> Result<Vec<Committed>> {
+    /// `feed_staged`: the last pass whose change events were staged (see
+    /// [`Records::commit_batch_keeping`](crate::store::Records::commit_batch_keeping)).
+    pub(crate) async fn step(
+        &self,
+        batch: &[&Settled],
+        feed_staged: crate::ids::PassNumber,
+    ) -> Result<Vec<Committed>> {
         if !self.shared.limits.store_delay.is_zero() {
             // A slow database, for tests: as slow per page as the setting says.
             let pages = u32::try_from(batch.len()).unwrap_or(u32::MAX);
@@ -67,7 +73,7 @@ impl Committer {
                 .shared
                 .store
                 .records()
-                .commit_batch(&pages, now, self.transactions)
+                .commit_batch_keeping(&pages, now, self.transactions, feed_staged)
                 .await
             {
                 Ok(committed) => return Ok(committed),

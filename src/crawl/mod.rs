@@ -410,6 +410,7 @@ impl Crawler {
             failed: CancellationToken::new(),
             failure: Default::default(),
             settling: tokio_util::task::TaskTracker::new(),
+            feed_staged: pass.feed_staged,
         });
         let mut parsers = JoinSet::new();
         for _ in 0..limits.parsers.max(1) {
@@ -640,7 +641,7 @@ impl Crawler {
             }
             let settled: Vec<&Settled> = batch.iter().map(|s| &s.item.settled).collect();
             let t0 = Instant::now();
-            let result = self.committer.step(&settled).await;
+            let result = self.committer.step(&settled, run.feed_staged).await;
             tracing::trace!(pages = settled.len(), took = ?t0.elapsed(), "commit");
             match result {
                 Ok(committed) => {

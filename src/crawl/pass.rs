@@ -24,6 +24,9 @@ pub struct Pass {
     /// The last pass whose deletion evaluation applied its removals (`crawlEvaluatedPass`): a
     /// listing page read then has that read as its baseline.
     pub evaluated: PassNumber,
+    /// The last pass whose change events were staged: a record's write may drop its pending
+    /// events of passes up to it.
+    pub feed_staged: PassNumber,
 }
 
 /// A crawling bot's pass as its document shows it.
@@ -78,6 +81,7 @@ impl PassState {
                 spec: doc.crawl_pass_spec.clone(),
                 refetch: doc.crawl_pass_refetch,
                 evaluated: doc.crawl_evaluated_pass,
+                feed_staged: doc.crawl_feed_staged,
             })
         }
     }

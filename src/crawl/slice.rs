@@ -81,6 +81,9 @@ pub(super) struct Slice {
     pub(super) failure: Mutex<Option<Error>>,
     /// Pages being settled (followed and decided), beside the parsers.
     pub(super) settling: TaskTracker,
+    /// The last pass whose change events were staged, as the slice started: a record's write
+    /// drops its pending events of passes up to it.
+    pub(super) feed_staged: crate::ids::PassNumber,
 }
 
 /// A slice's standing tasks, beside its shared state.

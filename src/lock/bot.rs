@@ -56,6 +56,9 @@ pub struct BotDoc {
     /// `crawlEvaluatedPass`: the last pass whose deletion evaluation applied its removals (0:
     /// none) — the listing pages' baselines are what they listed then.
     pub crawl_evaluated_pass: PassNumber,
+    /// `crawlFeed.staged`: the last pass whose change events were staged (0: none) — records'
+    /// pending events of passes up to it may be dropped.
+    pub crawl_feed_staged: PassNumber,
 }
 
 /// A bot's definition as stored in its document for instances that take their bots from the

@@ -391,6 +391,7 @@ mod tests {
             crawl_pass_recorded: None,
             crawl_evaluation_pending: None,
             crawl_evaluated_pass: crate::ids::PassNumber::NONE,
+            crawl_feed_staged: crate::ids::PassNumber::NONE,
             paused: false,
             crawl_pass_spec: None,
             spec_error: None,

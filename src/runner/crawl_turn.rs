@@ -415,6 +415,7 @@ mod tests {
             spec: None,
             refetch: false,
             evaluated: PassNumber::NONE,
+            feed_staged: PassNumber::NONE,
         };
         assert_eq!(
             plan_turn(PassState::Running(running.clone()), Until::Done, at(1)),

@@ -154,14 +154,15 @@ fn fold(events: &[&Document]) -> Option<(ChangeKind, Document, Bson)> {
                 .or_insert((from, to));
         }
     }
-    let kind = match (first, last) {
-        (ChangeKind::Added, ChangeKind::Removed) => return None,
-        (ChangeKind::Added, _) => ChangeKind::Added,
-        (_, ChangeKind::Removed) => ChangeKind::Removed,
-        (ChangeKind::Removed, _) => ChangeKind::Changed,
-        (ChangeKind::Restored, _) => ChangeKind::Restored,
-        _ if kinds.contains(&ChangeKind::Restored) => ChangeKind::Restored,
-        _ => ChangeKind::Changed,
+    // What the record was before the pass (a restoration first: removed) and after it.
+    let removed_after = last == ChangeKind::Removed;
+    let kind = match (first, first == ChangeKind::Restored, removed_after) {
+        (ChangeKind::Added, _, true) => return None,
+        (ChangeKind::Added, _, false) => ChangeKind::Added,
+        (_, false, false) => ChangeKind::Changed,
+        (_, false, true) => ChangeKind::Removed,
+        (_, true, false) => ChangeKind::Restored,
+        (_, true, true) => return None,
     };
     if kind != ChangeKind::Added {
         fields.retain(|_, (from, to)| from != to);
@@ -272,17 +273,20 @@ impl Changes<'_> {
             .unwrap_or(0))
     }
 
-    /// Stages pass `pass` (see the module comment): every record's events of the pass, folded,
-    /// inserted once with the next numbers. Idempotent. Returns the pass's events by kind and its
-    /// fields' fill.
-    pub async fn stage(self, bot: &BotId, pass: PassNumber) -> Result<Staged> {
+    /// Stages pass `pass` (see the module comment): every record's events of the passes after
+    /// `after` (the last staged) up to `pass`, folded into one event of `pass` — an earlier pass
+    /// whose end was never evaluated (its evaluator stopped and the next pass ended first) is
+    /// released with it — inserted once with the next numbers. Idempotent. Returns the events
+    /// by kind and the fields' fill.
+    pub async fn stage(self, bot: &BotId, after: PassNumber, pass: PassNumber) -> Result<Staged> {
         let mut staged = Staged::default();
         let mut batch: Vec<Document> = Vec::new();
         let records = self.store.records().collection();
         let find = records
-            .find(
-                doc! { rf::BOT: bot.as_str(), format!("{}.{}", rf::PENDING, pending::PASS): pass },
-            )
+            .find(doc! {
+                rf::BOT: bot.as_str(),
+                format!("{}.{}", rf::PENDING, pending::PASS): { "$gt": after, "$lte": pass },
+            })
             .projection(doc! { rf::NATURAL_KEY: 1, rf::DATA: 1, rf::PENDING: 1, rf::REMOVED_AT: 1 })
             .batch_size(1000);
         let mut cursor = self.store.bounded("read pending events", find).await?;
@@ -295,7 +299,7 @@ impl Changes<'_> {
                 .await?;
             let done = record.is_none();
             if let Some(record) = record {
-                if let Some(event) = self.event_of(bot, pass, &record, &mut staged) {
+                if let Some(event) = self.event_of(bot, after, pass, &record, &mut staged) {
                     batch.push(event);
                 }
             }
@@ -334,6 +338,7 @@ impl Changes<'_> {
     fn event_of(
         self,
         bot: &BotId,
+        after: PassNumber,
         pass: PassNumber,
         record: &Document,
         staged: &mut Staged,
@@ -347,8 +352,7 @@ impl Changes<'_> {
             .filter(|e| {
                 e.get(pending::PASS)
                     .and_then(super::document::integer)
-                    .map(PassNumber::new)
-                    == Some(pass)
+                    .is_some_and(|p| p > after.get() && p <= pass.get())
             })
             .collect();
         let (kind, fields, at) = fold(&events)?;
@@ -793,6 +797,12 @@ mod tests {
         assert_eq!(fold(&[&changed, &removed]).unwrap().0, ChangeKind::Removed);
         assert_eq!(fold(&[&restored]).unwrap().0, ChangeKind::Restored);
         assert_eq!(fold(&[&removed, &restored]), None);
+        // Live before and after, whatever happened between: changed.
+        assert_eq!(
+            fold(&[&changed, &removed, &restored]).unwrap().0,
+            ChangeKind::Changed
+        );
+        assert_eq!(fold(&[&restored, &removed]), None);
         assert_eq!(fold(&[]), None);
     }
 }

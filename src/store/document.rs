@@ -276,6 +276,12 @@ pub fn parse_bot(raw: &Document) -> Result<BotDoc, Vec<String>> {
                         .get(field::CRAWL_EVALUATED_PASS)
                         .and_then(integer)
                         .map_or(PassNumber::NONE, PassNumber::new),
+                    crawl_feed_staged: raw
+                        .get_document(super::release::FEED)
+                        .ok()
+                        .and_then(|f| f.get(super::release::feed::STAGED))
+                        .and_then(integer)
+                        .map_or(PassNumber::NONE, PassNumber::new),
                 })
             }
             _ => Err(problems),

@@ -738,17 +738,16 @@ impl Passes<'_> {
                 "$unset": unset,
                 "$inc": inc,
         };
+        let mut max = doc! {
+            format!("{}.{}", super::release::FEED, super::release::feed::STAGED): pass,
+        };
         if remove && evaluation.held == 0 {
             // The pages this pass read start their baselines anew from that read; the pass is
             // complete (trusted to remove).
-            update.insert(
-                "$max",
-                doc! {
-                    field::CRAWL_EVALUATED_PASS: pass,
-                    field::CRAWL_LAST_COMPLETE_PASS_AT: date(now),
-                },
-            );
+            max.insert(field::CRAWL_EVALUATED_PASS, pass);
+            max.insert(field::CRAWL_LAST_COMPLETE_PASS_AT, date(now));
         }
+        update.insert("$max", max);
         // Once per pass: an evaluation taken over after its first run recorded it adds nothing
         // to the removed total again.
         let update = self.store.bots.update_one(

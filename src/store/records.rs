@@ -31,7 +31,7 @@ use super::indexes::IndexDef;
 use super::frontier::{field as fr, settle_statements, Mark, UrlLease, UrlStatus, FRONTIER};
 use super::{reply, Store};
 use crate::error::{Error, Result};
-use crate::ids::BotId;
+use crate::ids::{BotId, PassNumber};
 use crate::urls::NormalizedUrl;
 
 pub(crate) const RECORDS: &str = "records";
@@ -177,6 +177,7 @@ fn plan(
     lease: &UrlLease,
     stored: Option<&Document>,
     now: DateTime<Utc>,
+    staged: PassNumber,
     report_misses: bool,
 ) -> Plan {
     let id = record.id();
@@ -211,8 +212,8 @@ fn plan(
             ChangeKind::Changed
         };
         let fields = diff(old.get_document(f::DATA).ok(), &record.data);
-        // The entries of passes before the last are staged (or their pass was abandoned):
-        // rewritten away here, in the write that happens anyway.
+        // The entries of passes already staged are rewritten away here, in the write that
+        // happens anyway; the rest stay for their pass's end.
         let mut pending: Vec<Bson> = old
             .get_array(f::PENDING)
             .map(|entries| {
@@ -222,7 +223,7 @@ fn plan(
                         e.as_document()
                             .and_then(|e| e.get(super::changes::pending::PASS))
                             .and_then(super::document::integer)
-                            .is_some_and(|p| p + 1 >= lease.pass.get())
+                            .is_some_and(|p| p > staged.get())
                     })
                     .cloned()
                     .collect()
@@ -412,6 +413,20 @@ impl Records<'_> {
         now: DateTime<Utc>,
         transaction: bool,
     ) -> Result<Vec<Committed>> {
+        self.commit_batch_keeping(pages, now, transaction, PassNumber::NONE)
+            .await
+    }
+
+    /// As [`Records::commit_batch`]; a record written drops its pending change events of the
+    /// passes up to `feed_staged` (staged already: see `store::changes`) and keeps the rest.
+    pub async fn commit_batch_keeping(
+        self,
+        pages: &[PageCommit<'_>],
+        now: DateTime<Utc>,
+        transaction: bool,
+        feed_staged: PassNumber,
+    ) -> Result<Vec<Committed>> {
+        let staged = feed_staged;
         if pages.is_empty() {
             return Ok(Vec::new());
         }
@@ -419,7 +434,10 @@ impl Records<'_> {
         let mut out = vec![None; pages.len()];
         for wave in waves(&ids) {
             let committed = if transaction {
-                match self.commit_in_transaction(pages, &ids, &wave, now).await? {
+                match self
+                    .commit_in_transaction(pages, &ids, &wave, now, staged)
+                    .await?
+                {
                     Some(done) => done,
                     None => {
                         // A transaction a killed process left open holds a document until the
@@ -429,11 +447,11 @@ impl Records<'_> {
                             pages = wave.len(),
                             "transactions keep conflicting; committing this batch in order instead"
                         );
-                        self.commit_ordered(pages, &ids, &wave, now).await?
+                        self.commit_ordered(pages, &ids, &wave, now, staged).await?
                     }
                 }
             } else {
-                self.commit_ordered(pages, &ids, &wave, now).await?
+                self.commit_ordered(pages, &ids, &wave, now, staged).await?
             };
             for (i, c) in wave.iter().zip(committed) {
                 out[*i] = Some(c);
@@ -555,6 +573,7 @@ impl Records<'_> {
         ids: &[Option<String>],
         wave: &[usize],
         now: DateTime<Utc>,
+        staged: PassNumber,
     ) -> Result<Vec<Committed>> {
         let mut writes: HashMap<usize, RecordWrite> = HashMap::new();
         let mut todo: Vec<usize> = wave
@@ -577,7 +596,7 @@ impl Records<'_> {
                 let page = &pages[*i];
                 let record = page.record.expect("pages to write have records");
                 let id = ids[*i].as_deref().unwrap_or_default();
-                match plan(record, page.lease, stored.get(id), now, true) {
+                match plan(record, page.lease, stored.get(id), now, staged, true) {
                     Plan::Insert(doc) => inserts.push((*i, doc)),
                     Plan::Swap(statement, write) => swaps.push((*i, statement, write)),
                     Plan::Unchanged => {
@@ -698,6 +717,7 @@ impl Records<'_> {
         ids: &[Option<String>],
         wave: &[usize],
         now: DateTime<Utc>,
+        staged: PassNumber,
     ) -> Result<Option<Vec<Committed>>> {
         for attempt in 1..=ROUNDS as u32 {
             let mut session = self
@@ -721,7 +741,7 @@ impl Records<'_> {
             let result = self
                 .bounded_result(
                     "commit batch",
-                    self.transaction_attempt(&mut session, pages, ids, wave, now),
+                    self.transaction_attempt(&mut session, pages, ids, wave, now, staged),
                 )
                 .await;
             match result {
@@ -757,11 +777,12 @@ impl Records<'_> {
         ids: &[Option<String>],
         wave: &[usize],
         now: DateTime<Utc>,
+        staged: PassNumber,
     ) -> std::result::Result<Vec<Committed>, Abort> {
         let alive = self.leases_held(session, pages, wave).await?;
         let bot = &pages[wave[0]].lease.bot;
         let planned = self
-            .plan_writes(session, bot, pages, ids, &alive, now)
+            .plan_writes(session, bot, pages, ids, &alive, now, staged)
             .await?;
         self.write_records(session, planned.inserts, planned.swaps)
             .await?;
@@ -831,6 +852,7 @@ impl Records<'_> {
         ids: &[Option<String>],
         alive: &[usize],
         now: DateTime<Utc>,
+        staged: PassNumber,
     ) -> std::result::Result<PlannedWrites, Abort> {
         let with_records: Vec<usize> = alive
             .iter()
@@ -853,6 +875,7 @@ impl Records<'_> {
                 page.lease,
                 stored.get(ids[*i].as_deref().unwrap_or_default()),
                 now,
+                staged,
                 false,
             ) {
                 Plan::Insert(doc) => {

@@ -43,6 +43,8 @@ pub(crate) mod feed {
     pub(crate) const EVENTS: &str = "events";
     /// The gated pass, while there is one.
     pub(crate) const GATE: &str = "gate";
+    /// The last pass staged: the next staging takes the pending events of the passes after it.
+    pub(crate) const STAGED: &str = "staged";
 }
 
 /// How an operator settles a gated pass.
@@ -160,6 +162,7 @@ fn merged_fill(
 #[derive(Clone, Debug, Default)]
 pub(crate) struct FeedState {
     pub seq: i64,
+    pub staged: PassNumber,
     pub fill: BTreeMap<String, f64>,
     pub gate: Option<Document>,
 }
@@ -171,6 +174,10 @@ impl FeedState {
         };
         FeedState {
             seq: feed.get(feed::SEQ).and_then(integer).unwrap_or(0),
+            staged: feed
+                .get(feed::STAGED)
+                .and_then(integer)
+                .map_or(PassNumber::NONE, PassNumber::new),
             fill: fill_of(feed.get_document(feed::FILL).ok()),
             gate: feed.get_document(feed::GATE).ok().cloned(),
         }
@@ -235,7 +242,11 @@ impl<'a> Passes<'a> {
         rules: &DriftRules,
         now: DateTime<Utc>,
     ) -> Result<(Document, Judged)> {
-        let staged = self.store().changes().stage(bot, pass).await?;
+        let staged = self
+            .store()
+            .changes()
+            .stage(bot, state.staged, pass)
+            .await?;
         let gated = gate_reasons(
             &staged,
             &state.fill,

@@ -166,6 +166,151 @@ pub(super) async fn check_records(
     }
 }
 
+/// 2b. The change feed is the records' exact log: replayed in `seq` order, each record's events
+///    start with its `added`, each `from` is the value the events before it left, removals and
+///    restorations alternate, and the replay ends at the stored record (its fields, removed or
+///    not). Checked once the bot's last pass is released (else said so in the report).
+pub(super) async fn check_events(run: &Run, bot: &str, report: &mut ChaosReport) {
+    let Ok(Some(doc)) = run
+        .db
+        .collection::<Document>("bots")
+        .find_one(doc! { "_id": bot })
+        .await
+    else {
+        report
+            .violations
+            .push(format!("{bot}: the bot document could not be read"));
+        return;
+    };
+    let feed = doc.get_document("crawlFeed").cloned().unwrap_or_default();
+    let released = feed.get_i64("pass").ok() == doc.get_i64("crawlPass").ok()
+        && doc
+            .get("crawlPassEndedAt")
+            .is_some_and(|v| !matches!(v, Bson::Null));
+    if !released {
+        report.notes.push(format!(
+            "{bot}: its last pass is not released; events not checked"
+        ));
+        return;
+    }
+    let upto = feed.get_i64("seq").unwrap_or(0);
+    let events: Vec<Document> = match run
+        .db
+        .collection::<Document>("changes")
+        .find(doc! { "botId": bot, "seq": { "$lte": upto } })
+        .sort(doc! { "botId": 1, "seq": 1 })
+        .await
+    {
+        Ok(cursor) => cursor.try_collect().await.unwrap_or_default(),
+        Err(e) => {
+            report
+                .violations
+                .push(format!("{bot}: events unreadable: {e}"));
+            return;
+        }
+    };
+    let records: Vec<Document> = match run
+        .db
+        .collection::<Document>("records")
+        .find(doc! { "botId": bot })
+        .await
+    {
+        Ok(cursor) => cursor.try_collect().await.unwrap_or_default(),
+        Err(e) => {
+            report
+                .violations
+                .push(format!("{bot}: records unreadable: {e}"));
+            return;
+        }
+    };
+    report.events.insert(bot.to_owned(), events.len());
+    // Each record's state as its events leave it: its fields, and whether it is removed.
+    let mut state: HashMap<String, (Document, bool)> = HashMap::new();
+    let mut broken: Vec<String> = Vec::new();
+    for e in &events {
+        let id = e.get_str("recordId").unwrap_or("?").to_owned();
+        let key = e.get_str("naturalKey").unwrap_or("?");
+        let kind = e.get_str("kind").unwrap_or("?");
+        let fields = e.get_document("fields").cloned().unwrap_or_default();
+        let seq = e.get_i64("seq").unwrap_or(0);
+        match (state.get_mut(&id), kind) {
+            (None, "added") => {
+                let data = fields
+                    .iter()
+                    .map(|(k, v)| {
+                        (
+                            k.clone(),
+                            v.as_document()
+                                .and_then(|c| c.get("to"))
+                                .cloned()
+                                .unwrap_or(Bson::Null),
+                        )
+                    })
+                    .collect();
+                state.insert(id, (data, false));
+            }
+            (None, other) => broken.push(format!("#{seq} {key}: {other} before any `added`")),
+            (Some(_), "added") => broken.push(format!("#{seq} {key}: added twice")),
+            (Some((data, removed)), kind) => {
+                match (kind, *removed) {
+                    ("removed", false) => *removed = true,
+                    ("restored", true) => *removed = false,
+                    ("changed", false) => {}
+                    (kind, removed) => {
+                        broken.push(format!("#{seq} {key}: {kind} while removed={removed}"))
+                    }
+                }
+                for (name, change) in &fields {
+                    let Some(change) = change.as_document() else {
+                        continue;
+                    };
+                    let from = change.get("from").cloned().unwrap_or(Bson::Null);
+                    let now = data.get(name).cloned().unwrap_or(Bson::Null);
+                    if from != now {
+                        broken.push(format!("#{seq} {key}: {name} from {from} but it was {now}"));
+                    }
+                    data.insert(
+                        name.clone(),
+                        change.get("to").cloned().unwrap_or(Bson::Null),
+                    );
+                }
+            }
+        }
+    }
+    for r in &records {
+        let id = r.get_str("_id").unwrap_or("?");
+        let key = r.get_str("naturalKey").unwrap_or("?");
+        let removed = !matches!(r.get("removedAt"), None | Some(Bson::Null));
+        let data = r.get_document("data").cloned().unwrap_or_default();
+        match state.remove(id) {
+            None => broken.push(format!("{key}: a record without events")),
+            Some((replayed, was_removed)) => {
+                if was_removed != removed {
+                    broken.push(format!("{key}: the events leave it removed={was_removed}, the record says {removed}"));
+                }
+                let same = ["title", "price", "status"].iter().all(|f| {
+                    replayed.get(*f).unwrap_or(&Bson::Null) == data.get(*f).unwrap_or(&Bson::Null)
+                });
+                if !same {
+                    broken.push(format!(
+                        "{key}: the events leave {replayed}, the record holds {data}"
+                    ));
+                }
+            }
+        }
+    }
+    for (id, _) in state {
+        broken.push(format!("{id}: events of no record"));
+    }
+    if !broken.is_empty() {
+        report.violations.push(format!(
+            "{bot}: the change feed is not the records' log ({} problems), e.g. {:?}",
+            broken.len(),
+            &broken[..broken.len().min(3)]
+        ));
+    }
+}
+
 /// 3. Repeated requests ≤ interruptions × the in-flight cap. A listing page is due once per
 ///    pass that ran; a product page once, plus up to two more per change of that product (the
 ///    next pass's fetch, and one more if the change landed between its listing and its page)

@@ -98,6 +98,10 @@ pub struct ChaosReport {
     pub requests: BTreeMap<String, u64>,
     pub repeated: BTreeMap<String, u64>,
     pub records: BTreeMap<String, usize>,
+    /// Per crawling bot: released change events checked against its records.
+    pub events: BTreeMap<String, usize>,
+    /// What a run could not check, and why (not a violation).
+    pub notes: Vec<String>,
     pub history_entries: usize,
     pub wall: Duration,
     pub settle: Duration,
@@ -134,9 +138,10 @@ impl ChaosReport {
         for bot in CRAWLING {
             let _ = writeln!(
                 s,
-                "{bot}: {} passes, {} records, {} requests, {} repeated (bound {} = interruptions × {IN_FLIGHT_CAP})",
+                "{bot}: {} passes, {} records, {} change events, {} requests, {} repeated (bound {} = interruptions × {IN_FLIGHT_CAP})",
                 self.passes.get(bot).copied().unwrap_or(0),
                 self.records.get(bot).copied().unwrap_or(0),
+                self.events.get(bot).copied().unwrap_or(0),
                 self.requests.get(bot).copied().unwrap_or(0),
                 self.repeated.get(bot).copied().unwrap_or(0),
                 self.repeat_bound()
@@ -148,6 +153,9 @@ impl ChaosReport {
             self.wall.as_secs_f64(),
             self.settle.as_secs_f64()
         );
+        for note in &self.notes {
+            let _ = writeln!(s, "note: {note}");
+        }
         if self.violations.is_empty() {
             let _ = writeln!(s, "verdict: ok, every invariant held");
         } else {
@@ -575,6 +583,7 @@ pub async fn run(cfg: ChaosConfig) -> ChaosReport {
     check_history(&run.history, &mut report);
     for (b, bot) in CRAWLING.iter().enumerate() {
         check_records(&run, bot, &shops[b].base, &mutated, &mut report).await;
+        check_events(&run, bot, &mut report).await;
         check_requests(&run, bot, shops[b], &mutated, &mut report).await;
     }
     if let Some((bots, served)) = &final_state {
