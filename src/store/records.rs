@@ -780,9 +780,8 @@ impl Records<'_> {
         staged: PassNumber,
     ) -> std::result::Result<Vec<Committed>, Abort> {
         let alive = self.leases_held(session, pages, wave).await?;
-        let bot = &pages[wave[0]].lease.bot;
         let planned = self
-            .plan_writes(session, bot, pages, ids, &alive, now, staged)
+            .plan_writes(session, pages, ids, &alive, now, staged)
             .await?;
         self.write_records(session, planned.inserts, planned.swaps)
             .await?;
@@ -847,7 +846,6 @@ impl Records<'_> {
     async fn plan_writes(
         self,
         session: &mut ClientSession,
-        bot: &BotId,
         pages: &[PageCommit<'_>],
         ids: &[Option<String>],
         alive: &[usize],
@@ -863,7 +861,13 @@ impl Records<'_> {
             .iter()
             .filter_map(|i| ids[*i].as_deref())
             .collect();
-        let stored = self.stored_versions(bot, &wanted, Some(session)).await?;
+        let stored = match with_records.first() {
+            Some(first) => {
+                let bot = &pages[*first].lease.bot;
+                self.stored_versions(bot, &wanted, Some(session)).await?
+            }
+            None => HashMap::new(),
+        };
         let mut writes: HashMap<usize, RecordWrite> = HashMap::new();
         let mut inserts = Vec::new();
         let mut swaps = Vec::new();
