@@ -232,12 +232,11 @@ format = "json"
         let host = shop.base.trim_start_matches("http://");
         let _ = write!(
             s,
-            "\n[[bots]]\nid = \"{bot}\"\nseeds = {{ url = \"{url}\", format = \"lines\" }}\nrefresh = \"7d\"\n{rules}{drift}",
-            url = sources.url(bot),
-            rules = seedlock::demo_site::crawl_rules_toml(&[host], ".sku"),
             // Several mutations between two passes may delete more than the drift gate's 10%:
             // the run checks that every deletion is applied, so no pass is gated for it.
-            drift = "[bots.crawl.drift]\nmax_removed = 1.0\n",
+            "\n[[bots]]\nid = \"{bot}\"\nseeds = {{ url = \"{url}\", format = \"lines\" }}\nrefresh = \"7d\"\n{rules}[bots.crawl.drift]\nmax_removed = 1.0\n",
+            url = sources.url(bot),
+            rules = seedlock::demo_site::crawl_rules_toml(&[host], ".sku"),
         );
     }
     let _ = write!(
