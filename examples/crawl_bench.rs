@@ -120,7 +120,13 @@ fn config_with(
         .iter()
         .map(|b| b.trim_start_matches("http://"))
         .collect();
-    let mut rules = seedlock::demo_site::crawl_rules_toml(&scope, ".sku");
+    // Every pagination hop counts toward `max_depth` (50 by default): a catalogue of 2,000
+    // listing pages needs more.
+    let mut rules = seedlock::demo_site::crawl_rules_toml(&scope, ".sku").replacen(
+        "[bots.crawl]\n",
+        "[bots.crawl]\nmax_depth = 1000000\n",
+        1,
+    );
     // BENCH_IDENTITY=1: pages uncompressed (the shop compresses what a client asks for).
     if std::env::var("BENCH_IDENTITY").is_ok_and(|v| v == "1") {
         rules = rules.replacen(
@@ -1513,20 +1519,23 @@ async fn incremental(uri: &str, items: u32, change: u32, add: u32, delete: u32) 
         operation_time(&db).await
     };
     let stop = CancellationToken::new();
-    let (mut record_writes, mut frontier_writes) = (None, None);
+    let (mut record_writes, mut frontier_writes, mut event_writes) = (None, None, None);
     if since.is_none() {
         record_writes = Some(count_writes(&db, "records", None, stop.clone()).await);
         frontier_writes = Some(count_writes(&db, "frontier", None, stop.clone()).await);
+        event_writes = Some(count_writes(&db, "changes", None, stop.clone()).await);
     }
     request_refresh(&db).await;
     let second = crawl_once(uri, dir.path(), &shop, &db, 1, "fingerprint", &extra).await;
     if since.is_some() {
         record_writes = Some(count_writes(&db, "records", since, stop.clone()).await);
         frontier_writes = Some(count_writes(&db, "frontier", since, stop.clone()).await);
+        event_writes = Some(count_writes(&db, "changes", since, stop.clone()).await);
     }
     stop.cancel();
     let record_writes = record_writes.expect("counted").await.unwrap();
     let frontier_writes = frontier_writes.expect("counted").await.unwrap();
+    let event_writes: u64 = event_writes.expect("counted").await.unwrap().values().sum();
     let second_pass = pass_with_evaluation(&db).await.unwrap_or(second.pass);
     let stats = shop.stats().await;
     let details = under(&stats, "/product/");
@@ -1570,6 +1579,10 @@ async fn incremental(uri: &str, items: u32, change: u32, add: u32, delete: u32) 
         (listings + details) as f64 / second_pass.as_secs_f64(),
         second.wall.as_secs_f64(),
         second.peak_kib as f64 / 1024.0
+    );
+    println!();
+    println!(
+        "Change feed documents written in the second pass: {event_writes} (one per changed, added and removed record: {expect_writes})."
     );
     println!();
     println!(

@@ -181,6 +181,11 @@ fn fold(events: &[&Document]) -> Option<(ChangeKind, Document, Bson)> {
     Some((kind, fields, at))
 }
 
+/// The pass numbers after `after` up to `pass`.
+fn passes_between(after: PassNumber, pass: PassNumber) -> Vec<i64> {
+    (after.get().max(0) + 1..=pass.get()).collect()
+}
+
 /// What staging a pass found: its events by kind, and the fill of each field over the records
 /// the pass wrote (added, changed or restored).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -283,9 +288,11 @@ impl Changes<'_> {
         let mut batch: Vec<Document> = Vec::new();
         let records = self.store.records().collection();
         let find = records
+            // The passes by `$in`, not a range: a multikey index bounds a range by one side only
+            // (one array element may meet each), and every record keeps its last entry.
             .find(doc! {
                 rf::BOT: bot.as_str(),
-                format!("{}.{}", rf::PENDING, pending::PASS): { "$gt": after, "$lte": pass },
+                format!("{}.{}", rf::PENDING, pending::PASS): { "$in": passes_between(after, pass) },
             })
             .projection(doc! { rf::NATURAL_KEY: 1, rf::DATA: 1, rf::PENDING: 1, rf::REMOVED_AT: 1 })
             .batch_size(1000);
@@ -355,7 +362,14 @@ impl Changes<'_> {
                     .is_some_and(|p| p > after.get() && p <= pass.get())
             })
             .collect();
-        let (kind, fields, at) = fold(&events)?;
+        let (kind, mut fields, at) = fold(&events)?;
+        if kind == ChangeKind::Added {
+            // An insert's entry carries no fields: every field of the record as it stands.
+            fields = diff(
+                None,
+                record.get_document(rf::DATA).unwrap_or(&Document::new()),
+            );
+        }
         match kind {
             ChangeKind::Added => staged.added += 1,
             ChangeKind::Changed => staged.changed += 1,

@@ -246,7 +246,8 @@ fn plan(
 
 /// A record as it is first inserted, with content hash `hash`.
 fn new_record(record: &Extracted, lease: &UrlLease, hash: &str, now: DateTime<Utc>) -> Document {
-    let event = pending_event(lease.pass, ChangeKind::Added, diff(None, &record.data), now);
+    // Its fields are the record's own: staging reads them from it.
+    let event = pending_event(lease.pass, ChangeKind::Added, Document::new(), now);
     let now = date(now);
     doc! {
         f::PENDING: [event],
