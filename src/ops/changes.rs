@@ -269,20 +269,33 @@ pub(crate) async fn settle(settings: Settings, bot: &str, pass: i64, how: Settle
                 ExitCode::SUCCESS
             }
             Ok(None) => {
-                let gated = match store.passes().feed_state(&bot).await {
-                    Ok(state) => state
-                        .gate
-                        .and_then(|g| g.get("pass").and_then(crate::store::document::integer)),
+                let gate = match store.passes().feed_state(&bot).await {
+                    Ok(state) => state.gate,
                     Err(e) => return fail(EXIT_FAILED, e),
                 };
-                let now = match gated {
-                    Some(p) => format!("pass {p} is"),
-                    None => "no pass is".into(),
+                let gated = gate
+                    .as_ref()
+                    .and_then(|g| g.get("pass").and_then(crate::store::document::integer));
+                let state = gate
+                    .as_ref()
+                    .and_then(|g| g.get_str("state").ok())
+                    .unwrap_or("gated");
+                let message = match gated {
+                    // Another settlement of this pass began and did not finish.
+                    Some(p) if p == pass.get() && state != "gated" => format!(
+                        "bot {bot}: pass {p} is {state}; `seedlock pass {} {bot} {p}` finishes it",
+                        if state == "releasing" { "release" } else { "discard" }
+                    ),
+                    Some(p) => format!(
+                        "bot {bot}: pass {} is not gated (pass {p} is gated now)",
+                        pass.get()
+                    ),
+                    None => format!(
+                        "bot {bot}: pass {} is not gated (no pass is gated now)",
+                        pass.get()
+                    ),
                 };
-                fail(
-                    EXIT_FAILED,
-                    format!("bot {bot}: pass {} is not gated ({now} gated now)", pass.get()),
-                )
+                fail(EXIT_FAILED, message)
             }
             Err(e) => fail(EXIT_FAILED, e),
         }
