@@ -738,3 +738,34 @@ async fn bots_apply_check_catches_a_selector_typo_on_stored_pages_and_writes_not
         .collect();
     assert_eq!(price, ["price", "20", "0", "0"], "{stdout}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_of_more_events_than_one_insert_numbers_each_once_in_order() {
+    // 2,500 products: the pass's end stages its events in three inserts.
+    let db = test_db("feed_many").await;
+    let base = shop(25, 100).await;
+    let setup = Setup {
+        rules: Some(rules_with_drift(&base, "")),
+        workers: 16,
+        ..Setup::default()
+    };
+    once(settings(&db, &base, &setup, "a")).await;
+    let all = events(&db).await;
+    assert_eq!(all.len(), 2_500);
+    let seqs: Vec<i64> = all.iter().map(|e| e.get_i64("seq").unwrap()).collect();
+    assert_eq!(seqs, (1..=2_500).collect::<Vec<_>>());
+    let keys: BTreeSet<&str> = all
+        .iter()
+        .map(|e| e.get_str("naturalKey").unwrap())
+        .collect();
+    assert_eq!(keys.len(), 2_500);
+    assert_eq!(
+        bot_doc(&db)
+            .await
+            .get_document("crawlFeed")
+            .unwrap()
+            .get_i64("seq")
+            .unwrap(),
+        2_500
+    );
+}
