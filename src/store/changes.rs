@@ -279,10 +279,10 @@ impl Changes<'_> {
     }
 
     /// Stages pass `pass` (see the module comment): every record's events of the passes after
-    /// `after` (the last staged) up to `pass`, folded into one event of `pass` — an earlier pass
-    /// whose end was never evaluated (its evaluator stopped and the next pass ended first) is
-    /// released with it — inserted once with the next numbers. Idempotent. Returns the events
-    /// by kind and the fields' fill.
+    /// `after` (the last staged) up to `pass` — an earlier pass whose end was never evaluated
+    /// (its evaluator stopped and the next pass ended first) is released with it — each pass's
+    /// folded into one event, inserted once with the next numbers. Idempotent. Returns the
+    /// events by kind and the fill of `pass`'s own writes.
     pub async fn stage(self, bot: &BotId, after: PassNumber, pass: PassNumber) -> Result<Staged> {
         let mut staged = Staged::default();
         let mut batch: Vec<Document> = Vec::new();
@@ -306,9 +306,7 @@ impl Changes<'_> {
                 .await?;
             let done = record.is_none();
             if let Some(record) = record {
-                if let Some(event) = self.event_of(bot, after, pass, &record, &mut staged) {
-                    batch.push(event);
-                }
+                batch.extend(self.events_of(bot, after, pass, &record, &mut staged));
             }
             if batch.len() >= STAGE_BATCH || (done && !batch.is_empty()) {
                 next_seq = self.insert_numbered(bot, &mut batch, next_seq).await?;
@@ -320,17 +318,20 @@ impl Changes<'_> {
         }
         // A second staging inserts nothing new; its events were numbered by the first.
         if staged.events() > 0 {
-            staged.last_seq = staged.last_seq.max(self.highest_seq_of(bot, pass).await?);
+            staged.last_seq = staged
+                .last_seq
+                .max(self.highest_seq_of(bot, after, pass).await?);
         }
         Ok(staged)
     }
 
-    /// The highest `seq` of pass `pass`'s events (0 when none is staged).
-    async fn highest_seq_of(self, bot: &BotId, pass: PassNumber) -> Result<i64> {
+    /// The highest `seq` of the events of the passes after `after` up to `pass` (0 when none is
+    /// staged): read from the newest event down.
+    async fn highest_seq_of(self, bot: &BotId, after: PassNumber, pass: PassNumber) -> Result<i64> {
         let collection = self.collection();
         let read = collection
-            .find_one(doc! { f::BOT: bot.as_str(), f::PASS: pass })
-            .sort(doc! { f::BOT: -1, f::PASS: -1, f::SEQ: -1 })
+            .find_one(doc! { f::BOT: bot.as_str(), f::PASS: { "$gt": after, "$lte": pass } })
+            .sort(doc! { f::BOT: -1, f::SEQ: -1 })
             .projection(doc! { f::SEQ: 1 });
         Ok(self
             .store
@@ -340,44 +341,67 @@ impl Changes<'_> {
             .unwrap_or(0))
     }
 
-    /// The event a staged record carries for pass `pass` (`None`: the pass left it as it was),
-    /// counted into `staged`.
-    fn event_of(
+    /// The events a staged record carries for the passes after `after` up to `pass`: one per
+    /// pass that changed it, each folded from that pass's entries and keyed by record and pass
+    /// — so two instances staging one pass (a slow evaluator, and the end of the next pass)
+    /// insert the same documents. Counted into `staged`; the fill counts `pass`'s own.
+    fn events_of(
         self,
         bot: &BotId,
         after: PassNumber,
         pass: PassNumber,
         record: &Document,
         staged: &mut Staged,
-    ) -> Option<Document> {
-        let id = record.get_str(rf::ID).ok()?;
-        let events: Vec<&Document> = record
-            .get_array(rf::PENDING)
-            .ok()?
+    ) -> Vec<Document> {
+        let (Ok(id), Ok(entries)) = (record.get_str(rf::ID), record.get_array(rf::PENDING)) else {
+            return Vec::new();
+        };
+        let entries: Vec<(i64, &Document)> = entries
             .iter()
             .filter_map(Bson::as_document)
-            .filter(|e| {
-                e.get(pending::PASS)
-                    .and_then(super::document::integer)
-                    .is_some_and(|p| p > after.get() && p <= pass.get())
-            })
+            .filter_map(|e| Some((e.get(pending::PASS).and_then(super::document::integer)?, e)))
             .collect();
-        let (kind, mut fields, at) = fold(&events)?;
-        if kind == ChangeKind::Added {
-            // An insert's entry carries no fields: every field of the record as it stands.
-            fields = diff(
-                None,
-                record.get_document(rf::DATA).unwrap_or(&Document::new()),
-            );
-        }
-        match kind {
-            ChangeKind::Added => staged.added += 1,
-            ChangeKind::Changed => staged.changed += 1,
-            ChangeKind::Removed => staged.removed += 1,
-            ChangeKind::Restored => staged.restored += 1,
-        }
-        if kind != ChangeKind::Removed {
-            if let Ok(data) = record.get_document(rf::DATA) {
+        let mut passes: Vec<i64> = entries
+            .iter()
+            .map(|(p, _)| *p)
+            .filter(|p| *p > after.get() && *p <= pass.get())
+            .collect();
+        passes.sort_unstable();
+        passes.dedup();
+        let empty = Document::new();
+        let data = record.get_document(rf::DATA).unwrap_or(&empty);
+        let mut out = Vec::new();
+        for q in passes {
+            let of_pass: Vec<&Document> = entries
+                .iter()
+                .filter(|(p, _)| *p == q)
+                .map(|(_, e)| *e)
+                .collect();
+            let Some((kind, mut fields, at)) = fold(&of_pass) else {
+                continue;
+            };
+            if kind == ChangeKind::Added {
+                // An insert's entry carries no fields: the record's as it stands, taken back
+                // through the changes of the passes after this one.
+                let mut then = data.clone();
+                for (_, later) in entries.iter().filter(|(p, _)| *p > q).rev() {
+                    if let Ok(changed) = later.get_document(pending::FIELDS) {
+                        for (name, change) in changed {
+                            if let Some(from) = change.as_document().and_then(|c| c.get("from")) {
+                                then.insert(name.clone(), from.clone());
+                            }
+                        }
+                    }
+                }
+                fields = diff(None, &then);
+            }
+            match kind {
+                ChangeKind::Added => staged.added += 1,
+                ChangeKind::Changed => staged.changed += 1,
+                ChangeKind::Removed => staged.removed += 1,
+                ChangeKind::Restored => staged.restored += 1,
+            }
+            if q == pass.get() && kind != ChangeKind::Removed {
                 staged.written += 1;
                 for (name, value) in data {
                     let n = staged.filled.entry(name.clone()).or_default();
@@ -386,12 +410,14 @@ impl Changes<'_> {
                     }
                 }
             }
+            let q = PassNumber::new(q);
+            out.push(doc! {
+                f::ID: event_id(bot, id, q), f::BOT: bot.as_str(), f::PASS: q,
+                f::RECORD: id, f::NATURAL_KEY: record.get_str(rf::NATURAL_KEY).unwrap_or_default(),
+                f::KIND: kind.as_str(), f::FIELDS: fields, f::AT: at,
+            });
         }
-        Some(doc! {
-            f::ID: event_id(bot, id, pass), f::BOT: bot.as_str(), f::PASS: pass,
-            f::RECORD: id, f::NATURAL_KEY: record.get_str(rf::NATURAL_KEY).unwrap_or_default(),
-            f::KIND: kind.as_str(), f::FIELDS: fields, f::AT: at,
-        })
+        out
     }
 
     /// Inserts `batch` (emptied) numbered from `after + 1`; an event already staged (its `_id`)
