@@ -6,18 +6,19 @@
 //! onto the record (`pending`, one entry per write, each naming its pass) — the record's insert,
 //! its compare-and-swap, a 404's removal, and the `update_many` of the removals and
 //! restorations at a pass's end. A record and its event are therefore one write: a crash leaves
-//! both or neither. At the pass's end the instance that evaluates it **stages** the pass: it
-//! reads the records holding events of the pass (an index on `{botId, pending.pass}`), folds each
-//! record's events of the pass into one (an item added and changed in one pass is one `added`),
-//! and inserts them into `changes` with `_id` = a hash of (bot, record, pass) — a second staging
-//! (a crash, a claim taken over) inserts nothing twice — and `seq` past the bot's highest (a
-//! unique index on `{botId, seq}` refuses two events one number). Staged events are still
-//! invisible: readers read only up to the bot's released watermark (`crawlFeed.seq` in its
-//! `bots` document), which the pass's release moves past all of them in one conditional write —
-//! the write that records the pass's evaluation. A record's entries stay until its next write,
-//! which keeps only those of the pass before its own and later (older ones are staged, or their
-//! pass was abandoned): the feed writes nothing more per record than its event. Staging reads
-//! only its own pass's entries, so the ones left behind cost it nothing.
+//! both or neither. At the pass's end the instance that evaluates it **stages** the passes not
+//! staged yet (`crawlFeed.staged` up to this one; an earlier pass whose evaluator stopped before
+//! the next pass ended is among them): it reads the records holding their events (an index on
+//! `{botId, pending.pass}`), folds each record's events of one pass into one (an item added and
+//! changed in one pass is one `added`), and inserts them into `changes` with `_id` = a hash of
+//! (bot, record, pass) — a second staging (a crash, a claim taken over, a slow evaluator beside
+//! the next pass's end) inserts nothing twice — and `seq` past the bot's highest (a unique index
+//! on `{botId, seq}` refuses two events one number). Staged events are still invisible: readers
+//! read only up to the bot's released watermark (`crawlFeed.seq` in its `bots` document), which
+//! the pass's release moves past all of them in one conditional write — the write that records
+//! the pass's evaluation. A record's entries stay until its next write, which drops those of the
+//! passes staged when its slice started: the feed writes nothing more per record than its event.
+//! Staging names its passes (`$in`), so the entries left behind cost it nothing.
 //!
 //! A **gated** pass (its fields' fill rates fell, or it would remove too much: `store::passes`)
 //! stays staged: `crawlFeed.gate` names it and why. `seedlock pass release` moves the watermark
