@@ -499,6 +499,16 @@ impl CatalogueMetrics {
     }
 }
 
+/// A total the bot's document keeps, carried into `counter`: it only grows.
+fn carry_total(counter: &Counter, total: i64) {
+    let shown = counter.get();
+    if let Ok(total) = u64::try_from(total) {
+        if total > shown {
+            counter.inc_by(total - shown);
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
     catalogue: CatalogueMetrics,
@@ -640,21 +650,11 @@ impl Metrics {
                 c.live_records.get_or_create(&label).set(live);
             }
             c.gated.get_or_create(&label).set(i64::from(stats.gated));
-            let released = c.events_released.get_or_create(&label);
-            if let Ok(total) = u64::try_from(stats.events_released) {
-                let shown = released.get();
-                if total > shown {
-                    released.inc_by(total - shown);
-                }
-            }
-            // The document's total, carried into the counter: it only grows.
-            let removed = c.removed.get_or_create(&label);
-            let shown = removed.get();
-            if let Ok(total) = u64::try_from(stats.removed_total) {
-                if total > shown {
-                    removed.inc_by(total - shown);
-                }
-            }
+            carry_total(
+                &c.events_released.get_or_create(&label),
+                stats.events_released,
+            );
+            carry_total(&c.removed.get_or_create(&label), stats.removed_total);
         }
     }
 

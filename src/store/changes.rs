@@ -264,11 +264,21 @@ impl Changes<'_> {
         super::indexes::ensure(self.store, CHANGES, &wanted, &[]).await
     }
 
-    /// The highest `seq` among the bot's events, staged or released (0 when it has none).
-    async fn highest_seq(self, bot: &BotId) -> Result<i64> {
+    /// The highest `seq` among the bot's events, staged or released — with `passes`
+    /// (`(after, pass)`), among those of the passes after `after` up to `pass` — read from the
+    /// newest event down (0 when there is none).
+    async fn highest_seq(
+        self,
+        bot: &BotId,
+        passes: Option<(PassNumber, PassNumber)>,
+    ) -> Result<i64> {
+        let mut filter = doc! { f::BOT: bot.as_str() };
+        if let Some((after, pass)) = passes {
+            filter.insert(f::PASS, doc! { "$gt": after, "$lte": pass });
+        }
         let collection = self.collection();
         let read = collection
-            .find_one(doc! { f::BOT: bot.as_str() })
+            .find_one(filter)
             .sort(doc! { f::BOT: -1, f::SEQ: -1 })
             .projection(doc! { f::SEQ: 1 });
         Ok(self
@@ -299,7 +309,7 @@ impl Changes<'_> {
             .batch_size(1000);
         let mut cursor = self.store.bounded("read pending events", find).await?;
         use futures_util::TryStreamExt;
-        let mut next_seq = self.highest_seq(bot).await?;
+        let mut next_seq = self.highest_seq(bot, None).await?;
         loop {
             let record = self
                 .store
@@ -321,25 +331,9 @@ impl Changes<'_> {
         if staged.events() > 0 {
             staged.last_seq = staged
                 .last_seq
-                .max(self.highest_seq_of(bot, after, pass).await?);
+                .max(self.highest_seq(bot, Some((after, pass))).await?);
         }
         Ok(staged)
-    }
-
-    /// The highest `seq` of the events of the passes after `after` up to `pass` (0 when none is
-    /// staged): read from the newest event down.
-    async fn highest_seq_of(self, bot: &BotId, after: PassNumber, pass: PassNumber) -> Result<i64> {
-        let collection = self.collection();
-        let read = collection
-            .find_one(doc! { f::BOT: bot.as_str(), f::PASS: { "$gt": after, "$lte": pass } })
-            .sort(doc! { f::BOT: -1, f::SEQ: -1 })
-            .projection(doc! { f::SEQ: 1 });
-        Ok(self
-            .store
-            .bounded("read the pass's last event", read)
-            .await?
-            .and_then(|d| d.get(f::SEQ).and_then(super::document::integer))
-            .unwrap_or(0))
     }
 
     /// The events a staged record carries for the passes after `after` up to `pass`: one per
@@ -483,7 +477,7 @@ impl Changes<'_> {
                 .filter(|e| !e.get_str(f::ID).is_ok_and(|id| present.contains(id)))
                 .collect();
             todo = again;
-            after = self.highest_seq(bot).await?;
+            after = self.highest_seq(bot, None).await?;
         }
         Err(Error::Protocol {
             what: "stage events",

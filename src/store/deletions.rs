@@ -544,26 +544,12 @@ impl Deletions<'_> {
                     Ok(())
                 })
                 .await?;
-            let gone: Vec<&str> = chunk
+            let gone: Vec<String> = chunk
                 .iter()
                 .filter(|(_, page)| !fetched.contains(page))
-                .map(|(id, _)| id.as_str())
+                .map(|(id, _)| id.clone())
                 .collect();
-            if gone.is_empty() {
-                continue;
-            }
-            let update = collection.update_many(
-                doc! { rf::ID: { "$in": &gone }, rf::BOT: bot.as_str(), rf::REMOVED_AT: Bson::Null },
-                doc! {
-                    "$set": { rf::REMOVED_AT: date(now), rf::REMOVED_IN_PASS: pass },
-                    "$push": { rf::PENDING: removed_event(pass, now) },
-                },
-            );
-            removed += self
-                .store
-                .bounded("mark removed", update)
-                .await?
-                .modified_count;
+            removed += self.mark_removed(bot, pass, &gone, now).await?;
         }
         Ok((unlisted.len() as u64, removed))
     }

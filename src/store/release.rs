@@ -20,8 +20,8 @@ use bson::{doc, Bson, Document};
 use chrono::{DateTime, Utc};
 
 use super::changes::Staged;
+use super::date;
 use super::passes::Passes;
-use super::{date, Store};
 use crate::config::DriftRules;
 use crate::error::Result;
 use crate::ids::{BotId, PassNumber};
@@ -189,19 +189,15 @@ fn gate_pass(gate: &Document) -> Option<PassNumber> {
     gate.get("pass").and_then(integer).map(PassNumber::new)
 }
 
-impl<'a> Passes<'a> {
-    fn store(self) -> &'a Store {
-        self.store
-    }
-
+impl Passes<'_> {
     /// The bot's feed state (one read of its document).
     pub(crate) async fn feed_state(self, bot: &BotId) -> Result<FeedState> {
         let read = self
-            .store()
+            .store
             .bots
             .find_one(doc! { field::ID: bot.as_str() })
             .projection(doc! { FEED: 1, field::CRAWL_PASS: 1 });
-        let doc = self.store().bounded("read the feed", read).await?;
+        let doc = self.store.bounded("read the feed", read).await?;
         Ok(FeedState::of(doc.as_ref()))
     }
 
@@ -242,11 +238,7 @@ impl<'a> Passes<'a> {
         rules: &DriftRules,
         now: DateTime<Utc>,
     ) -> Result<(Document, Judged)> {
-        let staged = self
-            .store()
-            .changes()
-            .stage(bot, state.staged, pass)
-            .await?;
+        let staged = self.store.changes().stage(bot, state.staged, pass).await?;
         let gated = gate_reasons(
             &staged,
             &state.fill,
@@ -284,7 +276,7 @@ impl<'a> Passes<'a> {
         now: DateTime<Utc>,
     ) -> Result<Option<Settled>> {
         let gate_path = format!("{FEED}.{}", feed::GATE);
-        let claim = self.store().bots.find_one_and_update(
+        let claim = self.store.bots.find_one_and_update(
             doc! {
                 field::ID: bot.as_str(),
                 format!("{gate_path}.pass"): pass,
@@ -292,12 +284,12 @@ impl<'a> Passes<'a> {
             },
             doc! { "$set": { format!("{gate_path}.state"): how.state() } },
         );
-        let Some(doc) = self.store().bounded("claim a gated pass", claim).await? else {
+        let Some(doc) = self.store.bounded("claim a gated pass", claim).await? else {
             return Ok(None);
         };
         let state = FeedState::of(Some(&doc));
         let gate = state.gate.clone().unwrap_or_default();
-        let changes = self.store().changes();
+        let changes = self.store.changes();
         let mut removed = 0;
         let finish = match how {
             Settle::Release => {
@@ -306,7 +298,7 @@ impl<'a> Passes<'a> {
                     let latest = doc.get(field::CRAWL_PASS).and_then(integer) == Some(pass.get());
                     if latest {
                         let (n, kept) = self
-                            .store()
+                            .store
                             .deletions()
                             .apply_held(bot, pass, &held, now)
                             .await?;
@@ -357,7 +349,7 @@ impl<'a> Passes<'a> {
                 doc! { "$unset": { &gate_path: "" } }
             }
         };
-        let write = self.store().bots.update_one(
+        let write = self.store.bots.update_one(
             doc! {
                 field::ID: bot.as_str(),
                 format!("{gate_path}.pass"): pass,
@@ -365,7 +357,7 @@ impl<'a> Passes<'a> {
             },
             finish,
         );
-        self.store().bounded("settle a gated pass", write).await?;
+        self.store.bounded("settle a gated pass", write).await?;
         tracing::info!(%bot, pass = pass.get(), settled = ?how, removed, "gated pass settled");
         Ok(Some(Settled { pass, how, removed }))
     }

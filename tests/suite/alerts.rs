@@ -572,17 +572,7 @@ async fn a_pass_that_removes_records_is_exported_from_the_document_by_every_inst
         async move { metric(&listen, &gated).await == Some(1.0) }
     })
     .await;
-    let released = db
-        .store()
-        .passes()
-        .settle(
-            &seedlock::ids::BotId::parse("shop").unwrap(),
-            seedlock::ids::PassNumber::new(2),
-            seedlock::store::release::Settle::Release,
-            Utc::now(),
-        )
-        .await
-        .unwrap();
+    let released = settle(&db, 2, seedlock::store::release::Settle::Release).await;
     assert_eq!(released.map(|r| r.removed), Some(4));
     eventually(
         "b exports the removed total",

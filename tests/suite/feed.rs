@@ -176,35 +176,13 @@ async fn a_layout_drift_gates_the_pass_its_events_stay_invisible_until_it_is_rel
         status.contains("pass 2 gated: field price filled 0% (last pass 100%)"),
         "{status}"
     );
-    let bot = seedlock::ids::BotId::parse("shop").unwrap();
-    let settled = db
-        .store()
-        .passes()
-        .settle(
-            &bot,
-            seedlock::ids::PassNumber::new(2),
-            seedlock::store::release::Settle::Release,
-            chrono::Utc::now(),
-        )
-        .await
-        .unwrap();
-    assert!(settled.is_some());
+    use seedlock::store::release::Settle;
+    assert!(settle(&db, 2, Settle::Release).await.is_some());
     let all = events(&db).await;
     assert_eq!(all.len(), 120);
     assert_eq!(keys_of(&all, 2, "changed").len(), 60);
     // Released once: a second release finds nothing gated.
-    let again = db
-        .store()
-        .passes()
-        .settle(
-            &bot,
-            seedlock::ids::PassNumber::new(2),
-            seedlock::store::release::Settle::Release,
-            chrono::Utc::now(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(again, None);
+    assert_eq!(settle(&db, 2, Settle::Release).await, None);
     // The released pass is the new baseline: the same layout gates nothing.
     request_refresh(&db).await;
     once(settings(&db, &base, &setup, "a")).await;

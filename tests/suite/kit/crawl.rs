@@ -562,3 +562,22 @@ pub fn keys_of(events: &[Document], pass: i64, kind: &str) -> Vec<String> {
     keys.sort();
     keys
 }
+
+/// Settles bot `shop`'s gated pass `pass` as `seedlock pass release | discard` does: what it did,
+/// `None` when that pass is not gated.
+pub async fn settle(
+    db: &TestDb,
+    pass: i64,
+    how: seedlock::store::release::Settle,
+) -> Option<seedlock::store::release::Settled> {
+    db.store()
+        .passes()
+        .settle(
+            &seedlock::ids::BotId::parse("shop").unwrap(),
+            seedlock::ids::PassNumber::new(pass),
+            how,
+            chrono::Utc::now(),
+        )
+        .await
+        .unwrap()
+}

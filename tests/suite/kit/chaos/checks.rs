@@ -102,19 +102,8 @@ pub(super) async fn check_records(
             (s("sku"), [s("title"), s("price"), s("status")])
         })
         .collect();
-    let records: Vec<Document> = match run
-        .db
-        .collection::<Document>("records")
-        .find(doc! { "botId": bot })
-        .await
-    {
-        Ok(cursor) => cursor.try_collect().await.unwrap_or_default(),
-        Err(e) => {
-            report
-                .violations
-                .push(format!("{bot}: records unreadable: {e}"));
-            return;
-        }
+    let Some(records) = bot_records(run, bot, report).await else {
+        return;
     };
     report.records.insert(bot.to_owned(), records.len());
     let deleted = mutated.deleted.get(bot).cloned().unwrap_or_default();
@@ -166,6 +155,24 @@ pub(super) async fn check_records(
     }
 }
 
+/// The bot's records; `None` (a violation reported) when they cannot be read.
+async fn bot_records(run: &Run, bot: &str, report: &mut ChaosReport) -> Option<Vec<Document>> {
+    match run
+        .db
+        .collection::<Document>("records")
+        .find(doc! { "botId": bot })
+        .await
+    {
+        Ok(cursor) => Some(cursor.try_collect().await.unwrap_or_default()),
+        Err(e) => {
+            report
+                .violations
+                .push(format!("{bot}: records unreadable: {e}"));
+            None
+        }
+    }
+}
+
 /// 2b. The change feed is the records' exact log: replayed in `seq` order, each record's events
 ///    start with its `added`, each `from` is the value the events before it left, removals and
 ///    restorations alternate, and the replay ends at the stored record (its fields, removed or
@@ -209,19 +216,8 @@ pub(super) async fn check_events(run: &Run, bot: &str, report: &mut ChaosReport)
             return;
         }
     };
-    let records: Vec<Document> = match run
-        .db
-        .collection::<Document>("records")
-        .find(doc! { "botId": bot })
-        .await
-    {
-        Ok(cursor) => cursor.try_collect().await.unwrap_or_default(),
-        Err(e) => {
-            report
-                .violations
-                .push(format!("{bot}: records unreadable: {e}"));
-            return;
-        }
+    let Some(records) = bot_records(run, bot, report).await else {
+        return;
     };
     report.events.insert(bot.to_owned(), events.len());
     // Each record's state as its events leave it: its fields, and whether it is removed.
