@@ -125,6 +125,15 @@ impl ServerClock {
         self.now()
     }
 
+    /// The shortest round trip to the database among the samples kept (the network's distance,
+    /// whatever the server's load): `None` before the first sample.
+    pub(crate) fn round_trip(&self) -> Option<Duration> {
+        self.best
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .map(|s| s.rtt)
+    }
+
     /// Server time now. Before the first sample, the local clock (every command syncs first).
     pub fn now(&self) -> DateTime<Utc> {
         let best = *self

@@ -90,7 +90,6 @@ pub(crate) async fn chain(uri: &str, runs: usize) {
                     mode: "fingerprint",
                 };
                 let config = config(dir.path(), &through, db.name(), &shop.base, &run_of);
-                deepen(&config, case.lists);
                 let crawl = crawl_measured_by(bin, &config, &db, 1).await;
                 let truth = shop.truth().await;
                 let (_, _, correct) = judge_records(&db, &truth).await;
@@ -141,13 +140,6 @@ pub(crate) async fn chain(uri: &str, runs: usize) {
         println!();
         whole_shop(uri, &upstream, dir.path(), &builds, runs).await;
     }
-}
-
-/// Lets a chain of `lists` listing pages run to its end: `max_depth` (default 50) above it.
-fn deepen(config: &Path, lists: u32) {
-    let text = std::fs::read_to_string(config).unwrap();
-    let deeper = format!("[bots.crawl]\nmax_depth = {}\n", lists + 10);
-    std::fs::write(config, text.replacen("[bots.crawl]\n", &deeper, 1)).unwrap();
 }
 
 /// The 25 listing pages of a shop fetched one after another, each next link found by a string

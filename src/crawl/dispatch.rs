@@ -35,6 +35,41 @@ const MAX_ROUND_ALLOWANCE: Duration = Duration::from_millis(400);
 pub(crate) struct Queued {
     pub lease: UrlLease,
     pub ticket: Ticket,
+    /// For a URL queued while the write that leases it is on its way (the pagination chain):
+    /// whether the write took the lease. Its page is kept only if it did.
+    pub confirm: Option<Confirmation>,
+}
+
+/// Whether a write that leases a URL to this instance took the lease, known once its answer
+/// came back ([`Confirmation::pending`]).
+#[derive(Clone, Debug)]
+pub(crate) struct Confirmation(tokio::sync::watch::Receiver<Option<bool>>);
+
+impl Confirmation {
+    /// A confirmation to come, and its sender: `send(Some(true))` once the write took the
+    /// lease, `Some(false)` when it did not or failed. Dropped unsent, it reads as not taken.
+    pub(crate) fn pending() -> (tokio::sync::watch::Sender<Option<bool>>, Self) {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        (tx, Self(rx))
+    }
+
+    /// Whether the lease was taken, once the write's answer is known.
+    pub(crate) async fn taken(mut self) -> bool {
+        match self.0.wait_for(Option::is_some).await {
+            Ok(answer) => *answer == Some(true),
+            Err(_) => false,
+        }
+    }
+
+    /// Whether the write's answer is in (without waiting).
+    pub(crate) fn known(&self) -> bool {
+        self.0.borrow().is_some()
+    }
+
+    /// Whether the lease was taken, as far as is known now (not yet known: false).
+    pub(crate) fn taken_now(&self) -> bool {
+        *self.0.borrow() == Some(true)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -182,15 +217,42 @@ impl HostQueues {
         inner.reserved = inner.reserved.saturating_sub(n);
     }
 
-    /// Queues a leased URL, behind the others of its host: a pagination chain advances as fast
-    /// as the pages it found are fetched, so a fast listing lane does not leave a growing backlog
-    /// of pending detail pages behind it that cost lease rounds instead of being leased on
-    /// enqueue (measured: a 200,000-item pass took 93 s this way, 128–178 s with listing pages
-    /// first).
+    /// Whether `host`'s queue, its reservations and `more` URLs would fill at most half of its
+    /// room: `target`, within what the queues hold in all.
+    pub(crate) fn half_empty_with(&self, host: &str, more: usize, target: usize) -> bool {
+        let inner = self.lock();
+        let held = inner
+            .hosts
+            .get(host)
+            .map_or(0, |q| q.items.len() + q.reserved);
+        (held + more) * 2 <= target.min(self.capacity)
+    }
+
+    /// Queues a leased URL, behind the others of its host.
     pub(crate) fn push(&self, queued: Queued) {
+        self.push_where(queued, |_| false);
+    }
+
+    /// Queues a listing page leased on enqueue (the pagination chain): ahead of its host's
+    /// queued pages while they fill at most half of `target` (the host's queue length), behind
+    /// them otherwise. The chain reveals the pages that keep the host busy, so it takes the
+    /// host's next free slot rather than waiting for the pages the listing before it revealed;
+    /// but it never runs further ahead of the fetches than the queue holds, where the pages it
+    /// reveals would find no room to be leased on enqueue and cost lease rounds instead
+    /// (measured: a 200,000-item pass took 93 s with listing pages always behind, 128–178 s with
+    /// them always first).
+    pub(crate) fn push_chain(&self, queued: Queued, target: usize) {
+        self.push_where(queued, |q| q.items.len() * 2 <= target);
+    }
+
+    fn push_where(&self, queued: Queued, first: impl FnOnce(&HostQueue) -> bool) {
         let mut inner = self.lock();
         let q = inner.hosts.entry(queued.lease.host()).or_default();
-        q.items.push_back(queued);
+        if first(q) {
+            q.items.push_front(queued);
+        } else {
+            q.items.push_back(queued);
+        }
         inner.queued += 1;
         drop(inner);
         self.arrived.notify_one();
@@ -415,6 +477,7 @@ mod tests {
                 eligible_since: None,
             },
             ticket: stages.host_queue.enter(),
+            confirm: None,
         }
     }
 
@@ -449,5 +512,74 @@ mod tests {
         assert_eq!(stages.host_queue.depth(), 4, "tickets travel with the URLs");
         drop(drained);
         assert_eq!(stages.host_queue.depth(), 0);
+    }
+
+    #[test]
+    fn the_next_listing_page_goes_ahead_of_its_host_until_the_queue_is_half_full() {
+        let stages = Stages::default();
+        let queues = HostQueues::new(100);
+        for i in 0..3 {
+            queues.push(queued(&stages, &format!("http://a/{i}"), PageKind::Detail));
+        }
+        queues.push(queued(&stages, "http://b/0", PageKind::Detail));
+        // 3 queued of a target of 6: the chain goes first on its host, others untouched.
+        queues.push_chain(queued(&stages, "http://a/list/2", PageKind::List), 6);
+        // 5 queued of a target of 6: the chain waits its turn.
+        queues.push(queued(&stages, "http://a/3", PageKind::Detail));
+        queues.push_chain(queued(&stages, "http://a/list/3", PageKind::List), 6);
+        let inner = queues.lock();
+        let a: Vec<&str> = inner.hosts["a:80"]
+            .items
+            .iter()
+            .map(|q| q.lease.url.as_str())
+            .collect();
+        assert_eq!(
+            a,
+            [
+                "http://a/list/2",
+                "http://a/0",
+                "http://a/1",
+                "http://a/2",
+                "http://a/3",
+                "http://a/list/3"
+            ]
+        );
+        assert_eq!(inner.hosts["b:80"].items.len(), 1);
+        assert_eq!(inner.queued, 7);
+    }
+
+    #[test]
+    fn the_chain_goes_ahead_only_while_what_a_page_reveals_leaves_half_the_room() {
+        let stages = Stages::default();
+        let queues = HostQueues::new(40);
+        for i in 0..3 {
+            queues.push(queued(&stages, &format!("http://a/{i}"), PageKind::Detail));
+        }
+        assert_eq!(queues.reserve("a:80", 2, 100), 2);
+        // 3 queued and 2 reserved: 5 more fill half of a target of 20, 6 more do not.
+        assert!(queues.half_empty_with("a:80", 5, 20));
+        assert!(!queues.half_empty_with("a:80", 6, 20));
+        // A target beyond what the queues hold in all counts as their capacity (40).
+        assert!(queues.half_empty_with("a:80", 15, 1000));
+        assert!(!queues.half_empty_with("a:80", 16, 1000));
+        // A host with nothing queued.
+        assert!(queues.half_empty_with("b:80", 10, 20));
+    }
+
+    #[tokio::test]
+    async fn a_lease_written_ahead_is_taken_only_when_its_write_says_so() {
+        let (tx, confirm) = Confirmation::pending();
+        assert!(!confirm.known());
+        let waiting = tokio::spawn(confirm.clone().taken());
+        tx.send(Some(true)).unwrap();
+        assert!(waiting.await.unwrap());
+        assert!(confirm.known());
+        let (tx, confirm) = Confirmation::pending();
+        tx.send(Some(false)).unwrap();
+        assert!(!confirm.taken().await);
+        // A write that never answered (its task ended) took nothing.
+        let (tx, confirm) = Confirmation::pending();
+        drop(tx);
+        assert!(!confirm.taken().await);
     }
 }

@@ -575,6 +575,16 @@ impl Leaser {
     /// (see [`Shared::should_shed`]), which is deferred unfetched.
     async fn queue_leases(&self, leases: Vec<UrlLease>, queues: &HostQueues) -> Result<()> {
         let now = self.shared.clock.now();
+        // Listing pages leased here are in the pass: a page linking to one need not enqueue it
+        // again, nor fetch it ahead of its enqueue (see `Follower::upsert_links`).
+        let listings: Vec<String> = leases
+            .iter()
+            .filter(|l| l.kind.is_listing())
+            .map(|l| l.id.clone())
+            .collect();
+        if let Some(first) = leases.first() {
+            self.memory.remember_enqueued(first.pass, listings);
+        }
         let mut shed = Vec::new();
         for lease in leases {
             if lease.reclaimed {
@@ -586,6 +596,7 @@ impl Leaser {
                 queues.push(Queued {
                     ticket: self.shared.stages.host_queue.enter(),
                     lease,
+                    confirm: None,
                 });
             }
         }

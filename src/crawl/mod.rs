@@ -77,7 +77,7 @@ pub(crate) use parse::Parser;
 pub(crate) use pass::{Pass, PassState};
 pub(crate) use resolve::{Resolver, Settled};
 
-use dispatch::{Admitted, QueueSizing};
+use dispatch::{Admitted, Confirmation, QueueSizing};
 use lease::Rounds;
 use queue::Queue;
 use shared::{PassMemory, Shared};
@@ -369,7 +369,26 @@ impl Crawler {
         for started in step.started {
             self.start_fetch(&run, &mut tasks.fetches, pass, started, shutdown);
         }
-        let back = step.paused.iter().map(|(q, wait)| {
+        // A URL whose lease is still being written is given back once the write took it; one
+        // the write did not take is not this instance's to give back.
+        let mut back = Vec::new();
+        for (mut q, wait) in step.paused {
+            match q.confirm.take() {
+                Some(confirm) if !confirm.known() => {
+                    let (crawler, run2) = (self.clone(), run.clone());
+                    run.settling.spawn(async move {
+                        if confirm.taken().await {
+                            let not_before = crate::store::plus(crawler.shared.clock.now(), wait);
+                            let back = std::iter::once((&q.lease, not_before, "host paused"));
+                            crawler.give_back(&run2, back).await;
+                        }
+                    });
+                }
+                Some(confirm) if !confirm.taken_now() => {}
+                _ => back.push((q, wait)),
+            }
+        }
+        let back = back.iter().map(|(q, wait)| {
             (
                 &q.lease,
                 crate::store::plus(server_now, *wait),
@@ -508,6 +527,7 @@ impl Crawler {
             let item = Item {
                 lease,
                 what: fetched,
+                confirm: queued.confirm,
                 uncommitted: Uncommitted {
                     _page: uncommitted,
                     _bytes: bytes,
@@ -576,8 +596,11 @@ impl Crawler {
         }
         let left = run.queues.drain();
         let now = self.shared.clock.now();
+        // Every write is answered by now (the settling tasks ended): a lease written ahead that
+        // the write did not take is not this instance's to give back.
         let back = left
             .iter()
+            .filter(|q| q.confirm.as_ref().is_none_or(Confirmation::taken_now))
             .map(|q| (&q.lease, now, "slice ended before its host admitted it"));
         self.give_back(&run, back).await;
     }
@@ -589,6 +612,7 @@ impl Crawler {
             let Item {
                 lease,
                 what,
+                confirm,
                 uncommitted,
                 _ticket: parsing,
             } = slot.item;
@@ -606,10 +630,21 @@ impl Crawler {
             // pagination chain never waits for the items of the one before.
             let (crawler, run2, pass) = (self.clone(), run.clone(), pass.clone());
             let settle = async move {
+                let url = lease.url.clone();
                 let settled = crawler
                     .settler
                     .step_retrying(lease, parsed, &pass, &run2.queues)
                     .await;
+                // Fetched while the write leasing it was on its way: its links are followed
+                // like any page's (enqueuing them twice is a no-op), but it is committed only if
+                // the write took its lease; otherwise it is someone else's and nothing of it is
+                // written.
+                if let Some(confirm) = confirm {
+                    if !confirm.taken().await {
+                        debug!(bot = %crawler.shared.bot, %url, "fetched ahead of a lease this instance did not get; dropped");
+                        return;
+                    }
+                }
                 match settled {
                     Ok(settled) => {
                         let new_work = settled.new_pending > 0;

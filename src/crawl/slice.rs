@@ -11,7 +11,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::dispatch::HostQueues;
+use super::dispatch::{Confirmation, HostQueues};
 use super::fetch::Fetched;
 use super::queue::Queue;
 use super::resolve::Settled;
@@ -31,6 +31,9 @@ pub(super) struct Uncommitted {
 pub(super) struct Item<T> {
     pub(super) lease: UrlLease,
     pub(super) what: T,
+    /// For a page fetched while the write leasing it was on its way: whether it took the lease
+    /// (the page is committed only if it did).
+    pub(super) confirm: Option<Confirmation>,
     pub(super) uncommitted: Uncommitted,
     pub(super) _ticket: Ticket,
 }

@@ -302,6 +302,12 @@ impl Flow {
         slots.div_ceil(active.len().max(1))
     }
 
+    /// `host`'s recent answer time (its fast-moving average; `None` before its first answer).
+    pub(crate) fn latency(&self, host: &str) -> Option<Duration> {
+        let ms = self.lock().get(host).and_then(|h| h.fast_latency)?;
+        Some(Duration::from_secs_f64(ms.max(0.0) / 1000.0))
+    }
+
     /// How many leased URLs `host` should have waiting for it: enough to keep it busy for
     /// `horizon` at its current limit and latency (a fast host needs many; a slow one, one
     /// round of its limit), at least its limit within `share` (four rounds of it while its

@@ -9,8 +9,9 @@ use seedlock::ids::PassNumber;
 use std::time::Duration;
 
 use bson::{doc, Bson, Document};
+use kit::blackhole::Blackhole;
 use kit::crawl::*;
-use kit::test_db;
+use kit::{eventually, test_db, Proc, ProcConfig};
 use serde_json::json;
 
 async fn a_full_pass_stores_one_correct_record_per_product(transactions: &str) {
@@ -793,4 +794,53 @@ async fn refreshes_more_frequent_than_a_pass_do_not_starve_the_passes() {
         "{history:?}"
     );
     assert_eq!(live_records(&db).await, truth(&base).await);
+}
+
+/// The pagination chain does not wait for a database farther away than the shop: the next
+/// listing page is fetched while the write that enqueues and leases it is on its way. The
+/// database is 120 ms away (the delay proxy), the shop's pages answer at once and listing page 2
+/// after 150 ms; the database is cut off (its traffic swallowed) while page 2 is being answered:
+/// the shop still gets listing page 3, named by page 2, before the database answers anything
+/// again. Healed, the pass ends exactly, every page fetched once — the page fetched ahead was
+/// kept, as its write took its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_distant_database_does_not_hold_the_next_listing_page_back() {
+    let db = test_db("crawl_ahead").await;
+    let base = shop(3, 1).await;
+    post(
+        &format!("{base}/__faults"),
+        json!([{"path": "/list/2", "latency_ms": 150}]),
+    )
+    .await;
+    let server = kit::blackhole::server_of(&db.uri);
+    let distance = kit::delay::Delay::start(&server, Duration::from_millis(120));
+    let proxy = Blackhole::start(&distance.addr.to_string()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let uri = proxy.uri(&db.uri);
+    let mut config = ProcConfig::new(&db, crawl_bot_toml(&base));
+    config.uri = &uri;
+    let config = config.write(dir.path());
+    let mut run = Proc::spawn(dir.path(), &config, "solo", &["run", "--once"], &[]);
+    eventually(
+        "listing page 2 is requested",
+        Duration::from_secs(30),
+        || async { Requests::peek(&base).await.under("/list/2") >= 1 },
+    )
+    .await;
+    proxy.cut();
+    eventually(
+        "listing page 3 is requested while the database is cut off",
+        Duration::from_secs(10),
+        || async { Requests::peek(&base).await.under("/list/3") >= 1 },
+    )
+    .await;
+    proxy.heal();
+    let status = run.wait(Duration::from_secs(60)).await;
+    assert!(status.success(), "{}", run.log());
+    assert_eq!(live_records(&db).await, truth(&base).await);
+    assert_eq!(
+        Requests::peek(&base).await.repeated(),
+        0,
+        "every page fetched once"
+    );
 }

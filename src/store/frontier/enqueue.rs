@@ -401,6 +401,10 @@ impl Frontier<'_> {
     /// links are enqueued leased to `me` and returned as leases (those another instance
     /// enqueued first are not). No validators are kept: a listing page is read every pass, and a
     /// changed item's page needs none.
+    ///
+    /// The leases are made here, before the write is sent (a fresh token, `me`, the expiry):
+    /// `ahead` gets them first, so their pages can be fetched while the write is on its way; the
+    /// answer's `leased` says which the write took (the others are not this instance's).
     pub(crate) async fn upsert_links(
         self,
         bot: &BotId,
@@ -408,12 +412,21 @@ impl Frontier<'_> {
         links: &[NewUrl],
         lease: LeaseTo<'_>,
         now: DateTime<Utc>,
+        ahead: impl FnOnce(Vec<UrlLease>),
     ) -> Result<Enqueued> {
         let mut out = Enqueued::default();
         if links.is_empty() {
+            ahead(Vec::new());
             return Ok(out);
         }
         let taking = Taking::new(bot, pass, Some(&lease), now);
+        ahead(
+            links
+                .iter()
+                .take(lease.first)
+                .map(|link| taking.lease(link, &url_id(bot, &link.url), None))
+                .collect(),
+        );
         let statements: Vec<Document> = links
             .iter()
             .enumerate()
