@@ -63,11 +63,12 @@ pub(crate) async fn chain(uri: &str, runs: usize) {
     let upstream = kit::blackhole::server_of(uri);
     println!("## The pagination chain: listing pages one after another, the products they reveal fetched meanwhile");
     println!();
-    println!("One instance, fingerprint mode; the pass is `crawlPassStartedAt` to `crawlPassEndedAt`, a hop is the pass over the listing pages. `10 ms`: the database behind the delay proxy. Runs interleaved; medians of {runs}.");
+    println!("One instance, fingerprint mode; the pass is `crawlPassStartedAt` to `crawlPassEndedAt`, a hop is the pass over the listing pages; the steady hop is the median gap between the writes that enqueued the listing pages one after another (their `enqueuedAt`, the server's clock: the chain's pace without the pass's first and last milliseconds). `10 ms`: the database behind the delay proxy. Runs interleaved; medians of {runs}.");
     println!();
-    println!("| build | listing pages × products | RTT (ms) | run | pass (ms) | ms a hop | records correct |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| build | listing pages × products | RTT (ms) | run | pass (ms) | ms a hop | steady hop (ms) | records correct |");
+    println!("|---|---|---|---|---|---|---|---|");
     let mut passes: HashMap<(usize, usize), Vec<f64>> = HashMap::new();
+    let mut steady: HashMap<(usize, usize), Vec<f64>> = HashMap::new();
     // BENCH_CHAIN_CASES=0,1 runs only those cases (by their place in `CASES`), and `shop` the
     // 525-page shop.
     let picked: Option<Vec<String>> = std::env::var("BENCH_CHAIN_CASES")
@@ -95,8 +96,10 @@ pub(crate) async fn chain(uri: &str, runs: usize) {
                 let (_, _, correct) = judge_records(&db, &truth).await;
                 let ms = crawl.pass.as_secs_f64() * 1e3;
                 passes.entry((c, b)).or_default().push(ms);
+                let hop = steady_hop(&db).await;
+                steady.entry((c, b)).or_default().push(hop);
                 println!(
-                    "| {name} | {} × {} | {} | {run} | {ms:.0} | {:.1} | {correct}/{} |",
+                    "| {name} | {} × {} | {} | {run} | {ms:.0} | {:.1} | {hop:.1} | {correct}/{} |",
                     case.lists,
                     case.per_list,
                     case.rtt,
@@ -111,15 +114,16 @@ pub(crate) async fn chain(uri: &str, runs: usize) {
     println!();
     println!("The chain's floor, no database: the 25 listing pages fetched one after another, the next link found by a string search: **{floor:.2} ms a hop** (median of 5).");
     println!();
-    println!("| build | listing pages × products | RTT (ms) | median pass (ms) | ms a hop |");
-    println!("|---|---|---|---|---|");
+    println!("| build | listing pages × products | RTT (ms) | median pass (ms) | ms a hop | steady hop (ms) |");
+    println!("|---|---|---|---|---|---|");
     let mut medians: HashMap<(usize, usize), f64> = HashMap::new();
     for (c, case) in CASES.iter().enumerate().filter(|(c, _)| chosen(*c)) {
         for (b, (name, _)) in builds.iter().enumerate() {
             let m = median(passes.get_mut(&(c, b)).unwrap());
             medians.insert((c, b), m);
+            let hop = median(steady.get_mut(&(c, b)).unwrap());
             println!(
-                "| {name} | {} × {} | {} | {m:.0} | {:.1} |",
+                "| {name} | {} × {} | {} | {m:.0} | {:.1} | {hop:.1} |",
                 case.lists,
                 case.per_list,
                 case.rtt,
@@ -140,6 +144,29 @@ pub(crate) async fn chain(uri: &str, runs: usize) {
         println!();
         whole_shop(uri, &upstream, dir.path(), &builds, runs).await;
     }
+}
+
+/// The median gap, in ms on the server's clock, between the writes that enqueued a pass's listing
+/// pages one after another (`enqueuedAt`): the chain's pace, without the pass's start and end.
+async fn steady_hop(db: &mongodb::Database) -> f64 {
+    let mut cursor = db
+        .collection::<Document>("frontier")
+        .find(doc! { "kind": "list" })
+        .projection(doc! { "enqueuedAt": 1 })
+        .await
+        .unwrap();
+    let mut at = Vec::new();
+    while let Some(d) = cursor.try_next().await.unwrap() {
+        if let Ok(t) = d.get_datetime("enqueuedAt") {
+            at.push(t.timestamp_millis());
+        }
+    }
+    at.sort_unstable();
+    let mut gaps: Vec<f64> = at.windows(2).map(|w| (w[1] - w[0]) as f64).collect();
+    if gaps.is_empty() {
+        return f64::NAN;
+    }
+    median(&mut gaps)
 }
 
 /// The 25 listing pages of a shop fetched one after another, each next link found by a string
