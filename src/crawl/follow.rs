@@ -794,7 +794,13 @@ impl Follower {
                     for lease in leases {
                         let (tx, confirm) = Confirmation::pending();
                         ahead.push((lease.id.clone(), tx));
-                        self.queue(queues, lease, Some(confirm));
+                        let target = self.sizing.target(&lease.host(), queues);
+                        let queued = Queued {
+                            ticket: self.shared.stages.host_queue.enter(),
+                            lease,
+                            confirm: Some(confirm),
+                        };
+                        queues.push_chain(queued, target);
                     }
                     for (host, n) in &granted {
                         queues.unreserve(host, *n);
@@ -817,21 +823,5 @@ impl Follower {
             let _ = tx.send(Some(took));
         }
         result.map(|enqueued| (enqueued.added, enqueued.leased.len()))
-    }
-
-    /// Queues a leased URL for its host (a listing page as the pagination chain, see
-    /// [`HostQueues::push_chain`]).
-    fn queue(&self, queues: &HostQueues, lease: UrlLease, confirm: Option<Confirmation>) {
-        let queued = Queued {
-            ticket: self.shared.stages.host_queue.enter(),
-            lease,
-            confirm,
-        };
-        if queued.lease.kind.is_listing() {
-            let target = self.sizing.target(&queued.lease.host(), queues);
-            queues.push_chain(queued, target);
-        } else {
-            queues.push(queued);
-        }
     }
 }

@@ -582,7 +582,7 @@ impl Leaser {
             .filter(|l| l.kind.is_listing())
             .map(|l| l.id.clone())
             .collect();
-        if let Some(first) = leases.first() {
+        if let (Some(first), false) = (leases.first(), listings.is_empty()) {
             self.memory.remember_enqueued(first.pass, listings);
         }
         let mut shed = Vec::new();

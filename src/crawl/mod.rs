@@ -630,7 +630,8 @@ impl Crawler {
             // pagination chain never waits for the items of the one before.
             let (crawler, run2, pass) = (self.clone(), run.clone(), pass.clone());
             let settle = async move {
-                let url = lease.url.clone();
+                // The URL, for the line that says a page fetched ahead was dropped.
+                let ahead = confirm.map(|c| (c, lease.url.clone()));
                 let settled = crawler
                     .settler
                     .step_retrying(lease, parsed, &pass, &run2.queues)
@@ -639,7 +640,7 @@ impl Crawler {
                 // like any page's (enqueuing them twice is a no-op), but it is committed only if
                 // the write took its lease; otherwise it is someone else's and nothing of it is
                 // written.
-                if let Some(confirm) = confirm {
+                if let Some((confirm, url)) = ahead {
                     if !confirm.taken().await {
                         debug!(bot = %crawler.shared.bot, %url, "fetched ahead of a lease this instance did not get; dropped");
                         return;
