@@ -685,6 +685,9 @@ async fn kill_new_ids(uri: &str, runs: usize) {
 
 /// What one `run --once` of one or more instances cost.
 struct Crawl {
+    /// When the first process was spawned (wall clock: set against the shop's and the
+    /// database's timestamps).
+    spawned_at: chrono::DateTime<chrono::Utc>,
     /// From the first process start to the last exit.
     wall: Duration,
     /// The pass in the bot document: `crawlPassStartedAt` to `crawlPassEndedAt` (server time).
@@ -729,6 +732,7 @@ async fn crawl_measured_by(bin: &str, config: &Path, db: &Database, instances: u
     // BENCH_LOG_DIR=DIR keeps the instances' logs: DIR/run-<unix ms>-<instance>.log.
     let kept = std::env::var("BENCH_LOG_DIR").ok();
     let addrs: Vec<String> = (0..instances).map(|_| free_addr()).collect();
+    let spawned_at = chrono::Utc::now();
     let started = Instant::now();
     let mut children: Vec<Child> = (0..instances)
         .map(|i| {
@@ -875,6 +879,7 @@ async fn crawl_measured_by(bin: &str, config: &Path, db: &Database, instances: u
         _ => wall,
     };
     Crawl {
+        spawned_at,
         wall,
         pass,
         peak_kib: peak,

@@ -16,7 +16,6 @@ use crate::ids::BotId;
 use crate::ids::PassNumber;
 use crate::ops::bots::BotsCommand;
 use crate::ops::{admin_name, bot_arg, fail, with_store, EXIT_FAILED, EXIT_USAGE};
-use crate::store::startup;
 use crate::store::Store;
 use crate::store::UnlockOutcome;
 
@@ -439,18 +438,20 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
     } else {
         Mode::Daemon
     };
-    let display = match ProgressDisplay::start(&settings, once).await {
-        Ok(display) => display,
-        Err(code) => return code,
+    // One client for the run, its progress display and its summary: a database across a
+    // network is not connected to again at the end.
+    let store = match Store::connect(&settings.mongo).await {
+        Ok(store) => store,
+        Err(e) => return fail(EXIT_USAGE, e),
     };
+    let display = ProgressDisplay::start(&settings, &store, once).await;
     let max_error_rate = settings.crawl.max_error_rate;
-    let after = settings.clone();
-    let result = daemon::run(settings, mode, shutdown).await;
+    let result = daemon::run_with_store(settings, store.clone(), mode, shutdown).await;
     if let Some(display) = display {
         display.stop().await;
     }
-    match result {
-        Ok(summaries) => report_summaries(summaries, &after, max_error_rate).await,
+    let code = match result {
+        Ok(summaries) => report_summaries(summaries, &store, max_error_rate).await,
         Err(e @ RunError::Startup(_)) => fail(EXIT_USAGE, e),
         Err(
             e @ (RunError::Timeout { .. }
@@ -459,21 +460,21 @@ async fn run(settings: Settings, once: bool, timeout: Duration) -> ExitCode {
             | RunError::Removed(_)
             | RunError::IdTakenOver(_)),
         ) => fail(EXIT_FAILED, e),
-    }
+    };
+    store.shutdown().await;
+    code
 }
 
 /// `run --once`'s progress display: one bar per crawling bot on stderr, until stopped.
 struct ProgressDisplay {
-    store: Store,
     done: CancellationToken,
     shown: tokio::task::JoinHandle<()>,
 }
 
 impl ProgressDisplay {
     /// Starts the display for `run --once` on a terminal when it may run crawling bots (its
-    /// config's, or the database's); `None` otherwise, and an error code when the database
-    /// cannot be opened.
-    async fn start(settings: &Settings, once: bool) -> Result<Option<Self>, ExitCode> {
+    /// config's, or the database's), reading through `store`; `None` otherwise.
+    async fn start(settings: &Settings, store: &Store, once: bool) -> Option<Self> {
         // `run --once` on a terminal draws one bar per crawling bot (a daemon's stderr is its log).
         let mut crawling: Vec<BotId> = settings
             .bots
@@ -483,14 +484,10 @@ impl ProgressDisplay {
             .collect();
         let from_database = settings.bots_from_database();
         if !(once && (from_database || !crawling.is_empty()) && std::io::stderr().is_terminal()) {
-            return Ok(None);
+            return None;
         }
-        let (store, _) = match startup::open(&settings.mongo).await {
-            Ok(opened) => opened,
-            Err(e) => return Err(fail(EXIT_USAGE, e)),
-        };
         if from_database {
-            crawling.extend(database_crawling_bots(&store, settings).await);
+            crawling.extend(database_crawling_bots(store, settings).await);
         }
         let done = CancellationToken::new();
         let shown = tokio::spawn(crate::ops::progress::show(
@@ -498,14 +495,13 @@ impl ProgressDisplay {
             crawling,
             done.clone(),
         ));
-        Ok(Some(Self { store, done, shown }))
+        Some(Self { done, shown })
     }
 
-    /// Stops the display, waits for it to finish drawing, and closes its database connection.
+    /// Stops the display and waits for it to finish drawing.
     async fn stop(self) {
         self.done.cancel();
         let _ = self.shown.await;
-        self.store.shutdown().await;
     }
 }
 
@@ -527,22 +523,13 @@ async fn database_crawling_bots(store: &Store, settings: &Settings) -> Vec<BotId
 }
 
 /// `run --once`'s end: a line per bot, each finished pass's failures grouped by reason (read
-/// from the database, opened with `settings`); exit 1 when a pass failed more pages than
+/// from the database through `store`); exit 1 when a pass failed more pages than
 /// `max_error_rate` allows or its failures cannot be read.
 async fn report_summaries(
     summaries: Vec<daemon::BotSummary>,
-    settings: &Settings,
+    store: &Store,
     max_error_rate: f64,
 ) -> ExitCode {
-    // The passes' failures, grouped by reason, from the database.
-    let store = if summaries.iter().any(|s| s.pass > PassNumber::NONE) {
-        match startup::open(&settings.mongo).await {
-            Ok((store, _)) => Some(store),
-            Err(e) => return fail(EXIT_FAILED, e),
-        }
-    } else {
-        None
-    };
     let mut too_many = Vec::new();
     for s in summaries {
         let pass = if s.pass > PassNumber::NONE {
@@ -554,9 +541,9 @@ async fn report_summaries(
             "{} ready epoch={} seeds={} digest={}{pass}",
             s.bot, s.epoch, s.seeds, s.seeds_digest
         );
-        let Some(store) = store.as_ref().filter(|_| s.pass > PassNumber::NONE) else {
+        if s.pass == PassNumber::NONE {
             continue;
-        };
+        }
         match crate::ops::progress::failures(store, &s.bot, s.pass).await {
             Ok(failures) => {
                 let lines = failures.lines();
@@ -567,9 +554,6 @@ async fn report_summaries(
             }
             Err(e) => too_many.push(format!("bot {}: cannot read its failures: {e}", s.bot)),
         }
-    }
-    if let Some(store) = store {
-        store.shutdown().await;
     }
     match too_many.as_slice() {
         [] => ExitCode::SUCCESS,
@@ -600,8 +584,9 @@ async fn crawl(mut settings: Settings, bot: &str, timeout: Duration) -> ExitCode
     }
     settings.bots.retain(|b| b.id == id);
     let max_error_rate = settings.crawl.max_error_rate;
-    let (store, _clock) = match startup::open(&settings.mongo).await {
-        Ok(c) => c,
+    // One client for the crawl, its progress bar and its summary.
+    let store = match Store::connect(&settings.mongo).await {
+        Ok(store) => store,
         Err(e) => return fail(EXIT_USAGE, e),
     };
     let code = async {
@@ -614,7 +599,8 @@ async fn crawl(mut settings: Settings, bot: &str, timeout: Duration) -> ExitCode
             vec![id.clone()],
             done.clone(),
         ));
-        let result = daemon::run(settings, Mode::Once { timeout }, shutdown).await;
+        let result =
+            daemon::run_with_store(settings, store.clone(), Mode::Once { timeout }, shutdown).await;
         done.cancel();
         let _ = display.await;
         let summary = match result {

@@ -119,11 +119,15 @@ pub async fn run(
     let store = Store::connect(&settings.mongo)
         .await
         .map_err(|e| RunError::Startup(e.to_string()))?;
-    run_with_store(settings, store, mode, shutdown).await
+    let result = run_with_store(settings, store.clone(), mode, shutdown).await;
+    store.shutdown().await;
+    result
 }
 
-/// [`run`] on a store its caller connected: an application embedding seedlock with a client of
-/// its own, or a test watching every command the driver sends.
+/// [`run`] on a store its caller connected and keeps (its client is not shut down here): an
+/// application embedding seedlock with a client of its own, `run --once` reading the passes'
+/// failures afterwards on the same connections, or a test watching every command the driver
+/// sends.
 pub async fn run_with_store(
     settings: Settings,
     store: Store,
@@ -174,7 +178,6 @@ pub async fn run_with_store(
     } else {
         result
     };
-    store.shutdown().await;
     debug!(commands = ?ctx.store.command_counts(), waited_ms = ?ctx.store.command_waits(), "database commands sent");
     info!(instance = %ctx.me, "seedlock stopped");
     result

@@ -216,6 +216,7 @@ async fn whole_shop(
     println!("| crawler | run | wall (ms) | records |");
     println!("|---|---|---|---|");
     let mut walls: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut phases: BTreeMap<String, [Vec<f64>; 4]> = BTreeMap::new();
     for run in 1..=runs {
         for ((name, bin), rtt) in builds.iter().flat_map(|b| [(b, 0), (b, 10)]) {
             let proxy =
@@ -240,6 +241,12 @@ async fn whole_shop(
                 "| {who} | {run} | {ms:.0} | {correct}/{} correct |",
                 truth.len()
             );
+            if let Some(split) = phases_of(&crawl, &shop, &db).await {
+                let into = phases.entry(who.clone()).or_default();
+                for (all, one) in into.iter_mut().zip(split) {
+                    all.push(one);
+                }
+            }
             walls.entry(who).or_default().push(ms);
             let _ = db.drop().await;
         }
@@ -274,8 +281,54 @@ async fn whole_shop(
         let m = median(values);
         println!("| {name} | {m:.0} | {:.2}× |", m / ours);
     }
+    println!();
+    println!("Where seedlock's wall goes (medians, ms): from spawning the process to the shop's first page request; from there to the last page's commit (its `doneAt`); from that commit to the pass recorded finished (the evaluation's `evaluatedAt`, the server's clock); from there to the process's exit.");
+    println!();
+    println!("| crawler | start → first fetch | crawl → last commit | last commit → pass finished | finished → exit |");
+    println!("|---|---|---|---|---|");
+    for (name, mut split) in phases {
+        let m: Vec<String> = split
+            .iter_mut()
+            .map(|v| format!("{:.0}", median(v)))
+            .collect();
+        println!("| {name} | {} |", m.join(" | "));
+    }
     if python.is_none() {
         println!();
         println!("(BENCH_PYTHON unset: the reference crawler and Scrapy were not run.)");
     }
+}
+
+/// A run's wall in four phases, in ms: spawn → the shop's first page request → the last commit
+/// (the frontier's latest `doneAt`) → the pass recorded finished (`crawlLastPass.evaluatedAt`)
+/// → exit. `None` when a mark is missing (then the run is left out of the split).
+async fn phases_of(crawl: &Crawl, shop: &Shop, db: &Database) -> Option<[f64; 4]> {
+    let spawned = crawl.spawned_at.timestamp_micros() as f64 / 1e3;
+    let exited = spawned + crawl.wall.as_secs_f64() * 1e3;
+    let first = *shop.page_times().await.iter().min()? as f64;
+    let last_commit = db
+        .collection::<Document>("frontier")
+        .find_one(doc! { "doneAt": { "$exists": true } })
+        .sort(doc! { "doneAt": -1 })
+        .await
+        .ok()??
+        .get_datetime("doneAt")
+        .ok()?
+        .timestamp_millis() as f64;
+    let finished = db
+        .collection::<Document>("bots")
+        .find_one(doc! { "_id": "shop" })
+        .await
+        .ok()??
+        .get_document("crawlLastPass")
+        .ok()?
+        .get_datetime("evaluatedAt")
+        .ok()?
+        .timestamp_millis() as f64;
+    Some([
+        first - spawned,
+        last_commit - first,
+        finished - last_commit,
+        exited - finished,
+    ])
 }

@@ -307,9 +307,13 @@ impl Changes<'_> {
             })
             .projection(doc! { rf::NATURAL_KEY: 1, rf::DATA: 1, rf::PENDING: 1, rf::REMOVED_AT: 1 })
             .batch_size(1000);
-        let mut cursor = self.store.bounded("read pending events", find).await?;
+        // The highest number read beside the first batch (one round trip, not two).
+        let (mut cursor, mut next_seq) = tokio::try_join!(
+            self.store.bounded("read pending events", find),
+            self.highest_seq(bot, None)
+        )?;
         use futures_util::TryStreamExt;
-        let mut next_seq = self.highest_seq(bot, None).await?;
+        let mut refused_any = false;
         loop {
             let record = self
                 .store
@@ -320,15 +324,19 @@ impl Changes<'_> {
                 batch.extend(self.events_of(bot, after, pass, &record, &mut staged));
             }
             if batch.len() >= STAGE_BATCH || (done && !batch.is_empty()) {
-                next_seq = self.insert_numbered(bot, &mut batch, next_seq).await?;
+                let refused;
+                (next_seq, refused) = self.insert_numbered(bot, &mut batch, next_seq).await?;
+                refused_any |= refused;
                 staged.last_seq = staged.last_seq.max(next_seq);
             }
             if done {
                 break;
             }
         }
-        // A second staging inserts nothing new; its events were numbered by the first.
-        if staged.events() > 0 {
+        // A second staging inserts nothing new; its events were numbered by the first (its
+        // inserts were refused: the highest number is read back). Every insert taken: the
+        // numbers given are the pass's.
+        if staged.events() > 0 && refused_any {
             staged.last_seq = staged
                 .last_seq
                 .max(self.highest_seq(bot, Some((after, pass))).await?);
@@ -417,18 +425,19 @@ impl Changes<'_> {
 
     /// Inserts `batch` (emptied) numbered from `after + 1`; an event already staged (its `_id`)
     /// keeps its number, one whose number another stager took is numbered again past the
-    /// highest. Returns the highest number given.
+    /// highest. Returns the highest number given, and whether any insert was refused.
     async fn insert_numbered(
         self,
         bot: &BotId,
         batch: &mut Vec<Document>,
         mut after: i64,
-    ) -> Result<i64> {
+    ) -> Result<(i64, bool)> {
         let mut todo = std::mem::take(batch);
         let mut highest = after;
+        let mut refused_any = false;
         for _ in 0..5 {
             if todo.is_empty() {
-                return Ok(highest);
+                return Ok((highest, refused_any));
             }
             for event in &mut todo {
                 after += 1;
@@ -449,8 +458,9 @@ impl Changes<'_> {
                 .collect();
             highest = highest.max(numbered.into_iter().max().unwrap_or(highest));
             if refused.is_empty() {
-                return Ok(highest);
+                return Ok((highest, refused_any));
             }
+            refused_any = true;
             // Refused: staged before (a repeated staging) or a number taken. Only the latter go again.
             let ids: Vec<&str> = refused
                 .iter()

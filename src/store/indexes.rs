@@ -157,6 +157,8 @@ pub(crate) struct IndexSet {
     deferred: Mutex<BTreeMap<String, CollectionIndexes>>,
     /// Indexes whose drop was put off and said so (once each).
     said: Mutex<BTreeSet<(String, String)>>,
+    /// The server refused a `commitQuorum` (a standalone): later builds go without one.
+    no_quorum: std::sync::atomic::AtomicBool,
 }
 
 impl IndexSet {
@@ -255,6 +257,74 @@ pub(crate) async fn ensure(
     }
 }
 
+/// Builds `create` on `collection` in one `createIndexes` (one round trip for a fresh
+/// database's indexes, not one each). A batch the server refuses for another reason than a
+/// restart or a concurrent build is built again one index at a time, so that the refusal names
+/// its index.
+async fn build_all(
+    store: &Store,
+    coll: &mongodb::Collection<Document>,
+    collection: &str,
+    create: Vec<IndexModel>,
+) -> Result<()> {
+    match build(store, coll, create.clone()).await {
+        Err(crate::error::Error::Db(db))
+            if !crate::error::is_transient_db(&db) && !concurrent_build(&db) =>
+        {
+            for index in create {
+                let name = index
+                    .options
+                    .as_ref()
+                    .and_then(|o| o.name.clone())
+                    .unwrap_or_default();
+                build(store, coll, vec![index]).await.map_err(|e| match e {
+                    // What the server refuses is said once, plainly; a server restarting or
+                    // stepping down is retried by the start-up's patience.
+                    crate::error::Error::Db(db)
+                        if !crate::error::is_transient_db(&db) && !concurrent_build(&db) =>
+                    {
+                        crate::error::Error::Index {
+                            collection: collection.to_owned(),
+                            index: name,
+                            message: server_message(&db),
+                        }
+                    }
+                    other => other,
+                })?;
+            }
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+/// One `createIndexes` of `indexes`, committed by a majority of the voting members, not every
+/// one (the server's default: a member that is down would hold start-up until it came back) —
+/// or without a quorum on a standalone, which takes none (remembered: asked once per process).
+async fn build(
+    store: &Store,
+    coll: &mongodb::Collection<Document>,
+    indexes: Vec<IndexModel>,
+) -> Result<()> {
+    use std::sync::atomic::Ordering;
+    let no_quorum = &store.indexes.no_quorum;
+    if !no_quorum.load(Ordering::Relaxed) {
+        let with_quorum = coll
+            .create_indexes(indexes.clone())
+            .commit_quorum(mongodb::options::CommitQuorum::Majority);
+        match store.index_build("create indexes", with_quorum).await {
+            Err(crate::error::Error::Db(e)) if quorum_refused(&e) => {
+                no_quorum.store(true, Ordering::Relaxed);
+            }
+            other => return other.map(|_| ()),
+        }
+    }
+    store
+        .index_build("create indexes", coll.create_indexes(indexes))
+        .await
+        .map(|_| ())
+}
+
 /// A server that takes no `commitQuorum` (a standalone): BadValue (2) or InvalidOptions (72)
 /// about it.
 fn quorum_refused(e: &mongodb::error::Error) -> bool {
@@ -335,40 +405,8 @@ async fn ensure_once(
             None => create.push(index.model()),
         }
     }
-    for index in create {
-        let name = index
-            .options
-            .as_ref()
-            .and_then(|o| o.name.clone())
-            .unwrap_or_default();
-        // A majority of the voting members, not every one (the server's default): a member that
-        // is down does not hold start-up until it comes back.
-        let build = coll
-            .create_index(index.clone())
-            .commit_quorum(mongodb::options::CommitQuorum::Majority);
-        let built = match store.index_build("create indexes", build).await {
-            // A standalone server (trying seedlock out) takes no commit quorum.
-            Err(crate::error::Error::Db(e)) if quorum_refused(&e) => {
-                store
-                    .index_build("create indexes", coll.create_index(index))
-                    .await
-            }
-            other => other,
-        };
-        built.map_err(|e| match e {
-            // A server restarting or stepping down is retried by the start-up's patience;
-            // what the server refuses is said once, plainly.
-            crate::error::Error::Db(db)
-                if !crate::error::is_transient_db(&db) && !concurrent_build(&db) =>
-            {
-                crate::error::Error::Index {
-                    collection: collection.to_owned(),
-                    index: name,
-                    message: server_message(&db),
-                }
-            }
-            other => other,
-        })?;
+    if !create.is_empty() {
+        build_all(store, &coll, collection, create).await?;
     }
     for name in retired {
         let Some(found) = named(name) else { continue };

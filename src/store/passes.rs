@@ -475,7 +475,11 @@ impl Passes<'_> {
             "evaluatingUntil": date(super::plus(now, self.evaluation_claim())),
             "drift": drift_doc(&rules.drift),
         };
-        let recorded = self.record_end(bot, pass, summary, started_at).await?;
+        // The feed's state read beside the write (its evaluation, if this write wins, needs it).
+        let (recorded, feed) = tokio::try_join!(
+            self.record_end(bot, pass, summary, started_at),
+            self.feed_state(bot)
+        )?;
         tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), recorded, "pass end: recorded");
         // The evaluation only by the instance whose write ended the pass: that write proves the
         // pass was still the bot's current one and complete. (An instance still working on a
@@ -492,6 +496,7 @@ impl Passes<'_> {
                     deletion_skipped.is_none(),
                     sweep,
                     &rules.drift,
+                    Some(feed),
                     now,
                 )
                 .await?;
@@ -665,7 +670,9 @@ impl Passes<'_> {
     }
 
     /// Evaluates pass `pass` ([`Deletions::evaluate`]) and records what it did in
-    /// `crawlLastPass` (while it is still this pass's).
+    /// `crawlLastPass` (while it is still this pass's). `feed`: the feed's state as the caller
+    /// read it at the pass's end (`None`: read here).
+    #[allow(clippy::too_many_arguments)]
     async fn evaluate_and_record(
         self,
         bot: &BotId,
@@ -673,9 +680,13 @@ impl Passes<'_> {
         remove: bool,
         sweep: bool,
         drift: &crate::config::DriftRules,
+        feed: Option<super::release::FeedState>,
         now: DateTime<Utc>,
     ) -> Result<(super::deletions::Evaluation, super::release::Judged)> {
-        let feed = self.feed_state(bot).await?;
+        let feed = match feed {
+            Some(feed) => feed,
+            None => self.feed_state(bot).await?,
+        };
         self.settle_earlier(bot, pass, &feed, now).await?;
         // Read again if an earlier gate was settled just now (its release moved the fill).
         let feed = if feed.gate.is_some() {
@@ -700,10 +711,13 @@ impl Passes<'_> {
             self.store.records().count_all(bot),
         );
         let evaluation = evaluation?;
-        let (feed_set, judged) = self
-            .stage_and_judge(bot, pass, &feed, &evaluation, drift, now)
-            .await?;
-        let live = all?.saturating_sub(self.store.records().count_removed(bot).await?);
+        // The records marked removed, counted while the events are staged (staging marks
+        // nothing).
+        let ((feed_set, judged), removed) = tokio::try_join!(
+            self.stage_and_judge(bot, pass, &feed, &evaluation, drift, now),
+            self.store.records().count_removed(bot)
+        )?;
+        let live = all?.saturating_sub(removed);
         let last = field::CRAWL_LAST_PASS;
         let mut unset = doc! {
             format!("{last}.evaluatingBy"): "", format!("{last}.evaluatingUntil"): "",
@@ -808,7 +822,7 @@ impl Passes<'_> {
         let drift = drift_of(summary.and_then(|l| l.get_document("drift").ok()));
         tracing::warn!(bot = %bot, pass = pass.get(), "taking over a pass evaluation whose instance stopped mid-way");
         Ok(Some(
-            self.evaluate_and_record(bot, pass, remove, sweep, &drift, now)
+            self.evaluate_and_record(bot, pass, remove, sweep, &drift, None, now)
                 .await?
                 .0,
         ))

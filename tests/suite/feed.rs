@@ -747,3 +747,33 @@ async fn a_pass_of_more_events_than_one_insert_numbers_each_once_in_order() {
         2_500
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_whose_events_are_all_inserted_reads_the_highest_number_once_and_records_the_last() {
+    // The highest number is read beside the pending events; read back after the inserts only
+    // when one was refused (a staging repeated).
+    let db = test_db("feed_one_read").await;
+    let base = shop(5, 20).await;
+    let (store, sent) = monitored_store(&db.uri, &db.name).await;
+    once_on(settings(&db, &base, &Setup::default(), "a"), store).await;
+    let highest_reads = sent
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(name, body)| {
+            name == "find" && body.get_str("find") == Ok("changes") && body.contains_key("sort")
+        })
+        .count();
+    assert_eq!(highest_reads, 1, "one read of the highest event number");
+    let all = events(&db).await;
+    assert_eq!(all.len(), 100);
+    let last = all.iter().map(|e| e.get_i64("seq").unwrap()).max().unwrap();
+    assert_eq!(last, 100);
+    let feed = bot_doc(&db).await;
+    let feed = feed.get_document("crawlFeed").unwrap();
+    assert_eq!(
+        feed.get_i64("seq").unwrap(),
+        last,
+        "the feed's last number: {feed}"
+    );
+}

@@ -398,3 +398,41 @@ async fn an_index_a_live_instance_of_another_version_uses_is_kept_until_that_ins
     stop.cancel();
     daemon.await.unwrap().expect("the daemon stops cleanly");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_databases_indexes_are_built_with_one_create_indexes_per_collection() {
+    // Each index alone would be a round trip apiece (two on a standalone, which refuses the
+    // commit quorum): start-up across a network pays them one after another.
+    let db = test_db("indexes_batched").await;
+    let (store, sent) = kit::crawl::monitored_store(&db.uri, &db.name).await;
+    store.frontier().ensure_indexes().await.unwrap();
+    store.records().ensure_indexes().await.unwrap();
+    let builds = |collection: &str| {
+        sent.lock()
+            .unwrap()
+            .iter()
+            .filter(|(name, body)| {
+                name == "createIndexes" && body.get_str("createIndexes") == Ok(collection)
+            })
+            .count()
+    };
+    let frontier = indexes(&db, "frontier").await;
+    assert!(
+        frontier.len() >= 3,
+        "the frontier has several indexes of its own ({})",
+        frontier.len()
+    );
+    assert!(
+        builds("frontier") <= 2,
+        "one build, and one more if the server refused the commit quorum: {}",
+        builds("frontier")
+    );
+    assert_eq!(
+        builds("records"),
+        1,
+        "the commit quorum a standalone refused is not asked again"
+    );
+    for name in ["bot_pass_status_host_priority_slot", "bot_pass_listings"] {
+        assert!(named(&frontier, name).is_some(), "{name}");
+    }
+}

@@ -423,16 +423,26 @@ impl Frontier<'_> {
             }
             None => vec![Read::Whole; filters.len()],
         };
-        for (filter, read) in filters.into_iter().zip(reads) {
-            let find = frontier.find(filter).projection(projection.clone());
-            match read {
-                Read::Empty => {}
-                Read::Batched(n) => {
-                    self.store
-                        .each_raw(what, find.batch_size(n), &mut visit)
-                        .await?
-                }
-                Read::Whole => self.store.each_raw(what, find, &mut visit).await?,
+        // Every filter's first batch side by side (a small pass is read in one round trip),
+        // then each cursor to its end.
+        let cursors = futures_util::future::try_join_all(
+            filters
+                .into_iter()
+                .zip(reads)
+                .filter_map(|(filter, read)| {
+                    let find = frontier.find(filter).projection(projection.clone());
+                    match read {
+                        Read::Empty => None,
+                        Read::Batched(n) => Some(find.batch_size(n)),
+                        Read::Whole => Some(find),
+                    }
+                })
+                .map(|find| self.store.bounded(what, find)),
+        )
+        .await?;
+        for mut cursor in cursors {
+            while self.store.unaccounted(what, cursor.advance()).await? {
+                visit(cursor.current())?;
             }
         }
         Ok(())
