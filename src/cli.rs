@@ -541,7 +541,8 @@ async fn report_summaries(
             "{} ready epoch={} seeds={} digest={}{pass}",
             s.bot, s.epoch, s.seeds, s.seeds_digest
         );
-        if s.pass == PassNumber::NONE {
+        // A pass its end recorded with no failure has none to show (no read).
+        if s.pass == PassNumber::NONE || s.failed == Some(0) {
             continue;
         }
         match crate::ops::progress::failures(store, &s.bot, s.pass).await {

@@ -66,6 +66,9 @@ pub struct BotSummary {
     pub seeds_digest: String,
     /// The crawl pass the bot is on (0: the bot does not crawl).
     pub pass: PassNumber,
+    /// The pages that pass failed, as its end recorded them (`None`: not recorded, or the pass
+    /// has not ended): `run --once` reads the failures' reasons only when there are some.
+    pub failed: Option<u64>,
 }
 
 /// With no `[[bots]]` in its file, an instance runs the bots defined in the database
@@ -568,6 +571,10 @@ async fn once(
                 seeds: doc.seeds.len(),
                 epoch: doc.lock_epoch,
                 pass: doc.crawl_pass,
+                failed: doc
+                    .crawl_pass_recorded
+                    .filter(|_| doc.crawl_pass_ended_at.is_some())
+                    .map(|r| r.failed),
                 bot,
             }),
             Ok(_) | Err(_) => warn!(%bot, "could not read the bot back for the summary"),

@@ -299,16 +299,22 @@ impl Leaser {
         let mut memory = self.rounds.lock().await;
         memory.start(pass.number);
         let now = Instant::now();
-        // Retries that came due go back to pending about once a second.
-        if Memory::due(&mut memory.last_promotion, Duration::from_secs(1), now) {
-            self.shared
-                .store
-                .frontier()
-                .promote_due(&self.shared.bot, pass.number, self.shared.clock.now())
-                .await?;
-        }
+        // Retries that came due go back to pending about once a second, beside the look at the
+        // leases (one round trip where both are due, as at a pass's start).
+        let promote = Memory::due(&mut memory.last_promotion, Duration::from_secs(1), now);
+        let promoted = async {
+            if promote {
+                self.shared
+                    .store
+                    .frontier()
+                    .promote_due(&self.shared.bot, pass.number, self.shared.clock.now())
+                    .await?;
+            }
+            Ok(())
+        };
         let mut hosts = self.pass_hosts(pass);
-        let takeovers = self.takeovers(&mut memory, pass, &mut hosts, now).await?;
+        let ((), takeovers) =
+            tokio::try_join!(promoted, self.takeovers(&mut memory, pass, &mut hosts, now))?;
         let paused: HashSet<String> = self
             .shared
             .flow

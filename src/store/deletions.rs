@@ -201,12 +201,26 @@ impl Deletions<'_> {
     ) -> Result<Evaluation> {
         let mut outcome = Evaluation::default();
         let t0 = std::time::Instant::now();
-        let mut read = self.read_pass_listings(bot, pass, &mut outcome).await?;
+        // The pages this pass never reached are read beside its own (a removal needs both; the
+        // pass's coverage bounds how many there are).
+        let unreached_pages = async {
+            match remove {
+                true => self.read_unreached(bot, pass).await,
+                false => Ok(Vec::new()),
+            }
+        };
+        let (mut read, unreached_pages) = tokio::try_join!(
+            self.read_pass_listings(bot, pass, &mut outcome),
+            unreached_pages
+        )?;
+        let mut unreached: Vec<String> = Vec::with_capacity(unreached_pages.len());
+        for (id, since) in unreached_pages {
+            read.depart(Some(&id), since);
+            unreached.push(id);
+        }
         let present = Present(std::mem::take(&mut read.present));
-        tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), items = present.0.len(), "evaluation: the present read");
-        let mut unreached: Vec<String> = Vec::new();
+        tracing::debug!(%bot, pass = pass.get(), took = ?t0.elapsed(), items = present.0.len(), "evaluation: the listings read");
         if remove {
-            unreached = self.read_unreached(bot, pass, &mut read).await?;
             // Listed nowhere now (an item that moved pages is present on its new one), and not
             // on a page this pass could not read.
             read.unknown.sort_unstable();
@@ -297,15 +311,14 @@ impl Deletions<'_> {
         Ok(read)
     }
 
-    /// Everything the pages this pass never reached listed since the last evaluation, as
-    /// departures in `read`; returns those pages' ids (their baselines are emptied at the end).
+    /// The pages this pass never reached, each with everything it listed since the last
+    /// evaluation (their departures; their baselines are emptied at the end).
     async fn read_unreached(
         self,
         bot: &BotId,
         pass: PassNumber,
-        read: &mut Listings,
-    ) -> Result<Vec<String>> {
-        let mut unreached: Vec<String> = Vec::new();
+    ) -> Result<Vec<(String, Vec<u64>)>> {
+        let mut unreached: Vec<(String, Vec<u64>)> = Vec::new();
         self.store
             .frontier()
             .each_listing(
@@ -316,8 +329,7 @@ impl Deletions<'_> {
                 |page| {
                     let since = baseline_keys(page);
                     if let (false, Ok(id)) = (since.is_empty(), page.get_str(fr::ID)) {
-                        unreached.push(id.to_owned());
-                        read.depart(Some(id), since);
+                        unreached.push((id.to_owned(), since));
                     }
                     Ok(())
                 },
