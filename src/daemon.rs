@@ -166,16 +166,26 @@ pub async fn run_with_store(
     ));
     start_services(&settings, &ctx, &tracker, &stop).await?;
     let runs = start_bots(&settings, &ctx, once_bots, &mode, &tracker, &stop);
-    let result = match mode {
+    let ready = match mode {
         Mode::Daemon => until_shutdown(runs, &stop).await,
-        Mode::Once { timeout } => once(runs, timeout, &store, &stop).await,
+        Mode::Once { timeout } => once(runs, timeout, &stop).await,
     };
     stop.cancel();
-    tracker.close();
-    tracker.wait().await;
-    ctx.hub.close().await;
-    // The registration goes last: no lock work of this process outlives it.
-    let _ = presence.await;
+    let stopped = async {
+        tracker.close();
+        tracker.wait().await;
+        ctx.hub.close().await;
+        // The registration goes last: no lock work of this process outlives it.
+        let _ = presence.await;
+    };
+    // The ready bots are read back for their summary lines while the instance stops.
+    let read_back = async {
+        match ready {
+            Ok(bots) => Ok(summaries(&store, bots).await),
+            Err(e) => Err(e),
+        }
+    };
+    let (result, ()) = tokio::join!(read_back, stopped);
     let result = if id_lost.load(std::sync::atomic::Ordering::SeqCst) {
         Err(RunError::IdTakenOver(ctx.me.to_string()))
     } else {
@@ -359,7 +369,7 @@ fn start_bots(
 async fn until_shutdown(
     runs: Vec<(BotId, tokio::task::JoinHandle<RunEnd>)>,
     stop: &CancellationToken,
-) -> Result<Vec<BotSummary>, RunError> {
+) -> Result<Vec<BotId>, RunError> {
     let mut crashed = None;
     let mut pending: futures_util::stream::FuturesUnordered<_> = runs
         .into_iter()
@@ -373,6 +383,30 @@ async fn until_shutdown(
         }
     }
     crashed.map_or(Ok(Vec::new()), |bot| Err(RunError::Crashed(bot)))
+}
+
+/// The summary line of each bot in `ready`, read back from its document (a bot that cannot be
+/// read is left out, with a warning).
+async fn summaries(store: &Store, ready: Vec<BotId>) -> Vec<BotSummary> {
+    let mut out = Vec::new();
+    for bot in ready {
+        // Read back what the bot is ready on, for the summary line.
+        match store.bots().load(&bot).await {
+            Ok(Observed::Valid(doc)) => out.push(BotSummary {
+                seeds_digest: digest(&doc.seeds),
+                seeds: doc.seeds.len(),
+                epoch: doc.lock_epoch,
+                pass: doc.crawl_pass,
+                failed: doc
+                    .crawl_pass_recorded
+                    .filter(|_| doc.crawl_pass_ended_at.is_some())
+                    .map(|r| r.failed),
+                bot,
+            }),
+            Ok(_) | Err(_) => warn!(%bot, "could not read the bot back for the summary"),
+        }
+    }
+    out
 }
 
 /// Every few seconds, the hosts that throttled this instance within the last minute or are
@@ -523,14 +557,14 @@ async fn crawl_context(
     })
 }
 
+/// Waits for every runner to finish before `timeout`: the bots that became ready, or why not.
 async fn once(
     runs: Vec<(BotId, tokio::task::JoinHandle<RunEnd>)>,
     timeout: Duration,
-    store: &Store,
     stop: &CancellationToken,
-) -> Result<Vec<BotSummary>, RunError> {
+) -> Result<Vec<BotId>, RunError> {
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut summaries = Vec::new();
+    let mut ready = Vec::new();
     let mut pending = Vec::new();
     for (bot, mut handle) in runs {
         // `Some` when the runner finished (a handle must not be polled again after that).
@@ -539,7 +573,7 @@ async fn once(
             _ = tokio::time::sleep_until(deadline) => None,
         };
         match finished {
-            Some(Some(RunEnd::Ready { .. })) => summaries.push(bot),
+            Some(Some(RunEnd::Ready { .. })) => ready.push(bot),
             Some(Some(RunEnd::Removed)) => {
                 stop.cancel();
                 return Err(RunError::Removed(bot.to_string()));
@@ -562,25 +596,7 @@ async fn once(
         }
         return Err(RunError::Timeout { timeout, pending });
     }
-    let mut out = Vec::new();
-    for bot in summaries {
-        // Read back what the bot is ready on, for the summary line.
-        match store.bots().load(&bot).await {
-            Ok(Observed::Valid(doc)) => out.push(BotSummary {
-                seeds_digest: digest(&doc.seeds),
-                seeds: doc.seeds.len(),
-                epoch: doc.lock_epoch,
-                pass: doc.crawl_pass,
-                failed: doc
-                    .crawl_pass_recorded
-                    .filter(|_| doc.crawl_pass_ended_at.is_some())
-                    .map(|r| r.failed),
-                bot,
-            }),
-            Ok(_) | Err(_) => warn!(%bot, "could not read the bot back for the summary"),
-        }
-    }
-    Ok(out)
+    Ok(ready)
 }
 
 pub(crate) fn digest(seeds: &[String]) -> String {
