@@ -175,6 +175,9 @@ pub(super) struct Rounds {
     pub(super) round: Option<BoxFuture<'static, Result<LeaseStep>>>,
     /// `Slice::new_work` when the round out now was sent, and when the dispatcher last looked.
     sent_at_work: u64,
+    /// Pages were in flight when the round out now was sent (a round that then finds nothing
+    /// to lease says only that: busy).
+    sent_busy: bool,
     work_seen: u64,
     /// No new lease round before this (a dry spell: the last ones found nothing while pages
     /// were in flight — every pending URL taken, the next listing page not read yet). Without
@@ -222,15 +225,24 @@ impl Rounds {
             && self.dry.is_none_or(|until| now >= until)
     }
 
-    pub(super) fn send(&mut self, new_work: u64, round: BoxFuture<'static, Result<LeaseStep>>) {
+    /// Sends `round`; `busy`: pages are in flight as it goes.
+    pub(super) fn send(
+        &mut self,
+        new_work: u64,
+        busy: bool,
+        round: BoxFuture<'static, Result<LeaseStep>>,
+    ) {
         self.sent_at_work = new_work;
+        self.sent_busy = busy;
         self.round = Some(round);
     }
 
-    /// A round came back with `step` (not the pass's end): a lease ends any dry spell; a round
-    /// that found nothing starts or doubles one, unless pages settled while it was out (what it
-    /// found may be stale already); an idle pass waits the longest.
-    pub(super) fn landed(&mut self, step: &LeaseStep, new_work: u64) {
+    /// A round came back with `step` (not the pass's end); `busy`: pages are in flight now. A
+    /// lease ends any dry spell; a round that found nothing starts or doubles one, unless pages
+    /// settled while it was out (what it found may be stale already) or the pages in flight
+    /// when it went out, all it found, are gone (the pass may be over: the next round looks at
+    /// once); an idle pass waits the longest.
+    pub(super) fn landed(&mut self, step: &LeaseStep, new_work: u64, busy: bool) {
         match step {
             LeaseStep::Leased => {
                 self.dry = None;
@@ -238,6 +250,7 @@ impl Rounds {
                 self.idle_since = None;
             }
             LeaseStep::Busy if new_work != self.sent_at_work => self.dry = None,
+            LeaseStep::Busy if self.sent_busy && !busy => self.dry = None,
             LeaseStep::Busy => {
                 self.dry_spell = (self.dry_spell * 2).clamp(DRY_SPELL_MIN, DRY_SPELL_MAX);
                 self.dry = Some(Instant::now() + self.dry_spell);
@@ -964,5 +977,34 @@ impl Memory {
         for id in held {
             self.busy.insert(id.to_owned(), until);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn land(rounds: &mut Rounds, sent_busy: bool, busy_now: bool) {
+        rounds.send(0, sent_busy, Box::pin(async { Ok(LeaseStep::Busy) }));
+        rounds.round = None;
+        rounds.landed(&LeaseStep::Busy, 0, busy_now);
+    }
+
+    #[test]
+    fn a_round_that_found_only_pages_in_flight_starts_no_dry_spell_once_they_are_gone() {
+        let mut rounds = Rounds::default();
+        land(&mut rounds, true, false);
+        assert!(rounds.dry.is_none(), "the next round looks at once");
+        land(&mut rounds, true, true);
+        assert!(
+            rounds.dry.is_some(),
+            "still in flight: the dry spell starts"
+        );
+        let mut rounds = Rounds::default();
+        land(&mut rounds, false, false);
+        assert!(
+            rounds.dry.is_some(),
+            "busy with nothing in flight (a paused host): the dry spell starts"
+        );
     }
 }

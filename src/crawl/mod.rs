@@ -311,7 +311,9 @@ impl Crawler {
                     end = SliceEnd::Finished(pass_end);
                     break;
                 }
-                Ok(step) => rounds.landed(&step, run.new_work()),
+                Ok(step) => {
+                    rounds.landed(&step, run.new_work(), self.shared.stages.in_pipeline() > 0)
+                }
                 Err(e) => {
                     run.fail(e);
                     break;
@@ -406,6 +408,7 @@ impl Crawler {
         let (crawler, run, pass) = (self.clone(), run.clone(), pass.clone());
         rounds.send(
             new_work,
+            in_pipeline,
             Box::pin(async move { crawler.leaser.step(&pass, &run.queues, in_pipeline).await }),
         );
     }

@@ -149,12 +149,6 @@ impl Passes<'_> {
         seeds: &[NormalizedUrl],
         now: DateTime<Utc>,
     ) -> Result<PassNumber> {
-        let next = self
-            .store
-            .frontier()
-            .highest_pass_above(bot, current)
-            .await?
-            .next();
         let urls: Vec<NewUrl> = seeds
             .iter()
             .map(|url| NewUrl {
@@ -165,9 +159,20 @@ impl Passes<'_> {
                 depth: 0,
             })
             .collect();
-        self.store
-            .frontier()
-            .enqueue_urls(bot, next, &urls, now)
+        // What the frontier holds of the seeds (by id, any pass) is read beside the highest pass:
+        // one round trip, not two, before the enqueue.
+        let frontier = self.store.frontier();
+        let ids: Vec<String> = urls
+            .iter()
+            .map(|n| super::frontier::url_id(bot, &n.url))
+            .collect();
+        let (highest, known) = tokio::try_join!(
+            frontier.highest_pass_above(bot, current),
+            frontier.known_by_id(bot, &ids)
+        )?;
+        let next = highest.next();
+        frontier
+            .enqueue_links(bot, next, &urls, &known, None, now)
             .await?;
         Ok(next)
     }
