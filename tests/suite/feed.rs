@@ -749,13 +749,20 @@ async fn a_pass_of_more_events_than_one_insert_numbers_each_once_in_order() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pass_whose_events_are_all_inserted_reads_the_highest_number_once_and_records_the_last() {
+async fn a_pass_whose_events_are_all_inserted_reads_its_pending_events_and_the_highest_number_once()
+{
     // The highest number is read beside the pending events; read back after the inserts only
     // when one was refused (a staging repeated).
     let db = test_db("feed_one_read").await;
     let base = shop(5, 20).await;
     let (store, sent) = monitored_store(&db.uri, &db.name).await;
+    let counted = store.clone();
     once_on(settings(&db, &base, &Setup::default(), "a"), store).await;
+    assert_eq!(
+        counted.command_counts().get("read pending events"),
+        Some(&1),
+        "the pending events' read is one command, not one per record"
+    );
     let highest_reads = sent
         .lock()
         .unwrap()
