@@ -268,9 +268,7 @@ async fn build_all(
     create: Vec<IndexModel>,
 ) -> Result<()> {
     match build(store, coll, create.clone()).await {
-        Err(crate::error::Error::Db(db))
-            if !crate::error::is_transient_db(&db) && !concurrent_build(&db) =>
-        {
+        Err(crate::error::Error::Db(db)) if refused(&db) => {
             for index in create {
                 let name = index
                     .options
@@ -280,15 +278,11 @@ async fn build_all(
                 build(store, coll, vec![index]).await.map_err(|e| match e {
                     // What the server refuses is said once, plainly; a server restarting or
                     // stepping down is retried by the start-up's patience.
-                    crate::error::Error::Db(db)
-                        if !crate::error::is_transient_db(&db) && !concurrent_build(&db) =>
-                    {
-                        crate::error::Error::Index {
-                            collection: collection.to_owned(),
-                            index: name,
-                            message: server_message(&db),
-                        }
-                    }
+                    crate::error::Error::Db(db) if refused(&db) => crate::error::Error::Index {
+                        collection: collection.to_owned(),
+                        index: name,
+                        message: server_message(&db),
+                    },
                     other => other,
                 })?;
             }
@@ -296,6 +290,12 @@ async fn build_all(
         }
         other => other,
     }
+}
+
+/// What the server refused for good: not a restart or a step-down (the start-up's patience
+/// retries those) nor another instance's build of the same index.
+fn refused(e: &mongodb::error::Error) -> bool {
+    !crate::error::is_transient_db(e) && !concurrent_build(e)
 }
 
 /// One `createIndexes` of `indexes`, committed by a majority of the voting members, not every

@@ -859,19 +859,28 @@ impl Store {
 
     /// As [`Store::each_doc`], on raw documents: each is handed to `visit` as it lies in the
     /// cursor's batch, nothing decoded that `visit` does not read.
-    pub(crate) async fn each_raw<F, V>(
-        &self,
-        what: &'static str,
-        find: F,
-        mut visit: V,
-    ) -> Result<()>
+    pub(crate) async fn each_raw<F, V>(&self, what: &'static str, find: F, visit: V) -> Result<()>
     where
         F: std::future::IntoFuture<
             Output = mongodb::error::Result<mongodb::Cursor<bson::RawDocumentBuf>>,
         >,
         V: FnMut(&bson::RawDocument) -> Result<()>,
     {
-        let mut cursor = self.bounded(what, find).await?;
+        let cursor = self.bounded(what, find).await?;
+        self.drain_raw(what, cursor, visit).await
+    }
+
+    /// Visits what is left of `cursor`, document by document (its further batches each a
+    /// round trip counted as such), without holding more than one batch.
+    pub(crate) async fn drain_raw<V>(
+        &self,
+        what: &'static str,
+        mut cursor: mongodb::Cursor<bson::RawDocumentBuf>,
+        mut visit: V,
+    ) -> Result<()>
+    where
+        V: FnMut(&bson::RawDocument) -> Result<()>,
+    {
         while self.unaccounted(what, cursor.advance()).await? {
             visit(cursor.current())?;
         }

@@ -159,16 +159,13 @@ impl Passes<'_> {
                 depth: 0,
             })
             .collect();
-        // What the frontier holds of the seeds (by id, any pass) is read beside the highest pass:
-        // one round trip, not two, before the enqueue.
+        // What the frontier holds of the seeds (any pass) is read beside the highest pass: one
+        // round trip, not two, before the enqueue.
         let frontier = self.store.frontier();
-        let ids: Vec<String> = urls
-            .iter()
-            .map(|n| super::frontier::url_id(bot, &n.url))
-            .collect();
+        let seed_urls: Vec<&NormalizedUrl> = seeds.iter().collect();
         let (highest, known) = tokio::try_join!(
             frontier.highest_pass_above(bot, current),
-            frontier.known_by_id(bot, &ids)
+            frontier.known_pages(bot, &seed_urls)
         )?;
         let next = highest.next();
         frontier

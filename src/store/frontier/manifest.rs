@@ -440,10 +440,8 @@ impl Frontier<'_> {
                 .map(|find| self.store.bounded(what, find)),
         )
         .await?;
-        for mut cursor in cursors {
-            while self.store.unaccounted(what, cursor.advance()).await? {
-                visit(cursor.current())?;
-            }
+        for cursor in cursors {
+            self.store.drain_raw(what, cursor, &mut visit).await?;
         }
         Ok(())
     }
