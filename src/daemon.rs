@@ -522,7 +522,8 @@ async fn crawl_context(
     info!(
         transactions,
         workers = limits.workers,
-        writers = limits.writers,
+        max_writers = limits.writers,
+        max_uncommitted = limits.max_uncommitted,
         robots = limits.robots,
         "crawl settings"
     );

@@ -76,6 +76,8 @@ struct FlowMetrics {
     retry_deferred: Family<BotLabel, Counter>,
     shed: Family<BotLabel, Counter>,
     requests_per_record: Family<BotLabel, Ratio>,
+    commit_window: Family<BotLabel, Gauge>,
+    commit_writers: Family<BotLabel, Gauge>,
     db_commands: Family<CommandLabel, Counter>,
     pool_wait: Counter<f64, std::sync::atomic::AtomicU64>,
     pool_checkouts: Counter,
@@ -105,6 +107,8 @@ impl FlowMetrics {
             retry_deferred: Default::default(),
             shed: Default::default(),
             requests_per_record: Default::default(),
+            commit_window: Default::default(),
+            commit_writers: Default::default(),
             db_commands: Default::default(),
             pool_wait: Default::default(),
             pool_checkouts: Default::default(),
@@ -214,6 +218,16 @@ impl FlowMetrics {
             "crawl_requests_per_record",
             "Page requests sent per record stored by this instance (seed 000's health signal)",
             self.requests_per_record.clone(),
+        );
+        registry.register(
+            "crawl_commit_window_pages",
+            "Pages this instance may hold fetched and not yet committed per bot, sized from the measured commit latency and page rate (crawl.max_uncommitted at most)",
+            self.commit_window.clone(),
+        );
+        registry.register(
+            "crawl_commit_writers",
+            "Group commits this instance may have on their way at once per bot, sized with the commit window (crawl.writers at most)",
+            self.commit_writers.clone(),
         );
     }
 }
@@ -908,6 +922,19 @@ impl Metrics {
             .requests_per_record
             .get_or_create(&Self::bot(bot))
             .set(ratio);
+    }
+
+    /// A bot's commit window: `pages` uncommitted and `writers` commits in flight, at most.
+    pub(crate) fn commit_window(&self, bot: &BotId, pages: usize, writers: usize) {
+        let label = Self::bot(bot);
+        self.flow
+            .commit_window
+            .get_or_create(&label)
+            .set(pages as i64);
+        self.flow
+            .commit_writers
+            .get_or_create(&label)
+            .set(writers as i64);
     }
 
     pub fn encode(&self) -> String {

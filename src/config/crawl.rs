@@ -15,17 +15,19 @@ pub struct CrawlLimits {
     /// Leased URLs waiting for their hosts, at most, per bot (lease rounds and the links leased on
     /// enqueue fill it).
     pub host_queue: usize,
-    /// Pages stored at once per bot (the store stage's concurrency).
+    /// Group commits on their way at once per bot, at most (the commit window sizes how many;
+    /// see `crawl::window`).
     pub writers: usize,
     /// Parsers per bot (on the blocking pool).
     pub parsers: usize,
     /// Fetched pages waiting for a parser (a bounded channel).
     pub parse_queue: usize,
-    /// Parsed pages waiting for a commit or being committed (a writer commits what waits, up to
-    /// this many, as one batch).
+    /// Pages one group commit carries at most (a writer commits what waits in the store queue,
+    /// up to this many, as one batch).
     pub store_queue: usize,
     /// At most this many pages are fetched (or being fetched) and not yet committed per bot on
-    /// this instance: what a crash can cost in repeated fetches.
+    /// this instance (the commit window sizes how many): what a crash can cost in repeated
+    /// fetches.
     pub max_uncommitted: usize,
     /// At most this many bytes of page bodies are fetched and not yet committed per bot on this
     /// instance (beside `max_uncommitted`): a listing page of a hundred items weighs as much as
@@ -115,11 +117,11 @@ impl Default for RawCrawlLimits {
         Self {
             workers: 32,
             host_queue: 256,
-            writers: 4,
+            writers: 8,
             parsers: 2,
             parse_queue: 16,
             store_queue: 256,
-            max_uncommitted: 512,
+            max_uncommitted: 2048,
             max_uncommitted_bytes: DEFAULT_MAX_UNCOMMITTED_BYTES,
             store_delay: "0s".into(),
             host_limit: 4,

@@ -67,6 +67,7 @@ pub(crate) mod resolve;
 pub(crate) mod shared;
 pub(crate) mod slice;
 pub(crate) mod stages;
+pub(crate) mod window;
 
 pub(crate) use commit::Committer;
 pub(crate) use dispatch::{Dispatcher, HostQueues};
@@ -83,6 +84,7 @@ use queue::Queue;
 use shared::{PassMemory, Shared};
 use slice::{body_weight, Item, Slice, SliceTasks, Storing, Uncommitted};
 use stages::Stages;
+use window::{CommitWindow, Resizable};
 
 /// How a [`Crawler::crawl_for`] slice ended.
 #[derive(Clone, Debug, PartialEq)]
@@ -123,6 +125,9 @@ pub(crate) struct Crawler {
     parser: Parser,
     settler: Resolver,
     committer: Committer,
+    /// How many pages may be uncommitted, and commits on their way, sized from the measured
+    /// commit latency and page rate.
+    window: CommitWindow,
     /// No fetch starts while the database has left an operation unanswered longer than this
     /// (the lock's ttl): cut off from it, this instance could neither confirm its leases nor
     /// commit what it fetched.
@@ -142,6 +147,8 @@ impl Crawler {
                     if let Some(ratio) = c.requests_per_record() {
                         m.requests_per_record(&c.shared.bot, ratio);
                     }
+                    let window = c.window.sizes();
+                    m.commit_window(&c.shared.bot, window.pages, window.writers);
                     true
                 }
                 None => false,
@@ -178,6 +185,7 @@ impl Crawler {
             parser: Parser::new(rules),
             settler: Resolver::new(shared.clone(), follower),
             committer: Committer::new(shared.clone(), ctx.transactions),
+            window: CommitWindow::of(&ctx.limits),
             cut_off_after: ctx.cut_off_after,
             memory,
             shared,
@@ -246,13 +254,16 @@ impl Crawler {
     /// lease (batched) → host queues (≤ `crawl.host_queue` URLs) → fetch (≤ `crawl.workers` at
     /// once, each admitted by its host's limiter) → parse queue (`crawl.parse_queue`, listing
     /// pages first) → `crawl.parsers` (each follows its page's links at once) → store queue
-    /// (`crawl.store_queue`, waiting or being committed) → `crawl.writers` group commits.
+    /// (waiting or being committed) → group commits of up to `crawl.store_queue` pages each.
     ///
-    /// Every stage pulls from the one before, and each queue is bounded: a full store queue
-    /// stalls the parsers, a full parse queue keeps fetches holding their slots, and without
-    /// room in the host queues nothing is leased. At most `crawl.max_uncommitted` pages, and
-    /// `crawl.max_uncommitted_bytes` of their bodies, are fetched and uncommitted at once (a
-    /// fetch whose body does not fit waits for room, holding its slot). At the end of the
+    /// Every stage pulls from the one before, and each queue is bounded: a full parse queue
+    /// keeps fetches holding their slots, and without room in the host queues nothing is
+    /// leased. The commit window ([`window`]) bounds the pages fetched and not yet committed,
+    /// and the commits on their way, by the measured commit latency and page rate (at most
+    /// `crawl.max_uncommitted` pages and `crawl.writers` commits); at most
+    /// `crawl.max_uncommitted_bytes` of their bodies are held at once (a fetch whose body does
+    /// not fit waits for room, holding its slot). Slow commits hold their pages, and a full
+    /// window stops fetching, then leasing. At the end of the
     /// slice the pages in flight are finished (fetched pages are committed); URLs still
     /// waiting for their host are given back. Only `shutdown` interrupts fetches (their URLs
     /// are given back too).
@@ -362,7 +373,7 @@ impl Crawler {
         let server_now = self.shared.clock.now();
         let turn = dispatch::Turn {
             slots: &run.slots,
-            uncommitted: &run.uncommitted,
+            uncommitted: run.uncommitted.semaphore(),
             server_now,
             now,
             cut_off,
@@ -419,12 +430,15 @@ impl Crawler {
     /// [`Leaser::read_known_listings`]).
     fn open_slice(self: &Arc<Self>, pass: &Pass) -> SliceTasks {
         let (shared, limits) = (&self.shared, &self.shared.limits);
+        let sizes = self.window.sizes();
         let run = Arc::new(Slice {
             queues: HostQueues::new(limits.host_queue),
             parse: Queue::new(limits.parse_queue),
-            store: Queue::new(limits.store_queue),
+            // The window bounds the pages in the store stage (each holds one of its pages).
+            store: Queue::new(limits.max_uncommitted),
             slots: Arc::new(Semaphore::new(limits.workers.max(1))),
-            uncommitted: Arc::new(Semaphore::new(shared.uncommitted_cap())),
+            uncommitted: Resizable::new(sizes.pages),
+            commits: Resizable::new(sizes.writers),
             bytes: Arc::new(Semaphore::new(shared.bytes_kib() as usize)),
             bytes_kib: shared.bytes_kib(),
             progressed: tokio::sync::Notify::new(),
@@ -465,6 +479,7 @@ impl Crawler {
                 }
             });
         }
+        // `crawl.writers` tasks; as many commit at once as the window's `writers`.
         let mut writers = JoinSet::new();
         for _ in 0..limits.writers.max(1) {
             let (crawler, run) = (self.clone(), run.clone());
@@ -660,8 +675,8 @@ impl Crawler {
                         drop(parsing);
                         // Links queued here wake the dispatcher; new pending work, the leaser.
                         run2.progressed(new_work);
-                        // Waits while the store queue is full: slow commits hold the pages here,
-                        // and their uncommitted permits stop fetching, then leasing.
+                        // The store queue has room for the whole window: slow commits hold the
+                        // pages here, and their uncommitted permits stop fetching, then leasing.
                         let _ = run2.store.push(storing, false).await;
                     }
                     Err(e) => run2.fail(e),
@@ -671,9 +686,13 @@ impl Crawler {
         }
     }
 
-    /// A writer: takes what waits in the store queue and commits it as one batch.
+    /// A writer: once one of the window's commits is free, takes what waits in the store queue
+    /// and commits it as one batch; each commit's latency resizes the window.
     async fn commit_pages(&self, run: &Slice) {
         loop {
+            let Ok(_commit) = run.commits.semaphore().acquire().await else {
+                return;
+            };
             let batch = run.store.pop_up_to(self.shared.limits.store_queue).await;
             if batch.is_empty() {
                 return;
@@ -681,7 +700,18 @@ impl Crawler {
             let settled: Vec<&Settled> = batch.iter().map(|s| &s.item.settled).collect();
             let t0 = Instant::now();
             let result = self.committer.step(&settled, run.feed_staged).await;
-            tracing::trace!(pages = settled.len(), took = ?t0.elapsed(), "commit");
+            let took = t0.elapsed();
+            if result.is_ok() {
+                self.window.commit(settled.len(), took, Instant::now());
+            }
+            let sizes = self.window.sizes();
+            tracing::trace!(
+                pages = settled.len(),
+                ?took,
+                window = sizes.pages,
+                writers = sizes.writers,
+                "commit"
+            );
             match result {
                 Ok(committed) => {
                     for (s, c) in settled.iter().zip(&committed) {
@@ -692,6 +722,8 @@ impl Crawler {
             }
             drop(settled);
             drop(batch);
+            run.uncommitted.resize(sizes.pages);
+            run.commits.resize(sizes.writers);
             run.progressed(false);
         }
     }

@@ -136,15 +136,6 @@ impl Shared {
         }
     }
 
-    /// At most this many pages are fetched (or being fetched) and not yet committed here at
-    /// once: `crawl.max_uncommitted`, and never more than the stages can hold.
-    pub(crate) fn uncommitted_cap(&self) -> usize {
-        let l = &self.limits;
-        l.max_uncommitted
-            .min(l.workers + l.parse_queue + l.parsers + l.store_queue)
-            .max(1)
-    }
-
     /// `crawl.max_uncommitted_bytes` in KiB (the byte budget's unit).
     pub(crate) fn bytes_kib(&self) -> u32 {
         u32::try_from(self.limits.max_uncommitted_bytes / 1024)

@@ -20,7 +20,7 @@ use crate::error::Error;
 use crate::store::frontier::UrlLease;
 
 /// What a page fetched and not yet committed holds until its commit (or until it is given up):
-/// one of `crawl.max_uncommitted` pages, and its body's weight in `crawl.max_uncommitted_bytes`.
+/// one of the commit window's pages, and its body's weight in `crawl.max_uncommitted_bytes`.
 pub(super) struct Uncommitted {
     pub(super) _page: OwnedSemaphorePermit,
     pub(super) _bytes: Option<OwnedSemaphorePermit>,
@@ -69,8 +69,12 @@ pub(super) struct Slice {
     pub(super) store: Queue<Storing>,
     /// Fetches in flight (`crawl.workers`).
     pub(super) slots: Arc<Semaphore>,
-    /// Pages fetched (or being fetched) and not yet committed (`crawl.max_uncommitted`).
-    pub(super) uncommitted: Arc<Semaphore>,
+    /// Pages fetched (or being fetched) and not yet committed: the commit window's pages
+    /// (`crawl.max_uncommitted` at most).
+    pub(super) uncommitted: super::window::Resizable,
+    /// Group commits on their way at once: the commit window's writers (`crawl.writers` at
+    /// most).
+    pub(super) commits: super::window::Resizable,
     /// The bodies of the pages fetched and not yet committed, in KiB
     /// (`crawl.max_uncommitted_bytes`).
     pub(super) bytes: Arc<Semaphore>,

@@ -143,8 +143,8 @@ async fn sigkilled_crawlers_end_with_one_correct_record_and_one_event_per_produc
     // The ordered commit path: the one whose every line a kill can split. (A kill inside a
     // transaction leaves it open on the server for about a minute, which would hold the pass's
     // end and slow other tests' change streams; scripts/bench/kill-test covers that case.)
-    // Small queues: at most 2 + 1 + 1 + 1 + 1 = 6 pages fetched and not yet committed.
-    config.extra = "[crawl]\nworkers = 2\nparse_queue = 1\nparsers = 1\nstore_queue = 1\nwriters = 1\nlease = \"30s\"\ntimeout = \"5s\"\ntransactions = \"off\"\n";
+    // Small queues, and at most 6 pages fetched and not yet committed.
+    config.extra = "[crawl]\nworkers = 2\nparse_queue = 1\nparsers = 1\nstore_queue = 1\nwriters = 1\nmax_uncommitted = 6\nlease = \"30s\"\ntimeout = \"5s\"\ntransactions = \"off\"\n";
     const IN_FLIGHT_CAP: u64 = 6;
     let config = config.write(dir.path());
     let names = ["k0", "k1"];

@@ -310,15 +310,15 @@ async fn old_low_priority_work_for_a_throttling_host_is_shed_and_still_crawled()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_store_bounds_the_urls_leased_by_the_queue_sizes() {
+async fn a_slow_store_bounds_the_urls_leased_by_the_host_queue_and_the_commit_window() {
     let db = test_db("flow_slow_store").await;
     let base = shop(10, 20).await;
-    // At most: 4 waiting for their host + 4 fetching + (2 queued + 1 parsing) + (2 queued + 1
-    // being written).
-    let bound = 4 + 4 + 3 + 3;
+    // At most: 4 waiting for their host + the next listing page (leased here whatever the
+    // room) + 10 fetched (or being fetched) and not yet committed.
+    let bound = 4 + 1 + 10;
     let setup = Setup {
         workers: 4,
-        crawl: "host_queue = 4\nwriters = 1\nparsers = 1\nparse_queue = 2\nstore_queue = 2\nstore_delay = \"30ms\"",
+        crawl: "host_queue = 4\nwriters = 1\nparsers = 1\nparse_queue = 2\nstore_queue = 2\nmax_uncommitted = 10\nstore_delay = \"30ms\"",
         ..Setup::default()
     };
     let stop = CancellationToken::new();
@@ -374,6 +374,50 @@ async fn most_pages_in_the_store_stage(hint: &str, extra: &str) -> f64 {
     stop.cancel();
     assert_eq!(live_records(&db).await, truth(&base).await, "nothing lost");
     depths.await.unwrap().into_iter().fold(0.0_f64, f64::max)
+}
+
+/// The most commits in flight the window allowed (`seedlock_crawl_commit_writers`, sampled) in a
+/// crawl of a 210-page shop with `[crawl]` `extra`, every record stored.
+async fn most_commits_in_flight(hint: &str, extra: &str) -> f64 {
+    let db = test_db(hint).await;
+    let base = shop(10, 20).await;
+    let listen = free_addr();
+    let setup = Setup {
+        workers: 16,
+        crawl: extra,
+        listen: &listen,
+        ..Setup::default()
+    };
+    let stop = CancellationToken::new();
+    let writers = sampler(
+        listen.clone(),
+        r#"seedlock_crawl_commit_writers{bot="shop"}"#.into(),
+        stop.clone(),
+    );
+    once(settings(&db, &base, &setup, "a")).await;
+    stop.cancel();
+    assert_eq!(live_records(&db).await, truth(&base).await, "nothing lost");
+    writers.await.unwrap().into_iter().fold(0.0_f64, f64::max)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commits_in_flight_follow_the_measured_commit_latency_up_to_crawl_writers() {
+    // Every page costs its commit 100 ms and a commit carries at most 4: two commits in flight
+    // carry 20 pages/s, fewer than the shop's pages come. Each measurement of the rate and the
+    // latency doubles the commits in flight (twice the rate times the latency, in commits of 4
+    // pages) until `crawl.writers` holds them.
+    let slow = most_commits_in_flight(
+        "flow_writers_slow",
+        "writers = 8\nstore_queue = 4\nstore_delay = \"100ms\"",
+    )
+    .await;
+    assert_eq!(
+        slow, 8.0,
+        "a slow store took every commit crawl.writers allows"
+    );
+    // The same crawl with the database answering at once: two commits in flight carry it.
+    let fast = most_commits_in_flight("flow_writers_fast", "writers = 8").await;
+    assert_eq!(fast, 2.0, "a fast store kept two commits in flight");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -62,14 +62,14 @@ pub struct ChaosConfig {
     pub transactions: String,
 }
 
-/// One instance's pipeline sizes: a kill can lose at most this many fetched, uncommitted pages
-/// per crawling bot (fetches + parse queue + parsers + store queue + writers).
+/// One instance's pipeline sizes, and the ceiling of its commit window: a kill can lose at most
+/// `IN_FLIGHT_CAP` fetched, uncommitted pages per crawling bot.
 const WORKERS: u32 = 3;
 const PARSE_QUEUE: u32 = 1;
 const PARSERS: u32 = 1;
 const STORE_QUEUE: u32 = 1;
 const WRITERS: u32 = 2;
-pub const IN_FLIGHT_CAP: u32 = WORKERS + PARSE_QUEUE + PARSERS + STORE_QUEUE + WRITERS;
+pub const IN_FLIGHT_CAP: u32 = 8;
 const TTL: Duration = Duration::from_secs(2);
 /// Seed fetches take this long, so locks are held long enough to be stopped or unlocked.
 const SEED_LATENCY: Duration = Duration::from_millis(800);

@@ -215,6 +215,7 @@ parse_queue = {PARSE_QUEUE}
 parsers = {PARSERS}
 store_queue = {STORE_QUEUE}
 writers = {WRITERS}
+max_uncommitted = {IN_FLIGHT_CAP}
 lease = "8s"
 timeout = "4s"
 attempts = 10
