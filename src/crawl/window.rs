@@ -10,8 +10,9 @@
 //! recent commit latency. Twice: the window always lets the pages flow twice as fast as they
 //! do, so a window that binds grows until something else binds (the fetches, the parsers, the
 //! database's own pace). Commits in flight: enough that each carries at most
-//! `crawl.store_queue` pages of that room, and at least two (one batch gathers while the one
-//! before is on its way).
+//! `crawl.store_queue` pages of that room; enough that the database has work while commits
+//! travel (one plus the fastest recent commit's latency over what the median one adds to it);
+//! and at least two (one batch gathers while the one before is on its way).
 //!
 //! The settings are ceilings: the window never exceeds `crawl.max_uncommitted`, commits never
 //! `crawl.writers`; the byte budget (`crawl.max_uncommitted_bytes`) holds beside. Before the
@@ -93,10 +94,11 @@ impl Measured {
         }
     }
 
-    fn latency(&self) -> Option<Duration> {
+    /// The fastest and the median of the recent commits' latencies.
+    fn latencies(&self) -> Option<(Duration, Duration)> {
         let mut sorted: Vec<_> = self.latencies.iter().copied().collect();
         sorted.sort_unstable();
-        sorted.get(sorted.len() / 2).copied()
+        Some((*sorted.first()?, sorted[sorted.len() / 2]))
     }
 
     fn rate(&self) -> Option<f64> {
@@ -138,22 +140,39 @@ impl CommitWindow {
 
     /// The sizes the measurements give (see the module's comment).
     pub(crate) fn sizes(&self) -> Sizes {
-        let (rate, latency) = {
+        let (rate, latencies) = {
             let m = self.lock();
-            (m.rate(), m.latency())
+            (m.rate(), m.latencies())
         };
-        let in_store = match (rate, latency) {
-            (Some(rate), Some(latency)) => (GAIN * rate * latency.as_secs_f64()).ceil() as usize,
-            _ => INITIAL_STORE,
+        let (in_store, pipeline) = match (rate, latencies) {
+            (Some(rate), Some((fastest, median))) => (
+                (GAIN * rate * median.as_secs_f64()).ceil() as usize,
+                pipeline(fastest, median),
+            ),
+            _ => (INITIAL_STORE, MIN_WRITERS),
         };
         Sizes {
             pages: (self.stages + in_store.max(1)).min(self.max_pages).max(1),
             writers: in_store
                 .div_ceil(self.batch)
+                .max(pipeline)
                 .max(MIN_WRITERS)
                 .min(self.max_writers),
         }
     }
+}
+
+/// Commits in flight that keep the database busy while commits travel: a commit's latency is
+/// a part every commit pays whatever it carries (the round trips; the fastest recent commit, at
+/// most) and a part that grows with its batch (the median's rest, the database's work). While
+/// one commit's work is done, the others travel: one plus as many as the fixed part spans.
+/// Locally the work dominates (two); across a network the round trips do (more).
+fn pipeline(fastest: Duration, median: Duration) -> usize {
+    let work = median.saturating_sub(fastest);
+    if work.is_zero() {
+        return MIN_WRITERS;
+    }
+    1 + (fastest.as_secs_f64() / work.as_secs_f64()).ceil() as usize
 }
 
 /// A semaphore whose number of permits follows a target: grown at once, shrunk as permits come
@@ -202,6 +221,34 @@ mod tests {
     /// A window over 30 workers, 8 queued for a parser and 2 parsers.
     fn window(writers: usize, store_queue: usize, max: usize) -> CommitWindow {
         CommitWindow::new(30 + 8 + 2, store_queue, max, writers)
+    }
+
+    #[test]
+    fn commits_in_flight_span_the_part_of_a_commit_that_does_not_grow_with_its_batch() {
+        let ms = Duration::from_millis;
+        // Locally the database's work is most of a commit: two.
+        assert_eq!(pipeline(ms(10), ms(40)), 2);
+        // 10 ms away, three round trips: 30 ms of travel beside 20 ms of work.
+        assert_eq!(pipeline(ms(30), ms(50)), 3);
+        // 50 ms away: the travel is nine times the work.
+        assert_eq!(pipeline(ms(150), ms(167)), 10);
+        // Every commit alike: nothing tells travel from work.
+        assert_eq!(pipeline(ms(30), ms(30)), MIN_WRITERS);
+    }
+
+    #[test]
+    fn a_far_database_keeps_more_commits_in_flight_than_the_batches_need() {
+        let w = window(16, 1_000, 10_000);
+        let start = Instant::now();
+        let mut now = start;
+        // 50 ms round trips: small commits take 160 ms, larger ones 180.
+        for i in 0..40 {
+            let (pages, latency) = if i % 2 == 0 { (5, 160) } else { (50, 180) };
+            now += Duration::from_millis(60);
+            w.commit(pages, Duration::from_millis(latency), now);
+        }
+        // 1 + 160 / 20 = 9 in flight, though two commits of 1,000 would carry the window.
+        assert_eq!(w.sizes().writers, 9);
     }
 
     /// Commits of `pages` each taking `latency`, back to back from `start` for `total`.
