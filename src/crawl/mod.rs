@@ -263,10 +263,9 @@ impl Crawler {
     /// `crawl.max_uncommitted` pages and `crawl.writers` commits); at most
     /// `crawl.max_uncommitted_bytes` of their bodies are held at once (a fetch whose body does
     /// not fit waits for room, holding its slot). Slow commits hold their pages, and a full
-    /// window stops fetching, then leasing. At the end of the
-    /// slice the pages in flight are finished (fetched pages are committed); URLs still
-    /// waiting for their host are given back. Only `shutdown` interrupts fetches (their URLs
-    /// are given back too).
+    /// window stops fetching, then leasing. At the end of the slice the pages in flight are
+    /// finished (fetched pages are committed); URLs still waiting for their host are given
+    /// back. Only `shutdown` interrupts fetches (their URLs are given back too).
     pub(crate) async fn crawl_for(
         self: &Arc<Self>,
         pass: &Pass,
