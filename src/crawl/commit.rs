@@ -43,19 +43,22 @@ impl Committer {
     }
 
     /// The commit step: one group commit of `batch`. Returns what became of each page, in
-    /// order.
+    /// order, and how long the commit that took took (a retried commit's failed attempts and
+    /// backoff left out: the commit window sizes itself by the database's pace, not its faults).
     /// `feed_staged`: the last pass whose change events were staged (see
     /// [`Records::commit_batch_keeping`](crate::store::Records::commit_batch_keeping)).
     pub(crate) async fn step(
         &self,
         batch: &[&Settled],
         feed_staged: crate::ids::PassNumber,
-    ) -> Result<Vec<Committed>> {
+    ) -> Result<(Vec<Committed>, Duration)> {
+        let delayed = tokio::time::Instant::now();
         if !self.shared.limits.store_delay.is_zero() {
             // A slow database, for tests: as slow per page as the setting says.
             let pages = u32::try_from(batch.len()).unwrap_or(u32::MAX);
             tokio::time::sleep(self.shared.limits.store_delay * pages).await;
         }
+        let delay = delayed.elapsed();
         let pages: Vec<PageCommit<'_>> = batch
             .iter()
             .map(|s| PageCommit {
@@ -69,6 +72,7 @@ impl Committer {
         loop {
             attempt += 1;
             let now = self.shared.clock.now();
+            let sent = tokio::time::Instant::now();
             match self
                 .shared
                 .store
@@ -76,7 +80,7 @@ impl Committer {
                 .commit_batch_keeping(&pages, now, self.transactions, feed_staged)
                 .await
             {
-                Ok(committed) => return Ok(committed),
+                Ok(committed) => return Ok((committed, delay + sent.elapsed())),
                 // Retried as a whole: every write in it is conditional and idempotent. Only while
                 // the leases last (after that, others fetch the pages again); through an election
                 // for as long as they do.

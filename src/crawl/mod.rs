@@ -697,22 +697,20 @@ impl Crawler {
                 return;
             }
             let settled: Vec<&Settled> = batch.iter().map(|s| &s.item.settled).collect();
-            let t0 = Instant::now();
             let result = self.committer.step(&settled, run.feed_staged).await;
-            let took = t0.elapsed();
-            if result.is_ok() {
-                self.window.commit(settled.len(), took, Instant::now());
+            if let Ok((_, took)) = &result {
+                self.window.commit(settled.len(), *took, Instant::now());
             }
             let sizes = self.window.sizes();
-            tracing::trace!(
-                pages = settled.len(),
-                ?took,
-                window = sizes.pages,
-                writers = sizes.writers,
-                "commit"
-            );
             match result {
-                Ok(committed) => {
+                Ok((committed, took)) => {
+                    tracing::trace!(
+                        pages = settled.len(),
+                        ?took,
+                        window = sizes.pages,
+                        writers = sizes.writers,
+                        "commit"
+                    );
                     for (s, c) in settled.iter().zip(&committed) {
                         self.committer.account(s, c);
                     }

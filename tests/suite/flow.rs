@@ -377,15 +377,19 @@ async fn most_pages_in_the_store_stage(hint: &str, extra: &str) -> f64 {
 }
 
 /// The most commits in flight the window allowed (`seedlock_crawl_commit_writers`, sampled) in a
-/// crawl of a 210-page shop with `[crawl]` `extra`, every record stored.
-async fn most_commits_in_flight(hint: &str, extra: &str) -> f64 {
+/// crawl of a 210-page shop with `[crawl]` `extra`, the database `rtt` away (the delay proxy),
+/// every record stored.
+async fn most_commits_in_flight(hint: &str, extra: &str, rtt: Duration) -> f64 {
     let db = test_db(hint).await;
     let base = shop(10, 20).await;
     let listen = free_addr();
+    let distance = kit::delay::Delay::start(&kit::blackhole::server_of(&db.uri), rtt);
+    let uri = distance.uri(&db.uri);
     let setup = Setup {
         workers: 16,
         crawl: extra,
         listen: &listen,
+        uri: Some(&uri),
         ..Setup::default()
     };
     let stop = CancellationToken::new();
@@ -409,15 +413,21 @@ async fn commits_in_flight_follow_the_measured_commit_latency_up_to_crawl_writer
     let slow = most_commits_in_flight(
         "flow_writers_slow",
         "writers = 8\nstore_queue = 4\nstore_delay = \"100ms\"",
+        Duration::ZERO,
     )
     .await;
     assert_eq!(
         slow, 8.0,
         "a slow store took every commit crawl.writers allows"
     );
-    // The same crawl with the database answering at once: two commits in flight carry it.
-    let fast = most_commits_in_flight("flow_writers_fast", "writers = 8").await;
-    assert_eq!(fast, 2.0, "a fast store kept two commits in flight");
+    // The database 40 ms away: most of a commit is its round trips, whatever it carries. More
+    // commits travel at once than the two a batch needs, so the database has work meanwhile.
+    let far =
+        most_commits_in_flight("flow_writers_far", "writers = 8", Duration::from_millis(40)).await;
+    assert!(
+        far > 2.0,
+        "a database 40 ms away kept only {far} commits in flight"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

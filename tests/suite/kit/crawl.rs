@@ -89,6 +89,8 @@ pub struct Setup<'a> {
     /// The `[bots.crawl]` rules (TOML) in place of the shop's HTML ones
     /// (`demo_site::crawl_rules_toml`), such as `demo_site::api_rules_toml`'s.
     pub rules: Option<String>,
+    /// The database's URI in place of the test database's (a proxy in front of it).
+    pub uri: Option<&'a str>,
 }
 
 impl Default for Setup<'_> {
@@ -106,6 +108,7 @@ impl Default for Setup<'_> {
             lease: "5s",
             timeout: "2s",
             rules: None,
+            uri: None,
         }
     }
 }
@@ -150,7 +153,7 @@ refresh = "1h"
 mode = "{mode}"
 {incremental}
 "#,
-        uri = db.uri,
+        uri = setup.uri.unwrap_or(&db.uri),
         database = db.name,
         workers = setup.workers,
         transactions = setup.transactions,
