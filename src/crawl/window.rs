@@ -79,7 +79,8 @@ impl Measured {
             self.latencies.pop_front();
         }
         self.latencies.push_back(latency);
-        let (start, counted) = self.current.get_or_insert((now - latency, 0));
+        let sent = now.checked_sub(latency).unwrap_or(now);
+        let (start, counted) = self.current.get_or_insert((sent, 0));
         *counted += pages;
         let elapsed = now.saturating_duration_since(*start);
         if elapsed >= RATE_INTERVAL {
@@ -152,7 +153,11 @@ impl CommitWindow {
             _ => (INITIAL_STORE, MIN_WRITERS),
         };
         Sizes {
-            pages: (self.stages + in_store.max(1)).min(self.max_pages).max(1),
+            pages: self
+                .stages
+                .saturating_add(in_store.max(1))
+                .min(self.max_pages)
+                .max(1),
             writers: in_store
                 .div_ceil(self.batch)
                 .max(pipeline)
@@ -172,7 +177,8 @@ fn pipeline(fastest: Duration, median: Duration) -> usize {
     if work.is_zero() {
         return MIN_WRITERS;
     }
-    1 + (fastest.as_secs_f64() / work.as_secs_f64()).ceil() as usize
+    // A float past `usize` converts to its largest value; the ceiling holds it.
+    ((fastest.as_secs_f64() / work.as_secs_f64()).ceil() as usize).saturating_add(1)
 }
 
 /// A semaphore whose number of permits follows a target: grown at once, shrunk as permits come
@@ -234,6 +240,11 @@ mod tests {
         assert_eq!(pipeline(ms(150), ms(167)), 10);
         // Every commit alike: nothing tells travel from work.
         assert_eq!(pipeline(ms(30), ms(30)), MIN_WRITERS);
+        // A nanosecond of work: as many as there can be (the ceiling holds them).
+        assert_eq!(
+            pipeline(ms(30), ms(30) + Duration::from_nanos(1)),
+            30_000_001
+        );
     }
 
     #[test]
