@@ -349,59 +349,59 @@ async fn a_slow_store_bounds_the_urls_leased_by_the_host_queue_and_the_commit_wi
     assert_eq!(live_records(&db).await, truth(&base).await);
 }
 
-/// The most pages a crawl of a 22-page shop held in its store stage at once behind a slow store,
-/// sampled from /metrics, with `[crawl]` `extra`.
-async fn most_pages_in_the_store_stage(hint: &str, extra: &str) -> f64 {
+/// The highest value of the bot's `/metrics` `series` (sampled) while one instance crawls a shop
+/// of `listings` listing pages of `per` products with `setup` (its `listen` set here), every
+/// record stored.
+async fn peak_while_crawling(
+    hint: &str,
+    (listings, per): (u32, u32),
+    series: &str,
+    setup: Setup<'_>,
+) -> f64 {
     let db = test_db(hint).await;
-    let base = shop(2, 10).await;
+    let base = shop(listings, per).await;
     let listen = free_addr();
+    let setup = Setup {
+        listen: &listen,
+        ..setup
+    };
+    let stop = CancellationToken::new();
+    let peak = sampler(listen.clone(), series.into(), stop.clone());
+    once(settings(&db, &base, &setup, "a")).await;
+    stop.cancel();
+    assert_eq!(live_records(&db).await, truth(&base).await, "nothing lost");
+    peak.await.unwrap().into_iter().fold(0.0_f64, f64::max)
+}
+
+/// The most pages a crawl of a 22-page shop held in its store stage at once behind a slow store,
+/// with `[crawl]` `extra`.
+async fn most_pages_in_the_store_stage(hint: &str, extra: &str) -> f64 {
     let crawl = format!(
         "writers = 1\nparse_queue = 8\nstore_queue = 8\nmax_uncommitted = 64\nstore_delay = \"100ms\"\n{extra}"
     );
     let setup = Setup {
         workers: 4,
         crawl: &crawl,
-        listen: &listen,
         ..Setup::default()
     };
-    let stop = CancellationToken::new();
-    let depths = sampler(
-        listen.clone(),
-        r#"seedlock_crawl_stage_depth{bot="shop",stage="store"}"#.into(),
-        stop.clone(),
-    );
-    once(settings(&db, &base, &setup, "a")).await;
-    stop.cancel();
-    assert_eq!(live_records(&db).await, truth(&base).await, "nothing lost");
-    depths.await.unwrap().into_iter().fold(0.0_f64, f64::max)
+    let series = r#"seedlock_crawl_stage_depth{bot="shop",stage="store"}"#;
+    peak_while_crawling(hint, (2, 10), series, setup).await
 }
 
-/// The most commits in flight the window allowed (`seedlock_crawl_commit_writers`, sampled) in a
-/// crawl of a 210-page shop with `[crawl]` `extra`, the database `rtt` away (the delay proxy),
-/// every record stored.
+/// The most commits in flight the window allowed in a crawl of a 210-page shop with `[crawl]`
+/// `extra`, the database `rtt` away (the delay proxy).
 async fn most_commits_in_flight(hint: &str, extra: &str, rtt: Duration) -> f64 {
-    let db = test_db(hint).await;
-    let base = shop(10, 20).await;
-    let listen = free_addr();
-    let distance = kit::delay::Delay::start(&kit::blackhole::server_of(&db.uri), rtt);
-    let uri = distance.uri(&db.uri);
+    let uri = kit::mongodb_uri();
+    let distance = kit::delay::Delay::start(&kit::blackhole::server_of(&uri), rtt);
+    let through = distance.uri(&uri);
     let setup = Setup {
         workers: 16,
         crawl: extra,
-        listen: &listen,
-        uri: Some(&uri),
+        uri: Some(&through),
         ..Setup::default()
     };
-    let stop = CancellationToken::new();
-    let writers = sampler(
-        listen.clone(),
-        r#"seedlock_crawl_commit_writers{bot="shop"}"#.into(),
-        stop.clone(),
-    );
-    once(settings(&db, &base, &setup, "a")).await;
-    stop.cancel();
-    assert_eq!(live_records(&db).await, truth(&base).await, "nothing lost");
-    writers.await.unwrap().into_iter().fold(0.0_f64, f64::max)
+    let series = r#"seedlock_crawl_commit_writers{bot="shop"}"#;
+    peak_while_crawling(hint, (10, 20), series, setup).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
