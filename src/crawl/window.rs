@@ -321,38 +321,29 @@ mod tests {
 
     #[test]
     fn the_settings_are_ceilings() {
-        let w = window(3, 100, 500);
-        commits(
-            &w,
-            Instant::now(),
-            1_000,
-            Duration::from_millis(100),
-            Duration::from_secs(2),
-        );
-        // Asked for 2 × 10,000/s × 0.1 s = 2,000 pages in the store stage, in 20 commits of
-        // 100: held to `max_uncommitted` and to `writers`.
-        assert_eq!(
-            w.sizes(),
-            Sizes {
-                pages: 500,
-                writers: 3
-            }
-        );
-        let tight = window(1, 100, 50);
-        commits(
-            &tight,
-            Instant::now(),
-            1_000,
-            Duration::from_millis(100),
-            Duration::from_secs(2),
-        );
-        assert_eq!(
-            tight.sizes(),
-            Sizes {
-                pages: 50,
-                writers: 1
-            }
-        );
+        // Each asked for 2 × 10,000/s × 0.1 s = 2,000 pages in the store stage, in 20 commits
+        // of 100: held to `max_uncommitted` and to `writers`.
+        let cases = [
+            (
+                window(3, 100, 500),
+                Sizes {
+                    pages: 500,
+                    writers: 3,
+                },
+            ),
+            (
+                window(1, 100, 50),
+                Sizes {
+                    pages: 50,
+                    writers: 1,
+                },
+            ),
+        ];
+        for (w, held) in cases {
+            let (latency, total) = (Duration::from_millis(100), Duration::from_secs(2));
+            commits(&w, Instant::now(), 1_000, latency, total);
+            assert_eq!(w.sizes(), held);
+        }
     }
 
     #[test]
