@@ -9,7 +9,6 @@
 //! way.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,7 +17,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::shared::Shared;
+use super::shared::{MovingAverage, Shared};
 use super::stages::Ticket;
 use crate::flow::robots::RobotsCache;
 use crate::flow::{Admission, Busy, Flow, HostPermit};
@@ -403,8 +402,8 @@ pub(crate) struct QueueSizing {
     flow: Arc<Flow>,
     /// `crawl.workers`: the fetch slots the hosts share.
     workers: usize,
-    /// How long a lease round takes here (µs, a moving average).
-    lease_round_us: AtomicU64,
+    /// How long a lease round takes here.
+    lease_rounds: MovingAverage,
 }
 
 impl QueueSizing {
@@ -412,7 +411,7 @@ impl QueueSizing {
         Self {
             flow,
             workers,
-            lease_round_us: AtomicU64::new(0),
+            lease_rounds: MovingAverage::default(),
         }
     }
 
@@ -430,18 +429,13 @@ impl QueueSizing {
     /// one after it is sent, so that the database's round trip does not pace fetching (a
     /// database 10 ms away makes a round 30–50 ms).
     fn horizon(&self) -> Duration {
-        let round = self.lease_round_us.load(Ordering::Relaxed);
-        QUEUE_HORIZON + Duration::from_micros(round.saturating_mul(2)).min(MAX_ROUND_ALLOWANCE)
+        let round = self.lease_rounds.get().unwrap_or_default();
+        QUEUE_HORIZON + round.saturating_mul(2).min(MAX_ROUND_ALLOWANCE)
     }
 
     /// Counts a lease round's duration into the moving average `QueueSizing::horizon` reads.
     pub(crate) fn lease_round_took(&self, took: Duration) {
-        let took = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
-        let _ = self
-            .lease_round_us
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
-                Some(if avg == 0 { took } else { (avg * 4 + took) / 5 })
-            });
+        self.lease_rounds.note(took);
     }
 }
 

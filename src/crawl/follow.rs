@@ -741,8 +741,9 @@ impl Follower {
             *granted.entry(host).or_default() += 1;
             first += 1;
         }
-        // The pagination chain (the listing links of a listing page), with the database
-        // farther away than the host (see [`Shared::write_outlasts_fetch`]): the leases are
+        // The pagination chain (the listing links of a listing page), while its writes take at
+        // least as long as a fetch from the host (see [`Shared::write_outlasts_fetch`]: the
+        // database's distance and its load): the leases are
         // queued for their hosts as the write is sent, each with a confirmation its page waits
         // for before it is committed — the next listing page is fetched while its write is on
         // its way, and kept only if the write took its lease. A lease the write did not take was
@@ -754,10 +755,9 @@ impl Follower {
         // no room to be leased on enqueue, which cost lease rounds instead (measured with the
         // database 10 ms away, 50 listing pages of 100 products, the chain fetched ahead while
         // its host's queue alone was half empty: 0.73–0.82 of the speed of waiting, with 1.3
-        // times the lease reads and 1.7 times the lease writes). With the database nearer than the host,
-        // the write is shorter than the fetch it would hide, and the chain waits for it: fetched
-        // ahead there, the 10,000-product crawl with the database local ran at 0.88–0.91 of the
-        // speed of waiting (see BENCHMARKS.md, "The pagination chain").
+        // times the lease reads and 1.7 times the lease writes). While the write is shorter
+        // than the fetch it would hide, the chain waits for it (see BENCHMARKS.md, "The
+        // pagination chain").
         let fetch_ahead = chain.is_some_and(|c| {
             lease.kind.is_listing()
                 && !self.memory.ahead_missed(lease.pass)
@@ -773,6 +773,7 @@ impl Follower {
                 })
         });
         let mut ahead: Vec<(String, watch::Sender<Option<bool>>)> = Vec::new();
+        let sent = tokio::time::Instant::now();
         let result = self
             .shared
             .store
@@ -808,6 +809,9 @@ impl Follower {
                 },
             )
             .await;
+        if chain.is_some() && first > 0 && result.is_ok() {
+            self.shared.chain_writes.note(sent.elapsed());
+        }
         if !fetch_ahead {
             return self.take_reserved(queues, &granted, result);
         }

@@ -81,7 +81,7 @@ pub(crate) use resolve::{Resolver, Settled};
 use dispatch::{Admitted, Confirmation, QueueSizing};
 use lease::Rounds;
 use queue::Queue;
-use shared::{PassMemory, Shared};
+use shared::{MovingAverage, PassMemory, Shared};
 use slice::{body_weight, Item, Slice, SliceTasks, Storing, Uncommitted};
 use stages::Stages;
 use window::{CommitWindow, Resizable};
@@ -174,6 +174,7 @@ impl Crawler {
             stages: Arc::new(Stages::default()),
             levels,
             lowest,
+            chain_writes: MovingAverage::default(),
         });
         let memory = Arc::new(PassMemory::default());
         let sizing = Arc::new(QueueSizing::new(ctx.flow.clone(), ctx.limits.workers));

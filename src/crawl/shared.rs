@@ -4,7 +4,7 @@
 //! written by the lease and follow stages, each through its own method here.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -49,18 +49,54 @@ pub(crate) struct Shared {
     /// The priorities above the lowest, highest first.
     pub levels: Vec<i64>,
     pub lowest: i64,
+    /// How long the pagination chain's writes (a listing page's next page enqueued and leased
+    /// here) take lately, the server's load included.
+    pub chain_writes: MovingAverage,
+}
+
+/// A fast-moving average of durations (each new one weighs a fifth), shared between tasks.
+#[derive(Debug, Default)]
+pub(crate) struct MovingAverage {
+    /// In µs; 0 before the first.
+    micros: AtomicU64,
+}
+
+impl MovingAverage {
+    /// Counts `took` into the average.
+    pub(crate) fn note(&self, took: Duration) {
+        let took = u64::try_from(took.as_micros()).unwrap_or(u64::MAX).max(1);
+        let _ = self
+            .micros
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
+                Some(if avg == 0 {
+                    took
+                } else {
+                    avg.saturating_mul(4).saturating_add(took) / 5
+                })
+            });
+    }
+
+    /// The average, `None` before the first duration.
+    pub(crate) fn get(&self) -> Option<Duration> {
+        match self.micros.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(Duration::from_micros(us)),
+        }
+    }
 }
 
 impl Shared {
-    /// Whether a write to the database outlasts a fetch from `host`: the database's shortest
-    /// round trip (the network's distance, not the server's load) at least twice the host's
-    /// recent answer time. Only then is the pagination chain's next page fetched while the
-    /// write that leases it is on its way (see `Follower::upsert_links`). Not before both are
-    /// measured. (With the database and the demo shop on this machine: a round trip of 0.5 ms
-    /// against answers of 0.4–2.9 ms, median 1.1: the chain waits for its writes.)
+    /// Whether the pagination chain's write outlasts a fetch from `host`: the chain's writes as
+    /// long as they take lately (before the first, the database's shortest round trip) at least
+    /// the host's recent answer time. Only then is the chain's next page fetched while the write
+    /// that leases it is on its way (see `Follower::upsert_links`): the fetch hides the write.
+    /// Not before both are measured. The server's load counts, not only its distance: with the
+    /// database and the demo shop on one machine, a round trip of 0.5 ms grows to 2–9 ms while
+    /// the pages a listing page revealed are committed, against answers of about 1 ms.
     pub(crate) fn write_outlasts_fetch(&self, host: &str) -> bool {
-        match (self.clock.round_trip(), self.flow.latency(host)) {
-            (Some(write), Some(fetch)) => write >= fetch * 2,
+        let write = self.chain_writes.get().or_else(|| self.clock.round_trip());
+        match (write, self.flow.latency(host)) {
+            (Some(write), Some(fetch)) => write >= fetch,
             _ => false,
         }
     }
@@ -350,6 +386,28 @@ impl PassMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_moving_average_starts_at_its_first_duration_and_weighs_each_next_a_fifth() {
+        let average = MovingAverage::default();
+        assert_eq!(average.get(), None, "nothing measured yet");
+        average.note(Duration::from_millis(10));
+        assert_eq!(average.get(), Some(Duration::from_millis(10)));
+        // (4 × 10 + 60) / 5 = 20: a loaded write moves it at once, and a fast one back.
+        average.note(Duration::from_millis(60));
+        assert_eq!(average.get(), Some(Duration::from_millis(20)));
+        average.note(Duration::from_millis(5));
+        assert_eq!(average.get(), Some(Duration::from_millis(17)));
+        // A zero-length duration still counts as measured, and nothing overflows.
+        let quick = MovingAverage::default();
+        quick.note(Duration::ZERO);
+        assert!(quick.get().is_some());
+        quick.note(Duration::MAX);
+        quick.note(Duration::MAX);
+        assert!(quick
+            .get()
+            .is_some_and(|d| d > Duration::from_secs(1_000_000)));
+    }
 
     #[test]
     fn only_old_lowest_priority_work_of_a_throttling_host_is_shed() {
