@@ -352,6 +352,7 @@ struct CrawlMetrics {
     url_leases_lost: Family<BotLabel, Counter>,
     urls_dropped: Family<KindLabels, Counter>,
     lease_queries: Family<KindLabels, Counter>,
+    chain_fetched_ahead: Family<KindLabels, Counter>,
     crawl_pass: Family<BotLabel, Gauge>,
     passes_finished: Family<BotLabel, Counter>,
 }
@@ -395,6 +396,12 @@ impl CrawlMetrics {
             "Frontier lease attempts by this instance, by result (leased, empty)",
             lease_queries.clone(),
         );
+        let chain_fetched_ahead = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "crawl_chain_fetched_ahead",
+            "Listing pages of a pagination chain this instance fetched while the write leasing them was on its way, by outcome (kept: the write took the lease; dropped: it did not, and nothing of the page was written)",
+            chain_fetched_ahead.clone(),
+        );
         let crawl_pass = Family::<BotLabel, Gauge>::default();
         registry.register(
             "crawl_pass",
@@ -414,6 +421,7 @@ impl CrawlMetrics {
             url_leases_lost,
             urls_dropped,
             lease_queries,
+            chain_fetched_ahead,
             crawl_pass,
             passes_finished,
         }
@@ -619,6 +627,15 @@ impl Metrics {
             .urls_dropped
             .get_or_create(&Self::kind(bot, bound))
             .inc_by(n);
+    }
+
+    /// A chain's listing page fetched ahead of its lease write: `kept` when the write took it.
+    pub(crate) fn chain_fetched_ahead(&self, bot: &BotId, kept: bool) {
+        let outcome = if kept { "kept" } else { "dropped" };
+        self.crawl
+            .chain_fetched_ahead
+            .get_or_create(&Self::kind(bot, outcome))
+            .inc();
     }
 
     /// One lease attempt (a turn of the leaser, one or more queries): `leased` or `empty`.
@@ -963,6 +980,9 @@ mod tests {
         m.refresh_finished(&bot, "ok", Duration::from_millis(20));
         m.waited(&bot, Duration::from_millis(5));
         m.urls_dropped(&bot, "max_depth", 4);
+        m.chain_fetched_ahead(&bot, true);
+        m.chain_fetched_ahead(&bot, true);
+        m.chain_fetched_ahead(&bot, false);
         let text = m.encode();
         for needle in [
             r#"seedlock_bot_state{bot="shop",state="updating"} 1"#,
@@ -974,6 +994,8 @@ mod tests {
             "seedlock_refresh_duration_seconds_count",
             "seedlock_wait_duration_seconds_count",
             r#"seedlock_crawl_urls_dropped_total{bot="shop",kind="max_depth"} 4"#,
+            r#"seedlock_crawl_chain_fetched_ahead_total{bot="shop",kind="kept"} 2"#,
+            r#"seedlock_crawl_chain_fetched_ahead_total{bot="shop",kind="dropped"} 1"#,
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

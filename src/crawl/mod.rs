@@ -659,8 +659,11 @@ impl Crawler {
                 // the write took its lease; otherwise it is someone else's and nothing of it is
                 // written.
                 if let Some((confirm, url)) = ahead {
-                    if !confirm.taken().await {
-                        debug!(bot = %crawler.shared.bot, %url, "fetched ahead of a lease this instance did not get; dropped");
+                    let kept = confirm.taken().await;
+                    let bot = &crawler.shared.bot;
+                    crawler.shared.metrics.chain_fetched_ahead(bot, kept);
+                    if !kept {
+                        debug!(%bot, %url, "fetched ahead of a lease this instance did not get; dropped");
                         return;
                     }
                 }

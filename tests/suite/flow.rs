@@ -350,16 +350,18 @@ async fn a_slow_store_bounds_the_urls_leased_by_the_host_queue_and_the_commit_wi
 }
 
 /// The highest value of the bot's `/metrics` `series` (sampled) while one instance crawls a shop
-/// of `listings` listing pages of `per` products with `setup` (its `listen` set here), every
-/// record stored.
+/// of `listings` listing pages of `per` products, answering as `faults` say (the shop's
+/// `/__faults` rules), with `setup` (its `listen` set here), every record stored.
 async fn peak_while_crawling(
     hint: &str,
     (listings, per): (u32, u32),
+    faults: serde_json::Value,
     series: &str,
     setup: Setup<'_>,
 ) -> f64 {
     let db = test_db(hint).await;
     let base = shop(listings, per).await;
+    post(&format!("{base}/__faults"), faults).await;
     let listen = free_addr();
     let setup = Setup {
         listen: &listen,
@@ -385,7 +387,7 @@ async fn most_pages_in_the_store_stage(hint: &str, extra: &str) -> f64 {
         ..Setup::default()
     };
     let series = r#"seedlock_crawl_stage_depth{bot="shop",stage="store"}"#;
-    peak_while_crawling(hint, (2, 10), series, setup).await
+    peak_while_crawling(hint, (2, 10), json!([]), series, setup).await
 }
 
 /// The most commits in flight the window allowed in a crawl of a 210-page shop with `[crawl]`
@@ -401,7 +403,7 @@ async fn most_commits_in_flight(hint: &str, extra: &str, rtt: Duration) -> f64 {
         ..Setup::default()
     };
     let series = r#"seedlock_crawl_commit_writers{bot="shop"}"#;
-    peak_while_crawling(hint, (10, 20), series, setup).await
+    peak_while_crawling(hint, (10, 20), json!([]), series, setup).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -427,6 +429,52 @@ async fn commits_in_flight_follow_the_measured_commit_latency_up_to_crawl_writer
     assert!(
         far > 2.0,
         "a database 40 ms away kept only {far} commits in flight"
+    );
+}
+
+/// The chain's listing pages this instance fetched ahead of their lease writes and kept, in a
+/// crawl of an 8-page chain (2 products a page) whose every page the shop answers after
+/// `answer`, with the database `rtt` away (the delay proxy).
+async fn chain_pages_fetched_ahead(hint: &str, answer: Duration, rtt: Duration) -> f64 {
+    let uri = kit::mongodb_uri();
+    let distance = kit::delay::Delay::start(&kit::blackhole::server_of(&uri), rtt);
+    let through = distance.uri(&uri);
+    let setup = Setup {
+        uri: Some(&through),
+        ..Setup::default()
+    };
+    let faults = json!([{ "path": "/", "latency_ms": answer.as_millis() as u64 }]);
+    let series = r#"seedlock_crawl_chain_fetched_ahead_total{bot="shop",kind="kept"}"#;
+    peak_while_crawling(hint, (8, 2), faults, series, setup).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chain_is_fetched_ahead_while_its_writes_outlast_the_shops_answers_and_waits_otherwise()
+{
+    // Writes of 30 ms and more against answers of 20 ms: each next listing page is fetched
+    // while the write that leases it travels, once the shop's answers are measured. (Less than
+    // twice the answers: a gate on twice the fetch would wait here.)
+    let ahead = chain_pages_fetched_ahead(
+        "flow_chain_ahead",
+        Duration::from_millis(20),
+        Duration::from_millis(30),
+    )
+    .await;
+    assert!(
+        ahead >= 1.0,
+        "no listing page was fetched ahead of a 30 ms write (counter {ahead})"
+    );
+    // The database local, the shop answering after 150 ms: the write is shorter than the fetch
+    // it would hide, and the chain waits for it.
+    let waited = chain_pages_fetched_ahead(
+        "flow_chain_waits",
+        Duration::from_millis(150),
+        Duration::ZERO,
+    )
+    .await;
+    assert_eq!(
+        waited, 0.0,
+        "listing pages were fetched ahead of writes shorter than the shop's answers"
     );
 }
 
