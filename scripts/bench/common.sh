@@ -13,12 +13,15 @@ bench_setup() {
     export MONGODB_URI
   fi
   cargo build --release --quiet --bin seedlock --example lock_bench --example crawl_bench
-  export SEEDLOCK_BIN="$PWD/target/release/seedlock"
+  # Another build measured by the same script: SEEDLOCK_BIN=PATH (the header names it).
+  export SEEDLOCK_BIN="${SEEDLOCK_BIN:-$PWD/target/release/seedlock}"
   mkdir -p target/bench
 }
 bench_header() {
   local server="MONGODB_URI"
   [[ -n "$server_pid" ]] && server="SecantusDB secantusd-rs 0.5.3-beta.196 (scripts/test-server)"
-  echo "Machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB RAM; server: $server; $(date -u +%F)"
+  local build=""
+  [[ "$SEEDLOCK_BIN" != "$PWD/target/release/seedlock" ]] && build="; seedlock: $SEEDLOCK_BIN"
+  echo "Machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB RAM; server: $server$build; $(date -u +%F)"
   echo
 }
