@@ -344,7 +344,7 @@ impl RefreshMetrics {
 }
 
 /// The crawl's series: pages by result, requests, record writes, URL leases lost, lease
-/// attempts, the current pass and finished passes.
+/// attempts, the chain's pages fetched ahead, the current pass and finished passes.
 struct CrawlMetrics {
     pages: Family<KindLabels, Counter>,
     requests: Family<BotLabel, Counter>,

@@ -1,7 +1,8 @@
 //! `chain [RUNS]`: the pagination chain — how long a hop from one listing page to the next takes
 //! while the pages it reveals are fetched, with the database local and 10 ms away, against the
-//! page rate's bound (the same pages from one listing page: no chain) — and the 525-page shop from process start to exit next to seed 000's single-threaded reference crawler
-//! (requests + SQLite) and Scrapy.
+//! page rate's bound (the same pages from one listing page: no chain) — and the 525-page shop
+//! from process start to exit next to seed 000's single-threaded reference crawler (requests +
+//! SQLite) and Scrapy.
 //!
 //! `BENCH_BASELINE_BIN=PATH` runs another seedlock build beside `SEEDLOCK_BIN` (an A/B in one
 //! run, interleaved); `BENCH_PYTHON=PATH` is a Python with `requests` and `scrapy` (set by

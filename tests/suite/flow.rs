@@ -464,8 +464,8 @@ async fn the_chain_is_fetched_ahead_while_its_writes_outlast_the_shops_answers_a
         ahead >= 1.0,
         "no listing page was fetched ahead of a 30 ms write (counter {ahead})"
     );
-    // The database local, the shop answering after 150 ms: the write is shorter than the fetch
-    // it would hide, and the chain waits for it.
+    // The database near (the proxy adds nothing), the shop answering after 150 ms: the write is
+    // shorter than the fetch it would hide, and the chain waits for it.
     let waited = chain_pages_fetched_ahead(
         "flow_chain_waits",
         Duration::from_millis(150),
