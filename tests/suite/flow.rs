@@ -393,9 +393,7 @@ async fn most_pages_in_the_store_stage(hint: &str, extra: &str) -> f64 {
 /// The most commits in flight the window allowed in a crawl of a 210-page shop with `[crawl]`
 /// `extra`, the database `rtt` away (the delay proxy).
 async fn most_commits_in_flight(hint: &str, extra: &str, rtt: Duration) -> f64 {
-    let uri = kit::mongodb_uri();
-    let distance = kit::delay::Delay::start(&kit::blackhole::server_of(&uri), rtt);
-    let through = distance.uri(&uri);
+    let through = kit::delay::Delay::test_server(rtt);
     let setup = Setup {
         workers: 16,
         crawl: extra,
@@ -437,9 +435,7 @@ async fn commits_in_flight_follow_the_measured_commit_latency_up_to_crawl_writer
 /// answers after `answer`, with the database `rtt` away (the delay proxy). One product a page:
 /// what a page reveals always leaves its host's queue room, so the writes' time alone decides.
 async fn chain_pages_fetched_ahead(hint: &str, answer: Duration, rtt: Duration) -> f64 {
-    let uri = kit::mongodb_uri();
-    let distance = kit::delay::Delay::start(&kit::blackhole::server_of(&uri), rtt);
-    let through = distance.uri(&uri);
+    let through = kit::delay::Delay::test_server(rtt);
     let setup = Setup {
         uri: Some(&through),
         ..Setup::default()

@@ -43,6 +43,13 @@ impl Delay {
     pub fn uri(&self, uri: &str) -> String {
         super::blackhole::direct_uri(uri, self.addr)
     }
+
+    /// The URI of the suite's server (`MONGODB_URI`) through a proxy adding `rtt` to every round
+    /// trip (the proxy serves for the rest of the process).
+    pub fn test_server(rtt: Duration) -> String {
+        let uri = super::mongodb_uri();
+        Self::start(&super::blackhole::server_of(&uri), rtt).uri(&uri)
+    }
 }
 
 /// Copies `from` to `to` on two threads, each chunk `delay` after it was read.
