@@ -95,8 +95,14 @@ async fn the_status_page_shows_the_fleet_escapes_outside_text_and_matches_status
     assert!(page.contains("pages so far)"), "{page}");
 
     post(&format!("{base}/__faults"), json!([])).await;
+    // Done and evaluated: the views below are compared with each other, read moments apart.
     eventually("the pass is done", Duration::from_secs(60), || async {
-        row(&status_json(&addr).await, "shop")["crawl"]["finished"] == true
+        let rows = status_json(&addr).await;
+        let shop = row(&rows, "shop");
+        shop["crawl"]["finished"] == true
+            && shop["last_evaluation"]
+                .as_str()
+                .is_some_and(|e| !e.ends_with("evaluating"))
     })
     .await;
     eventually(
