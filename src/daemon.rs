@@ -609,11 +609,20 @@ pub(crate) fn digest(seeds: &[String]) -> String {
     crate::ids::sha256_hex(&chunks, 8)
 }
 
-/// Re-samples the server's clock every 30 s (drift, and a better round trip now and then), and
-/// at once when the primary changes: the new primary's clock may differ from the old one's, and
-/// its first sample replaces the best.
+/// Samples the server's clock twice more at once, one after the other (the start took one: the
+/// shortest of the three round trips sets the offset), then every 30 s (drift, and a better
+/// round trip now and then), and at once when the primary changes: the new primary's clock may
+/// differ from the old one's, and its first sample replaces the best.
 async fn resync_clock(store: Store, clock: Arc<ServerClock>, stop: CancellationToken) {
     let primary_changes = store.primary_changes();
+    for _ in 0..2 {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            synced = store.sync_clock(&clock) => if let Err(e) = synced {
+                tracing::debug!(error = %e, "clock sync failed; keeping the last offset");
+            }
+        }
+    }
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,

@@ -141,6 +141,10 @@ pub struct BotRunner {
     /// While the bot is Ready: when its document says a refresh falls due (or its backoff
     /// ends), as last read — until then the loop waits for a wake-up only.
     ready_until: std::sync::Mutex<Option<DateTime<Utc>>>,
+    /// The bot's document as this runner's last write left it (the document created, the lock
+    /// given up on fresh seeds): the next step decides from it instead of reading it again — a
+    /// read then would only be a round trip later.
+    written: std::sync::Mutex<Option<bson::Document>>,
 }
 
 impl Drop for BotRunner {
@@ -175,6 +179,7 @@ impl BotRunner {
             last_pass_spec: std::sync::Mutex::new(None),
             reserved: std::sync::Mutex::new(None),
             ready_until: std::sync::Mutex::new(None),
+            written: std::sync::Mutex::new(None),
         }
     }
 
@@ -187,8 +192,9 @@ impl BotRunner {
 
     /// One turn of the state machine.
     pub async fn step(&self, shutdown: &CancellationToken) -> Result<StepOutcome> {
+        self.written.lock().expect("written lock").take();
         let read = self.read_permit().await;
-        self.step_reading(read, shutdown).await
+        self.step_reading(read, None, shutdown).await
     }
 
     /// A permit to read the bot's document (see [`Context::reads`]). The permits are never
@@ -197,17 +203,22 @@ impl BotRunner {
         self.ctx.reads.acquire().await.ok()
     }
 
-    /// [`step`](Self::step) with its read permit, given back once the document is read.
+    /// [`step`](Self::step) with its read permit, given back once the document is read — or
+    /// decided from `written`, the document as the step just before left it.
     async fn step_reading(
         &self,
         read: Option<tokio::sync::SemaphorePermit<'_>>,
+        written: Option<bson::Document>,
         shutdown: &CancellationToken,
     ) -> Result<StepOutcome> {
         let ctx = &self.ctx;
         let id = &self.bot.id;
         // The permit the loop waited for serves this step's claim; any other step gives it back.
         let reserved = self.reserved.lock().expect("permit lock").take();
-        let observed = ctx.store.bots().load(id).await;
+        let observed = match written {
+            Some(raw) => Ok(crate::store::document::observe(Some(raw))),
+            None => ctx.store.bots().load(id).await,
+        };
         drop(read);
         let observed = observed?;
         ctx.metrics.db_ok();
@@ -243,7 +254,8 @@ impl BotRunner {
                 Ok(self.ready(&doc, note, now))
             }
             Decision::Initialize => {
-                ctx.store.bots().initialize(id, &ctx.me, now).await?;
+                let created = ctx.store.bots().initialize(id, &ctx.me, now).await?;
+                *self.written.lock().expect("written lock") = created;
                 info!(bot = %id, "created the bot document");
                 Ok(StepOutcome::Initialized)
             }
@@ -371,8 +383,10 @@ impl BotRunner {
             // Each turn's future is boxed, once its read permit is held: an idle or queued bot's
             // task holds only this loop's small state (10,000 bots' tasks at 8 KB each were
             // 80 MB of an instance's memory).
+            // What the last step wrote, when it moved on at once (see `written`).
+            let written = self.written.lock().expect("written lock").take();
             let read = self.read_permit().await;
-            let outcome = match Box::pin(self.step_reading(read, shutdown)).await {
+            let outcome = match Box::pin(self.step_reading(read, written, shutdown)).await {
                 Ok(StepOutcome::Ready {
                     seeds,
                     epoch,
@@ -396,6 +410,10 @@ impl BotRunner {
                 }
                 other => other,
             };
+            if outcome.is_err() {
+                // Whatever a failed step wrote last is read again after the pause.
+                self.written.lock().expect("written lock").take();
+            }
             let outcome = match outcome {
                 Ok(outcome) => {
                     failover_since = None;

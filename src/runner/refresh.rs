@@ -314,10 +314,13 @@ impl BotRunner {
                 if let NextPass::Start(pass) = next {
                     *new_pass = Some(pass);
                 }
-                ctx.store
+                let written = ctx
+                    .store
                     .bots()
                     .complete_with(held, seeds, now, next, Some(&self.pass_spec()))
-                    .await
+                    .await?;
+                *self.written.lock().expect("written lock") = Some(written);
+                Ok(())
             }
             Err(e) => Err(e),
         }

@@ -185,21 +185,28 @@ impl Bots<'_> {
     }
 
     /// Creates the initial document if there is none. Idempotent: concurrent callers all succeed
-    /// and exactly one document exists afterwards.
-    pub async fn initialize(self, bot: &BotId, me: &InstanceId, now: DateTime<Utc>) -> Result<()> {
+    /// and exactly one document exists afterwards. The document as the write left it (the
+    /// caller's next read, saved), or `None` when another instance inserted it first.
+    pub async fn initialize(
+        self,
+        bot: &BotId,
+        me: &InstanceId,
+        now: DateTime<Utc>,
+    ) -> Result<Option<Document>> {
         let initial = initial_fields(now, me.as_str(), "C: no document yet");
         let upsert = self
             .store
             .bots
-            .update_one(
+            .find_one_and_update(
                 doc! { field::ID: bot.as_str() },
                 doc! { "$setOnInsert": initial },
             )
-            .upsert(true);
+            .upsert(true)
+            .return_document(ReturnDocument::After);
         match self.store.bounded("initialize", upsert).await {
-            Ok(_) => Ok(()),
+            Ok(after) => Ok(after),
             // Another instance inserted it between our filter and our insert: the goal is met.
-            Err(Error::Db(e)) if is_duplicate_key(&e) => Ok(()),
+            Err(Error::Db(e)) if is_duplicate_key(&e) => Ok(None),
             Err(e) => Err(e),
         }
     }
@@ -321,6 +328,32 @@ impl Bots<'_> {
                 epoch: held.epoch,
             })
         }
+    }
+
+    /// [`fenced`](Self::fenced) for a write that gives the lock up, returning the document as
+    /// the write left it (read back when an attempt whose answer was lost turns out applied).
+    async fn fenced_returning(self, held: &EditLock, update: Document) -> Result<Document> {
+        let (after, maybe_applied) = self
+            .store
+            .resend("fenced write", || {
+                self.store
+                    .bots
+                    .find_one_and_update(held.fence(), update.clone())
+                    .return_document(ReturnDocument::After)
+            })
+            .await?;
+        let after = match after {
+            Some(after) => Some(after),
+            None if maybe_applied => self.load_raw(&held.bot).await?.filter(|raw| {
+                raw.get_i64(field::LOCK_EPOCH).ok() == Some(held.epoch.get())
+                    && !raw.get_bool(field::IS_EDITING).unwrap_or(false)
+            }),
+            None => None,
+        };
+        after.ok_or_else(|| Error::EditLockLost {
+            bot: held.bot.clone(),
+            epoch: held.epoch,
+        })
     }
 
     /// Renews the edit lock until `now + ttl`. `EditLockLost` if it is no longer ours.
@@ -468,10 +501,13 @@ impl Bots<'_> {
         now: DateTime<Utc>,
         pass: NextPass,
     ) -> Result<()> {
-        self.complete_with(held, seeds, now, pass, None).await
+        self.complete_with(held, seeds, now, pass, None)
+            .await
+            .map(|_| ())
     }
 
-    /// [`complete`](Self::complete), also recording the spec a pass it starts runs on (`spec`).
+    /// [`complete`](Self::complete), also recording the spec a pass it starts runs on (`spec`):
+    /// the document as the write left it (the holder's next read, saved).
     pub(crate) async fn complete_with(
         self,
         held: &EditLock,
@@ -479,7 +515,7 @@ impl Bots<'_> {
         now: DateTime<Utc>,
         pass: NextPass,
         spec: Option<&PassSpec>,
-    ) -> Result<()> {
+    ) -> Result<Document> {
         let mut reason = format!("{} seeds", seeds.len());
         let mut set = doc! {
             field::SEEDS: seeds,
@@ -512,14 +548,13 @@ impl Bots<'_> {
                 ));
             }
         }
-        self.fenced(
+        self.fenced_returning(
             held,
             doc! {
                 "$set": set,
                 "$currentDate": current,
                 "$push": push_history(history_entry(now, "refreshed", held.me.as_str(), held.epoch, &reason)),
             },
-            true,
         )
         .await
     }

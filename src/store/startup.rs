@@ -24,14 +24,15 @@ pub(crate) async fn server_clock(
 ) -> Result<Arc<ServerClock>, String> {
     let local = LocalClock::from_env()?;
     let clock = Arc::new(ServerClock::new(local));
-    // Three samples: the one with the shortest round trip sets the offset.
-    for _ in 0..3 {
-        with_patience("read the server's time", patience, || {
-            store.sync_clock(&clock)
-        })
-        .await
-        .map_err(|e| format!("cannot read the server's time: {e}"))?;
-    }
+    // One sample: its offset is off by at most half its round trip, milliseconds against
+    // leases and locks of seconds. The daemon's resync takes more at once, beside its start
+    // (see `daemon::resync_clock`), and the one with the shortest round trip sets the offset
+    // from then on: a database across a network pays one round trip here, not three.
+    with_patience("read the server's time", patience, || {
+        store.sync_clock(&clock)
+    })
+    .await
+    .map_err(|e| format!("cannot read the server's time: {e}"))?;
     Ok(clock)
 }
 

@@ -377,7 +377,8 @@ async fn a_holders_write_whose_answer_was_lost_is_read_back_not_reported_as_a_lo
         .await
         .unwrap();
     let held = kit::claim_free(&store, &bot, &me, Utc::now()).await;
-    faults.add(rule("update", "bots", 1, Fault::Drop));
+    // The completion returns the document it left (a `findAndModify`).
+    faults.add(rule("findAndModify", "bots", 1, Fault::Drop));
     store
         .bots()
         .complete(
@@ -388,15 +389,48 @@ async fn a_holders_write_whose_answer_was_lost_is_read_back_not_reported_as_a_lo
         )
         .await
         .expect("the completion the server took is seen as done, not as a lost lock");
-    assert_eq!(faults.applied("update", "bots"), 1, "the answer was lost");
+    assert_eq!(
+        faults.applied("findAndModify", "bots"),
+        1,
+        "the answer was lost"
+    );
     let doc = db.doc("r").await.unwrap();
     assert_eq!(doc.get_bool("isReady"), Ok(true));
     assert_eq!(doc.get_bool("isEditing"), Ok(false));
-    let refreshed = db
-        .history("r")
+    let events = |event: &'static str| {
+        let db = &db;
+        async move {
+            db.history("r")
+                .await
+                .iter()
+                .filter(|h| h.get_str("event") == Ok(event))
+                .count()
+        }
+    };
+    assert_eq!(events("refreshed").await, 1, "applied once");
+    // The other last writes (an `update`): a release whose answer was lost.
+    let held = store
+        .bots()
+        .claim(
+            &bot,
+            &me,
+            held.epoch,
+            seedlock::lock::state::Claim::Free,
+            Utc::now(),
+            Duration::from_secs(30),
+            "t",
+        )
         .await
-        .iter()
-        .filter(|h| h.get_str("event") == Ok("refreshed"))
-        .count();
-    assert_eq!(refreshed, 1, "applied once");
+        .unwrap()
+        .expect("claimed again");
+    faults.add(rule("update", "bots", 1, Fault::Drop));
+    store
+        .bots()
+        .release(&held, Utc::now(), "test")
+        .await
+        .expect("the release the server took is seen as done, not as a lost lock");
+    assert_eq!(faults.applied("update", "bots"), 1, "the answer was lost");
+    let doc = db.doc("r").await.unwrap();
+    assert_eq!(doc.get_bool("isEditing"), Ok(false));
+    assert_eq!(events("released").await, 1, "applied once");
 }

@@ -227,6 +227,36 @@ async fn an_idle_instance_reads_no_bot_document_on_a_timer_of_its_own() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_bot_is_created_locked_refreshed_and_ready_on_one_read_of_its_document() {
+    // The steps after the document's creation and after the lock's last write decide from the
+    // document those writes returned: one read in all, the first step's, which found nothing.
+    let db = test_db("hub_one_read").await;
+    let source = SeedSourceServer::start().await;
+    let ctx = context(&db, "me", lock(3_000, 20_000, 100), LocalClock::default()).await;
+    let mut settings = bot(
+        "fresh",
+        &source.bot_url("fresh"),
+        RefreshSchedule::Daily,
+        OnRefreshFailure::KeepPrevious,
+    );
+    settings.id = id("fresh");
+    let runner = runner(settings, ctx.clone());
+    let before = ctx.store.command_counts();
+    let end = runner.run(Until::Done, &CancellationToken::new()).await;
+    assert!(matches!(end, RunEnd::Ready { seeds: 1.., .. }), "{end:?}");
+    let after = ctx.store.command_counts();
+    let sent =
+        |name: &str| after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0);
+    assert_eq!(sent("initialize"), 1, "{after:?}");
+    assert_eq!(sent("claim"), 1, "{after:?}");
+    assert_eq!(sent("find bot"), 1, "one read of the document: {after:?}");
+    let doc = db.doc("fresh").await.unwrap();
+    assert_eq!(doc.get_bool("isReady"), Ok(true));
+    assert_eq!(doc.get_bool("isEditing"), Ok(false));
+    assert_eq!(source.bot_hits().get("fresh").copied(), Some(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heartbeat_wakes_no_runner_and_a_change_of_a_document_does() {
     use futures_util::StreamExt;
     let db = test_db("hub_quiet_beats").await;
