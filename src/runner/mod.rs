@@ -190,7 +190,7 @@ impl BotRunner {
         runner
     }
 
-    /// One turn of the state machine.
+    /// One turn of the state machine, on the document as read now.
     pub async fn step(&self, shutdown: &CancellationToken) -> Result<StepOutcome> {
         self.written.lock().expect("written lock").take();
         let read = self.read_permit().await;

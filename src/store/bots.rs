@@ -311,15 +311,10 @@ impl Bots<'_> {
             .await?;
         let applied = result.matched_count == 1
             || (maybe_applied
-                && self.load_raw(&held.bot).await?.is_some_and(|raw| {
-                    raw.get_i64(field::LOCK_EPOCH).ok() == Some(held.epoch.get())
-                        && if ends_lock {
-                            !raw.get_bool(field::IS_EDITING).unwrap_or(false)
-                        } else {
-                            raw.get_bool(field::IS_EDITING).unwrap_or(false)
-                                && raw.get_str(field::EDITING_BY).ok() == Some(held.me.as_str())
-                        }
-                }));
+                && self
+                    .load_raw(&held.bot)
+                    .await?
+                    .is_some_and(|raw| shows_applied(&raw, held, ends_lock)));
         if applied {
             Ok(())
         } else {
@@ -344,10 +339,10 @@ impl Bots<'_> {
             .await?;
         let after = match after {
             Some(after) => Some(after),
-            None if maybe_applied => self.load_raw(&held.bot).await?.filter(|raw| {
-                raw.get_i64(field::LOCK_EPOCH).ok() == Some(held.epoch.get())
-                    && !raw.get_bool(field::IS_EDITING).unwrap_or(false)
-            }),
+            None if maybe_applied => self
+                .load_raw(&held.bot)
+                .await?
+                .filter(|raw| shows_applied(raw, held, true)),
             None => None,
         };
         after.ok_or_else(|| Error::EditLockLost {
@@ -1212,6 +1207,19 @@ fn salvaged_history(raw: &Document, entry: Document) -> Vec<Bson> {
 /// A claim's filter: the bot at the epoch read, and the claim's condition — free, expired by
 /// `now`, stuck since before `started_before`, or held by this very instance id before its
 /// process started (orphaned).
+/// Whether the document `raw` shows a fenced write of `held` applied, read back after an attempt
+/// whose answer was lost: the epoch is still the holder's — nobody else writes at it — and the
+/// lock is given up (`ends_lock`) or still this instance's.
+fn shows_applied(raw: &Document, held: &EditLock, ends_lock: bool) -> bool {
+    let editing = raw.get_bool(field::IS_EDITING).unwrap_or(false);
+    raw.get_i64(field::LOCK_EPOCH).ok() == Some(held.epoch.get())
+        && if ends_lock {
+            !editing
+        } else {
+            editing && raw.get_str(field::EDITING_BY).ok() == Some(held.me.as_str())
+        }
+}
+
 fn claim_filter(bot: &BotId, me: &InstanceId, expected: LockEpoch, claim: Claim) -> Document {
     let mut filter = doc! { field::ID: bot.as_str(), field::LOCK_EPOCH: expected.get() };
     match claim {
