@@ -380,12 +380,16 @@ impl BotRunner {
             if shutdown.is_cancelled() {
                 return RunEnd::Shutdown;
             }
+            // What the last step wrote, when it moved on at once (see `written`): the step
+            // decides from it without a read, so without a read permit.
+            let written = self.written.lock().expect("written lock").take();
             // Each turn's future is boxed, once its read permit is held: an idle or queued bot's
             // task holds only this loop's small state (10,000 bots' tasks at 8 KB each were
             // 80 MB of an instance's memory).
-            // What the last step wrote, when it moved on at once (see `written`).
-            let written = self.written.lock().expect("written lock").take();
-            let read = self.read_permit().await;
+            let read = match written {
+                Some(_) => None,
+                None => self.read_permit().await,
+            };
             let outcome = match Box::pin(self.step_reading(read, written, shutdown)).await {
                 Ok(StepOutcome::Ready {
                     seeds,
