@@ -4,6 +4,7 @@
 
 use crate::kit;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,6 +19,11 @@ use tokio_util::sync::CancellationToken;
 
 fn id(s: &str) -> BotId {
     BotId::parse(s).unwrap()
+}
+
+/// The `name` commands a store sent between two of its counts.
+fn sent_between(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, name: &str) -> u64 {
+    after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -48,8 +54,7 @@ async fn every_held_lock_is_renewed_in_one_round_trip_and_a_lost_one_is_named() 
         .unwrap();
     assert_eq!(alive, [true, true, false, true, true]);
     let after = store.command_counts();
-    let sent =
-        |name: &str| after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0);
+    let sent = |name: &str| sent_between(&before, &after, name);
     assert_eq!(
         sent("heartbeat locks"),
         1,
@@ -245,8 +250,7 @@ async fn a_new_bot_is_created_locked_refreshed_and_ready_on_one_read_of_its_docu
     let end = runner.run(Until::Done, &CancellationToken::new()).await;
     assert!(matches!(end, RunEnd::Ready { seeds: 1.., .. }), "{end:?}");
     let after = ctx.store.command_counts();
-    let sent =
-        |name: &str| after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0);
+    let sent = |name: &str| sent_between(&before, &after, name);
     assert_eq!(sent("initialize"), 1, "{after:?}");
     assert_eq!(sent("claim"), 1, "{after:?}");
     assert_eq!(sent("find bot"), 1, "one read of the document: {after:?}");
