@@ -245,30 +245,15 @@ impl Bots<'_> {
             "$currentDate": { field::LAST_UPDATE_STARTED_AT: true, field::HEARTBEAT_AT: true },
             "$push": push_history(history_entry(now, event, me.as_str(), epoch, reason)),
         };
-        let (after, maybe_applied) = self
-            .store
-            .resend("claim", || {
-                self.store
-                    .bots
-                    .find_one_and_update(filter.clone(), update.clone())
-                    .return_document(ReturnDocument::After)
+        // An attempt whose answer was lost may have taken the lock: the epoch this claim moves
+        // to, held by this instance, says it did (nobody else writes that pair).
+        let Some(raw) = self
+            .modify_returning("claim", bot, &filter, &update, |raw| {
+                shows_applied(raw, epoch, me, false)
             })
-            .await?;
-        let raw = match after {
-            Some(raw) => raw,
-            // An attempt whose answer was lost may have taken the lock: the epoch this claim
-            // moves to, held by this instance, says it did (nobody else writes that pair).
-            None if maybe_applied => match self.load_raw(bot).await? {
-                Some(raw)
-                    if raw.get_i64(field::LOCK_EPOCH).ok() == Some(epoch.get())
-                        && raw.get_str(field::EDITING_BY).ok() == Some(me.as_str())
-                        && raw.get_bool(field::IS_EDITING).unwrap_or(false) =>
-                {
-                    raw
-                }
-                _ => return Ok(None),
-            },
-            None => return Ok(None),
+            .await?
+        else {
+            return Ok(None);
         };
         let doc = crate::store::document::parse_bot(&raw).map_err(|problems| Error::Protocol {
             what: "claim",
@@ -314,7 +299,7 @@ impl Bots<'_> {
                 && self
                     .load_raw(&held.bot)
                     .await?
-                    .is_some_and(|raw| shows_applied(&raw, held, ends_lock)));
+                    .is_some_and(|raw| shows_applied(&raw, held.epoch, &held.me, ends_lock)));
         if applied {
             Ok(())
         } else {
@@ -328,26 +313,41 @@ impl Bots<'_> {
     /// [`fenced`](Self::fenced) for a write that gives the lock up, returning the document as
     /// the write left it (read back when an attempt whose answer was lost turns out applied).
     async fn fenced_returning(self, held: &EditLock, update: Document) -> Result<Document> {
+        self.modify_returning("fenced write", &held.bot, &held.fence(), &update, |raw| {
+            shows_applied(raw, held.epoch, &held.me, true)
+        })
+        .await?
+        .ok_or_else(|| Error::EditLockLost {
+            bot: held.bot.clone(),
+            epoch: held.epoch,
+        })
+    }
+
+    /// One conditional `findAndModify` of `bot`'s document, returning the document as it left
+    /// it; sent again through a failover. When an attempt whose answer was lost may have been
+    /// applied and the next matches nothing, the document is read back and taken if `applied`
+    /// sees the write in it. `None`: the filter matched nothing.
+    async fn modify_returning(
+        self,
+        what: &'static str,
+        bot: &BotId,
+        filter: &Document,
+        update: &Document,
+        applied: impl Fn(&Document) -> bool,
+    ) -> Result<Option<Document>> {
         let (after, maybe_applied) = self
             .store
-            .resend("fenced write", || {
+            .resend(what, || {
                 self.store
                     .bots
-                    .find_one_and_update(held.fence(), update.clone())
+                    .find_one_and_update(filter.clone(), update.clone())
                     .return_document(ReturnDocument::After)
             })
             .await?;
-        let after = match after {
+        Ok(match after {
             Some(after) => Some(after),
-            None if maybe_applied => self
-                .load_raw(&held.bot)
-                .await?
-                .filter(|raw| shows_applied(raw, held, true)),
+            None if maybe_applied => self.load_raw(bot).await?.filter(|raw| applied(raw)),
             None => None,
-        };
-        after.ok_or_else(|| Error::EditLockLost {
-            bot: held.bot.clone(),
-            epoch: held.epoch,
         })
     }
 
@@ -1207,16 +1207,16 @@ fn salvaged_history(raw: &Document, entry: Document) -> Vec<Bson> {
 /// A claim's filter: the bot at the epoch read, and the claim's condition — free, expired by
 /// `now`, stuck since before `started_before`, or held by this very instance id before its
 /// process started (orphaned).
-/// Whether the document `raw` shows a fenced write of `held` applied, read back after an attempt
-/// whose answer was lost: the epoch is still the holder's — nobody else writes at it — and the
-/// lock is given up (`ends_lock`) or still this instance's.
-fn shows_applied(raw: &Document, held: &EditLock, ends_lock: bool) -> bool {
+/// Whether the document `raw` shows a lock write of `me` at `epoch` applied, read back after an
+/// attempt whose answer was lost: the epoch is still that one — nobody else writes at it — and
+/// the lock is given up (`ends_lock`) or held by `me`.
+fn shows_applied(raw: &Document, epoch: LockEpoch, me: &InstanceId, ends_lock: bool) -> bool {
     let editing = raw.get_bool(field::IS_EDITING).unwrap_or(false);
-    raw.get_i64(field::LOCK_EPOCH).ok() == Some(held.epoch.get())
+    raw.get_i64(field::LOCK_EPOCH).ok() == Some(epoch.get())
         && if ends_lock {
             !editing
         } else {
-            editing && raw.get_str(field::EDITING_BY).ok() == Some(held.me.as_str())
+            editing && raw.get_str(field::EDITING_BY).ok() == Some(me.as_str())
         }
 }
 
